@@ -1,0 +1,48 @@
+"""trainyard's engine, and the Python API for bringing your own model and data.
+
+    import torch.nn as nn
+    import engine
+    from engine import LayerList, Block
+
+    model = LayerList([("fc0", nn.Linear(64, 128)), ("act0", nn.ReLU()), ("head", nn.Linear(128, 10))])
+    summary = engine.train({"run": {"name": "mine", "steps": 200}, "parallel": {"world_size": 2}},
+                           model=model, data=engine.tensor_dataset(x_train, y_train, x_test, y_test))
+
+`train` runs the same launcher as `trainyard run --headless`; see README.md.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from engine.config import Config, ConfigError, config_from_dict, load_config
+from engine.data import Dataset, tensor_dataset
+from engine.models import Block, LayerList
+
+__all__ = ["train", "Config", "ConfigError", "load_config", "LayerList", "Block", "Dataset", "tensor_dataset"]
+
+
+def train(config: Config | dict | str | Path, *, model: LayerList | None = None, data: Dataset | None = None,
+          overrides: list[str] = (), resume: str | Path | None = None, telemetry_log: str | Path | None = None,
+          headless: bool = True) -> dict:
+    """Train and return the run's summary (final_loss, test_accuracy, steps, wall_s, ...).
+
+    `config` is a Config, a dict of sections (`{"run": {"steps": 100}}`) or a TOML path.
+    `model` replaces `[model]`, `data` replaces `[data]`; both are pickled to every worker,
+    so they must be picklable (define their classes at module level).
+    """
+    from engine.launch import launch, prepare_run_dir
+    from engine.worker import Job
+
+    if isinstance(config, Config):
+        cfg = config if not overrides else load_config(None, list(overrides), base=config.to_dict())
+    elif isinstance(config, dict):
+        cfg = load_config(None, list(overrides), base=config)
+    else:
+        cfg = load_config(config, list(overrides))
+    if model is not None and not isinstance(model, LayerList):
+        raise TypeError(f"model must be an engine.LayerList, got {type(model).__name__}")
+    job = Job(config=cfg, model=model, data=data, resume=Path(resume) if resume else None,
+              telemetry_log=Path(telemetry_log) if telemetry_log else None, headless=headless)
+    prepare_run_dir(job)
+    return launch(job)

@@ -1,0 +1,149 @@
+"""Checkpoints: atomic directories with a manifest of checksums.
+
+    runs/NAME/checkpoints/step_000010/
+        manifest.json        step, world size, layout, config, {file: sha256, bytes}
+        model.pt             model state (rank 0: data parallel ranks hold equal copies)
+        optimizer.pt         optimizer state
+        rank0.pt, rank1.pt   per-rank RNG states
+
+Every rank writes its files into `step_000010.tmp/`; when all have (a barrier in
+the caller), rank 0 writes the manifest and renames the folder. A reader
+therefore sees a whole checkpoint or none, and a file that was truncated or
+altered later fails its checksum and is refused with its name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+_STEP_DIR = re.compile(r"step_(\d{6,})")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used, with the reason and the file."""
+
+
+def checkpoints_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def staging_dir(run_dir: Path, step: int) -> Path:
+    return checkpoints_dir(run_dir) / f"step_{step:06d}.tmp"
+
+
+def write_file(directory: Path, name: str, obj) -> None:
+    """torch.save into a temporary name, fsync, rename: never a half-written file under `name`."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = directory / f".{name}.partial"
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, directory / name)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def finalize(run_dir: Path, step: int, meta: dict, keep: int) -> Path:
+    """Write the manifest over the staged files, publish the folder, prune old ones."""
+    staged = staging_dir(run_dir, step)
+    files = {p.name: {"sha256": _sha256(p), "bytes": p.stat().st_size}
+             for p in sorted(staged.iterdir()) if p.is_file() and not p.name.startswith(".")}
+    manifest = {"format": FORMAT_VERSION, "step": step, **meta, "files": files}
+    tmp = staged / f".{MANIFEST}.partial"
+    tmp.write_text(json.dumps(manifest, indent=2))
+    os.replace(tmp, staged / MANIFEST)
+    final = checkpoints_dir(run_dir) / f"step_{step:06d}"
+    if final.exists():           # the same step written again after a restart
+        shutil.rmtree(final)
+    os.replace(staged, final)
+    _fsync_dir(final.parent)
+    prune(run_dir, keep)
+    return final
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Published checkpoints, oldest first (staging folders are not listed)."""
+    root = checkpoints_dir(run_dir)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and _STEP_DIR.fullmatch(p.name)]
+    return sorted(found, key=lambda p: int(_STEP_DIR.fullmatch(p.name).group(1)))
+
+
+def prune(run_dir: Path, keep: int) -> None:
+    for old in list_checkpoints(run_dir)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    for stale in checkpoints_dir(run_dir).glob("step_*.tmp"):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def resolve(path: Path) -> Path:
+    """A checkpoint folder, or a run directory (its latest checkpoint)."""
+    path = Path(path)
+    if (path / MANIFEST).exists():
+        return path
+    if not path.exists():
+        raise CheckpointError(f"checkpoint not found: {path}")
+    found = list_checkpoints(path)
+    if not found:
+        if path.name.startswith("step_"):
+            raise CheckpointError(f"{path / MANIFEST}: missing; the checkpoint is incomplete")
+        raise CheckpointError(f"{path}: no checkpoint in this directory (expected {MANIFEST} "
+                              f"or checkpoints/step_NNNNNN/)")
+    return found[-1]
+
+
+def verify(path: Path) -> dict:
+    """Read the manifest and check every file's size and checksum; return the manifest."""
+    manifest_path = Path(path) / MANIFEST
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{manifest_path}: missing; the checkpoint is incomplete") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{manifest_path}: corrupted ({e})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_VERSION or "files" not in manifest:
+        raise CheckpointError(f"{manifest_path}: not a trainyard checkpoint manifest (format "
+                              f"{FORMAT_VERSION} expected)")
+    for name, want in manifest["files"].items():
+        file = Path(path) / name
+        if not file.exists():
+            raise CheckpointError(f"{file}: missing from the checkpoint")
+        size = file.stat().st_size
+        if size != want["bytes"]:
+            raise CheckpointError(f"{file}: truncated or altered ({size} bytes, manifest says {want['bytes']})")
+        if _sha256(file) != want["sha256"]:
+            raise CheckpointError(f"{file}: corrupted (checksum does not match the manifest)")
+    return manifest
+
+
+def load_file(path: Path, name: str):
+    file = Path(path) / name
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as e:   # verified already; this catches a file the manifest never described
+        raise CheckpointError(f"{file}: cannot be read ({type(e).__name__}: {e})") from None

@@ -1,0 +1,97 @@
+"""The `trainyard` command.
+
+    trainyard run CONFIG.toml [--headless] [--steps N] [--set section.key=value ...]
+                  [--telemetry-log PATH] [--resume CHECKPOINT_OR_RUN_DIR]
+    trainyard demo [NAME]
+
+Exit status: 0 done; 1 the run failed (workers died more often than
+parallel.max_restarts allows); 2 a bad config, command line or checkpoint
+(nothing was started); 128+N stopped by signal N after the final checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from importlib import resources
+from pathlib import Path
+
+from rich.console import Console
+
+DEMOS = ("digits_ddp",)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="trainyard", description="Distributed training with a live console.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    run = sub.add_parser("run", help="train from a TOML config")
+    run.add_argument("config", help="TOML config file (see docs/config.md)")
+    run.add_argument("--headless", action="store_true", help="progress bar and log file, no console")
+    run.add_argument("--steps", type=int, help="override run.steps")
+    run.add_argument("--set", action="append", default=[], dest="overrides", metavar="KEY=VALUE",
+                     help="override a config key, e.g. --set optim.lr=0.1 (repeatable)")
+    run.add_argument("--telemetry-log", type=Path, help="JSON-lines telemetry log (docs/telemetry.md)")
+    run.add_argument("--resume", type=Path, metavar="DIR",
+                     help="a checkpoint folder, or a run directory (its latest checkpoint)")
+
+    demo = sub.add_parser("demo", help="run a ready-made demo")
+    demo.add_argument("name", nargs="?", default=DEMOS[0], choices=DEMOS)
+    demo.add_argument("--steps", type=int, help="override run.steps")
+    return parser
+
+
+def demo_config(name: str) -> Path:
+    return Path(str(resources.files("demo") / "configs" / f"{name}.toml"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "demo":
+        return _run(demo_config(args.name), ["run.overwrite=true"], args.steps, None, None, headless=True)
+    if not args.headless:
+        err.print("note: the live console is not part of this version yet; running headless")
+    return _run(Path(args.config), args.overrides, args.steps, args.telemetry_log, args.resume, headless=True)
+
+
+def _run(config: Path, overrides: list[str], steps: int | None, telemetry_log: Path | None,
+         resume: Path | None, headless: bool) -> int:
+    # Imports here keep `trainyard --help` fast and config errors free of torch start-up time.
+    from engine.config import ConfigError, load_config
+
+    if steps is not None:
+        overrides = [*overrides, f"run.steps={steps}"]
+    try:
+        cfg = load_config(config, overrides)
+    except ConfigError as e:
+        err.print(f"[red]config error:[/] {e}")
+        return 2
+
+    from engine.checkpoint import CheckpointError
+    from engine.launch import RunFailed, RunInterrupted, RunSetupError, launch, prepare_run_dir
+    from engine.worker import Job
+
+    job = Job(config=cfg, resume=resume, telemetry_log=telemetry_log, headless=headless)
+    try:
+        prepare_run_dir(job)
+    except CheckpointError as e:
+        err.print(f"[red]checkpoint refused:[/] {e}")
+        return 2
+    except RunSetupError as e:
+        err.print(f"[red]cannot start:[/] {e}")
+        return 2
+    try:
+        launch(job)
+    except RunFailed as e:
+        err.print(f"[red]run failed:[/] {e}")
+        return 1
+    except RunInterrupted as e:
+        err.print(f"[yellow]{e}[/]")
+        return 128 + (signal.SIGTERM if "SIGTERM" in str(e) else signal.SIGINT)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,323 @@
+"""Typed run configuration: TOML sections read into dataclasses, validated at load.
+
+    cfg = load_config("demo/configs/digits_ddp.toml", overrides=["run.steps=50"])
+
+Every setting is declared once, here, with its default, its allowed values and a
+line of documentation; docs/config.md is generated from these declarations
+(`python -m engine.config --markdown > docs/config.md`) and a test keeps the two
+in agreement. A bad value raises ConfigError naming the key path, the value and
+what is allowed; the CLI turns that into exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import re
+import sys
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration problem, phrased for the person who wrote the config."""
+
+
+def setting(default: Any, doc: str, *, choices: tuple | None = None,
+            min: float | None = None, max: float | None = None,
+            pattern: str | None = None, kind: str | None = None) -> Any:
+    meta = {"doc": doc, "choices": choices, "min": min, "max": max,
+            "pattern": pattern, "kind": kind}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(text: str | int) -> int:
+    """'512MiB' -> 536870912; plain integers are bytes."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        if text <= 0:
+            raise ValueError("must be positive")
+        return text
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+    if not m or m.group(2).upper() not in _SIZE_UNITS:
+        raise ValueError("not a size like '512MiB', '2GiB' or a number of bytes")
+    value = int(float(m.group(1)) * _SIZE_UNITS[m.group(2).upper()])
+    if value <= 0:
+        raise ValueError("must be positive")
+    return value
+
+
+# Values of a `choices` key that belong to the design but are not built yet: they get
+# "not available yet" instead of "must be one of".
+PLANNED_CHOICES = {"parallel.strategy": ("sharded", "pipeline", "param_server")}
+# A `pattern` key's rule in words, for messages and docs (the regex is the rule itself).
+PATTERN_WORDS = {"run.name": "1 to 64 letters, digits, '.', '_' or '-', starting with a letter or digit"}
+
+
+@dataclass
+class RunConfig:
+    """What the run is called, how long it trains and where it writes."""
+
+    name: str = setting("trainyard", "Run name: names the run directory and the run in `trainyard runs`.",
+                        pattern=r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+    steps: int = setting(100, "Optimizer steps to train (one global batch each).", min=1)
+    seed: int = setting(0, "Seed for weights, data order and dropout; a run is reproducible from it.", min=0)
+    dir: str = setting("runs", "Folder that holds run directories (`<dir>/<name>/`).")
+    overwrite: bool = setting(False, "Start afresh even when the run directory already holds checkpoints "
+                                     "(they are deleted). Without it such a start is refused.")
+    eval_every: int = setting(0, "Evaluate on the test split every N steps (0: only at the end).", min=0)
+    step_pause_ms: float = setting(0.0, "Sleep this long after every step: slows a run down for demos and "
+                                        "tests that act on a run in progress.", min=0.0)
+
+
+@dataclass
+class ModelConfig:
+    """The built-in model and its shape."""
+
+    name: str = setting("mlp", "Built-in model.", choices=("mlp", "transformer", "branchy"))
+    hidden: int = setting(128, "mlp: width of each hidden layer.", min=1)
+    depth: int = setting(2, "mlp: hidden layers; transformer: blocks; branchy: branch-and-merge blocks.", min=1)
+    d_model: int = setting(64, "transformer: embedding width (divisible by `heads`).", min=1)
+    heads: int = setting(4, "transformer: attention heads.", min=1)
+    channels: int = setting(16, "branchy: channels of each convolution.", min=1)
+    dropout: float = setting(0.0, "Dropout probability inside the model.", min=0.0, max=0.9)
+
+
+@dataclass
+class DataConfig:
+    """The data set, its split and the global batch."""
+
+    name: str = setting("digits", "Data set: `digits` (8x8 handwritten digits shipped with scikit-learn), "
+                                  "`text` (characters of the standard library's docstrings), "
+                                  "`synthetic` (seeded random classification).",
+                        choices=("digits", "text", "synthetic"))
+    batch_size: int = setting(64, "Global batch (samples per optimizer step, summed over data-parallel "
+                                  "ranks); divisible by the world size.", min=1)
+    test_fraction: float = setting(0.2, "Share of the samples held out as the test split.", min=0.05, max=0.5)
+    seq_len: int = setting(32, "text: characters per sample.", min=2, max=4096)
+    text_chars: int = setting(200_000, "text: characters of corpus to build.", min=1000)
+    samples: int = setting(4096, "synthetic: number of samples.", min=16)
+    features: int = setting(64, "synthetic: features per sample.", min=1)
+    classes: int = setting(10, "synthetic: number of classes.", min=2)
+
+
+@dataclass
+class OptimConfig:
+    """The optimizer and its hyperparameters."""
+
+    name: str = setting("sgd", "Optimizer: `sgd` (with momentum) or `adamw`.", choices=("sgd", "adamw"))
+    lr: float = setting(0.05, "Learning rate.", min=0.0)
+    momentum: float = setting(0.9, "sgd: momentum.", min=0.0, max=1.0)
+    weight_decay: float = setting(0.0, "Weight decay (decoupled for adamw).", min=0.0)
+    beta1: float = setting(0.9, "adamw: first-moment decay.", min=0.0, max=1.0)
+    beta2: float = setting(0.999, "adamw: second-moment decay.", min=0.0, max=1.0)
+    eps: float = setting(1e-8, "adamw: epsilon.", min=0.0)
+
+
+@dataclass
+class ParallelConfig:
+    """How the workers share the training, and how they survive failures."""
+
+    strategy: str = setting("ddp", "Parallel strategy. `ddp` (torch DistributedDataParallel, the baseline) "
+                                   "is available now; `sharded`, `pipeline` and `param_server` are planned.",
+                            choices=("ddp",))
+    world_size: int = setting(2, "Worker processes on this machine.", min=1, max=256)
+    backend: str = setting("auto", "Collective backend: `auto` picks nccl when every worker has its own "
+                                   "CUDA GPU, otherwise gloo on the CPU.", choices=("auto", "gloo", "nccl"))
+    collective_timeout_s: float = setting(60.0, "Timeout of every collective: a dead peer becomes an "
+                                                "error after this long, never a hang.", min=1.0)
+    max_restarts: int = setting(3, "Times the launcher restarts the worker group from the last "
+                                   "checkpoint after a worker dies.", min=0)
+    shutdown_timeout_s: int = setting(5, "On Ctrl-C or SIGTERM, seconds workers get to write the final "
+                                         "checkpoint before they are killed.", min=1)
+
+
+@dataclass
+class DeviceConfig:
+    """Where each worker computes, and how much memory it may hold."""
+
+    kind: str = setting("auto", "Worker device: `cuda` (one GPU per worker), `cpu` (a process whose memory "
+                                "is counted by the ledger against `memory`), or `auto`.",
+                        choices=("auto", "cpu", "cuda"))
+    memory: str = setting("512MiB", "Capacity per worker, e.g. `512MiB`, `2GiB`. On the CPU this is the "
+                                    "ledger's simulated device memory; exceeding it is reported, not hidden.",
+                          kind="size")
+
+
+@dataclass
+class CheckpointConfig:
+    """When checkpoints are written and how many are kept."""
+
+    every: int = setting(0, "Write a checkpoint every N steps (0: only at exit).", min=0)
+    keep: int = setting(3, "Checkpoints kept in the run directory (older ones are deleted).", min=1)
+
+
+@dataclass
+class TelemetryConfig:
+    """Where the per-step measurements are logged."""
+
+    log: str = setting("", "JSON-lines telemetry log path (`--telemetry-log` sets it too); empty: "
+                           "`<run dir>/telemetry.jsonl`.")
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.dir) / self.run.name
+
+    @property
+    def capacity_bytes(self) -> int:
+        return parse_size(self.device.memory)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def config_from_dict(data: dict) -> Config:
+    """Check a table of sections (as parsed from TOML) and build the Config; missing keys
+    keep their defaults. Raises ConfigError naming the first problem."""
+    from engine.config_check import check_config_table  # the checks live apart; late import avoids a cycle
+    return check_config_table(data)
+
+
+def load_config(path: str | Path | None, overrides: list[str] = (), base: dict | None = None) -> Config:
+    """Read a TOML file (None: defaults only) over `base`, apply `--set section.key=value`
+    overrides, and check the result."""
+    from engine.config_check import apply_overrides
+    table = copy.deepcopy(base) if base else {}
+    if path is not None:
+        for section, values in read_toml(path).items():
+            if isinstance(values, dict) and isinstance(table.get(section), dict):
+                table[section].update(values)
+            else:
+                table[section] = values
+    return config_from_dict(apply_overrides(table, overrides))
+
+
+def read_toml(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: invalid TOML: {e}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read config file: {e}") from None
+
+
+def config_to_toml(cfg: Config) -> str:
+    import tomli_w  # needed only for writing
+    return "# trainyard config, every key resolved (docs/config.md explains each)\n\n" + \
+        tomli_w.dumps(cfg.to_dict())
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    Path(path).write_text(config_to_toml(cfg))
+
+
+def markdown_reference() -> str:
+    """docs/config.md: how to write a config, then one table per section, from the declarations above."""
+    from engine.config_check import CROSS_CHECKS, allowed_words, show
+    out = [_INTRO]
+    for section in dataclasses.fields(Config):
+        cls = section.default_factory
+        out += [f"## [{section.name}]", "", cls.__doc__, "",
+                "| key | type | default | allowed | meaning |", "|---|---|---|---|---|"]
+        for f in dataclasses.fields(cls):
+            path = f"{section.name}.{f.name}"
+            allowed = allowed_words(path, f) or {"bool": "true or false"}.get(str(f.type), "any text")
+            if path in PLANNED_CHOICES:
+                allowed += " (planned: " + ", ".join(show(c) for c in PLANNED_CHOICES[path]) + ")"
+            default = getattr(cls(), f.name)
+            row = [f"`{f.name}`", f.metadata["kind"] or str(f.type), f"`{show(default)}`", allowed,
+                   f.metadata["doc"]]
+            out.append("| " + " | ".join(c.replace("|", "\\|") for c in row) + " |")
+        out.append("")
+    out += ["## Rules across keys", "", "Checked after every key is valid on its own:", ""]
+    out += ["- " + " ".join(check.__doc__.split()) for check in CROSS_CHECKS]
+    return "\n".join(out) + "\n"
+
+
+_INTRO = """\
+# Configuration reference
+
+<!-- Generated from engine/config.py by `python -m engine.config --markdown > docs/config.md`;
+     edit the declarations there, not this file (tests/test_config.py checks they agree). -->
+
+A run is described by a TOML file with one table per section below. Every key is
+optional and falls back to its default, so a config holds only what differs:
+
+```toml
+[run]
+name = "digits-ddp"
+steps = 200
+
+[data]
+batch_size = 128
+
+[device]
+memory = "1GiB"
+```
+
+Start it with `trainyard run CONFIG`. Any key can be changed for one run with
+`--set section.key=value` (repeatable, applied over the file). The value is read as a
+TOML value (`--set data.batch_size=32`, `--set optim.lr=3e-4`, `--set run.overwrite=true`);
+text that is not valid TOML is taken as a string, so `--set run.name=trial` and
+`--set device.memory=2GiB` need no quotes. The resolved config, defaults included, is
+written into every run directory.
+
+The whole config is checked before any worker starts. An unknown key, a value of the
+wrong type or one outside what the table below allows stops the command with exit
+status 2 and one line that names the key, the value and what is allowed:
+
+```
+optim.lr = "fast": expected a number (float) >= 0.0
+unknown key 'optim.lrr' (did you mean 'optim.lr'?); allowed keys in [optim]: name, lr, ...
+```
+
+To check a config without running it: `python -m engine.config CONFIG [--set ...]` prints
+the resolved config or the error.
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m engine.config",
+                                     description="Check a trainyard config, or print the reference.")
+    parser.add_argument("config", nargs="?", help="TOML file (default: all defaults)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    parser.add_argument("--markdown", action="store_true", help="print docs/config.md")
+    args = parser.parse_args(argv)
+    if args.markdown:
+        sys.stdout.write(markdown_reference())
+        return 0
+    try:
+        sys.stdout.write(config_to_toml(load_config(args.config, args.overrides)))
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    from engine import config as _module  # the importable copy, so its classes are the ones checked
+    sys.exit(_module.main())

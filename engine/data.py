@@ -1,0 +1,215 @@
+"""Data sets, deterministic global batches and per-rank shards.
+
+    ds = load_dataset(cfg.data, seed=cfg.run.seed)      # digits | text | synthetic
+    x, y = batch_for(ds, step, cfg.data.batch_size, seed=cfg.run.seed,
+                     rank=rank, world_size=world_size)   # this rank's share of step's batch
+
+The batch of every optimizer step is a pure function of (step, seed): no iterator
+state, so a run resumed at step k (with any world size that divides the batch)
+sees exactly the samples an uninterrupted run would have. Users with their own
+data wrap tensors with `tensor_dataset(x_train, y_train, x_test, y_test)`.
+
+Data sets are memoised per process; treat their tensors as read-only.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib
+import inspect
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.config import DataConfig
+
+
+@dataclass
+class Dataset:
+    name: str
+    x_train: torch.Tensor
+    y_train: torch.Tensor
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+    meta: dict = field(default_factory=dict)  # input_dim / num_classes / image_shape / vocab_size / seq_len / itos
+
+    @property
+    def n_train(self) -> int:
+        return len(self.x_train)
+
+
+def _generator(*parts) -> torch.Generator:
+    """A generator seeded from a tuple: (seed, epoch) and (seed + 1, epoch - 1) never collide,
+    unlike arithmetic mixing, and the hash is stable across processes (no PYTHONHASHSEED)."""
+    digest = hashlib.sha256(repr(parts).encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+
+
+# ---------------------------------------------------------------- batches and shards
+
+@functools.lru_cache(maxsize=8)
+def _epoch_permutation(n_train: int, seed: int, epoch: int) -> torch.Tensor:
+    # cached: all the steps of an epoch slice the same permutation
+    return torch.randperm(n_train, generator=_generator("epoch", seed, epoch))
+
+
+def global_batch_indices(n_train: int, batch_size: int, step: int, seed: int) -> torch.Tensor:
+    """Indices into the train split of the global batch at optimizer step `step` (0-based).
+
+    Each epoch is a fresh seeded permutation, cut into n_train // batch_size batches
+    (the remainder is dropped), so within an epoch no sample repeats."""
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    if batch_size < 1 or n_train // batch_size < 1:
+        raise ValueError(f"batch_size {batch_size} does not fit the {n_train} training samples: "
+                         f"need 1 <= batch_size <= n_train")
+    steps_per_epoch = n_train // batch_size
+    epoch, offset = divmod(step, steps_per_epoch)
+    perm = _epoch_permutation(n_train, seed, epoch)
+    return perm[offset * batch_size:(offset + 1) * batch_size].clone()
+
+
+def rank_slice(indices: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """The contiguous 1/world_size share of `indices` that data-parallel rank `rank` trains on."""
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in a world of size {world_size}")
+    if len(indices) % world_size != 0:
+        raise ValueError(f"batch of {len(indices)} samples is not divisible by world_size {world_size}")
+    per_rank = len(indices) // world_size
+    return indices[rank * per_rank:(rank + 1) * per_rank]
+
+
+def batch_for(ds: Dataset, step: int, batch_size: int, seed: int, rank: int = 0,
+              world_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, y) of rank `rank`'s share of the global batch at `step`."""
+    idx = rank_slice(global_batch_indices(ds.n_train, batch_size, step, seed), rank, world_size)
+    return ds.x_train[idx], ds.y_train[idx]
+
+
+# ---------------------------------------------------------------- data sets
+
+def _split(name: str, x: torch.Tensor, y: torch.Tensor, test_fraction: float, seed: int,
+           meta: dict) -> Dataset:
+    n = len(x)
+    n_test = max(1, round(n * test_fraction))
+    if n - n_test < 1:
+        raise ValueError(f"data set {name!r} has only {n} samples: too few for a train and a test split")
+    perm = torch.randperm(n, generator=_generator("split", seed))
+    test, train = perm[:n_test], perm[n_test:]
+    return Dataset(name, x[train], y[train], x[test], y[test], meta)
+
+
+def tensor_dataset(x_train: torch.Tensor, y_train: torch.Tensor, x_test: torch.Tensor | None = None,
+                   y_test: torch.Tensor | None = None, name: str = "custom") -> Dataset:
+    """Wrap your own tensors. Without a test split the test tensors are empty.
+
+    meta is inferred: input_dim for 2-D float x, image_shape for 4-D float x,
+    num_classes = max label + 1 for integer y."""
+    if len(x_train) != len(y_train):
+        raise ValueError(f"x_train has {len(x_train)} samples but y_train has {len(y_train)}")
+    if (x_test is None) != (y_test is None):
+        raise ValueError("give both x_test and y_test, or neither")
+    if x_test is None:
+        x_test, y_test = x_train[:0], y_train[:0]
+    if len(x_test) != len(y_test):
+        raise ValueError(f"x_test has {len(x_test)} samples but y_test has {len(y_test)}")
+    meta: dict = {}
+    if x_train.is_floating_point() and x_train.dim() == 2:
+        meta["input_dim"] = x_train.shape[1]
+    if x_train.is_floating_point() and x_train.dim() == 4:
+        meta["image_shape"] = tuple(x_train.shape[1:])
+    if not y_train.is_floating_point() and len(y_train):
+        meta["num_classes"] = int(max(y_train.max(), y_test.max() if len(y_test) else 0)) + 1
+    return Dataset(name, x_train, y_train, x_test, y_test, meta)
+
+
+def _digits(test_fraction: float, seed: int) -> Dataset:
+    from sklearn.datasets import load_digits  # ships inside scikit-learn: no download
+
+    raw = load_digits()
+    x = torch.tensor(raw.data, dtype=torch.float32) / 16.0  # pixel intensities are 0..16
+    y = torch.tensor(raw.target, dtype=torch.int64)
+    return _split("digits", x, y, test_fraction, seed,
+                  {"input_dim": 64, "num_classes": 10, "image_shape": (1, 8, 8)})
+
+
+# Fixed and sorted: the corpus must be identical in every process. Pure-Python modules
+# whose docstrings do not change with import order; a module that fails to import is skipped.
+_TEXT_MODULES = (
+    "argparse", "ast", "base64", "bisect", "calendar", "collections", "configparser", "contextlib",
+    "copy", "csv", "dataclasses", "datetime", "difflib", "email.message", "enum", "fileinput",
+    "fnmatch", "fractions", "functools", "getopt", "gettext", "glob", "gzip", "heapq", "hmac",
+    "http.client", "inspect", "ipaddress", "json", "logging", "numbers", "operator", "optparse",
+    "pathlib", "pickle", "pprint", "queue", "random", "shlex", "shutil", "statistics", "string",
+    "subprocess", "tarfile", "tempfile", "textwrap", "threading", "timeit", "tokenize", "traceback",
+    "urllib.parse", "uuid", "warnings", "zipfile",
+)
+_PRINTABLE = frozenset(map(chr, range(32, 127))) | {"\n"}
+
+
+@functools.lru_cache(maxsize=4)
+def text_corpus(max_chars: int) -> str:
+    """The first `max_chars` characters of the standard library's docstrings (printable ASCII and newlines)."""
+    docs: list[str] = []
+    for module_name in _TEXT_MODULES:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        docs.append(module.__doc__ or "")
+        for name, obj in inspect.getmembers(module):  # sorted by name
+            # only what the module defines, so a re-exported helper is not counted twice
+            if name.startswith("_") or getattr(obj, "__module__", None) != module_name:
+                continue
+            doc = getattr(obj, "__doc__", None)
+            if isinstance(doc, str):
+                docs.append(doc)
+    text = "\n\n".join(d for d in docs if d.strip())
+    return "".join(ch for ch in text if ch in _PRINTABLE)[:max_chars]
+
+
+def _text(seq_len: int, text_chars: int, test_fraction: float, seed: int) -> Dataset:
+    text = text_corpus(text_chars)
+    window = seq_len + 1  # x is the window minus its last char, y minus its first
+    n = len(text) // window
+    if n < 2:
+        raise ValueError(f"the text corpus has {len(text)} characters: too few for two samples of "
+                         f"seq_len {seq_len} (is Python running with -OO, which strips docstrings?)")
+    itos = "".join(sorted(set(text)))
+    stoi = {ch: i for i, ch in enumerate(itos)}
+    ids = torch.tensor([stoi[ch] for ch in text[:n * window]], dtype=torch.int64).view(n, window)
+    return _split("text", ids[:, :-1].contiguous(), ids[:, 1:].contiguous(), test_fraction, seed,
+                  {"vocab_size": len(itos), "seq_len": seq_len, "itos": itos})
+
+
+def _synthetic(samples: int, features: int, classes: int, test_fraction: float, seed: int) -> Dataset:
+    x = torch.randn(samples, features, generator=_generator("synthetic-x", seed))
+    # labels come from a fixed linear "teacher", so a linear model can learn them exactly
+    teacher = torch.randn(features, classes, generator=_generator("synthetic-teacher", seed))
+    y = (x @ teacher).argmax(dim=1)
+    meta = {"input_dim": features, "num_classes": classes}
+    side = math.isqrt(features)
+    if side * side == features:
+        meta["image_shape"] = (1, side, side)
+    return _split("synthetic", x, y, test_fraction, seed, meta)
+
+
+@functools.lru_cache(maxsize=16)
+def _load(name: str, test_fraction: float, seq_len: int, text_chars: int, samples: int,
+          features: int, classes: int, seed: int) -> Dataset:
+    if name == "digits":
+        return _digits(test_fraction, seed)
+    if name == "text":
+        return _text(seq_len, text_chars, test_fraction, seed)
+    if name == "synthetic":
+        return _synthetic(samples, features, classes, test_fraction, seed)
+    raise ValueError(f"unknown data set {name!r}; choose digits, text or synthetic")
+
+
+def load_dataset(cfg: DataConfig, seed: int) -> Dataset:
+    """The data set named by cfg, split into train and test by a seeded permutation."""
+    # keyed by value, not by cfg (a mutable dataclass is unhashable); batch_size is irrelevant
+    return _load(cfg.name, cfg.test_fraction, cfg.seq_len, cfg.text_chars, cfg.samples,
+                 cfg.features, cfg.classes, seed)

@@ -1,0 +1,217 @@
+"""Worker devices and the memory ledger.
+
+    device = open_device(cfg.device, local_rank)       # CudaDevice or LedgerDevice
+    device.ledger.track_module(model, optimizer)        # parameters, gradients, optimizer state
+    with device.ledger.saved_activations():             # live saved activations
+        loss = model(x).sum(); loss.backward()
+    device.stats()                                      # one dict, same keys on both kinds
+
+On the CPU a "device" is the worker process: its memory is the engine's ledger,
+counted against the configured capacity (`[device] memory`). It is a simulation
+and says so (`simulated: True`). On CUDA the same ledger runs beside the
+allocator's own figures and NVML's.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from contextlib import contextmanager
+
+import psutil
+import torch
+
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "swapped")
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class MemoryLedger:
+    """Bytes the engine holds for one device, by category, with a peak and a capacity."""
+
+    def __init__(self, capacity_bytes: int):
+        self.capacity_bytes = capacity_bytes
+        self.bytes = dict.fromkeys(CATEGORIES, 0)
+        self.peak_bytes = 0
+        self.over_capacity = False
+        self._lock = threading.Lock()
+        self._modules: list[torch.nn.Module] = []
+        self._optimizers: list[torch.optim.Optimizer] = []
+        self._saved: dict[int, list] = {}   # storage pointer -> [bytes, references]
+
+    # --- what the engine holds -------------------------------------------------
+    def track_module(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+        self._modules.append(module)
+        if optimizer is not None:
+            self._optimizers.append(optimizer)
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Recount parameters, gradients and optimizer state (they change size lazily)."""
+        params = grads = state = 0
+        for module in self._modules:
+            for p in module.parameters():
+                params += tensor_bytes(p)
+                if p.grad is not None:
+                    grads += tensor_bytes(p.grad)
+        for opt in self._optimizers:
+            for per_param in opt.state.values():
+                state += sum(tensor_bytes(v) for v in per_param.values() if torch.is_tensor(v))
+        with self._lock:
+            self.bytes["parameters"], self.bytes["gradients"] = params, grads
+            self.bytes["optimizer_state"] = state
+            self._note_peak()
+
+    def add(self, category: str, nbytes: int) -> None:
+        with self._lock:
+            self.bytes[category] += nbytes
+            self._note_peak()
+
+    @property
+    def used_bytes(self) -> int:
+        # swapped-out bytes live on the host, not on the device
+        return sum(v for k, v in self.bytes.items() if k != "swapped")
+
+    def _note_peak(self) -> None:
+        used = self.used_bytes
+        self.peak_bytes = max(self.peak_bytes, used)
+        if used > self.capacity_bytes:
+            self.over_capacity = True
+
+    def reset_peak(self) -> None:
+        with self._lock:
+            self.peak_bytes = self.used_bytes
+            self.over_capacity = self.peak_bytes > self.capacity_bytes
+
+    # --- saved activations, counted through saved-tensor hooks -----------------
+    @contextmanager
+    def saved_activations(self):
+        """Count tensors autograd saves for backward while they are alive.
+
+        Parameters saved for backward are not activations and are skipped; a storage
+        saved twice (a ReLU output kept by the ReLU and the next Linear) counts once.
+        """
+        param_ptrs = {p.untyped_storage().data_ptr() for m in self._modules for p in m.parameters()}
+
+        def pack(t: torch.Tensor):
+            ptr = t.untyped_storage().data_ptr()
+            if ptr in param_ptrs or ptr == 0:
+                return t
+            with self._lock:
+                entry = self._saved.get(ptr)
+                if entry is None:
+                    nbytes = t.untyped_storage().nbytes()
+                    self._saved[ptr] = [nbytes, 1]
+                    self.bytes["activations"] += nbytes
+                    self._note_peak()
+                else:
+                    entry[1] += 1
+            return _Saved(self, ptr, t)
+
+        def unpack(saved):
+            return saved.tensor if isinstance(saved, _Saved) else saved
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield
+
+    def _release(self, ptr: int) -> None:
+        with self._lock:
+            entry = self._saved.get(ptr)
+            if entry is None:
+                return
+            entry[1] -= 1
+            if entry[1] == 0:
+                self.bytes["activations"] -= entry[0]
+                del self._saved[ptr]
+
+    def breakdown(self) -> dict:
+        with self._lock:
+            return {**{f"{k}_bytes": v for k, v in self.bytes.items()},
+                    "used_bytes": self.used_bytes, "peak_bytes": self.peak_bytes,
+                    "capacity_bytes": self.capacity_bytes, "over_capacity": self.over_capacity}
+
+
+class _Saved:
+    """A saved tensor whose lifetime the ledger follows: autograd frees it after backward."""
+
+    __slots__ = ("ledger", "ptr", "tensor")
+
+    def __init__(self, ledger: MemoryLedger, ptr: int, tensor: torch.Tensor):
+        self.ledger, self.ptr, self.tensor = ledger, ptr, tensor
+
+    def __del__(self):
+        self.ledger._release(self.ptr)
+
+
+class LedgerDevice:
+    """The CPU as a device: a worker process, its memory counted by the ledger."""
+
+    kind = "cpu"
+    simulated = True
+
+    def __init__(self, capacity_bytes: int):
+        self.torch_device = torch.device("cpu")
+        self.ledger = MemoryLedger(capacity_bytes)
+        self._proc = psutil.Process(os.getpid())
+        self._proc.cpu_percent(None)  # the first call only starts the measurement
+
+    @property
+    def name(self) -> str:
+        return "cpu (simulated device: memory from the engine's ledger)"
+
+    def stats(self) -> dict:
+        return {"kind": self.kind, "simulated": self.simulated, **self.ledger.breakdown(),
+                "rss_bytes": self._proc.memory_info().rss, "cpu_percent": self._proc.cpu_percent(None)}
+
+
+class CudaDevice(LedgerDevice):
+    """One CUDA GPU per worker: the ledger plus the allocator's figures and NVML's."""
+
+    kind = "cuda"
+    simulated = False
+
+    def __init__(self, capacity_bytes: int, index: int):
+        super().__init__(capacity_bytes)
+        torch.cuda.set_device(index)
+        self.index = index
+        self.torch_device = torch.device("cuda", index)
+        self._nvml = None
+        try:
+            import pynvml
+            pynvml.nvmlInit()
+            self._nvml = pynvml.nvmlDeviceGetHandleByIndex(index)
+        except Exception:   # no NVML (driver without it, container): allocator figures only
+            self._nvml = None
+
+    @property
+    def name(self) -> str:
+        return torch.cuda.get_device_name(self.index)
+
+    def stats(self) -> dict:
+        out = super().stats()
+        out["allocated_bytes"] = torch.cuda.memory_allocated(self.index)
+        out["allocator_peak_bytes"] = torch.cuda.max_memory_allocated(self.index)
+        out["reserved_bytes"] = torch.cuda.memory_reserved(self.index)
+        if self._nvml is not None:
+            import pynvml
+            mem = pynvml.nvmlDeviceGetMemoryInfo(self._nvml)
+            util = pynvml.nvmlDeviceGetUtilizationRates(self._nvml)
+            out.update(nvml_used_bytes=int(mem.used), nvml_total_bytes=int(mem.total),
+                       gpu_util_percent=int(util.gpu))
+        return out
+
+
+def cuda_usable(local_world_size: int) -> bool:
+    return torch.cuda.is_available() and torch.cuda.device_count() >= local_world_size
+
+
+def open_device(kind: str, capacity_bytes: int, local_rank: int, local_world_size: int) -> LedgerDevice:
+    """`kind` is the config's device.kind: auto picks CUDA when every local worker has a GPU."""
+    if kind == "cuda" and not cuda_usable(local_world_size):
+        raise RuntimeError(f"device.kind = \"cuda\" but {torch.cuda.device_count()} CUDA devices are visible "
+                           f"for {local_world_size} workers on this host")
+    if kind == "cuda" or (kind == "auto" and cuda_usable(local_world_size)):
+        return CudaDevice(capacity_bytes, local_rank)
+    return LedgerDevice(capacity_bytes)

@@ -1,0 +1,57 @@
+"""What a headless run shows on the terminal: a progress bar, then a summary table.
+
+Rank 0 draws it; the other ranks print nothing. Without a terminal (CI, pipes)
+rich prints plain lines instead of redrawing.
+"""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
+    TimeRemainingColumn
+from rich.table import Table
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+class HeadlessProgress:
+    def __init__(self, run_name: str, total_steps: int, first_step: int):
+        self.console = Console(stderr=False)
+        self.progress = Progress(
+            TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[sps]} samples/s"),
+            TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+            console=self.console, transient=False, refresh_per_second=5)
+        self.task = self.progress.add_task(run_name, total=total_steps, completed=first_step,
+                                           loss="-", sps="-")
+        self.progress.start()
+
+    def update(self, step: int, loss: float, samples_per_s: float) -> None:
+        self.progress.update(self.task, completed=step, loss=f"{loss:.4f}", sps=f"{samples_per_s:,.0f}")
+
+    def note(self, text: str) -> None:
+        self.progress.console.print(text)
+
+    def finish(self, summary: dict) -> None:
+        self.progress.stop()
+        table = Table(title=f"run {summary['name']}: summary", show_header=False)
+        table.add_row("steps", str(summary["steps"]))
+        table.add_row("final loss", f"{summary['final_loss']:.4f}" if summary["final_loss"] is not None else "-")
+        acc = summary.get("test_accuracy")
+        table.add_row("test accuracy", f"{acc:.4f}" if acc is not None else "n/a")
+        table.add_row("wall time", f"{summary['wall_s']:.1f} s")
+        device = "simulated (CPU ledger)" if summary.get("simulated") else "GPU"
+        for rank, peak in enumerate(summary["peak_bytes_per_rank"]):
+            table.add_row(f"peak memory rank {rank}",
+                          f"{format_bytes(peak)} of {format_bytes(summary['capacity_bytes'])} ({device})")
+        if summary.get("restarts"):
+            table.add_row("restarts", str(summary["restarts"]))
+        if summary.get("stopped_early"):
+            table.add_row("stopped", f"at step {summary['steps']} (final checkpoint written)")
+        self.console.print(table)

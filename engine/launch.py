@@ -1,0 +1,122 @@
+"""Start the workers of a run through torch's elastic agent, and end them all.
+
+    summary = launch(Job(config=cfg, ...))     # blocks; rank 0's summary dict
+
+The agent restarts the whole worker group when a worker dies (up to
+`parallel.max_restarts`; workers resume from the last checkpoint), and on
+SIGINT/SIGTERM signals every worker, waits `parallel.shutdown_timeout_s` for the
+final checkpoint, then kills what is left: no child outlives the launcher.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import socket
+import time
+
+from torch.distributed.elastic.multiprocessing import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from engine import checkpoint as ckpt
+from engine.config import config_to_toml
+from engine.worker import Job, worker_main
+
+
+class RunSetupError(RuntimeError):
+    """The run cannot start as asked (run directory, checkpoint); exit status 2."""
+
+
+class RunFailed(RuntimeError):
+    """Workers failed more often than `parallel.max_restarts` allows."""
+
+
+class RunInterrupted(RuntimeError):
+    """The launcher was told to stop (Ctrl-C, SIGTERM); workers wrote a final checkpoint."""
+
+
+def prepare_run_dir(job: Job) -> None:
+    """Check the run directory and the checkpoint to resume before any process starts."""
+    cfg = job.config
+    run_dir = cfg.run_dir
+    if job.resume is not None:
+        job.resume = ckpt.resolve(job.resume)
+        manifest = ckpt.verify(job.resume)   # CheckpointError names the damaged file
+        if manifest.get("world_size") != cfg.parallel.world_size:
+            raise ckpt.CheckpointError(
+                f"{job.resume}: written by {manifest.get('world_size')} workers; parallel.world_size is "
+                f"{cfg.parallel.world_size} (resuming onto a different world size is not supported)")
+        saved = manifest.get("config", {})
+        for section in ("model", "data"):
+            if saved.get(section) != cfg.to_dict()[section]:
+                raise ckpt.CheckpointError(
+                    f"{job.resume}: the checkpoint's [{section}] differs from this config's; resume with the "
+                    f"config the run was started with (saved as {job.resume.parent.parent / 'config.toml'})")
+    elif ckpt.list_checkpoints(run_dir):
+        if not cfg.run.overwrite:
+            raise RunSetupError(
+                f"run directory {run_dir} already holds checkpoints: resume with --resume {run_dir}, "
+                f"start afresh with --set run.overwrite=true, or pick another --set run.name=...")
+        shutil.rmtree(run_dir / "checkpoints")
+        (run_dir / "telemetry.jsonl").unlink(missing_ok=True)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.toml").write_text(config_to_toml(cfg))
+    (run_dir / "pids").mkdir(exist_ok=True)
+    for stale in (run_dir / "pids").glob("*.pid"):
+        stale.unlink()
+    (run_dir / "pids" / "launcher.pid").write_text(str(os.getpid()))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _quiet_torch_elastic() -> None:
+    # The agent logs every step of a restart or shutdown with tracebacks; trainyard
+    # reports those itself, in a line each.
+    for name in ("torch.distributed.elastic", "torch.multiprocessing", "torch.distributed.launcher"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+def launch(job: Job) -> dict | None:
+    cfg = job.config
+    job.launched_at = job.launched_at or time.time()
+    # A restarted gloo group hangs in connectFullMesh when it shares the rendezvous
+    # store (pytorch/pytorch#135712); a store of its own restarts cleanly.
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    _quiet_torch_elastic()
+    launch_cfg = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=cfg.parallel.world_size,
+        run_id=f"{cfg.run.name}-{os.getpid()}", rdzv_backend="c10d",
+        rdzv_endpoint=f"127.0.0.1:{_free_port()}", rdzv_configs={"timeout": 120},
+        max_restarts=cfg.parallel.max_restarts, monitor_interval=0.1, start_method="spawn",
+        shutdown_timeout=cfg.parallel.shutdown_timeout_s)
+    try:
+        results = elastic_launch(launch_cfg, worker_main)(job)
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        raise RunFailed(_describe_failure(rank, failure, cfg.parallel.max_restarts)) from None
+    except SignalException as e:
+        raise RunInterrupted(f"stopped by {signal.Signals(e.sigval).name}; workers wrote a final checkpoint "
+                             f"in {cfg.run_dir / 'checkpoints'}") from None
+    return results.get(0)
+
+
+def _describe_failure(rank: int, failure, max_restarts: int) -> str:
+    code = failure.exitcode
+    how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
+    detail = ""
+    if isinstance(failure.message, dict):
+        detail = failure.message.get("message", {}).get("message", "") if isinstance(
+            failure.message.get("message"), dict) else str(failure.message.get("message", ""))
+    elif failure.message and "ProcessFailure" not in str(failure.message):
+        detail = str(failure.message)
+    detail = detail.strip().splitlines()[-1] if detail.strip() else ""
+    tail = f": {detail}" if detail else ""
+    return f"worker rank {rank} {how}{tail} (after {max_restarts} restarts allowed by parallel.max_restarts)"

@@ -1,0 +1,119 @@
+"""The model API: a model is an ordered list of named layers, some grouped into blocks.
+
+    from engine.models import LayerList, Block
+    model = LayerList([
+        ("fc0", nn.Linear(64, 32)), ("act0", nn.ReLU()),
+        Block("res", [("split", Split()), ("left", Left()), ("merge", Merge())]),
+        ("head", nn.Linear(32, 10)),
+    ])
+    model.names     # ["fc0", "act0", "res.split", "res.left", "res.merge", "head"]
+    model.clusters  # [["fc0"], ["act0"], ["res.split", "res.left", "res.merge"], ["head"]]
+    logits = model(x)
+
+Parallel techniques (pipeline stages, sharding, offload) are applied *to* a LayerList
+from outside, so they only ever need `names`, `layers` and `clusters`.
+
+The contract between layers:
+- a loose layer takes one tensor and returns one tensor;
+- inside a Block, values passed between layers may be tuples of tensors, but the
+  block's first layer takes a single tensor and its last layer returns one.
+So a pipeline may cut between any two clusters and always ship a single tensor.
+This is documented rather than checked at run time (checking costs every forward).
+
+Names: a layer or block name is non-empty, without whitespace or "."; a layer
+"split" inside block "b1" is called "b1.split". The dot is reserved for that join, so
+every full name says unambiguously which block it belongs to.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Iterator
+
+from torch import nn
+
+
+def _check_name(name: object, what: str) -> str:
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{what} name must be a non-empty string, got {name!r}")
+    if any(ch.isspace() for ch in name):
+        raise ValueError(f"{what} name {name!r} contains whitespace")
+    if "." in name:
+        raise ValueError(f"{what} name {name!r} contains '.', which is reserved for "
+                         f"'block.layer' full names")
+    return name
+
+
+def _check_layer(item: object, where: str) -> tuple[str, nn.Module]:
+    if not (isinstance(item, tuple) and len(item) == 2):
+        raise ValueError(f"{where}: expected a (name, nn.Module) pair or a Block, got {item!r}")
+    name, module = item
+    _check_name(name, "layer")
+    if not isinstance(module, nn.Module):
+        raise ValueError(f"{where}: layer {name!r} is a {type(module).__name__}, not a torch.nn.Module")
+    return name, module
+
+
+class Block:
+    """Consecutive layers that form one unit (e.g. a branch-and-merge block); never split across stages."""
+
+    def __init__(self, name: str, layers: list[tuple[str, nn.Module]]):
+        self.name = _check_name(name, "block")
+        self.layers = [_check_layer(item, f"block {name!r}") for item in layers]
+        if not self.layers:
+            raise ValueError(f"block {name!r} is empty; a Block needs at least one layer")
+
+    def __repr__(self) -> str:
+        return f"Block({self.name!r}, {[n for n, _ in self.layers]})"
+
+
+class LayerList(nn.Module):
+    """Named layers applied in order; `clusters` says which of them must stay together."""
+
+    def __init__(self, items: Iterable[tuple[str, nn.Module] | Block]):
+        super().__init__()
+        names: list[str] = []
+        modules: list[nn.Module] = []
+        clusters: list[list[str]] = []
+        for item in items:
+            if isinstance(item, Block):
+                full = [f"{item.name}.{n}" for n, _ in item.layers]
+                names += full
+                modules += [m for _, m in item.layers]
+                clusters.append(full)
+            else:
+                name, module = _check_layer(item, "LayerList")
+                names.append(name)
+                modules.append(module)
+                clusters.append([name])
+        if not names:
+            raise ValueError("LayerList is empty; a model needs at least one layer")
+        seen: set[str] = set()
+        for name in names:
+            if name in seen:
+                raise ValueError(f"duplicate layer name {name!r}")
+            seen.add(name)
+        self.names = names
+        # registered child: state_dict keys read "layers.<index>.<param>"
+        self.layers = nn.ModuleList(modules)
+        self.clusters = clusters
+        self._index = {name: i for i, name in enumerate(names)}
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __iter__(self) -> Iterator[tuple[str, nn.Module]]:
+        return iter(zip(self.names, self.layers))
+
+    def index(self, name: str) -> int:
+        """Position of layer `name` in forward order."""
+        if name not in self._index:
+            raise KeyError(f"no layer named {name!r}; layers are {self.names}")
+        return self._index[name]
+
+    def layer(self, name: str) -> nn.Module:
+        return self.layers[self.index(name)]

@@ -1,0 +1,58 @@
+"""The rank grid and its process groups. Nothing else computes ranks or makes groups.
+
+    topo = Topology.from_env(backend="auto", timeout_s=60)   # inside a worker
+    topo.rank, topo.world_size, topo.is_first
+    topo.compute   # gradients, activations, parameters (gloo on CPU, nccl on GPU)
+    topo.side      # telemetry gather and command broadcast (always gloo, never the training groups)
+
+Workers read RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and
+MASTER_PORT from the environment that torch's elastic agent (ours or torchrun's)
+sets, so the same code runs on one host or many.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from engine.devices import cuda_usable
+
+
+@dataclass
+class Topology:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    backend: str
+    timeout_s: float
+    compute: object = None
+    side: object = None
+
+    @classmethod
+    def from_env(cls, backend: str, device_kind: str, timeout_s: float) -> "Topology":
+        rank = int(os.environ["RANK"])
+        world = int(os.environ["WORLD_SIZE"])
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        if backend == "auto":
+            gpu = device_kind == "cuda" or (device_kind == "auto" and cuda_usable(local_world))
+            backend = "nccl" if gpu else "gloo"
+        topo = cls(rank, world, local_rank, local_world, backend, timeout_s)
+        timeout = timedelta(seconds=timeout_s)
+        dist.init_process_group(backend, timeout=timeout)
+        topo.compute = dist.group.WORLD
+        # The side group carries small CPU tensors (telemetry, commands) beside training.
+        topo.side = dist.new_group(backend="gloo", timeout=timeout)
+        return topo
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()

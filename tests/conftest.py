@@ -1,0 +1,95 @@
+"""Shared helpers: run the `trainyard` CLI in its own process session, and reap it.
+
+Every multi-process test goes through `cli`: the launcher starts in a new session,
+so whatever happens to a test, the whole process tree is killed at teardown.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(1)
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:   # a zombie is dead for our purposes
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except OSError:
+        return False
+
+
+class CLI:
+    def __init__(self, tmp_path: Path):
+        self.tmp_path = tmp_path
+        self.procs: list[subprocess.Popen] = []
+
+    def base_args(self, name: str) -> list[str]:
+        return ["--set", f"run.dir={self.tmp_path / 'runs'}", "--set", f"run.name={name}"]
+
+    def start(self, *args: str) -> subprocess.Popen:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "COLUMNS": "120"}
+        proc = subprocess.Popen([sys.executable, "-m", "engine.cli", *args], cwd=ROOT, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+        self.procs.append(proc)
+        return proc
+
+    def run(self, *args: str, timeout: float = 90) -> subprocess.CompletedProcess:
+        proc = self.start(*args)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill(proc)
+            out, err = proc.communicate()
+            pytest.fail(f"trainyard {' '.join(args)} did not finish in {timeout}s\n{out}\n{err}")
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+    @staticmethod
+    def kill(proc: subprocess.Popen) -> None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def reap(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                self.kill(proc)
+                proc.wait(timeout=10)
+
+
+@pytest.fixture
+def cli(tmp_path):
+    runner = CLI(tmp_path)
+    yield runner
+    runner.reap()
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    pytest.fail(f"timed out after {timeout}s waiting for {what}")

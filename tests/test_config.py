@@ -1,0 +1,306 @@
+"""Config loading and checking: defaults, files, --set overrides, every kind of error, docs.
+
+    python -m pytest tests/test_config.py -q
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from engine.config import (Config, ConfigError, config_from_dict, config_to_toml, load_config,
+                           markdown_reference, save_config)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+FULL_TOML = """
+[run]
+name = "full-run_1.0"
+steps = 7
+seed = 3
+dir = "elsewhere"
+overwrite = true
+eval_every = 2
+step_pause_ms = 1.5
+
+[model]
+name = "transformer"
+hidden = 32
+depth = 3
+d_model = 48
+heads = 6
+channels = 8
+dropout = 0.1
+
+[data]
+name = "text"
+batch_size = 24
+test_fraction = 0.25
+seq_len = 16
+text_chars = 5000
+samples = 100
+features = 49
+classes = 3
+
+[optim]
+name = "adamw"
+lr = 3e-4
+momentum = 0.5
+weight_decay = 0.01
+beta1 = 0.8
+beta2 = 0.99
+eps = 1e-6
+
+[parallel]
+strategy = "ddp"
+world_size = 4
+backend = "gloo"
+collective_timeout_s = 30
+max_restarts = 0
+shutdown_timeout_s = 2
+
+[device]
+kind = "cpu"
+memory = "2GiB"
+
+[checkpoint]
+every = 5
+keep = 1
+
+[telemetry]
+log = "t.jsonl"
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "cfg.toml"
+    path.write_text(text)
+    return path
+
+
+def error_of(data: dict) -> str:
+    with pytest.raises(ConfigError) as info:
+        config_from_dict(data)
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+# --- loading ---------------------------------------------------------------------------
+
+def test_defaults_load():
+    assert load_config(None) == Config()
+    assert config_from_dict({}) == Config()
+    assert Config().capacity_bytes == 512 * 2**20
+
+
+def test_full_file_loads_every_key(tmp_path):
+    cfg = load_config(write(tmp_path, FULL_TOML))
+    assert cfg.run.name == "full-run_1.0" and cfg.run.overwrite is True
+    assert cfg.model.heads == 6 and cfg.data.batch_size == 24
+    assert cfg.optim.lr == 3e-4 and cfg.optim.eps == 1e-6
+    assert cfg.parallel.collective_timeout_s == 30.0
+    assert isinstance(cfg.parallel.collective_timeout_s, float)  # ints widen for float keys
+    assert cfg.device.memory == "2GiB" and cfg.capacity_bytes == 2 * 2**30
+    assert cfg.telemetry.log == "t.jsonl"
+    unchanged = [f"{section}.{key}" for section, values in cfg.to_dict().items()
+                 for key, value in values.items() if value == Config().to_dict()[section][key]]
+    assert unchanged == ["parallel.strategy"]  # the file moves every other key off its default
+
+
+def test_file_keys_not_given_keep_defaults(tmp_path):
+    cfg = load_config(write(tmp_path, "[run]\nsteps = 9\n"))
+    assert cfg.run.steps == 9 and cfg.run.name == "trainyard" and cfg.model == Config().model
+
+
+@pytest.mark.parametrize("override, section, key, value", [
+    ("data.batch_size=32", "data", "batch_size", 32),
+    ("optim.lr=1e-3", "optim", "lr", 1e-3),
+    ("optim.lr=1", "optim", "lr", 1.0),
+    ("run.name=foo", "run", "name", "foo"),
+    ('run.name="quoted"', "run", "name", "quoted"),
+    ("run.name=2024", "run", "name", "2024"),  # text key: a number is taken as its text
+    ("run.overwrite=true", "run", "overwrite", True),
+    (" run.steps = 12 ", "run", "steps", 12),
+    ("device.memory=2GiB", "device", "memory", "2GiB"),
+    ("device.memory=1048576", "device", "memory", "1048576"),
+    ("telemetry.log=", "telemetry", "log", ""),
+])
+def test_overrides_parse(override, section, key, value):
+    got = getattr(getattr(load_config(None, [override]), section), key)
+    assert got == value and type(got) is type(value)
+
+
+def test_overrides_apply_over_file_and_base(tmp_path):
+    path = write(tmp_path, "[run]\nsteps = 9\nseed = 4\n")
+    base = {"run": {"steps": 1, "seed": 1, "eval_every": 5}, "optim": {"name": "adamw"}}
+    cfg = load_config(path, ["run.seed=7"], base=base)
+    assert (cfg.run.steps, cfg.run.seed, cfg.run.eval_every, cfg.optim.name) == (9, 7, 5, "adamw")
+    assert base["run"]["steps"] == 1  # the caller's dict is left alone
+
+
+@pytest.mark.parametrize("override", ["runsteps=5", "run.steps", "run=5", "a.b.c=1", ".x=1", "run.=1"])
+def test_malformed_override(override):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [override])
+    assert override in str(info.value) and "--set section.key=value" in str(info.value)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found: .*nope.toml"):
+        load_config(tmp_path / "nope.toml")
+
+
+def test_invalid_toml_names_file_and_position(tmp_path):
+    path = write(tmp_path, "[run]\nname = \n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(path) in str(info.value) and "line 2, column 8" in str(info.value)
+
+
+# --- errors: key path, bad value, what is allowed ---------------------------------------
+
+@pytest.mark.parametrize("data, expected", [
+    ({"optim": {"lr": "fast"}}, 'optim.lr = "fast": expected a number (float) >= 0.0'),
+    ({"data": {"batch_size": 32.5}}, "data.batch_size = 32.5: expected an integer (int) >= 1"),
+    ({"data": {"batch_size": 32.0}}, "data.batch_size = 32.0: expected an integer (int) >= 1; write 32"),
+    ({"data": {"batch_size": True}}, "data.batch_size = true: expected an integer (int) >= 1"),
+    ({"run": {"overwrite": 1}}, "run.overwrite = 1: expected true or false (bool)"),
+    ({"run": {"dir": 5}}, "run.dir = 5: expected a string (str)"),
+    ({"model": {"name": 3}}, 'model.name = 3: expected a string (str), one of "mlp", "transformer", "branchy"'),
+    ({"optim": {"lr": float("inf")}}, "optim.lr = inf: must be a finite number >= 0.0"),
+])
+def test_wrong_type(data, expected):
+    assert error_of(data).startswith(expected)
+
+
+@pytest.mark.parametrize("data, expected", [
+    ({"data": {"batch_size": 0}}, "data.batch_size = 0: must be >= 1"),
+    ({"model": {"dropout": 0.95}}, "model.dropout = 0.95: must be between 0.0 and 0.9"),
+    ({"parallel": {"world_size": 300}}, "parallel.world_size = 300: must be between 1 and 256"),
+    ({"optim": {"lr": -1}}, "optim.lr = -1.0: must be >= 0.0"),
+])
+def test_out_of_range(data, expected):
+    assert error_of(data) == expected
+
+
+def test_choices_with_and_without_suggestion():
+    assert error_of({"parallel": {"strategy": "zero"}}) == 'parallel.strategy = "zero": must be one of "ddp"'
+    assert error_of({"optim": {"name": "adamm"}}) == \
+        'optim.name = "adamm": must be one of "sgd", "adamw" (did you mean "adamw"?)'
+    assert error_of({"device": {"kind": "CUDA"}}).endswith('(did you mean "cuda"?)')
+
+
+@pytest.mark.parametrize("strategy", ["sharded", "pipeline", "param_server"])
+def test_planned_strategy_is_not_available_yet(strategy):
+    assert error_of({"parallel": {"strategy": strategy}}) == \
+        f'parallel.strategy = "{strategy}": not available yet in this version; available: "ddp"'
+
+
+def test_pattern_in_words():
+    message = error_of({"run": {"name": "my run"}})
+    assert message.startswith('run.name = "my run": must be 1 to 64 letters, digits')
+    assert "starting with a letter or digit" in message
+    assert error_of({"run": {"name": "x" * 65}}).startswith("run.name = ")
+
+
+@pytest.mark.parametrize("value", ["lots", "12 parsecs", 0, -5, 1.5, True, "0B"])
+def test_bad_size(value):
+    message = error_of({"device": {"memory": value}})
+    assert message.startswith("device.memory = ") and '"512MiB", "2GiB"' in message
+
+
+def test_unknown_key_suggests_close_match():
+    assert error_of({"optim": {"lrr": 0.1}}) == (
+        "unknown key 'optim.lrr' (did you mean 'optim.lr'?); "
+        "allowed keys in [optim]: name, lr, momentum, weight_decay, beta1, beta2, eps")
+    assert error_of({"optim": {"zzzz": 1}}).startswith("unknown key 'optim.zzzz'; allowed keys in [optim]: ")
+
+
+def test_unknown_section_suggests_close_match():
+    message = error_of({"optimm": {"lr": 0.1}})
+    assert message.startswith("unknown section 'optimm' (did you mean 'optim'?); allowed sections: run, model")
+    assert error_of({"zzzz": {}}).startswith("unknown section 'zzzz'; allowed sections: ")
+    assert "did you mean 'run.steps'?" in error_of({"steps": 5})  # a key written outside its section
+    assert error_of({"optim": 3}).startswith("optim = 3: expected a table")
+
+
+def test_unknown_key_from_override_and_file(tmp_path):
+    with pytest.raises(ConfigError, match=r"unknown key 'optim.lrr' \(did you mean 'optim.lr'\?\)"):
+        load_config(None, ["optim.lrr=0.1"])
+    with pytest.raises(ConfigError, match=r"unknown section 'optimm' \(did you mean 'optim'\?\)"):
+        load_config(write(tmp_path, "[optimm]\nlr = 0.1\n"))
+
+
+@pytest.mark.parametrize("data, expected", [
+    ({"data": {"batch_size": 50}, "parallel": {"world_size": 4}},
+     "data.batch_size = 50: must be divisible by parallel.world_size = 4 (e.g. 48 or 52)"),
+    ({"data": {"batch_size": 3}},  # world_size keeps its default, 2
+     "data.batch_size = 3: must be divisible by parallel.world_size = 2 (e.g. 2 or 4)"),
+    ({"model": {"name": "transformer", "d_model": 66}, "data": {"name": "text"}},
+     'model.d_model = 66: must be divisible by model.heads = 4 when model.name = "transformer" (e.g. 64 or 68)'),
+    ({"model": {"name": "transformer"}},
+     'model.name = "transformer": requires data.name = "text" (got data.name = "digits")'),
+    ({"data": {"name": "text"}},
+     'data.name = "text": requires model.name = "transformer" (got model.name = "mlp")'),
+    ({"model": {"name": "branchy"}, "data": {"name": "synthetic", "features": 50}},
+     'data.features = 50: must be a perfect square when model.name = "branchy" (e.g. 49 or 64)'),
+])
+def test_cross_field_rules(data, expected):
+    assert error_of(data) == expected
+
+
+def test_cross_field_rules_accept_valid_pairs():
+    config_from_dict({"model": {"name": "transformer", "d_model": 48, "heads": 6}, "data": {"name": "text"}})
+    config_from_dict({"model": {"name": "branchy"}, "data": {"name": "digits", "features": 50}})
+    config_from_dict({"model": {"name": "branchy"}, "data": {"name": "synthetic", "features": 49}})
+    config_from_dict({"model": {"d_model": 66}})  # heads only matter for the transformer
+
+
+# --- writing, docs, command line ---------------------------------------------------------
+
+def test_round_trip_through_toml(tmp_path):
+    for cfg in (Config(), load_config(write(tmp_path, FULL_TOML)), load_config(None, ["device.memory=4096"])):
+        path = tmp_path / "saved.toml"
+        save_config(cfg, path)
+        assert load_config(path) == cfg
+        assert config_from_dict(cfg.to_dict()) == cfg
+
+
+@settings(max_examples=50, deadline=None)
+@given(lr=st.floats(min_value=0.0, allow_infinity=False), steps=st.integers(1, 2**62),
+       name=st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", fullmatch=True))
+def test_round_trip_keeps_values_exactly(tmp_path_factory, lr, steps, name):
+    cfg = config_from_dict({"optim": {"lr": lr}, "run": {"steps": steps, "name": name}})
+    path = tmp_path_factory.mktemp("rt") / "cfg.toml"
+    save_config(cfg, path)
+    assert load_config(path) == cfg
+
+
+def test_docs_match_declarations():
+    docs = ROOT / "docs" / "config.md"
+    assert docs.exists() and docs.read_text() == markdown_reference(), (
+        "docs/config.md is out of date with engine/config.py; regenerate it with:\n"
+        "    python -m engine.config --markdown > docs/config.md")
+
+
+def test_reference_covers_every_key():
+    text = markdown_reference()
+    for section in dataclasses.fields(Config):
+        assert f"## [{section.name}]" in text
+        for f in dataclasses.fields(section.default_factory):
+            assert f"| `{f.name}` |" in text
+    assert "--set section.key=value" in text and "exit\nstatus 2" in text
+
+
+def test_command_line_check_exits_2_on_error(tmp_path):
+    run = [sys.executable, "-m", "engine.config"]
+    ok = subprocess.run(run + ["--set", "run.steps=5"], cwd=ROOT, capture_output=True, text=True)
+    assert ok.returncode == 0 and "steps = 5" in ok.stdout
+    bad = subprocess.run(run + ["--set", "optim.lrr=1"], cwd=ROOT, capture_output=True, text=True)
+    assert bad.returncode == 2 and "unknown key 'optim.lrr'" in bad.stderr

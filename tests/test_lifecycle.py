@@ -1,0 +1,126 @@
+"""A run's life and death: worker killed and restarted, Ctrl-C, damaged checkpoints."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+
+import pytest
+import torch
+
+from engine.checkpoint import list_checkpoints, load_file, verify
+from tests.conftest import ROOT, pid_alive, read_jsonl, wait_for
+from tests.test_training import single_process_reference
+
+DEMO = str(ROOT / "demo" / "configs" / "digits_ddp.toml")
+
+
+def steps_logged(log) -> int:
+    if not log.exists():
+        return 0
+    return max((r["step"] for r in read_jsonl(log) if r["type"] == "step"), default=0)
+
+
+def read_pid(run_dir, who: str) -> int | None:
+    path = run_dir / "pids" / f"{who}.pid"
+    return int(path.read_text()) if path.exists() and path.read_text() else None
+
+
+@pytest.mark.timeout(150)
+def test_a_worker_killed_by_sigkill_is_restarted_and_the_run_completes(cli):
+    log = cli.tmp_path / "run.jsonl"
+    run_dir = cli.tmp_path / "runs" / "killed"
+    paced = ["--set", "run.step_pause_ms=40", "--set", "checkpoint.every=10", "--set", "parallel.max_restarts=2"]
+    proc = cli.start("run", DEMO, "--headless", "--steps", "60", *cli.base_args("killed"), *paced,
+                     "--telemetry-log", str(log))
+    wait_for(lambda: steps_logged(log) >= 15, 60, "step 15")
+    victim = read_pid(run_dir, "rank1")
+    os.kill(victim, signal.SIGKILL)
+    out, err = proc.communicate(timeout=100)
+    assert proc.returncode == 0, err
+
+    records = read_jsonl(log)
+    restarts = [r for r in records if r.get("kind") == "restart"]
+    assert restarts and restarts[0]["step"] in (10, 20)     # resumed from a checkpoint, not from scratch
+    assert records[-1]["type"] == "summary" and records[-1]["steps"] == 60
+    assert records[-1]["restarts"] == 1
+    assert read_pid(run_dir, "rank1") != victim
+    assert "restart 1 of 2" in out
+    # the restarted run continued exactly: the result equals one uninterrupted computation
+    got = load_file(list_checkpoints(run_dir)[-1], "model.pt")
+    want = single_process_reference([], 60)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-5, msg=name)
+
+
+@pytest.mark.timeout(60)
+def test_sigint_to_the_launcher_stops_every_process_with_a_final_checkpoint(cli):
+    log = cli.tmp_path / "run.jsonl"
+    run_dir = cli.tmp_path / "runs" / "interrupted"
+    proc = cli.start("run", DEMO, "--headless", "--steps", "100000", *cli.base_args("interrupted"),
+                     "--set", "run.step_pause_ms=20", "--telemetry-log", str(log))
+    wait_for(lambda: steps_logged(log) >= 5, 40, "step 5")
+    pids = [read_pid(run_dir, who) for who in ("launcher", "rank0", "rank1")]
+    assert pids[0] == proc.pid and all(pids)
+    os.kill(proc.pid, signal.SIGINT)
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the launcher did not exit within 10 s of SIGINT")
+    assert proc.returncode == 128 + signal.SIGINT
+    wait_for(lambda: not any(pid_alive(p) for p in pids), 2, "every process of the run to be gone")
+    final = list_checkpoints(run_dir)[-1]
+    manifest = verify(final)
+    assert manifest["step"] >= 5
+    stops = [r for r in read_jsonl(log) if r.get("kind") == "stop"]
+    assert stops and stops[0]["step"] == manifest["step"]
+
+
+@pytest.fixture
+def finished_run(cli):
+    result = cli.run("run", DEMO, "--headless", "--steps", "10", *cli.base_args("done"),
+                     "--set", "checkpoint.every=5")
+    assert result.returncode == 0, result.stderr
+    return cli.tmp_path / "runs" / "done"
+
+
+@pytest.mark.timeout(90)
+def test_damaged_checkpoints_are_refused_naming_the_file(cli, finished_run):
+    latest = list_checkpoints(finished_run)[-1]
+
+    def resume():
+        return cli.run("run", DEMO, "--headless", "--steps", "20", *cli.base_args("done"),
+                       "--resume", str(finished_run), timeout=30)
+
+    model = latest / "model.pt"
+    data = bytearray(model.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    model.write_bytes(bytes(data))
+    r = resume()
+    assert r.returncode == 2
+    assert str(model) in r.stderr and "corrupted" in r.stderr
+
+    model.write_bytes(bytes(data[: len(data) // 3]))
+    r = resume()
+    assert r.returncode == 2 and "truncated" in r.stderr
+
+    (latest / "manifest.json").unlink()
+    r = cli.run("run", DEMO, "--headless", "--resume", str(latest), *cli.base_args("done"), timeout=30)
+    assert r.returncode == 2 and "manifest.json" in r.stderr and "incomplete" in r.stderr
+
+
+@pytest.mark.timeout(60)
+def test_a_run_directory_with_checkpoints_is_not_overwritten_silently(cli, finished_run):
+    r = cli.run("run", DEMO, "--headless", *cli.base_args("done"), timeout=30)
+    assert r.returncode == 2
+    assert "already holds checkpoints" in r.stderr and "--resume" in r.stderr
+    assert list_checkpoints(finished_run)   # nothing was deleted
+
+
+@pytest.mark.timeout(60)
+def test_resuming_onto_another_world_size_is_refused(cli, finished_run):
+    r = cli.run("run", DEMO, "--headless", *cli.base_args("done"), "--set", "parallel.world_size=4",
+                "--resume", str(finished_run), timeout=30)
+    assert r.returncode == 2
+    assert "written by 2 workers" in r.stderr and "parallel.world_size" in r.stderr

@@ -1,0 +1,92 @@
+"""Multi-process training through the CLI: accuracy, parity with one process, resume parity."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.checkpoint import list_checkpoints, load_file, verify
+from engine.config import load_config
+from engine.data import batch_for, load_dataset
+from engine.ddp import cross_entropy
+from engine.models import build_model
+from engine.optim import make_optimizer
+from tests.conftest import ROOT, read_jsonl
+
+DEMO = str(ROOT / "demo" / "configs" / "digits_ddp.toml")
+
+
+def single_process_reference(overrides: list[str], steps: int) -> dict:
+    """The same global batches, the same optimizer, one process: what every layout must equal."""
+    cfg = load_config(DEMO, overrides)
+    ds = load_dataset(cfg.data, cfg.run.seed)
+    model = build_model(cfg.model, ds.meta, cfg.run.seed)
+    opt = make_optimizer(cfg.optim, model.parameters())
+    for step in range(steps):
+        x, y = batch_for(ds, step, cfg.data.batch_size, cfg.run.seed)
+        opt.zero_grad()
+        cross_entropy(model(x), y).backward()
+        opt.step()
+    return model.state_dict()
+
+
+def final_model(run_dir) -> dict:
+    last = list_checkpoints(run_dir)[-1]
+    verify(last)
+    return load_file(last, "model.pt")
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("world", [2, 4])
+def test_digits_reaches_090_test_accuracy(cli, world):
+    log = cli.tmp_path / "run.jsonl"
+    result = cli.run("run", DEMO, "--headless", *cli.base_args(f"acc{world}"),
+                     "--set", f"parallel.world_size={world}", "--telemetry-log", str(log), timeout=120)
+    assert result.returncode == 0, result.stderr
+    summary = read_jsonl(log)[-1]
+    assert summary["type"] == "summary"
+    assert summary["steps"] == 300
+    assert summary["test_accuracy"] >= 0.9
+    assert len(summary["peak_bytes_per_rank"]) == world
+    assert "test accuracy" in result.stdout
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world,optim", [(2, "sgd"), (4, "adamw")])
+def test_ddp_parameters_equal_single_process(cli, world, optim):
+    overrides = [f"optim.name={optim}", "optim.lr=0.01"]
+    args = [f"--set={o}" for o in overrides]
+    result = cli.run("run", DEMO, "--headless", "--steps", "20", *cli.base_args("parity"),
+                     "--set", f"parallel.world_size={world}", *args)
+    assert result.returncode == 0, result.stderr
+    got = final_model(cli.tmp_path / "runs" / "parity")
+    want = single_process_reference(overrides, 20)
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-5, msg=name)
+
+
+@pytest.mark.timeout(150)
+def test_resumed_run_repeats_the_losses_of_an_uninterrupted_one(cli):
+    common = ["--set", "checkpoint.every=5", "--set", "model.dropout=0.1"]  # dropout: RNG state must resume too
+    straight = cli.tmp_path / "straight.jsonl"
+    r = cli.run("run", DEMO, "--headless", "--steps", "20", *cli.base_args("straight"), *common,
+                "--telemetry-log", str(straight))
+    assert r.returncode == 0, r.stderr
+
+    split = cli.tmp_path / "split.jsonl"
+    r = cli.run("run", DEMO, "--headless", "--steps", "10", *cli.base_args("split"), *common,
+                "--telemetry-log", str(split))
+    assert r.returncode == 0, r.stderr
+    run_dir = cli.tmp_path / "runs" / "split"
+    r = cli.run("run", DEMO, "--headless", "--steps", "20", *cli.base_args("split"), *common,
+                "--telemetry-log", str(split), "--resume", str(run_dir))
+    assert r.returncode == 0, r.stderr
+
+    def losses(path):
+        return {rec["step"]: rec["loss"] for rec in read_jsonl(path) if rec["type"] == "step"}
+    want, got = losses(straight), losses(split)
+    assert sorted(got) == list(range(1, 21))
+    assert [got[s] for s in range(11, 21)] == [want[s] for s in range(11, 21)]
+    resumes = [rec for rec in read_jsonl(split) if rec.get("kind") == "resume"]
+    assert resumes and resumes[0]["step"] == 10

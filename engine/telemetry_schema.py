@@ -1,0 +1,82 @@
+"""The telemetry log's records as JSON Schema (draft 2020-12); docs/telemetry.md describes them.
+
+Tests validate every record a run writes against RECORD_SCHEMA, so the documentation,
+the schema and the writer cannot drift apart.
+"""
+
+_BYTES = {"type": "integer", "minimum": 0}
+
+RANK_ENTRY = {
+    "type": "object",
+    "required": ["rank", "loss", "step_ms", "parameters_bytes", "gradients_bytes", "optimizer_state_bytes",
+                 "activations_bytes", "swapped_bytes", "used_bytes", "peak_bytes", "capacity_bytes",
+                 "over_capacity", "rss_bytes", "cpu_percent"],
+    "properties": {
+        "rank": {"type": "integer", "minimum": 0}, "loss": {"type": "number"},
+        "step_ms": {"type": "number", "minimum": 0},
+        **{k: _BYTES for k in ("parameters_bytes", "gradients_bytes", "optimizer_state_bytes",
+                               "activations_bytes", "swapped_bytes", "used_bytes", "peak_bytes",
+                               "capacity_bytes", "rss_bytes")},
+        "over_capacity": {"type": "boolean"}, "cpu_percent": {"type": "number", "minimum": 0},
+    },
+}
+
+_COMMON = {"schema": {"const": 1}, "time": {"type": "number"}}
+
+RUN_START = {
+    "type": "object",
+    "required": ["schema", "time", "type", "name", "strategy", "world_size", "backend", "device", "simulated",
+                 "layers", "first_step", "restart", "config"],
+    "properties": {**_COMMON, "type": {"const": "run_start"}, "name": {"type": "string"},
+                   "strategy": {"type": "string"}, "world_size": {"type": "integer", "minimum": 1},
+                   "backend": {"enum": ["gloo", "nccl"]}, "device": {"type": "string"},
+                   "simulated": {"type": "boolean"}, "layers": {"type": "array", "items": {"type": "string"}},
+                   "first_step": {"type": "integer", "minimum": 0}, "restart": {"type": "integer", "minimum": 0},
+                   "config": {"type": "object"}},
+}
+
+STEP = {
+    "type": "object",
+    "required": ["schema", "time", "type", "step", "loss", "samples_per_s", "step_ms", "ranks"],
+    "properties": {**_COMMON, "type": {"const": "step"}, "step": {"type": "integer", "minimum": 1},
+                   "loss": {"type": "number"}, "samples_per_s": {"type": "number", "minimum": 0},
+                   "step_ms": {"type": "number", "minimum": 0},
+                   "ranks": {"type": "array", "minItems": 1, "items": RANK_ENTRY}},
+}
+
+EVENT_KINDS = ["checkpoint", "restart", "resume", "eval", "memory_over_capacity", "stop"]
+EVENT = {
+    "type": "object",
+    "required": ["schema", "time", "type", "kind", "step"],
+    "properties": {**_COMMON, "type": {"const": "event"}, "kind": {"enum": EVENT_KINDS},
+                   "step": {"type": "integer", "minimum": 0}},
+    "allOf": [
+        {"if": {"properties": {"kind": {"const": "checkpoint"}}}, "then": {"required": ["path"]}},
+        {"if": {"properties": {"kind": {"const": "restart"}}}, "then": {"required": ["restart", "max_restarts"]}},
+        {"if": {"properties": {"kind": {"const": "resume"}}}, "then": {"required": ["checkpoint"]}},
+        {"if": {"properties": {"kind": {"const": "eval"}}}, "then": {"required": ["test_accuracy"]}},
+        {"if": {"properties": {"kind": {"const": "memory_over_capacity"}}},
+         "then": {"required": ["rank", "peak_bytes", "capacity_bytes"]}},
+        {"if": {"properties": {"kind": {"const": "stop"}}}, "then": {"required": ["reason"]}},
+    ],
+}
+
+SUMMARY = {
+    "type": "object",
+    "required": ["schema", "time", "type", "name", "final_loss", "test_accuracy", "steps", "wall_s",
+                 "peak_bytes_per_rank", "capacity_bytes", "simulated", "restarts", "stopped_early"],
+    "properties": {**_COMMON, "type": {"const": "summary"}, "name": {"type": "string"},
+                   "final_loss": {"type": ["number", "null"]},
+                   "test_accuracy": {"type": ["number", "null"], "minimum": 0, "maximum": 1},
+                   "steps": {"type": "integer", "minimum": 0}, "wall_s": {"type": "number", "minimum": 0},
+                   "peak_bytes_per_rank": {"type": "array", "items": _BYTES}, "capacity_bytes": _BYTES,
+                   "simulated": {"type": "boolean"}, "restarts": {"type": "integer", "minimum": 0},
+                   "stopped_early": {"type": "boolean"}},
+}
+
+RECORD_SCHEMA = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "type": "object",
+    "required": ["type"],
+    "oneOf": [RUN_START, STEP, EVENT, SUMMARY],
+}

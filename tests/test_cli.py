@@ -1,0 +1,44 @@
+"""The command line: bad configs end with exit 2 and one clear line, before any process starts."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import ROOT
+
+DEMO = str(ROOT / "demo" / "configs" / "digits_ddp.toml")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("args,words", [
+    (["--set", "optim.lrr=0.1"], ["optim.lrr", "did you mean 'optim.lr'", "allowed keys"]),
+    (["--set", "data.batch_size=\"many\""], ["data.batch_size", '"many"', "integer"]),
+    (["--set", "parallel.world_size=0"], ["parallel.world_size", "0", "between 1 and 256"]),
+    (["--set", "optim.name=adam"], ["optim.name", '"adam"', '"sgd", "adamw"']),
+    (["--set", "parallel.strategy=pipeline"], ["parallel.strategy", "not available yet", '"ddp"']),
+    (["--steps", "0"], ["run.steps", "0", ">= 1"]),
+])
+def test_bad_config_values_exit_2_naming_key_value_and_allowed(cli, args, words):
+    r = cli.run("run", DEMO, "--headless", *cli.base_args("bad"), *args, timeout=40)
+    assert r.returncode == 2
+    assert r.stderr.startswith("config error: ")
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr   # one line, no traceback
+    for word in words:
+        assert word in r.stderr
+    assert not (cli.tmp_path / "runs" / "bad").exists()        # nothing was started
+
+
+@pytest.mark.timeout(60)
+def test_missing_config_file(cli):
+    r = cli.run("run", str(cli.tmp_path / "nope.toml"), "--headless", timeout=40)
+    assert r.returncode == 2
+    assert "config file not found" in r.stderr and "nope.toml" in r.stderr
+
+
+@pytest.mark.timeout(60)
+def test_unknown_key_in_the_file(cli):
+    bad = cli.tmp_path / "bad.toml"
+    bad.write_text("[run]\nsteps = 5\nstpes = 6\n")
+    r = cli.run("run", str(bad), "--headless", timeout=40)
+    assert r.returncode == 2
+    assert "unknown key 'run.stpes' (did you mean 'run.steps'?)" in r.stderr

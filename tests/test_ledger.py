@@ -1,0 +1,80 @@
+"""The memory ledger: what it counts, when it lets go, and the capacity flag."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from engine.devices import LedgerDevice, MemoryLedger, open_device
+from engine.optim import make_optimizer
+from engine.config import OptimConfig
+
+
+def small_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def param_bytes(model):
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def test_parameters_gradients_and_optimizer_state_are_counted():
+    model = small_model()
+    opt = make_optimizer(OptimConfig(name="adamw"), model.parameters())
+    ledger = MemoryLedger(capacity_bytes=1 << 20)
+    ledger.track_module(model, opt)
+    assert ledger.bytes["parameters"] == param_bytes(model)
+    assert ledger.bytes["gradients"] == 0 and ledger.bytes["optimizer_state"] == 0
+    model(torch.randn(3, 8)).sum().backward()
+    opt.step()
+    ledger.refresh()
+    assert ledger.bytes["gradients"] == param_bytes(model)
+    # AdamW keeps two moments per parameter plus a scalar step each
+    assert ledger.bytes["optimizer_state"] >= 2 * param_bytes(model)
+
+
+def test_saved_activations_are_counted_while_alive_and_released_after_backward():
+    model = small_model()
+    ledger = MemoryLedger(capacity_bytes=1 << 20)
+    ledger.track_module(model)
+    x = torch.randn(32, 8)
+    with ledger.saved_activations():
+        out = model(x)
+        during = ledger.bytes["activations"]
+        out.sum().backward()
+    # saved: the input (32x8) and the ReLU's output (32x16), which the ReLU and the second
+    # Linear both keep (one storage, counted once); parameters are not activations
+    assert during == 4 * (32 * 8 + 32 * 16)
+    assert ledger.bytes["activations"] == 0
+    assert ledger.peak_bytes >= ledger.bytes["parameters"] + during
+
+
+def test_a_storage_saved_twice_counts_once():
+    ledger = MemoryLedger(capacity_bytes=1 << 20)
+    x = torch.randn(100, requires_grad=True)
+    with ledger.saved_activations():
+        y = x * x          # saves x twice
+    assert ledger.bytes["activations"] == 400
+    del y
+    assert ledger.bytes["activations"] == 0
+
+
+def test_going_over_capacity_is_flagged_not_hidden():
+    model = small_model()
+    device = LedgerDevice(capacity_bytes=param_bytes(model) + 100)
+    device.ledger.track_module(model)
+    assert not device.stats()["over_capacity"]
+    with device.ledger.saved_activations():
+        model(torch.randn(64, 8)).sum().backward()
+    stats = device.stats()
+    assert stats["over_capacity"] and stats["peak_bytes"] > stats["capacity_bytes"]
+    assert stats["simulated"] is True and stats["kind"] == "cpu"
+    assert stats["rss_bytes"] > 0 and "cpu_percent" in stats
+
+
+def test_auto_picks_the_cpu_ledger_without_gpus():
+    device = open_device("auto", 1 << 20, local_rank=0, local_world_size=2)
+    if not torch.cuda.is_available():
+        assert isinstance(device, LedgerDevice) and device.simulated
+        assert "simulated" in device.name

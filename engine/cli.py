@@ -12,12 +12,12 @@ parallel.max_restarts allows); 2 a bad config, command line or checkpoint
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 from importlib import resources
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 
 DEMOS = ("digits_ddp",)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -66,7 +66,7 @@ def _run(config: Path, overrides: list[str], steps: int | None, telemetry_log: P
     try:
         cfg = load_config(config, overrides)
     except ConfigError as e:
-        err.print(f"[red]config error:[/] {e}")
+        err.print(f"[red]config error:[/] {escape(str(e))}")
         return 2
 
     from engine.checkpoint import CheckpointError
@@ -76,20 +76,15 @@ def _run(config: Path, overrides: list[str], steps: int | None, telemetry_log: P
     job = Job(config=cfg, resume=resume, telemetry_log=telemetry_log, headless=headless)
     try:
         prepare_run_dir(job)
-    except CheckpointError as e:
-        err.print(f"[red]checkpoint refused:[/] {e}")
-        return 2
-    except RunSetupError as e:
-        err.print(f"[red]cannot start:[/] {e}")
-        return 2
-    try:
         launch(job)
-    except RunFailed as e:
-        err.print(f"[red]run failed:[/] {e}")
-        return 1
+    except (CheckpointError, RunSetupError, RunFailed) as e:
+        label = {CheckpointError: "checkpoint refused", RunSetupError: "cannot start",
+                 RunFailed: "run failed"}[type(e)]
+        err.print(f"[red]{label}:[/] {escape(str(e))}")
+        return 1 if isinstance(e, RunFailed) else 2
     except RunInterrupted as e:
-        err.print(f"[yellow]{e}[/]")
-        return 128 + (signal.SIGTERM if "SIGTERM" in str(e) else signal.SIGINT)
+        err.print(f"[yellow]{escape(str(e))}[/]")
+        return 128 + e.signum
     return 0
 
 

@@ -46,7 +46,7 @@ class HeadlessProgress:
         acc = summary.get("test_accuracy")
         table.add_row("test accuracy", f"{acc:.4f}" if acc is not None else "n/a")
         table.add_row("wall time", f"{summary['wall_s']:.1f} s")
-        device = "simulated (CPU ledger)" if summary.get("simulated") else "GPU"
+        device = "simulated: CPU ledger" if summary.get("simulated") else "GPU"
         for rank, peak in enumerate(summary["peak_bytes_per_rank"]):
             table.add_row(f"peak memory rank {rank}",
                           f"{format_bytes(peak)} of {format_bytes(summary['capacity_bytes'])} ({device})")

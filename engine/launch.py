@@ -37,6 +37,10 @@ class RunFailed(RuntimeError):
 class RunInterrupted(RuntimeError):
     """The launcher was told to stop (Ctrl-C, SIGTERM); workers wrote a final checkpoint."""
 
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.signum = signum
+
 
 def prepare_run_dir(job: Job) -> None:
     """Check the run directory and the checkpoint to resume before any process starts."""
@@ -79,8 +83,11 @@ def _free_port() -> int:
 def _quiet_torch_elastic() -> None:
     # The agent logs every step of a restart or shutdown with tracebacks; trainyard
     # reports those itself, in a line each.
-    for name in ("torch.distributed.elastic", "torch.multiprocessing", "torch.distributed.launcher"):
-        logging.getLogger(name).setLevel(logging.CRITICAL)
+    # Each of its modules sets its own logger's level, so every one is quietened.
+    prefixes = ("torch.distributed.elastic", "torch.multiprocessing", "torch.distributed.launcher")
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith(prefixes):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
 def launch(job: Job) -> dict | None:
@@ -103,8 +110,9 @@ def launch(job: Job) -> dict | None:
         rank, failure = e.get_first_failure()
         raise RunFailed(_describe_failure(rank, failure, cfg.parallel.max_restarts)) from None
     except SignalException as e:
-        raise RunInterrupted(f"stopped by {signal.Signals(e.sigval).name}; workers wrote a final checkpoint "
-                             f"in {cfg.run_dir / 'checkpoints'}") from None
+        saved = ckpt.list_checkpoints(cfg.run_dir)
+        where = f"latest checkpoint: {saved[-1]}" if saved else "no checkpoint was written"
+        raise RunInterrupted(f"stopped by {signal.Signals(e.sigval).name}; {where}", int(e.sigval)) from None
     return results.get(0)
 
 

@@ -245,7 +245,9 @@ class Worker:
             ckpt.write_file(staged, "optimizer.pt", self.optimizer.state_dict())
         dist.barrier(group=self.topo.side)
         if self.topo.is_first:
+            # Batches are a function of (step, seed), so the step is the whole data position.
             meta = {"name": self.cfg.run.name, "world_size": self.topo.world_size,
+                    "data_position": {"step": step, "samples_seen": step * self.cfg.data.batch_size},
                     "layout": self.strategy.layout(), "config": self.cfg.to_dict()}
             path = ckpt.finalize(self.run_dir, step, meta, keep=self.cfg.checkpoint.keep)
             self.log.event("checkpoint", step, path=str(path))

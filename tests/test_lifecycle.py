@@ -55,7 +55,8 @@ def test_a_worker_killed_by_sigkill_is_restarted_and_the_run_completes(cli):
 
 
 @pytest.mark.timeout(60)
-def test_sigint_to_the_launcher_stops_every_process_with_a_final_checkpoint(cli):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_to_the_launcher_stops_every_process_with_a_final_checkpoint(cli, sig):
     log = cli.tmp_path / "run.jsonl"
     run_dir = cli.tmp_path / "runs" / "interrupted"
     proc = cli.start("run", DEMO, "--headless", "--steps", "100000", *cli.base_args("interrupted"),
@@ -63,12 +64,12 @@ def test_sigint_to_the_launcher_stops_every_process_with_a_final_checkpoint(cli)
     wait_for(lambda: steps_logged(log) >= 5, 40, "step 5")
     pids = [read_pid(run_dir, who) for who in ("launcher", "rank0", "rank1")]
     assert pids[0] == proc.pid and all(pids)
-    os.kill(proc.pid, signal.SIGINT)
+    os.kill(proc.pid, sig)
     try:
         proc.wait(timeout=10)
     except subprocess.TimeoutExpired:
-        pytest.fail("the launcher did not exit within 10 s of SIGINT")
-    assert proc.returncode == 128 + signal.SIGINT
+        pytest.fail(f"the launcher did not exit within 10 s of {sig.name}")
+    assert proc.returncode == 128 + sig
     wait_for(lambda: not any(pid_alive(p) for p in pids), 2, "every process of the run to be gone")
     final = list_checkpoints(run_dir)[-1]
     manifest = verify(final)
@@ -124,3 +125,24 @@ def test_resuming_onto_another_world_size_is_refused(cli, finished_run):
                 "--resume", str(finished_run), timeout=30)
     assert r.returncode == 2
     assert "written by 2 workers" in r.stderr and "parallel.world_size" in r.stderr
+
+
+@pytest.mark.timeout(120)
+def test_a_hung_peer_becomes_an_error_within_the_collective_timeout(cli):
+    log = cli.tmp_path / "run.jsonl"
+    run_dir = cli.tmp_path / "runs" / "hung"
+    proc = cli.start("run", DEMO, "--headless", "--steps", "100000", *cli.base_args("hung"),
+                     "--set", "run.step_pause_ms=20", "--set", "parallel.collective_timeout_s=3",
+                     "--set", "parallel.max_restarts=0", "--telemetry-log", str(log))
+    wait_for(lambda: steps_logged(log) >= 3, 40, "step 3")
+    pids = [read_pid(run_dir, who) for who in ("rank0", "rank1")]
+    os.kill(pids[1], signal.SIGSTOP)          # alive but silent: only a timeout can notice
+    try:
+        # the collective times out after 3 s; the agent then gives the silent peer
+        # torch's fixed 30 s grace before SIGKILL
+        out, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("a hung peer hung the run")
+    assert proc.returncode == 1
+    assert "run failed: worker rank 0" in err and "Timed out" in err and "parallel.max_restarts" in err
+    wait_for(lambda: not any(pid_alive(p) for p in pids), 5, "the workers to be gone")

@@ -15,11 +15,26 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine.config import Config, ConfigError, config_from_dict, load_config
-from engine.data import Dataset, tensor_dataset
-from engine.models import Block, LayerList
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.config import Config
+    from engine.data import Dataset
+    from engine.models import LayerList
 
 __all__ = ["train", "Config", "ConfigError", "load_config", "LayerList", "Block", "Dataset", "tensor_dataset"]
+
+# Imported on first use, so that `engine.protocol` (what consoles import) pulls in no torch.
+_LAZY = {"Config": "engine.config", "ConfigError": "engine.config", "load_config": "engine.config",
+         "config_from_dict": "engine.config", "Dataset": "engine.data", "tensor_dataset": "engine.data",
+         "LayerList": "engine.models", "Block": "engine.models"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'engine' has no attribute {name!r}")
 
 
 def train(config: Config | dict | str | Path, *, model: LayerList | None = None, data: Dataset | None = None,
@@ -31,7 +46,9 @@ def train(config: Config | dict | str | Path, *, model: LayerList | None = None,
     `model` replaces `[model]`, `data` replaces `[data]`; both are pickled to every worker,
     so they must be picklable (define their classes at module level).
     """
+    from engine.config import Config, load_config
     from engine.launch import launch, prepare_run_dir
+    from engine.models import LayerList
     from engine.worker import Job
 
     if isinstance(config, Config):

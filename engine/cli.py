@@ -3,10 +3,13 @@
     trainyard run CONFIG.toml [--headless] [--steps N] [--set section.key=value ...]
                   [--telemetry-log PATH] [--resume CHECKPOINT_OR_RUN_DIR]
     trainyard demo [NAME]
+    trainyard runs
+    trainyard ctl RUN COMMAND [ARGS ...]
 
 Exit status: 0 done; 1 the run failed (workers died more often than
 parallel.max_restarts allows); 2 a bad config, command line or checkpoint
 (nothing was started); 128+N stopped by signal N after the final checkpoint.
+`ctl`: 0 applied, 1 rejected, 2 a bad command or no such run.
 """
 
 from __future__ import annotations
@@ -36,11 +39,28 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--telemetry-log", type=Path, help="JSON-lines telemetry log (docs/telemetry.md)")
     run.add_argument("--resume", type=Path, metavar="DIR",
                      help="a checkpoint folder, or a run directory (its latest checkpoint)")
+    run.add_argument("--listen", metavar="tcp://127.0.0.1:PORT",
+                     help="also serve consoles on loopback TCP (token in the run's token file)")
 
     demo = sub.add_parser("demo", help="run a ready-made demo")
     demo.add_argument("name", nargs="?", default=DEMOS[0], choices=DEMOS)
     demo.add_argument("--steps", type=int, help="override run.steps")
+
+    sub.add_parser("runs", help="list the live runs on this machine")
+
+    ctl = sub.add_parser("ctl", help="send one command to a live run",
+                         description="Commands: " + "; ".join(_usages()))
+    ctl.add_argument("run", help="run name, socket path, or tcp://127.0.0.1:PORT")
+    ctl.add_argument("ctl_command", metavar="COMMAND")
+    ctl.add_argument("args", nargs="*", metavar="ARG")
+    ctl.add_argument("--token-file", type=Path, help="token file of a TCP hub")
+    ctl.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the reply")
     return parser
+
+
+def _usages() -> list[str]:
+    from engine.protocol import COMMANDS, usage
+    return [usage(name) for name in COMMANDS]
 
 
 def demo_config(name: str) -> Path:
@@ -49,11 +69,17 @@ def demo_config(name: str) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command in ("runs", "ctl"):
+        from engine import ctl
+        if args.command == "runs":
+            return ctl.runs()
+        return ctl.ctl(args.run, args.ctl_command, args.args, args.token_file, args.timeout)
     if args.command == "demo":
         return _run(demo_config(args.name), ["run.overwrite=true"], args.steps, None, None, headless=True)
     if not args.headless:
         err.print("note: the live console is not part of this version yet; running headless")
-    return _run(Path(args.config), args.overrides, args.steps, args.telemetry_log, args.resume, headless=True)
+    overrides = args.overrides + ([f"telemetry.listen={args.listen}"] if args.listen else [])
+    return _run(Path(args.config), overrides, args.steps, args.telemetry_log, args.resume, headless=True)
 
 
 def _run(config: Path, overrides: list[str], steps: int | None, telemetry_log: Path | None,

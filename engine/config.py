@@ -166,6 +166,13 @@ class TelemetryConfig:
 
     log: str = setting("", "JSON-lines telemetry log path (`--telemetry-log` sets it too); empty: "
                            "`<run dir>/telemetry.jsonl`.")
+    hub: bool = setting(True, "Serve live telemetry and commands on a Unix socket in the per-user runtime "
+                              "directory (docs/protocol.md), for `trainyard console`, `runs` and `ctl`.")
+    listen: str = setting("", "Also serve on loopback TCP, `tcp://127.0.0.1:PORT` (0: any free port); clients "
+                              "then need the token from the run's token file. Only loopback addresses.")
+    queue_len: int = setting(256, "Messages queued per console; a slower console loses the oldest (and is "
+                                  "told how many), training never waits for it.", min=1)
+    layer_every: int = setting(10, "Time every layer's forward and backward every N steps (0: never).", min=0)
 
 
 @dataclass

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import ipaddress
 import math
 import re
 import tomllib
@@ -243,4 +244,23 @@ def heads_split_width(cfg: Config) -> str | None:
     return None
 
 
-CROSS_CHECKS = [model_matches_data, branchy_has_square_images, batch_splits_over_ranks, heads_split_width]
+def listen_is_loopback(cfg: Config) -> str | None:
+    """`telemetry.listen` is empty or `tcp://HOST:PORT` with a loopback HOST (127.0.0.1, ::1, localhost)."""
+    listen = cfg.telemetry.listen
+    if not listen:
+        return None
+    m = re.fullmatch(r"tcp://(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.-]+):(\d{1,5})", listen)
+    if not m or int(m.group(2)) > 65535:
+        return f'telemetry.listen = {show(listen)}: expected "tcp://127.0.0.1:PORT" (PORT 0 to 65535)'
+    host = m.group(1).strip("[]")
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback:
+        return (f"telemetry.listen = {show(listen)}: only loopback addresses (127.0.0.1, [::1], localhost) "
+                f"are allowed; reach a remote run through an SSH tunnel")
+    return None
+
+
+CROSS_CHECKS = [listen_is_loopback, model_matches_data, branchy_has_square_images, batch_splits_over_ranks, heads_split_width]

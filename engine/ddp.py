@@ -2,19 +2,28 @@
 
     strategy = DDPStrategy(model, optimizer, topo, device)
     loss = strategy.train_step(x, y)      # forward, backward (all-reduce inside), optimizer step
+    strategy.timings                      # fwd_ms, bwd_ms, optim_ms of that step
+    strategy.stream_stats()               # the one communicator: bytes, busy time, in flight
 
 Each rank runs its slice of the global batch; DDP averages gradients, so a step
-equals a single-process step on the whole global batch.
+equals a single-process step on the whole global batch. A communication hook
+around DDP's own all-reduce measures the traffic without changing it.
 """
 
 from __future__ import annotations
 
+import threading
+import time
+
 import torch
 import torch.nn.functional as F
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from engine.devices import LedgerDevice
 from engine.topology import Topology
+
+COMMANDS = ("pause", "resume", "stop", "checkpoint")   # what an operator can do in this mode
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -22,8 +31,36 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
+class CommMeter:
+    """Bytes and busy time of one communicator, from launch to completion of each operation."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.bytes = 0
+        self.busy_ms = 0.0
+        self.in_flight = 0
+
+    def started(self, nbytes: int) -> float:
+        with self._lock:
+            self.in_flight += 1
+            self.bytes += nbytes
+        return time.perf_counter()
+
+    def finished(self, t0: float) -> None:
+        with self._lock:
+            self.in_flight -= 1
+            self.busy_ms += (time.perf_counter() - t0) * 1000
+
+    def take(self) -> dict:
+        with self._lock:
+            out = {"bytes": self.bytes, "busy_ms": self.busy_ms, "in_flight": self.in_flight}
+            self.bytes, self.busy_ms = 0, 0.0
+        return out
+
+
 class DDPStrategy:
     name = "ddp"
+    commands = COMMANDS
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, topo: Topology,
                  device: LedgerDevice, loss_fn=cross_entropy):
@@ -31,16 +68,39 @@ class DDPStrategy:
         ids = [device.torch_device.index] if device.kind == "cuda" else None
         # DDP broadcasts rank 0's parameters here, so every rank starts from the same weights.
         self.ddp = DistributedDataParallel(model, device_ids=ids, process_group=topo.compute)
+        self.meter = CommMeter()
+        self.ddp.register_comm_hook(topo.compute, self._metered_allreduce)
+        self.timings = {"fwd_ms": 0.0, "bwd_ms": 0.0, "optim_ms": 0.0}
+
+    def _metered_allreduce(self, group, bucket):
+        buffer = bucket.buffer()
+        t0 = self.meter.started(buffer.numel() * buffer.element_size())
+
+        def done(fut):
+            self.meter.finished(t0)
+            return fut.value()[0] if isinstance(fut.value(), list) else fut.value()
+        return default_hooks.allreduce_hook(group, bucket).then(done)
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         x, y = x.to(self.device.torch_device), y.to(self.device.torch_device)
         self.optimizer.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
         with self.device.ledger.saved_activations():
             loss = self.loss_fn(self.ddp(x), y)
+            t1 = time.perf_counter()
             loss.backward()
+        t2 = time.perf_counter()
         self.optimizer.step()
+        t3 = time.perf_counter()
+        self.timings = {"fwd_ms": (t1 - t0) * 1000, "bwd_ms": (t2 - t1) * 1000, "optim_ms": (t3 - t2) * 1000}
         self.device.ledger.refresh()
         return loss.item()
+
+    def stream_stats(self, step_ms: float) -> list[dict]:
+        taken = self.meter.take()
+        busy = min(taken["busy_ms"] / step_ms, 1.0) if step_ms > 0 else 0.0
+        return [{"stream": 0, "bytes": taken["bytes"], "busy_ms": round(taken["busy_ms"], 3),
+                 "busy_fraction": round(busy, 4), "in_flight": taken["in_flight"]}]
 
     def layout(self) -> dict:
         return {"strategy": self.name}

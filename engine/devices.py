@@ -40,6 +40,8 @@ class MemoryLedger:
         self._modules: list[torch.nn.Module] = []
         self._optimizers: list[torch.optim.Optimizer] = []
         self._saved: dict[int, list] = {}   # storage pointer -> [bytes, references]
+        self.current_layer: str | None = None          # set by the layer profiler during forward
+        self.activations_by_layer: dict[str, int] = {}  # bytes first saved while that layer ran
 
     # --- what the engine holds -------------------------------------------------
     def track_module(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
@@ -105,6 +107,9 @@ class MemoryLedger:
                     nbytes = t.untyped_storage().nbytes()
                     self._saved[ptr] = [nbytes, 1]
                     self.bytes["activations"] += nbytes
+                    if self.current_layer is not None:
+                        layer = self.current_layer
+                        self.activations_by_layer[layer] = self.activations_by_layer.get(layer, 0) + nbytes
                     self._note_peak()
                 else:
                     entry[1] += 1

@@ -26,11 +26,12 @@ class TelemetryLog:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = open(self.path, "a", buffering=1)   # line-buffered: a crash loses no whole line
 
-    def write(self, record: dict) -> None:
-        if self._file is None:
-            return
+    def write(self, record: dict) -> dict:
+        """Stamp the record with the schema version and the time, append it, return it."""
         record = {"schema": SCHEMA_VERSION, "time": round(time.time(), 3), **record}
-        self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
+        if self._file is not None:
+            self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
+        return record
 
     def event(self, kind: str, step: int, **fields) -> None:
         self.write({"type": "event", "kind": kind, "step": step, **fields})

@@ -8,17 +8,38 @@ _BYTES = {"type": "integer", "minimum": 0}
 
 RANK_ENTRY = {
     "type": "object",
-    "required": ["rank", "loss", "step_ms", "parameters_bytes", "gradients_bytes", "optimizer_state_bytes",
+    "required": ["rank", "loss", "step_ms", "fwd_ms", "bwd_ms", "optim_ms", "wait_ms", "parameters_bytes", "gradients_bytes", "optimizer_state_bytes",
                  "activations_bytes", "swapped_bytes", "used_bytes", "peak_bytes", "capacity_bytes",
                  "over_capacity", "rss_bytes", "cpu_percent"],
     "properties": {
         "rank": {"type": "integer", "minimum": 0}, "loss": {"type": "number"},
-        "step_ms": {"type": "number", "minimum": 0},
+        **{k: {"type": "number", "minimum": 0} for k in ("step_ms", "fwd_ms", "bwd_ms", "optim_ms", "wait_ms")},
         **{k: _BYTES for k in ("parameters_bytes", "gradients_bytes", "optimizer_state_bytes",
                                "activations_bytes", "swapped_bytes", "used_bytes", "peak_bytes",
                                "capacity_bytes", "rss_bytes")},
         "over_capacity": {"type": "boolean"}, "cpu_percent": {"type": "number", "minimum": 0},
     },
+}
+
+TIME_SPLIT = {
+    "type": "object", "required": ["compute_ms", "comm_ms", "wait_ms"],
+    "properties": {k: {"type": "number", "minimum": 0} for k in ("compute_ms", "comm_ms", "wait_ms")},
+}
+
+STREAM = {
+    "type": "object", "required": ["stream", "bytes", "busy_ms", "busy_fraction", "in_flight"],
+    "properties": {"stream": {"type": "integer", "minimum": 0}, "bytes": _BYTES,
+                   "busy_ms": {"type": "number", "minimum": 0},
+                   "busy_fraction": {"type": "number", "minimum": 0, "maximum": 1},
+                   "in_flight": {"type": "integer", "minimum": 0}},
+}
+
+LAYER = {
+    "type": "object", "required": ["name", "fwd_ms", "bwd_ms", "activation_bytes"],
+    "properties": {"name": {"type": "string"}, "fwd_ms": {"type": "number", "minimum": 0},
+                   "bwd_ms": {"type": "number", "minimum": 0}, "activation_bytes": _BYTES,
+                   "owner_rank": {"type": "integer"}, "stage": {"type": "integer"},
+                   "policy": {"enum": ["keep", "swap", "recompute"]}, "placement": {"enum": ["device", "host"]}},
 }
 
 _COMMON = {"schema": {"const": 1}, "time": {"type": "number"}}
@@ -41,10 +62,12 @@ STEP = {
     "properties": {**_COMMON, "type": {"const": "step"}, "step": {"type": "integer", "minimum": 1},
                    "loss": {"type": "number"}, "samples_per_s": {"type": "number", "minimum": 0},
                    "step_ms": {"type": "number", "minimum": 0},
-                   "ranks": {"type": "array", "minItems": 1, "items": RANK_ENTRY}},
+                   "ranks": {"type": "array", "minItems": 1, "items": RANK_ENTRY},
+                   "time_split": TIME_SPLIT, "streams": {"type": "array", "items": STREAM},
+                   "layers": {"type": "array", "items": LAYER}},
 }
 
-EVENT_KINDS = ["checkpoint", "restart", "resume", "eval", "memory_over_capacity", "stop"]
+EVENT_KINDS = ["checkpoint", "restart", "resume", "eval", "memory_over_capacity", "stop", "command"]
 EVENT = {
     "type": "object",
     "required": ["schema", "time", "type", "kind", "step"],
@@ -58,6 +81,9 @@ EVENT = {
         {"if": {"properties": {"kind": {"const": "memory_over_capacity"}}},
          "then": {"required": ["rank", "peak_bytes", "capacity_bytes"]}},
         {"if": {"properties": {"kind": {"const": "stop"}}}, "then": {"required": ["reason"]}},
+        {"if": {"properties": {"kind": {"const": "command"}}},
+         "then": {"required": ["name", "args", "status"],
+                  "properties": {"status": {"enum": ["applied", "rejected"]}}}},
     ],
 }
 

@@ -23,19 +23,17 @@ import torch.distributed as dist
 
 from engine import checkpoint as ckpt
 from engine.config import Config
+from engine.control import COLUMN, encode_commands, exchange, rank_rows, share_commands
 from engine.data import Dataset, batch_for, load_dataset
-from engine.ddp import DDPStrategy, cross_entropy
+from engine.ddp import DDPStrategy
 from engine.devices import open_device
-from engine.headless import HeadlessProgress
 from engine.models import LayerList, build_model
 from engine.optim import make_optimizer
-from engine.telemetry_log import TelemetryLog
+from engine.profiler import LayerProfiler
+from engine.telemetry import Telemetry
 from engine.topology import Topology
 
-# The boundary vector: one float64 per field, gathered from every rank each step.
-FIELDS = ("stop", "loss", "step_ms", "parameters_bytes", "gradients_bytes", "optimizer_state_bytes",
-          "activations_bytes", "swapped_bytes", "used_bytes", "peak_bytes", "capacity_bytes",
-          "over_capacity", "rss_bytes", "cpu_percent")
+PAUSED_POLL_S = 0.1   # how often paused ranks meet at the boundary to hear "resume" or "stop"
 
 
 @dataclass
@@ -48,6 +46,12 @@ class Job:
     telemetry_log: Path | None = None
     headless: bool = True
     launched_at: float = 0.0
+
+    def log_path(self) -> Path:
+        if self.telemetry_log:
+            return Path(self.telemetry_log)
+        log = self.config.telemetry.log
+        return Path(log) if log else self.config.run_dir / "telemetry.jsonl"
 
 
 class StopRequest:
@@ -71,9 +75,13 @@ def worker_main(job: Job) -> dict | None:
     stop = StopRequest()
     cfg = job.config
     topo = Topology.from_env(cfg.parallel.backend, cfg.device.kind, cfg.parallel.collective_timeout_s)
+    worker = None
     try:
-        return Worker(job, topo, stop).run()
+        worker = Worker(job, topo, stop)
+        return worker.run()
     except Exception as e:
+        if worker is not None:   # consoles hear why, and the socket and registry entry go away
+            worker.tel.close(f"run failed ({type(e).__name__}: {e})")
         if stop.requested:   # being shut down and a peer already left: nothing more to save
             print(f"trainyard: rank {topo.rank} stopped ({type(e).__name__} after a peer left)",
                   file=sys.stderr, flush=True)
@@ -105,26 +113,32 @@ class Worker:
         self.model = model.to(self.device.torch_device)
         self.optimizer = make_optimizer(cfg.optim, self.model.parameters())
         self.device.ledger.track_module(self.model, self.optimizer)
+        self.resumed_from = None
         self.first_step = self._resume()
         if self.first_step == 0:   # dropout streams differ per rank, reproducible from the seed
             torch.manual_seed(cfg.run.seed + 1000 * topo.rank)
         self.strategy = DDPStrategy(self.model, self.optimizer, topo, self.device)
+        self.profiler = LayerProfiler(self.model, self.device.ledger) if cfg.telemetry.layer_every else None
 
-        self.log = TelemetryLog(self._log_path() if topo.is_first else None)
-        self.progress = None
+        self.tel = Telemetry.open(job, self._hello(), topo.is_first, self.first_step)
         self.peak_bytes = [0] * topo.world_size
         self.over_reported: set[int] = set()
+        self.paused = False
+        self.stop_reason: str | None = None
+        self.wait_ms = 0.0
 
-    def _log_path(self) -> Path:
-        if self.job.telemetry_log:
-            return Path(self.job.telemetry_log)
-        return Path(self.cfg.telemetry.log) if self.cfg.telemetry.log else self.run_dir / "telemetry.jsonl"
+    def _hello(self) -> dict:
+        cfg = self.cfg
+        return {"run": cfg.run.name, "mode": cfg.parallel.strategy, "world_size": self.topo.world_size,
+                "backend": self.topo.backend, "device": self.device.name, "simulated": self.device.simulated,
+                "layers": list(getattr(self.model, "names", [])), "layout": self.strategy.layout(),
+                "capabilities": list(self.strategy.commands), "steps": cfg.run.steps, "config": cfg.to_dict()}
 
     # --- resume -----------------------------------------------------------------
     def _resume(self) -> int:
-        source, note = self.job.resume, None
+        source = self.job.resume
         if self.restart > 0:
-            source, note = self._latest_valid_checkpoint() or (self.job.resume, None)
+            source = self._latest_valid_checkpoint() or self.job.resume
         if source is None:
             return 0
         manifest = ckpt.verify(source)
@@ -139,99 +153,131 @@ class Worker:
         if self.device.kind == "cuda" and "cuda" in rng:
             torch.cuda.set_rng_state(rng["cuda"])
         self.device.ledger.refresh()
-        self.resumed_from, self.resume_note = source, note
+        self.resumed_from = source
         return int(manifest["step"])
 
-    def _latest_valid_checkpoint(self):
+    def _latest_valid_checkpoint(self) -> Path | None:
         for candidate in reversed(ckpt.list_checkpoints(self.run_dir)):
             try:
                 ckpt.verify(candidate)
-                return candidate, None
+                return candidate
             except ckpt.CheckpointError as e:
                 print(f"trainyard: skipping a damaged checkpoint: {e}", file=sys.stderr, flush=True)
         return None
 
     # --- the loop ---------------------------------------------------------------
     def run(self) -> dict | None:
-        cfg, rank = self.cfg, self.topo.rank
+        cfg, rank, world = self.cfg, self.topo.rank, self.topo.world_size
         self._announce()
         step, loss = self.first_step, None
         last = time.perf_counter()
-        while step < cfg.run.steps:
-            x, y = batch_for(self.data, step, cfg.data.batch_size, cfg.run.seed, rank, self.topo.world_size)
-            t0 = time.perf_counter()
-            local_loss = self.strategy.train_step(x, y)
-            step_ms = (time.perf_counter() - t0) * 1000
-            step += 1
-            table = self._boundary(local_loss, step_ms)
-            now = time.perf_counter()
-            loss = float(table[:, FIELDS.index("loss")].mean())
-            self._report(step, loss, table, cfg.data.batch_size / max(now - last, 1e-9))
-            last = now
-            if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step < cfg.run.steps:
-                self._save(step)
-            if cfg.run.eval_every and step % cfg.run.eval_every == 0 and self.topo.is_first:
-                self.log.event("eval", step, test_accuracy=self.evaluate())
-            if table[:, 0].max() > 0:
-                return self._finish(step, loss, stopped_early=True)
-            if cfg.run.step_pause_ms:
+        while True:
+            trained, local_loss, layers = False, 0.0, None
+            if not self.paused and step < cfg.run.steps:
+                x, y = batch_for(self.data, step, cfg.data.batch_size, cfg.run.seed, rank, world)
+                profile = self._profile_due(step)
+                if profile:
+                    self.profiler.arm()
+                t0 = time.perf_counter()
+                local_loss = self.strategy.train_step(x, y)
+                step_ms = (time.perf_counter() - t0) * 1000
+                layers = self.profiler.finish() if profile else None
+                step, trained = step + 1, True
+            payload = encode_commands(self.tel.take_commands())
+            t_wait = time.perf_counter()
+            table = exchange(self.topo, {"stop": float(self.stop.requested), "command_bytes": len(payload),
+                                         "loss": local_loss, "step_ms": step_ms if trained else 0.0,
+                                         "wait_ms": self.wait_ms, **self.strategy.timings,
+                                         **self.device.stats()})
+            commands = share_commands(self.topo, payload, table)
+            self.wait_ms = (time.perf_counter() - t_wait) * 1000
+            if trained:
+                now = time.perf_counter()
+                loss = float(table[:, COLUMN["loss"]].mean())
+                self._report(step, loss, table, cfg.data.batch_size / max(now - last, 1e-9), layers)
+                last = now
+                if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step < cfg.run.steps:
+                    self._save(step)
+                if cfg.run.eval_every and step % cfg.run.eval_every == 0 and self.topo.is_first:
+                    self.tel.event("eval", step, test_accuracy=self.evaluate())
+            for command in commands:
+                self._apply(command, step)
+            if table[:, COLUMN["stop"]].max() > 0 and self.stop_reason is None:
+                self.stop_reason = f"signal {self.stop.signal or 'on another rank'}"
+            if self.stop_reason or step >= cfg.run.steps:
+                return self._finish(step, loss)
+            if self.paused:
+                time.sleep(PAUSED_POLL_S)
+                last = time.perf_counter()
+            elif cfg.run.step_pause_ms:
                 time.sleep(cfg.run.step_pause_ms / 1000)
-        return self._finish(step, loss, stopped_early=False)
 
-    def _boundary(self, local_loss: float, step_ms: float) -> torch.Tensor:
-        stats = self.device.stats()
-        mine = torch.tensor([float(self.stop.requested), local_loss, step_ms] +
-                            [float(stats[k]) for k in FIELDS[3:]], dtype=torch.float64)
-        gathered = [torch.empty_like(mine) for _ in range(self.topo.world_size)]
-        dist.all_gather(gathered, mine, group=self.topo.side)
-        return torch.stack(gathered)
+    def _profile_due(self, step: int) -> bool:
+        every = self.cfg.telemetry.layer_every
+        return bool(self.profiler) and self.topo.is_first and (step == self.first_step or (step + 1) % every == 0)
 
-    def _report(self, step: int, loss: float, table: torch.Tensor, samples_per_s: float) -> None:
+    def _apply(self, command: dict, step: int) -> None:
+        """Every rank runs this for the same commands at the same boundary."""
+        name = command["name"]
+        if name in ("pause", "resume"):
+            self.paused = name == "pause"
+            self.tel.update_state(paused=self.paused)
+        elif name == "checkpoint":
+            self._save(step)
+        elif name == "stop":
+            self.stop_reason = "command"
+        else:   # the hub rejects these in this mode; a command from elsewhere gets the same answer
+            self.tel.reply(command, "rejected", reason=f"{name} is not available in mode {self.cfg.parallel.strategy}")
+            return
+        if name != "stop":   # a stop is answered once its final checkpoint is written
+            self.tel.reply(command, "applied", step=step)
+        else:
+            self.stop_command = command
+
+    def _report(self, step: int, loss: float, table: torch.Tensor, samples_per_s: float, layers) -> None:
         if not self.topo.is_first:
             return
-        ranks = []
-        for r, row in enumerate(table.tolist()):
-            entry = {"rank": r, **{k: (bool(v) if k == "over_capacity" else v) for k, v in zip(FIELDS[1:], row[1:])}}
-            for k in entry:
-                if k.endswith("_bytes"):
-                    entry[k] = int(entry[k])
+        ranks = rank_rows(table)
+        for entry in ranks:
+            r = entry["rank"]
             self.peak_bytes[r] = max(self.peak_bytes[r], entry["peak_bytes"])
             if entry["over_capacity"] and r not in self.over_reported:
                 self.over_reported.add(r)
-                self.log.event("memory_over_capacity", step, rank=r, peak_bytes=entry["peak_bytes"],
+                self.tel.event("memory_over_capacity", step, rank=r, peak_bytes=entry["peak_bytes"],
                                capacity_bytes=entry["capacity_bytes"])
-                self._note(f"[yellow]warning:[/] rank {r} went over its device capacity "
-                           f"({entry['peak_bytes']} > {entry['capacity_bytes']} bytes)")
-            ranks.append(entry)
-        self.log.write({"type": "step", "step": step, "loss": loss, "samples_per_s": samples_per_s,
-                        "step_ms": float(table[:, 2].max()), "ranks": ranks})
-        if self.progress:
-            self.progress.update(step, loss, samples_per_s)
+                self.tel.note(f"[yellow]warning:[/] rank {r} went over its device capacity "
+                              f"({entry['peak_bytes']} > {entry['capacity_bytes']} bytes)")
+        me = ranks[0]
+        step_ms = max(e["step_ms"] for e in ranks)
+        record = {"step": step, "loss": loss, "samples_per_s": samples_per_s, "step_ms": step_ms, "ranks": ranks,
+                  "time_split": {"compute_ms": round(me["fwd_ms"] + me["bwd_ms"] + me["optim_ms"], 4),
+                                 "comm_ms": 0.0, "wait_ms": me["wait_ms"]},
+                  "streams": self.strategy.stream_stats(me["step_ms"])}
+        record["time_split"]["comm_ms"] = sum(s["busy_ms"] for s in record["streams"])
+        if layers is not None:
+            record["layers"] = layers
+            self.tel.update_state(layers=layers)
+        self.tel.update_state(step=step)
+        self.tel.step(record)
 
     def _announce(self) -> None:
+        self.tel.update_state(step=self.first_step, steps=self.cfg.run.steps, paused=False)
         if not self.topo.is_first:
             return
         cfg = self.cfg
-        self.log.write({"type": "run_start", "name": cfg.run.name, "strategy": cfg.parallel.strategy,
-                        "world_size": self.topo.world_size, "backend": self.topo.backend,
-                        "device": self.device.name, "simulated": self.device.simulated,
-                        "layers": list(getattr(self.model, "names", [])), "first_step": self.first_step,
-                        "restart": self.restart, "config": cfg.to_dict()})
+        self.tel._write({"type": "run_start", "name": cfg.run.name, "strategy": cfg.parallel.strategy,
+                         "world_size": self.topo.world_size, "backend": self.topo.backend,
+                         "device": self.device.name, "simulated": self.device.simulated,
+                         "layers": list(getattr(self.model, "names", [])), "first_step": self.first_step,
+                         "restart": self.restart, "config": cfg.to_dict()})
         if self.restart:
-            self.log.event("restart", self.first_step, restart=self.restart, max_restarts=cfg.parallel.max_restarts)
+            self.tel.event("restart", self.first_step, restart=self.restart, max_restarts=cfg.parallel.max_restarts)
+            self.tel.note(f"[yellow]restart {self.restart} of {cfg.parallel.max_restarts}:[/] a worker failed; "
+                          f"resumed from step {self.first_step}")
         if self.first_step:
-            self.log.event("resume", self.first_step, checkpoint=str(self.resumed_from))
-        if self.job.headless:
-            self.progress = HeadlessProgress(cfg.run.name, cfg.run.steps, self.first_step)
-            if self.restart:
-                self._note(f"[yellow]restart {self.restart} of {cfg.parallel.max_restarts}:[/] a worker failed; "
-                           f"resumed from step {self.first_step}")
-            elif self.first_step:
-                self._note(f"resumed from {self.resumed_from} at step {self.first_step}")
-
-    def _note(self, text: str) -> None:
-        if self.progress:
-            self.progress.note(text)
+            self.tel.event("resume", self.first_step, checkpoint=str(self.resumed_from))
+            if not self.restart:
+                self.tel.note(f"resumed from {self.resumed_from} at step {self.first_step}")
 
     # --- checkpoints, evaluation, the end ----------------------------------------
     def _save(self, step: int) -> None:
@@ -250,7 +296,7 @@ class Worker:
                     "data_position": {"step": step, "samples_seen": step * self.cfg.data.batch_size},
                     "layout": self.strategy.layout(), "config": self.cfg.to_dict()}
             path = ckpt.finalize(self.run_dir, step, meta, keep=self.cfg.checkpoint.keep)
-            self.log.event("checkpoint", step, path=str(path))
+            self.tel.event("checkpoint", step, path=str(path))
         dist.barrier(group=self.topo.side)
 
     @torch.no_grad()
@@ -269,23 +315,23 @@ class Worker:
         self.model.train()
         return correct / total
 
-    def _finish(self, step: int, loss: float | None, stopped_early: bool) -> dict | None:
+    def _finish(self, step: int, loss: float | None) -> dict | None:
+        stopped_early = step < self.cfg.run.steps
         if step > self.first_step or stopped_early:
             self._save(step)
         if not self.topo.is_first:
             return None
-        summary = {"type": "summary", "name": self.cfg.run.name, "final_loss": loss,
-                   "test_accuracy": self.evaluate(), "steps": step,
+        if stopped_early:
+            self.tel.event("stop", step, reason=self.stop_reason)
+        if getattr(self, "stop_command", None):
+            self.tel.reply(self.stop_command, "applied", step=step)
+        summary = {"name": self.cfg.run.name, "final_loss": loss, "test_accuracy": self.evaluate(), "steps": step,
                    "wall_s": time.time() - (self.job.launched_at or time.time()),
                    "peak_bytes_per_rank": self.peak_bytes, "capacity_bytes": self.cfg.capacity_bytes,
                    "simulated": self.device.simulated, "restarts": self.restart, "stopped_early": stopped_early}
-        if stopped_early:
-            self.log.event("stop", step, reason=f"signal {self.stop.signal}" if self.stop.requested else "command")
-        self.log.write(summary)
-        self.log.close()
-        if self.progress:
-            self.progress.finish(summary)
-        return summary
+        self.tel.summary(summary)
+        self.tel.close("run stopped" if stopped_early else "run finished")
+        return {"type": "summary", **summary}
 
 
 def main(argv: list[str] | None = None) -> None:

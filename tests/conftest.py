@@ -9,8 +9,10 @@ from __future__ import annotations
 import json
 import os
 import signal
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -34,15 +36,17 @@ def pid_alive(pid: int) -> bool:
 
 
 class CLI:
-    def __init__(self, tmp_path: Path):
+    def __init__(self, tmp_path: Path, runtime_dir: Path):
         self.tmp_path = tmp_path
+        self.runtime_dir = runtime_dir   # where this test's runs put their sockets
         self.procs: list[subprocess.Popen] = []
 
     def base_args(self, name: str) -> list[str]:
         return ["--set", f"run.dir={self.tmp_path / 'runs'}", "--set", f"run.name={name}"]
 
     def start(self, *args: str) -> subprocess.Popen:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "COLUMNS": "120"}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "COLUMNS": "120",
+               "TRAINYARD_RUNTIME_DIR": str(self.runtime_dir)}
         proc = subprocess.Popen([sys.executable, "-m", "engine.cli", *args], cwd=ROOT, env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 start_new_session=True)
@@ -74,8 +78,17 @@ class CLI:
 
 
 @pytest.fixture
-def cli(tmp_path):
-    runner = CLI(tmp_path)
+def runtime_dir(monkeypatch):
+    """A private runtime directory for sockets, short enough for AF_UNIX paths (108 bytes)."""
+    path = Path(tempfile.mkdtemp(prefix="ty", dir="/tmp"))
+    monkeypatch.setenv("TRAINYARD_RUNTIME_DIR", str(path))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def cli(tmp_path, runtime_dir):
+    runner = CLI(tmp_path, runtime_dir)
     yield runner
     runner.reap()
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from engine.config import (Config, ConfigError, config_from_dict, config_to_toml, load_config,
+from engine.config import (Config, ConfigError, config_from_dict, load_config,
                            markdown_reference, save_config)
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,0 +1,118 @@
+"""Rank 0's outlets: the log file (complete), the hub (best effort, live), the progress bar.
+
+    tel = Telemetry.open(job, hello, topo)      # a no-op Telemetry on ranks other than 0
+    tel.step({"step": 1, "loss": ...}); tel.event("checkpoint", 10, path=...)
+    for command in tel.take_commands(): ...; tel.reply(command, "applied", step=10)
+
+The hub gets the same records as the log. It never holds training up: if it cannot
+start (no private runtime directory, say), the run goes on without it and says so.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+from engine.headless import HeadlessProgress
+from engine.telemetry_log import TelemetryLog
+
+
+class Telemetry:
+    """What ranks other than 0 have: nothing to write, no commands to take."""
+
+    def step(self, record: dict) -> None: ...
+    def event(self, kind: str, step: int, **fields) -> None: ...
+    def note(self, text: str) -> None: ...
+    def update_state(self, **fields) -> None: ...
+    def take_commands(self) -> list[dict]: return []
+    def reply(self, command: dict, status: str, **fields) -> None: ...
+    def summary(self, record: dict) -> None: ...
+    def close(self, reason: str) -> None: ...
+
+    @staticmethod
+    def open(job, hello: dict, is_first: bool, first_step: int) -> "Telemetry":
+        return RankZeroTelemetry(job, hello, first_step) if is_first else Telemetry()
+
+
+class RankZeroTelemetry(Telemetry):
+    def __init__(self, job, hello: dict, first_step: int):
+        cfg = job.config
+        self.log = TelemetryLog(job.log_path())
+        self._lock = threading.Lock()   # the hub thread logs rejected commands too
+        self.progress = HeadlessProgress(cfg.run.name, cfg.run.steps, first_step) if job.headless else None
+        self.capabilities = set(hello["capabilities"])
+        self.layers = set(hello.get("layers", []))
+        self.mode = hello["mode"]
+        self.current_step = first_step
+        self.hub = None
+        if cfg.telemetry.hub:
+            self.hub = self._start_hub(hello, cfg)
+
+    def _start_hub(self, hello: dict, cfg):
+        from engine.hub import Hub
+        try:
+            hub = Hub(hello, validate=self._validate, listen=cfg.telemetry.listen or None,
+                      queue_len=cfg.telemetry.queue_len)
+            hub.start()
+        except Exception as e:   # training goes on without consoles
+            print(f"trainyard: the telemetry hub could not start ({e}); training goes on without it",
+                  file=sys.stderr, flush=True)
+            return None
+        where = hub.socket_path if not hub.tcp_address else f"{hub.socket_path} and {hub.tcp_address}"
+        self.note(f"console socket: {where}")
+        return hub
+
+    def _validate(self, name: str, args: list[str]) -> str | None:
+        """Engine-level check of a well-formed command (the hub has checked its shape)."""
+        reason = None
+        if name in ("set-policy", "set-placement") and args[0] not in self.layers:
+            reason = f"unknown layer {args[0]!r}"
+        elif name not in self.capabilities:
+            reason = f"{name} is not available in mode {self.mode}"
+        if reason:
+            self.event("command", self.current_step, name=name, args=args, status="rejected", reason=reason)
+        return reason
+
+    def step(self, record: dict) -> None:
+        self.current_step = record["step"]
+        self._write({"type": "step", **record})
+        if self.progress:
+            self.progress.update(record["step"], record["loss"], record["samples_per_s"])
+
+    def event(self, kind: str, step: int | None, **fields) -> None:
+        self._write({"type": "event", "kind": kind, "step": step, **fields})
+
+    def _write(self, record: dict) -> None:
+        with self._lock:
+            record = self.log.write(record)
+        if self.hub:
+            self.hub.publish(record)
+
+    def note(self, text: str) -> None:
+        if self.progress:
+            self.progress.note(text)
+
+    def update_state(self, **fields) -> None:
+        if self.hub:
+            self.hub.update_state(**fields)
+
+    def take_commands(self) -> list[dict]:
+        return self.hub.take_commands() if self.hub else []
+
+    def reply(self, command: dict, status: str, **fields) -> None:
+        step = fields.get("step")
+        self.event("command", step, name=command["name"], args=command["args"], status=status,
+                   **{k: v for k, v in fields.items() if k != "step"})
+        if self.hub:
+            self.hub.reply(command, status, **fields)
+
+    def summary(self, record: dict) -> None:
+        self._write({"type": "summary", **record})
+        if self.progress:
+            self.progress.finish(record)
+
+    def close(self, reason: str) -> None:
+        if self.hub:
+            self.hub.close(reason)
+        with self._lock:
+            self.log.close()

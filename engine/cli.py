@@ -5,6 +5,7 @@
     trainyard demo [NAME]
     trainyard runs
     trainyard ctl RUN COMMAND [ARGS ...]
+    trainyard bench NAME [--json]
 
 Exit status: 0 done; 1 the run failed (workers died more often than
 parallel.max_restarts allows); 2 a bad config, command line or checkpoint
@@ -48,6 +49,10 @@ def _parser() -> argparse.ArgumentParser:
 
     sub.add_parser("runs", help="list the live runs on this machine")
 
+    bench = sub.add_parser("bench", help="run a benchmark (its variants side by side, ratios printed)")
+    bench.add_argument("name", choices=_benches())
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="--json, and the bench's own options")
+
     ctl = sub.add_parser("ctl", help="send one command to a live run",
                          description="Commands: " + "; ".join(_usages()))
     ctl.add_argument("run", help="run name, socket path, or tcp://127.0.0.1:PORT")
@@ -56,6 +61,11 @@ def _parser() -> argparse.ArgumentParser:
     ctl.add_argument("--token-file", type=Path, help="token file of a TCP hub")
     ctl.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the reply")
     return parser
+
+
+def _benches() -> list[str]:
+    from engine.bench import BENCHES
+    return list(BENCHES)
 
 
 def _usages() -> list[str]:
@@ -69,6 +79,9 @@ def demo_config(name: str) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "bench":
+        from engine import bench
+        return bench.run(args.name, args.bench_args)
     if args.command in ("runs", "ctl"):
         from engine import ctl
         if args.command == "runs":

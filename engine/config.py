@@ -172,6 +172,9 @@ class TelemetryConfig:
                               "then need the token from the run's token file. Only loopback addresses.")
     queue_len: int = setting(256, "Messages queued per console; a slower console loses the oldest (and is "
                                   "told how many), training never waits for it.", min=1)
+    live_hz: float = setting(20.0, "Step messages sent to consoles per second at most (the latest step "
+                                   "wins; events always go out). 0: every step. The log always has every step.",
+                             min=0.0)
     layer_every: int = setting(10, "Time every layer's forward and backward every N steps (0: never).", min=0)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 
 from engine.headless import HeadlessProgress
 from engine.telemetry_log import TelemetryLog
@@ -43,6 +44,9 @@ class RankZeroTelemetry(Telemetry):
         self.capabilities = set(hello["capabilities"])
         self.layers = set(hello.get("layers", []))
         self.mode = hello["mode"]
+        self.live_interval_s = 1.0 / cfg.telemetry.live_hz if cfg.telemetry.live_hz else 0.0
+        self._last_live = 0.0
+        self._unsent = None
         self.current_step = first_step
         self.hub = None
         if cfg.telemetry.hub:
@@ -75,24 +79,40 @@ class RankZeroTelemetry(Telemetry):
 
     def step(self, record: dict) -> None:
         self.current_step = record["step"]
-        self._write({"type": "step", **record})
+        now = time.monotonic()
+        # Consoles get a sample of the steps (every step with layer times included);
+        # the log gets them all.
+        live = now - self._last_live >= self.live_interval_s or "layers" in record
+        if live:
+            self._last_live = now
+        stamped = self._write({"type": "step", **record}, live=live)
+        self._unsent = None if live else stamped
         if self.progress:
             self.progress.update(record["step"], record["loss"], record["samples_per_s"])
 
     def event(self, kind: str, step: int | None, **fields) -> None:
         self._write({"type": "event", "kind": kind, "step": step, **fields})
 
-    def _write(self, record: dict) -> None:
+    def _write(self, record: dict, live: bool = True) -> dict:
         with self._lock:
             record = self.log.write(record)
-        if self.hub:
+        if self.hub and live:
             self.hub.publish(record)
+        return record
+
+    def _flush_live(self) -> None:
+        """Send the newest step a console has not seen (before a pause or the end)."""
+        if self.hub and self._unsent is not None:
+            self.hub.publish(self._unsent)
+        self._unsent = None
 
     def note(self, text: str) -> None:
         if self.progress:
             self.progress.note(text)
 
     def update_state(self, **fields) -> None:
+        if fields.get("paused"):
+            self._flush_live()
         if self.hub:
             self.hub.update_state(**fields)
 
@@ -107,6 +127,7 @@ class RankZeroTelemetry(Telemetry):
             self.hub.reply(command, status, **fields)
 
     def summary(self, record: dict) -> None:
+        self._flush_live()
         self._write({"type": "summary", **record})
         if self.progress:
             self.progress.finish(record)

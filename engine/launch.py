@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -119,12 +120,13 @@ def launch(job: Job) -> dict | None:
 def _describe_failure(rank: int, failure, max_restarts: int) -> str:
     code = failure.exitcode
     how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
-    detail = ""
-    if isinstance(failure.message, dict):
-        detail = failure.message.get("message", {}).get("message", "") if isinstance(
-            failure.message.get("message"), dict) else str(failure.message.get("message", ""))
-    elif failure.message and "ProcessFailure" not in str(failure.message):
-        detail = str(failure.message)
-    detail = detail.strip().splitlines()[-1] if detail.strip() else ""
+    message = failure.message
+    if isinstance(message, dict):
+        inner = message.get("message", "")
+        message = inner.get("message", "") if isinstance(inner, dict) else inner
+    message = "" if not message or "ProcessFailure" in str(message) else str(message)
+    # the exception's own line ("RuntimeError: ..."), not the traceback around it
+    errors = [line.strip() for line in message.splitlines() if re.match(r"\s*[\w.]+(Error|Exception)\b", line)]
+    detail = errors[-1] if errors else (message.strip().splitlines() or [""])[-1]
     tail = f": {detail}" if detail else ""
     return f"worker rank {rank} {how}{tail} (after {max_restarts} restarts allowed by parallel.max_restarts)"

@@ -74,6 +74,11 @@ keep = 1
 
 [telemetry]
 log = "t.jsonl"
+hub = false
+listen = "tcp://127.0.0.1:7077"
+queue_len = 32
+live_hz = 5.0
+layer_every = 0
 """
 
 

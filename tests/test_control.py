@@ -37,7 +37,7 @@ def ctl(cli, *args):
 
 @pytest.mark.timeout(90)
 def test_a_client_gets_hello_snapshot_and_schema_valid_steps(cli):
-    proc = start_live(cli, "watch", "--set", "telemetry.layer_every=5")
+    proc = start_live(cli, "watch", "--set", "telemetry.layer_every=5", "--set", "telemetry.live_hz=0")
     with protocol.connect("watch", client="test") as conn:
         assert conn.hello["run"] == "watch" and conn.hello["mode"] == "ddp" and conn.hello["world_size"] == 2
         assert conn.hello["protocol"] == protocol.VERSION

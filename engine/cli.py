@@ -2,7 +2,8 @@
 
     trainyard run CONFIG.toml [--headless] [--steps N] [--set section.key=value ...]
                   [--telemetry-log PATH] [--resume CHECKPOINT_OR_RUN_DIR]
-    trainyard demo [NAME]
+    trainyard demo [NAME] [--steps N] [--headless]
+    trainyard console [RUN] [--read-only] [--replay LOG] [--token-file F]
     trainyard runs
     trainyard ctl RUN COMMAND [ARGS ...]
     trainyard bench NAME [--json]
@@ -11,6 +12,8 @@ Exit status: 0 done; 1 the run failed (workers died more often than
 parallel.max_restarts allows); 2 a bad config, command line or checkpoint
 (nothing was started); 128+N stopped by signal N after the final checkpoint.
 `ctl`: 0 applied, 1 rejected, 2 a bad command or no such run.
+`demo` starts its run in the background and opens the console on it (console/__main__.py);
+`demo --headless` trains in the foreground with a progress bar, as `run --headless` does.
 """
 
 from __future__ import annotations
@@ -46,6 +49,15 @@ def _parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="run a ready-made demo")
     demo.add_argument("name", nargs="?", default=DEMOS[0], choices=DEMOS)
     demo.add_argument("--steps", type=int, help="override run.steps")
+    demo.add_argument("--headless", action="store_true",
+                      help="train in the foreground with a progress bar (no console)")
+
+    console = sub.add_parser("console", help="the live console: attach to a run, or replay a telemetry log")
+    console.add_argument("run", nargs="?", help="run name, socket path or tcp://127.0.0.1:PORT "
+                                                "(default: the only live run, or a picker)")
+    console.add_argument("--read-only", action="store_true", help="watch only: commands are disabled")
+    console.add_argument("--replay", type=Path, metavar="LOG", help="play a telemetry log back (space, n, +, -)")
+    console.add_argument("--token-file", type=Path, help="token file of a TCP hub")
 
     sub.add_parser("runs", help="list the live runs on this machine")
 
@@ -87,10 +99,18 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "runs":
             return ctl.runs()
         return ctl.ctl(args.run, args.ctl_command, args.args, args.token_file, args.timeout)
+    if args.command == "console":
+        from console.__main__ import attach
+        return attach(args.run, args.read_only, args.replay, args.token_file)
     if args.command == "demo":
+        if not args.headless and sys.stdout.isatty():
+            from console.__main__ import demo
+            return demo(demo_config(args.name), args.steps)
+        if not args.headless:
+            err.print("note: not a terminal, so no console; running the demo headless")
         return _run(demo_config(args.name), ["run.overwrite=true"], args.steps, None, None, headless=True)
     if not args.headless:
-        err.print("note: the live console is not part of this version yet; running headless")
+        err.print("note: running headless; watch the run live with `trainyard console` in another terminal")
     overrides = args.overrides + ([f"telemetry.listen={args.listen}"] if args.listen else [])
     return _run(Path(args.config), overrides, args.steps, args.telemetry_log, args.resume, headless=True)
 

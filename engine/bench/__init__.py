@@ -2,13 +2,14 @@
 invocation and prints ratios; absolute times on a shared machine are noise, ratios are the figures.
 
     trainyard bench telemetry            # throughput with 0, 1 and 10 consoles attached
+    trainyard bench console              # the console's CPU and key-to-run delay, 64 ranks x 200 layers
 """
 
 from __future__ import annotations
 
 import importlib
 
-BENCHES = {"telemetry": "engine.bench.telemetry"}
+BENCHES = {"telemetry": "engine.bench.telemetry", "console": "console.bench"}
 
 
 def run(name: str, argv: list[str]) -> int:

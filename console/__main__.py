@@ -1,0 +1,141 @@
+"""`trainyard console` and `trainyard demo`: open the console on a live run, a log, or a new demo run.
+
+    python -m console [RUN] [--read-only] [--replay run.jsonl] [--token-file F]   # = trainyard console
+    trainyard demo          # starts demo/configs/digits_ddp.toml in the background, opens the console
+
+The demo's training runs in its own process session with its output in RUN_DIR/demo.log, so
+the console can detach and leave it training; choosing "stop the run" ends it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from engine import protocol
+
+DEMO_STEPS = 3000          # about four minutes at DEMO_PAUSE_MS
+DEMO_PAUSE_MS = 80
+START_TIMEOUT_S = 120      # torch start-up and worker spawning on a slow machine
+
+
+def _token(target: str | None, token_file: Path | None) -> str | None:
+    """The TCP token: from --token-file, else from the registry entry serving that address."""
+    if token_file is not None:
+        return token_file.read_text().strip()
+    if target and target.startswith("tcp://"):
+        for info in protocol.list_runs():
+            if info.get("tcp") == target and info.get("token_file"):
+                return Path(info["token_file"]).read_text().strip()
+    return None
+
+
+def attach(run: str | None, read_only: bool = False, replay: Path | None = None,
+           token_file: Path | None = None) -> int:
+    from console.app import ConsoleApp
+    from console.client import ReplaySource, SocketSource
+
+    if replay is not None:
+        if not replay.is_file():
+            print(f"error: no telemetry log at {replay}", file=sys.stderr)
+            return 2
+        ConsoleApp(ReplaySource(replay)).run()
+        return 0
+    try:
+        if run is None:
+            runs = protocol.list_runs()
+            run = runs[0]["name"] if len(runs) == 1 else None   # none or several: the picker
+        token = _token(run, token_file)
+    except OSError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    source = SocketSource(run, read_only=read_only, token=token) if run else None
+    ConsoleApp(source, read_only=read_only, token=token).run()
+    return 0
+
+
+def _wait_for_run(proc: subprocess.Popen, name: str, since: float) -> dict | None:
+    """The registry entry of the run `proc` started, once its hub is up; None if proc ended first."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while proc.poll() is None and time.monotonic() < deadline:
+        for info in protocol.list_runs():
+            if info.get("run") == name and info.get("started", 0) >= since - 1:
+                return info
+        time.sleep(0.2)
+    return None
+
+
+def _end(proc: subprocess.Popen, grace_s: float) -> int:
+    """Wait for the run to finish; past `grace_s`, interrupt its session (final checkpoint), then kill."""
+    for sig, wait_s in ((None, grace_s), (signal.SIGINT, 30.0), (signal.SIGKILL, 10.0)):
+        if sig is not None:
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                pass
+        try:
+            return proc.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            continue
+    return proc.wait()
+
+
+def demo(config: Path, steps: int | None) -> int:
+    from console.app import ConsoleApp
+    from console.client import SocketSource
+    from engine.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(config, ["run.overwrite=true"])
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    log = cfg.run_dir / "demo.log"
+    cmd = [sys.executable, "-m", "engine.cli", "run", str(config), "--headless", "--set", "run.overwrite=true",
+           "--set", f"run.step_pause_ms={DEMO_PAUSE_MS}", "--steps", str(steps or DEMO_STEPS)]
+    since = time.time()
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+    print(f"starting {cfg.run.name} (log: {log}) …", flush=True)
+    try:
+        info = _wait_for_run(proc, cfg.run.name, since)
+    except KeyboardInterrupt:
+        return _end(proc, 0) or 130
+    if info is None:
+        code = _end(proc, 0)
+        print(f"the demo run ended before its console could attach (exit {code}); its log, {log}:\n"
+              + "".join(log.read_text().splitlines(keepends=True)[-15:]), file=sys.stderr)
+        return code or 1
+    result = None
+    try:
+        result = ConsoleApp(SocketSource(info["name"])).run()
+    finally:
+        if result == "stop" or proc.poll() is not None:
+            code = _end(proc, 60.0)
+            print(f"{cfg.run.name} ended (exit {code}); log: {log}")
+        else:
+            print(f"{cfg.run.name} goes on training in the background (launcher pid {proc.pid}).\n"
+                  f"  watch it:  trainyard console {info['name']}\n  stop it:   trainyard ctl {info['name']} stop\n"
+                  f"  its log:   {log}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m console", description="The trainyard live console.")
+    parser.add_argument("run", nargs="?", help="run name, socket path or tcp://127.0.0.1:PORT (default: ask)")
+    parser.add_argument("--read-only", action="store_true", help="watch only: commands are disabled")
+    parser.add_argument("--replay", type=Path, metavar="LOG", help="play a telemetry log back instead")
+    parser.add_argument("--token-file", type=Path, help="token file of a TCP hub")
+    args = parser.parse_args(argv)
+    return attach(args.run, args.read_only, args.replay, args.token_file)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

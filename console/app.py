@@ -1,0 +1,363 @@
+"""The live console: a run's devices, streams, stages, layers, curves and events, and its controls.
+
+    trainyard console digits-ddp                  # attach; commands enabled
+    trainyard console --read-only                 # the only live run (or a picker), watch only
+    trainyard console --replay runs/digits-ddp/telemetry.jsonl
+    python -m console ...                         # the same
+
+A thread worker reads the socket (or plays the log back) and posts Feed and Link messages
+(console/client.py); they only update a RunState, and the panels are redrawn from it ten
+times a second. Wide terminals show every panel; narrow ones show a page at a time (1 2 3).
+"""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+
+from rich.text import Text
+from textual import on, work
+from textual.app import App, ComposeResult, SystemCommand
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.reactive import reactive
+from textual.widgets import Footer, Static, Tab, Tabs
+from textual.worker import get_current_worker
+
+from console.client import Feed, Link, ReplaySource, SocketSource
+from console.screens import ConfirmStopScreen, FilterScreen, HelpScreen, QuitScreen, RunPicker
+from console.state import RunState, headline, link_label, replay_label
+from widgets.curves import Curves
+from widgets.devices import DevicesPanel
+from widgets.events import EventLog
+from widgets.layers import LayerTable
+from widgets.stages import StagesPanel
+from widgets.streams import StreamsPanel
+
+REFRESH_S = 0.1          # the header and the event log follow the latest state this often
+# Panels get new data at most this often, and only while on screen: a repaint of 64 device cards
+# or 200 table rows costs far more than a step message (measured by `trainyard bench console`).
+# (period, phase): the phases keep two big repaints out of one frame, where a key would wait.
+PANEL_SCHEDULE_S = {"devices": (1.0, 0.05), "streams": (0.5, 0.15), "curves": (0.5, 0.3), "stages": (0.5, 0.4),
+                    "layers": (1.0, 0.55)}
+PAGES = ("devices", "layers", "curves")
+KEY_NAMES = {"slash": "/", "question_mark": "?", "plus": "+", "minus": "-"}
+REPLAY_ACTIONS = ("replay_toggle", "replay_step", "replay_speed")
+
+
+class ConsoleApp(App[str]):
+    """Exits with "detach", "stop" (the run was stopped) or None (a replay, or no run picked)."""
+
+    CSS_PATH = "app.tcss"
+    TITLE = "trainyard"
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (120, "-wide")]
+    BINDINGS = [
+        Binding("space", "replay_toggle", "Play/pause", tooltip="replay: play or pause"),
+        Binding("n", "replay_step", "Step", tooltip="replay: one record forward (pauses)"),
+        Binding("plus", "replay_speed(1)", "Faster", tooltip="replay: faster"),
+        Binding("minus", "replay_speed(-1)", "Slower", tooltip="replay: slower"),
+        Binding("p", "pause", "Pause", tooltip="pause or resume training (pause / resume)"),
+        Binding("x", "checkpoint", "Checkpoint", tooltip="write a checkpoint at the next step (checkpoint)"),
+        Binding("r", "rebalance", "Rebalance", tooltip="re-split the pipeline's layers (rebalance)"),
+        Binding("k", "policy('keep')", "Keep", show=False, tooltip="selected layer: set-policy LAYER keep"),
+        Binding("s", "policy('swap')", "Swap", show=False, tooltip="selected layer: set-policy LAYER swap"),
+        Binding("c", "policy('recompute')", "Recompute", show=False,
+                tooltip="selected layer: set-policy LAYER recompute"),
+        Binding("u", "placement", "Placement", show=False,
+                tooltip="selected layer: move its optimizer update device <-> host (set-placement)"),
+        Binding("slash", "filter", "Filter", tooltip="filter the layers by name"),
+        Binding("o", "sort", "Sort", show=False, tooltip="sort the layers: name, fwd, bwd, activations"),
+        Binding("1", "page('devices')", "Devices", show=False, tooltip="narrow screens: devices, streams, stages"),
+        Binding("2", "page('layers')", "Layers", show=False, tooltip="narrow screens: layers and events"),
+        Binding("3", "page('curves')", "Curves", show=False, tooltip="narrow screens: curves and events"),
+        Binding("question_mark", "help", "Help", tooltip="this list of keys"),
+        Binding("q", "leave", "Quit", tooltip="quit: detach (training goes on) or stop the run"),
+    ]
+
+    link_state = reactive("connecting")
+    banner = reactive("")
+    page = reactive("devices")
+
+    def __init__(self, source: SocketSource | ReplaySource | None = None, *, read_only: bool = False,
+                 token: str | None = None) -> None:
+        super().__init__()
+        self.source, self.read_only, self.token = source, read_only or bool(source and source.read_only), token
+        self.state = RunState()
+        self.pending: dict[str, str] = {}      # command id -> what was sent, until its final reply
+        self.stopping: str | None = None       # the id of a confirmed stop
+        self.replay_ready = False              # a replay has posted its preloaded records
+        self._drawn: dict[str, tuple[int, float]] = {}   # panel -> (state version drawn, next slot)
+        self._started = time.monotonic()
+        self._points: list[tuple] = []         # curve points waiting for the curves' next turn
+
+    def compose(self) -> ComposeResult:
+        # kept as attributes: the timer draws into them while a dialog is the active screen
+        self.status, self.link, self.banner_bar = Static(id="status"), Static(id="link"), Static(id="banner")
+        self.devices, self.streams = DevicesPanel(id="devices"), StreamsPanel(id="streams")
+        self.stages, self.table = StagesPanel(id="stages"), LayerTable(id="layers")
+        self.curves, self.event_log = Curves(id="curves"), EventLog(id="events")
+        self.tabs = Tabs(*(Tab(f"{i} {p.title()}", id=f"tab-{p}") for i, p in enumerate(PAGES, 1)), id="pages")
+        with Horizontal(id="top"):
+            yield self.status
+            yield self.link
+        yield self.banner_bar
+        yield self.tabs
+        with Horizontal(id="panels", classes="-devices") as self.panels:
+            with Vertical(id="left"):
+                yield from (self.devices, self.streams, self.stages)
+            with Vertical(id="right"):
+                yield from (self.table, self.curves, self.event_log)
+        yield Footer()
+
+    def on_mount(self) -> None:
+        for panel in (self.devices, self.streams, self.stages, self.table, self.curves, self.event_log):
+            panel.add_class("panel")
+            panel.border_title = panel.id.title()
+        self.table.border_subtitle = "sort name"
+        self.table.focus()    # the layer keys act on its cursor row
+        self.set_interval(REFRESH_S, self.refresh_panels)
+        if self.source is None:
+            self.push_screen(RunPicker(), self.attach)
+        else:
+            self.read_feed()
+
+    def attach(self, info: dict | None) -> None:
+        if info is None:
+            self.exit(None)
+            return
+        self.source = SocketSource(info["socket"], read_only=self.read_only, token=self.token)
+        self.read_feed()
+
+    @work(thread=True, exclusive=True, group="feed")
+    def read_feed(self) -> None:
+        worker = get_current_worker()
+        self.source.run(self.post_message, lambda: worker.is_cancelled)
+
+    # --- the feed ----------------------------------------------------------------------
+
+    def on_feed(self, message: Feed) -> None:
+        msg = message.msg
+        if msg.get("type") == "reply":
+            self.on_reply(msg)
+        else:
+            self.state.apply(msg)
+            if msg.get("type") == "bye" and self.stopping:
+                self.exit("stop")
+
+    def on_link(self, link: Link) -> None:
+        was = self.link_state
+        self.link_state = link.state
+        if link.state == "lost" or (link.state == "connecting" and link.detail):
+            retry = f"next try in {link.retry_s:.1f} s" if link.retry_s else "retrying"
+            self.banner = f"{link.detail} — reconnecting… ({retry})"
+        else:
+            self.banner = ""
+        if link.state == "lost":
+            for label in self.pending.values():
+                self.say(f"{label}: no reply — the connection was lost", "warning")
+            self.pending.clear()
+            if self.stopping:
+                self.exit("stop")
+        elif link.state == "connected" and was == "lost":
+            self.event_log.add_text("reconnected", "green")
+        elif link.state == "replay":
+            self.replay_ready = True
+            if link.detail == "end of log":
+                self.event_log.add_text("end of the log", "dim")
+
+    def watch_banner(self, text: str) -> None:
+        self.banner_bar.update(text)
+        self.banner_bar.display = bool(text)
+
+    def watch_page(self, page: str) -> None:
+        for name in PAGES:
+            self.panels.set_class(name == page, f"-{name}")
+        self.tabs.active = f"tab-{page}"
+        if page == "layers":
+            self.table.focus()
+
+    @on(Tabs.TabActivated)
+    def tab_chosen(self, event: Tabs.TabActivated) -> None:
+        self.page = event.tab.id.removeprefix("tab-")
+
+    def refresh_panels(self) -> None:
+        """Draw the latest state: called on a timer, cheap when nothing changed."""
+        state, hello = self.state, self.state.hello
+        if state.new_run:
+            self.curves.clear()
+            state.new_run = False
+        step, now = state.last_step or {}, time.monotonic()
+        if self.due(self.devices, state.version, now):
+            self.devices.update_ranks(step.get("ranks"), bool(hello.get("simulated", True)))
+        if self.due(self.streams, state.version, now):
+            self.streams.update_streams(step.get("streams"), state.mode)
+        if self.due(self.stages, state.version, now):
+            self.stages.update_stages(step.get("stages"), state.mode, step.get("imbalance_ms"),
+                                      step.get("threshold_ms"), bool(step.get("migrating")))
+        if self.due(self.table, state.layers_version, now):
+            self.table.update_layers(state.layers)
+        points, events, notes = state.take()
+        self._points.extend(points)
+        if self._points and self.due(self.curves, state.version, now):
+            for point in self._points:
+                self.curves.add_point(*point)
+            self._points.clear()
+        for event in events:
+            self.event_log.add_event(event)
+        for text, style in notes:
+            self.event_log.add_text(text, style)
+        live = not isinstance(self.source, ReplaySource) and self.link_state == "connected"
+        self.show(self.status, headline(self.state, self.size.width >= 120, live))
+        self.show(self.link, self.link_text())
+
+    def due(self, panel, version: int, now: float) -> bool:
+        """Whether `panel` should be given data of `version` now (see PANEL_SCHEDULE_S)."""
+        period, phase = PANEL_SCHEDULE_S[panel.id]
+        drawn, slot = self._drawn.get(panel.id, (-1, self._started + phase))
+        if version == drawn or now < slot or not panel.region.area:
+            return False
+        self._drawn[panel.id] = (version, slot + period if now < slot + period else now + period)
+        return True
+
+    @staticmethod
+    def show(static: Static, text: Text) -> None:
+        """Update a header line only when it changed, and lay out only when its width did:
+        a layout of the whole screen (64 device cards, say) costs far more than a repaint."""
+        before = static.content
+        if not isinstance(before, Text) or before.plain != text.plain or before.spans != text.spans:
+            static.update(text, layout=not isinstance(before, Text) or before.cell_len != text.cell_len)
+
+    def link_text(self) -> Text:
+        if isinstance(self.source, ReplaySource):
+            src = self.source
+            return replay_label(src.paused, self.state.messages, src.total, src.speed, self.size.width >= 120)
+        return link_label(self.link_state, self.read_only)
+
+    # --- commands ----------------------------------------------------------------------
+
+    def say(self, text: str, severity: str = "information") -> None:
+        """A line in the events panel and a notification, for everything a command does."""
+        style = {"error": "bold red", "warning": "#ffb000"}.get(severity, "green" if "applied" in text else "")
+        self.event_log.add_text(text, style)
+        self.notify(text, severity=severity, timeout=4 if severity == "information" else 6)
+
+    def send_command(self, name: str, *args: str) -> str | None:
+        label = " ".join((name, *args))
+        if isinstance(self.source, ReplaySource):
+            self.say("replay: commands are disabled", "warning")
+            return None
+        if self.read_only:
+            self.say("read-only: commands are disabled", "warning")
+            return None
+        if self.state.hello and name not in self.state.capabilities:
+            self.say(f"{label}: not available in mode {self.state.mode}", "warning")
+            return None
+        try:
+            cid = self.source.send(name, list(args))
+        except (ConnectionError, OSError, AttributeError):
+            self.say(f"{label}: not sent — not connected", "error")
+            return None
+        self.pending[cid] = label
+        self.say(f"{label}: pending")
+        return cid
+
+    def on_reply(self, msg: dict) -> None:
+        if msg.get("status") == "pending":
+            return
+        label = self.pending.pop(msg.get("id"), None) or msg.get("name", "command")
+        if msg.get("status") == "applied":
+            self.say(f"{label}: applied at step {msg.get('step')}")
+            if label in ("pause", "resume"):
+                self.state.paused = label == "pause"
+            if msg.get("id") == self.stopping:
+                self.exit("stop")
+        else:
+            self.say(f"{label}: rejected: {msg.get('reason', 'no reason given')}", "error")
+            if msg.get("id") == self.stopping:
+                self.stopping = None
+
+    def selected_layer(self, what: str) -> str | None:
+        layer = self.table.selected_layer
+        if layer is None:
+            self.say(f"{what}: no layer selected — pick one in the Layers panel", "warning")
+        return layer
+
+    def action_pause(self) -> None:
+        self.send_command("resume" if self.state.paused else "pause")
+
+    def action_rebalance(self) -> None:
+        self.send_command("rebalance")
+
+    def action_checkpoint(self) -> None:
+        self.send_command("checkpoint")
+
+    def action_policy(self, policy: str) -> None:
+        if layer := self.selected_layer(f"set-policy {policy}"):
+            self.send_command("set-policy", layer, policy)
+
+    def action_placement(self) -> None:
+        if layer := self.selected_layer("set-placement"):
+            now = self.state.layer(layer).get("placement", "device")
+            self.send_command("set-placement", layer, "device" if now == "host" else "host")
+
+    # --- everything else -----------------------------------------------------------------
+
+    def action_filter(self) -> None:
+        def chosen(text: str | None) -> None:
+            if text is not None:
+                self.table.set_filter(text)
+                self.action_sort(cycle=False)
+                self.page = "layers"
+        self.push_screen(FilterScreen(self.table.filter_text), chosen)
+
+    def action_sort(self, cycle: bool = True) -> None:
+        table = self.table
+        key = table.cycle_sort() if cycle else table.sort_key
+        table.border_subtitle = f"sort {key}" + (f" · filter '{table.filter_text}'" if table.filter_text else "")
+
+    def action_page(self, page: str) -> None:
+        self.page = page
+
+    def action_help(self) -> None:
+        keys = [(KEY_NAMES.get(b.key, b.key), b.tooltip or b.description) for b in self.BINDINGS]
+        self.push_screen(HelpScreen([*keys, ("ctrl+p", "command palette: every action by name")]))
+
+    def action_leave(self) -> None:
+        if isinstance(self.source, ReplaySource) or self.source is None:
+            self.exit(None)
+            return
+        run = self.state.hello.get("run") or "the run"
+        can_stop = self.link_state == "connected" and not self.read_only
+        self.push_screen(QuitScreen(run, can_stop), self.leave_chosen)
+
+    def leave_chosen(self, choice: str | None) -> None:
+        if choice == "detach":
+            self.exit("detach")
+        elif choice == "stop":
+            self.push_screen(ConfirmStopScreen(self.state.hello.get("run") or "the run"), self.stop_confirmed)
+
+    def stop_confirmed(self, yes: bool | None) -> None:
+        if yes:
+            self.stopping = self.send_command("stop")
+
+    def action_replay_toggle(self) -> None:
+        self.source.toggle()
+
+    def action_replay_step(self) -> None:
+        self.source.step_once()
+
+    def action_replay_speed(self, direction: int) -> None:
+        self.notify(f"replay speed {self.source.change_speed(direction):g}×", timeout=2)
+
+    def check_action(self, action: str, parameters: tuple) -> bool | None:
+        if action in REPLAY_ACTIONS:
+            return isinstance(self.source, ReplaySource)
+        return True
+
+    def get_system_commands(self, screen):
+        """Every key's action in the command palette (ctrl+p), named as in the footer."""
+        yield from super().get_system_commands(screen)
+        for b in self.BINDINGS:
+            if self.check_action(b.action.split("(")[0], ()):
+                yield SystemCommand(f"{b.description} ({KEY_NAMES.get(b.key, b.key)})", b.tooltip,
+                                    partial(self.run_action, b.action))

@@ -1,0 +1,171 @@
+"""The console's dialogs: help, quit (detach or stop), stop confirmation, run picker, layer filter.
+
+Each is a ModalScreen that dismisses with its answer; the app decides what the answer does.
+Their styles live in app.tcss with the rest.
+"""
+
+from __future__ import annotations
+
+from rich.table import Table
+from rich.text import Text
+from textual import on, work
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.message import Message
+from textual.screen import ModalScreen
+from textual.widgets import Button, Input, Label, OptionList, Static
+from textual.widgets.option_list import Option
+
+from engine import protocol
+
+
+class HelpScreen(ModalScreen[None]):
+    """Every key the console answers, built from the app's bindings so it never goes stale."""
+
+    BINDINGS = [Binding("escape,q,question_mark", "dismiss", "Close")]
+
+    def __init__(self, keys: list[tuple[str, str]]) -> None:
+        super().__init__()
+        self.keys = keys
+
+    def compose(self) -> ComposeResult:
+        table = Table.grid(padding=(0, 2))
+        table.add_column(style="bold #ffb000", justify="right")
+        table.add_column()
+        for key, description in self.keys:
+            table.add_row(key, description)
+        with Vertical(id="help-box", classes="dialog"):
+            yield Label("trainyard console — keys", classes="dialog-title")
+            yield Static(table, id="help-keys")
+            yield Label("layer keys act on the row selected in Layers · esc closes", classes="dialog-hint")
+
+    def action_dismiss(self) -> None:
+        self.dismiss(None)
+
+
+class QuitScreen(ModalScreen[str]):
+    """Detach (training goes on), stop the run, or cancel."""
+
+    BINDINGS = [Binding("escape", "choose('cancel')", "Cancel"), Binding("d", "choose('detach')", "Detach"),
+                Binding("s", "choose('stop')", "Stop the run")]
+
+    def __init__(self, run: str, can_stop: bool) -> None:
+        super().__init__()
+        self.run, self.can_stop = run, can_stop
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="quit-box", classes="dialog"):
+            yield Label(f"Leave the console for {self.run}?", classes="dialog-title")
+            with Horizontal(classes="dialog-buttons"):
+                yield Button("Detach (training goes on)", id="detach", variant="primary")
+                yield Button("Stop the run", id="stop", variant="error", disabled=not self.can_stop)
+                yield Button("Cancel", id="cancel")
+            yield Label("d detach · s stop · esc cancel", classes="dialog-hint")
+
+    @on(Button.Pressed)
+    def pressed(self, event: Button.Pressed) -> None:
+        self.action_choose(event.button.id or "cancel")
+
+    def action_choose(self, choice: str) -> None:
+        if choice != "stop" or self.can_stop:
+            self.dismiss(choice)
+
+
+class ConfirmStopScreen(ModalScreen[bool]):
+    BINDINGS = [Binding("escape,n", "answer(False)", "No"), Binding("y", "answer(True)", "Yes")]
+
+    def __init__(self, run: str) -> None:
+        super().__init__()
+        self.run = run
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="confirm-box", classes="dialog"):
+            yield Label(f"Stop {self.run}?", classes="dialog-title")
+            yield Static("Every rank writes a final checkpoint, then the run ends.")
+            with Horizontal(classes="dialog-buttons"):
+                yield Button("Stop the run", id="yes", variant="error")
+                yield Button("Keep training", id="no", variant="primary")
+            yield Label("y stop · n / esc keep training", classes="dialog-hint")
+
+    @on(Button.Pressed)
+    def pressed(self, event: Button.Pressed) -> None:
+        self.dismiss(event.button.id == "yes")
+
+    def action_answer(self, answer: bool) -> None:
+        self.dismiss(answer)
+
+
+class FilterScreen(ModalScreen[str | None]):
+    """Type part of a layer name; enter applies, an empty filter shows every layer, esc cancels."""
+
+    BINDINGS = [Binding("escape", "cancel", "Cancel")]
+
+    def __init__(self, current: str) -> None:
+        super().__init__()
+        self.current = current
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="filter-box", classes="dialog"):
+            yield Label("Filter layers by name", classes="dialog-title")
+            yield Input(self.current, placeholder="e.g. fc, blocks.3, attn", id="filter-input")
+            yield Label("enter apply · empty shows all · esc cancel", classes="dialog-hint")
+
+    @on(Input.Submitted)
+    def submitted(self, event: Input.Submitted) -> None:
+        self.dismiss(event.value.strip())
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)
+
+
+class RunPicker(ModalScreen[dict]):
+    """The live runs on this machine (protocol.list_runs), refreshed every second; enter attaches."""
+
+    BINDINGS = [Binding("escape,q", "app.exit", "Quit")]
+
+    class Found(Message):
+        def __init__(self, runs: list[dict]) -> None:
+            super().__init__()
+            self.runs = runs
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="picker-box", classes="dialog"):
+            yield Label("Attach to a live run", classes="dialog-title")
+            yield OptionList(id="picker-runs")
+            yield Label("looking for live runs… (start one with `trainyard demo`)", id="picker-hint",
+                        classes="dialog-hint")
+
+    def on_mount(self) -> None:
+        self.runs: list[dict] = []
+        self.look()
+        self.set_interval(1.0, self.look)
+
+    @work(thread=True, exclusive=True)
+    def look(self) -> None:
+        try:
+            runs = protocol.list_runs()
+        except OSError as e:
+            runs = [{"error": str(e)}]
+        self.post_message(self.Found(runs))
+
+    def on_run_picker_found(self, message: Found) -> None:
+        runs = message.runs
+        if runs and "error" in runs[0]:
+            self.query_one("#picker-hint", Label).update(runs[0]["error"])
+            return
+        if [r["socket"] for r in runs] == [r["socket"] for r in self.runs]:
+            return
+        self.runs = runs
+        options = self.query_one("#picker-runs", OptionList)
+        options.clear_options()
+        for info in runs:
+            where = f"{info.get('mode', '?')} ×{info.get('world_size', '?')}  pid {info.get('pid')}"
+            options.add_option(Option(Text.assemble((info["name"], "bold"), "  ", (where, "dim"))))
+        hint = f"{len(runs)} live run(s) · enter attaches · esc quits" if runs else \
+            "no live runs yet… (start one with `trainyard demo`)"
+        self.query_one("#picker-hint", Label).update(hint)
+
+    @on(OptionList.OptionSelected)
+    def chosen(self, event: OptionList.OptionSelected) -> None:
+        self.dismiss(self.runs[event.option_index])

@@ -1,0 +1,167 @@
+"""What the console knows about the run, folded from the feed's messages, and its one-line headline.
+
+    state = RunState()
+    state.apply(msg)                 # hello, snapshot, step, event, summary, dropped, error, ...
+    points, events, notes = state.take()      # what arrived since the last redraw
+    headline(state, wide=True, live=True)     # `digits-ddp  ddp×2  step 41/60  loss 1.0792  ...`
+
+Applying a message only stores it; the screen reads the latest state on its own timer,
+so 20 steps a second cost 20 dict updates, not 20 redraws.
+"""
+
+from __future__ import annotations
+
+import time
+
+from rich.text import Text
+
+
+class RunState:
+    """What the feed has said so far."""
+
+    def __init__(self) -> None:
+        self.hello: dict = {}
+        self.step: int | None = None
+        self.steps: int | None = None
+        self.paused = False
+        self.last_step: dict | None = None
+        self.layers: list[dict] | None = None
+        self.summary: dict | None = None
+        self.version = self.layers_version = self.messages = 0
+        self.new_run = False             # a different run: the curves start afresh
+        self.points: list[tuple] = []    # (step, loss, samples/s) not yet drawn
+        self.events: list[dict] = []     # events not yet shown
+        self.notes: list[tuple[str, str]] = []   # (text, style) the console has to say
+        self._seen: set = set()          # events already shown (a reconnect's snapshot repeats them)
+        self._rate: list[tuple[float, int]] = []   # (time, step) of recent steps, for the ETA
+
+    @property
+    def mode(self) -> str:
+        return str(self.hello.get("mode") or "?")
+
+    @property
+    def capabilities(self) -> set[str]:
+        return set(self.hello.get("capabilities") or [])
+
+    def layer(self, name: str) -> dict:
+        return next((row for row in self.layers or [] if row.get("name") == name), {})
+
+    def apply(self, msg: dict) -> None:
+        self.messages += 1
+        kind = msg.get("type")
+        if kind == "hello":
+            self.new_run = self.new_run or self.hello.get("run") != msg.get("run")
+            if self.new_run:
+                self.last_step, self.layers, self.step, self._rate = None, None, None, []
+            self.hello, self.steps = msg, msg.get("steps", self.steps)
+            self.step = self.step if self.step is not None else msg.get("first_step")
+            self.version += 1
+        elif kind == "snapshot":
+            self.steps, self.paused = msg.get("steps", self.steps), bool(msg.get("paused"))
+            self.step = msg.get("step", self.step)
+            if msg.get("layers"):
+                self.layers = msg["layers"]
+                self.layers_version += 1
+            if msg.get("last_step"):
+                self._step(msg["last_step"])
+            for event in msg.get("events") or []:
+                self._event(event)
+            self.version += 1
+        elif kind == "step":
+            self._step(msg)
+        elif kind == "event":
+            self._event(msg)
+        elif kind == "run_start" and msg.get("restart"):
+            self.notes.append((f"worker group restarted ({msg['restart']}), from step {msg.get('first_step')}",
+                               "bold #ffb000"))
+        elif kind == "summary":
+            self.summary = msg
+            accuracy = msg.get("test_accuracy")
+            self.notes.append((f"run finished: {msg.get('steps')} steps, final loss {msg.get('final_loss', 0):.4f}"
+                               + (f", test accuracy {accuracy:.2%}" if accuracy is not None else ""), "bold"))
+        elif kind == "dropped":
+            self.notes.append((f"{msg.get('count')} messages dropped (the console fell behind)", "dim"))
+        elif kind == "error":
+            self.notes.append((f"hub: {msg.get('reason')}", "red"))
+
+    def _step(self, msg: dict) -> None:
+        step = msg.get("step")
+        if not isinstance(step, int):
+            return
+        if self.last_step is None or step != self.last_step.get("step"):   # a snapshot repeats one
+            self.points.append((step, msg.get("loss", 0.0), msg.get("samples_per_s", 0.0)))
+        self.last_step, self.step = msg, step
+        if msg.get("layers"):
+            self.layers = msg["layers"]
+            self.layers_version += 1
+        if isinstance(msg.get("time"), (int, float)):
+            self._rate = [*self._rate[-49:], (msg["time"], step)]
+        self.version += 1
+
+    def _event(self, event: dict) -> None:
+        key = (event.get("time"), event.get("kind"), event.get("step"), event.get("name"))
+        if key in self._seen:
+            return
+        self._seen.add(key)
+        self.events.append(event)
+        if event.get("kind") == "command" and event.get("status") == "applied":
+            if event.get("name") in ("pause", "resume"):
+                self.paused = event["name"] == "pause"
+
+    def take(self) -> tuple[list, list, list]:
+        """(points, events, notes) not yet drawn; the caller draws them."""
+        taken = self.points, self.events, self.notes
+        self.points, self.events, self.notes = [], [], []
+        return taken
+
+    def eta_s(self) -> float | None:
+        if self.steps is None or self.step is None or len(self._rate) < 2:
+            return None
+        (t0, s0), (t1, s1) = self._rate[0], self._rate[-1]
+        if t1 <= t0 or s1 <= s0:
+            return None
+        return max(self.steps - self.step, 0) * (t1 - t0) / (s1 - s0)
+
+
+def clock(seconds: float | None) -> str:
+    if seconds is None or seconds < 0:
+        return "—"
+    s = int(seconds)
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
+
+
+def headline(state: RunState, wide: bool, live: bool) -> Text:
+    """`run  mode×world  step 41/60  loss 1.0792  3,424 samples/s  0:07 elapsed  ETA 0:28`.
+
+    Times come from the records (a replay is frozen); `live`: elapsed runs on the wall clock."""
+    hello, step = state.hello, state.last_step or {}
+    parts = [(hello.get("run") or "no run yet", "bold #ffb000"),
+             (f"{state.mode}×{hello.get('world_size', '?')}", "bold"),
+             (f"step {state.step if state.step is not None else '—'}"
+              + (f"/{state.steps}" if state.steps else ""), "")]
+    if state.paused:
+        parts.append(("paused", "bold #ffb000"))
+    if "loss" in step:
+        parts.append((f"loss {step['loss']:.{4 if wide else 3}f}", "#ff9f43"))
+    if "samples_per_s" in step:
+        rate = step["samples_per_s"]
+        parts.append((f"{rate:,.0f} samples/s" if wide else f"{rate / 1000:.1f}k/s", "#48dbfb"))
+    started = hello.get("started")
+    if started is not None and wide:
+        end = time.time() if live and state.summary is None else step.get("time")
+        parts.append((f"{clock(end - started) if end else '—'} elapsed", "dim"))
+    eta = None if state.paused or state.summary else state.eta_s()
+    if eta is not None:
+        parts.append((f"ETA {clock(eta)}", "dim"))
+    return Text("  " if wide else " ").join(Text(text, style) for text, style in parts)
+
+
+def link_label(link_state: str, read_only: bool) -> Text:
+    label, style = {"connected": ("● connected", "bold green"), "lost": ("◌ reconnecting", "bold red"),
+                    }.get(link_state, ("◌ connecting", "bold yellow"))
+    return Text(label + (" · read-only" if read_only else ""), style)
+
+
+def replay_label(paused: bool, position: int, total: int, speed: float, wide: bool) -> Text:
+    where = f"{position}/{total} {speed:g}×"
+    return Text(f"{'‖' if paused else '▶'} {'replay ' if wide else ''}{where}", "bold #a29bfe")

@@ -1,0 +1,293 @@
+"""The console against a hub: keys send the right commands, replies show, the link heals.
+
+Most tests serve a recorded feed from an in-process engine.hub.Hub, with a thread that answers
+commands as the engine would (FakeEngine); the last one attaches to a real headless run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from console.app import ConsoleApp
+from console.client import ReplaySource, SocketSource, replay_messages
+from console.screens import ConfirmStopScreen, HelpScreen, QuitScreen
+from engine.hub import Hub
+from engine.protocol import COMMANDS
+from tests.conftest import read_jsonl
+from widgets.events import EventLog
+from widgets.layers import LayerTable
+
+FIXTURES = Path(__file__).parent / "fixtures"
+DDP_FEED, PIPELINE_FEED = FIXTURES / "ddp_feed.jsonl", FIXTURES / "pipeline_feed.jsonl"
+SIZE = (120, 40)
+
+
+class FakeEngine:
+    """A hub serving a feed's records, and a thread that applies or rejects commands."""
+
+    def __init__(self, name: str, feed: Path, capabilities=tuple(COMMANDS), reject: dict | None = None,
+                 refuse: dict | None = None, records: int | None = None):
+        messages = replay_messages(read_jsonl(feed))[:records]
+        hello = {k: v for k, v in messages[0].items() if k not in ("v", "type", "protocol", "started")}
+        self.hub = Hub({**hello, "run": name, "capabilities": list(capabilities)},
+                       validate=lambda cmd, args: (refuse or {}).get(cmd))
+        self.reject, self.commands, self.step = reject or {}, [], 0
+        self.hub.start()
+        layers = None
+        for msg in messages[1:]:
+            self.hub.publish(dict(msg))
+            self.step = msg.get("step", self.step)
+            layers = msg.get("layers", layers)
+        self.hub.update_state(step=self.step, steps=hello.get("steps"), paused=False,
+                              **({"layers": layers} if layers else {}))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._answer, daemon=True)
+        self._thread.start()
+
+    def _answer(self) -> None:
+        while not self._stop.wait(0.01):
+            for command in self.hub.take_commands():
+                self.commands.append((command["name"], command["args"]))
+                if command["name"] in self.reject:
+                    self.hub.reply(command, "rejected", reason=self.reject[command["name"]])
+                else:
+                    self.hub.reply(command, "applied", step=self.step)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.hub.close("run finished")
+
+
+@pytest.fixture
+def engines(runtime_dir):
+    started = []
+
+    def start(*args, **kwargs) -> FakeEngine:
+        started.append(FakeEngine(*args, **kwargs))
+        return started[-1]
+    yield start
+    for engine in started:
+        engine.close()
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def until(pilot, predicate, timeout: float = 10.0, what: str = "a condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout}s waiting for {what}")
+        await pilot.pause(0.05)
+
+
+def events_text(app: ConsoleApp) -> str:
+    return "\n".join(line.text for line in app.query_one(EventLog).lines)
+
+
+async def attached(pilot, app: ConsoleApp) -> None:
+    await until(pilot, lambda: app.link_state == "connected" and app.state.last_step, what="the console to attach")
+    await pilot.pause(0.2)   # a refresh tick: the panels hold the snapshot
+
+
+async def select(pilot, app: ConsoleApp, layer: str) -> None:
+    table = app.query_one(LayerTable)
+    # the table repaints at most 4 times a second: wait for the row to be there
+    await until(pilot, lambda: layer in table.shown, what=f"layer {layer} in the table")
+    table.move_cursor(row=table.shown.index(layer))
+
+
+@pytest.mark.timeout(60)
+def test_each_key_sends_its_command_and_the_reply_shows(engines):
+    engine = engines("pipe", PIPELINE_FEED)
+
+    async def scenario():
+        app = ConsoleApp(SocketSource("pipe"))
+        async with app.run_test(size=SIZE) as pilot:
+            await attached(pilot, app)
+            await select(pilot, app, "blocks.3")
+            for key in "skcu":
+                await pilot.press(key)
+            await select(pilot, app, "head")           # its update runs on the host: u moves it back
+            await pilot.press("u")
+            for key in "rxp":
+                await pilot.press(key)
+            await until(pilot, lambda: "pause: applied" in events_text(app), what="the pause reply")
+            await pilot.press("p")        # paused now: p resumes
+            await until(pilot, lambda: "resume: applied" in events_text(app), what="the resume reply")
+            text = events_text(app)
+        assert engine.commands == [
+            ("set-policy", ["blocks.3", "swap"]), ("set-policy", ["blocks.3", "keep"]),
+            ("set-policy", ["blocks.3", "recompute"]), ("set-placement", ["blocks.3", "host"]),
+            ("set-placement", ["head", "device"]), ("rebalance", []), ("checkpoint", []), ("pause", []),
+            ("resume", [])]
+        assert "set-policy blocks.3 swap: pending" in text
+        assert f"set-policy blocks.3 swap: applied at step {engine.step}" in text
+        assert f"checkpoint: applied at step {engine.step}" in text
+    run(scenario())
+
+
+@pytest.mark.timeout(60)
+def test_rejected_commands_show_their_reason(engines):
+    engine = engines("picky", PIPELINE_FEED, refuse={"rebalance": "a rebalance is already in flight"},
+                     reject={"checkpoint": "the disk is full"})
+
+    async def scenario():
+        app = ConsoleApp(SocketSource("picky"))
+        async with app.run_test(size=SIZE) as pilot:
+            await attached(pilot, app)
+            await pilot.press("r", "x")
+            await until(pilot, lambda: "checkpoint: rejected" in events_text(app), what="the rejection")
+            await until(pilot, lambda: "rebalance: rejected" in events_text(app), what="the refusal")
+            text = events_text(app)
+        assert "rebalance: rejected: a rebalance is already in flight" in text
+        assert "checkpoint: rejected: the disk is full" in text
+        assert engine.commands == [("checkpoint", [])]   # the refused one never reached the engine
+    run(scenario())
+
+
+@pytest.mark.timeout(60)
+def test_read_only_sends_nothing_and_mode_and_selection_are_checked(engines):
+    engine = engines("ddp", DDP_FEED, capabilities=("pause", "resume", "stop", "checkpoint"))
+    engines("empty", DDP_FEED, records=1)   # hello only: no layers yet
+
+    async def scenario():
+        app = ConsoleApp(SocketSource("ddp", read_only=True))
+        async with app.run_test(size=SIZE) as pilot:
+            await attached(pilot, app)
+            await pilot.press("p", "x", "s", "r")
+            await pilot.pause(0.5)
+            assert "read-only: commands are disabled" in events_text(app)
+            assert "read-only" in str(app.query_one("#link").render())
+        app = ConsoleApp(SocketSource("ddp"))
+        async with app.run_test(size=SIZE) as pilot:
+            await attached(pilot, app)
+            await select(pilot, app, "fc1")
+            await pilot.press("s")
+            assert "set-policy fc1 swap: not available in mode ddp" in events_text(app)
+        app = ConsoleApp(SocketSource("empty"))
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, lambda: app.link_state == "connected", what="the console to attach")
+            await pilot.press("c")
+            assert "set-policy recompute: no layer selected" in events_text(app)
+        assert engine.commands == []
+    run(scenario())
+
+
+@pytest.mark.timeout(60)
+def test_banner_when_the_hub_goes_and_gone_when_it_returns(engines):
+    engine = engines("flaky", DDP_FEED)
+
+    async def scenario():
+        app = ConsoleApp(SocketSource("flaky"))
+        async with app.run_test(size=SIZE) as pilot:
+            await attached(pilot, app)
+            assert app.banner == ""
+            engine.close()
+            await until(pilot, lambda: "reconnecting" in app.banner, what="the banner")
+            assert app.query_one("#banner").display
+            engines("flaky", PIPELINE_FEED)   # a new hub, same run name
+            await until(pilot, lambda: app.link_state == "connected", timeout=15, what="the reconnection")
+            assert app.banner == "" and not app.query_one("#banner").display
+            await until(pilot, lambda: app.state.mode == "pipeline", what="state from the new hello")
+    run(scenario())
+
+
+@pytest.mark.timeout(60)
+def test_quit_detach_sends_nothing_and_stop_asks_first(engines):
+    engine = engines("leave", DDP_FEED)
+
+    async def scenario():
+        app = ConsoleApp(SocketSource("leave"))
+        async with app.run_test(size=SIZE) as pilot:
+            await attached(pilot, app)
+            await pilot.press("q")
+            assert isinstance(app.screen, QuitScreen)
+            await pilot.press("d")
+            await pilot.pause(0.2)
+        assert app.return_value == "detach" and engine.commands == []
+
+        app = ConsoleApp(SocketSource("leave"))
+        async with app.run_test(size=SIZE) as pilot:
+            await attached(pilot, app)
+            await pilot.press("q", "s")
+            assert isinstance(app.screen, ConfirmStopScreen)
+            await pilot.press("n")                  # second thoughts: nothing sent
+            assert not isinstance(app.screen, (QuitScreen, ConfirmStopScreen))
+            await pilot.press("q", "s", "y")
+            await until(pilot, lambda: app.return_value is not None, what="the stop reply")
+        assert app.return_value == "stop" and engine.commands == [("stop", [])]
+    run(scenario())
+
+
+@pytest.mark.timeout(60)
+def test_help_lists_every_key_and_the_palette_has_every_action():
+    async def scenario():
+        app = ConsoleApp(ReplaySource(DDP_FEED, paused=True, preload=10))
+        async with app.run_test(size=SIZE) as pilot:
+            await pilot.press("question_mark")
+            assert isinstance(app.screen, HelpScreen)
+            keys = [key for key, _ in app.screen.keys]
+            for key in ("r", "k", "s", "c", "u", "p", "x", "/", "?", "q", "space", "n", "+", "-"):
+                assert key in keys
+            await pilot.press("escape")
+            titles = " ".join(c.title for c in app.get_system_commands(app.screen))
+            for title in ("Pause (p)", "Rebalance (r)", "Keep (k)", "Swap (s)", "Recompute (c)",
+                          "Placement (u)", "Checkpoint (x)", "Filter (/)", "Quit (q)"):
+                assert title in titles
+    run(scenario())
+
+
+@pytest.mark.timeout(60)
+def test_replay_steps_plays_and_changes_speed():
+    async def scenario():
+        source = ReplaySource(DDP_FEED, paused=True, preload=10)
+        app = ConsoleApp(source)
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, lambda: app.replay_ready, what="the preload")
+            assert app.state.messages == 10
+            await pilot.press("n", "n")
+            await until(pilot, lambda: app.state.messages == 12, what="two single steps")
+            await pilot.press("plus", "plus", "minus")
+            assert source.speed == 2.0
+            await pilot.press("p")
+            assert "replay: commands are disabled" in events_text(app)
+            await pilot.press("space")
+            await until(pilot, lambda: app.state.messages == source.total, what="the end of the log")
+            await pilot.pause(0.2)
+            assert "run finished: 60 steps" in events_text(app)
+    run(scenario())
+
+
+@pytest.mark.timeout(120)
+def test_pause_and_resume_a_real_run(cli):
+    from tests.test_control import current_step, start_live
+    start_live(cli, "live", pause_ms=20)
+
+    async def scenario():
+        app = ConsoleApp(SocketSource("live"))
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, lambda: app.link_state == "connected" and app.state.step, timeout=30,
+                        what="the console to attach")
+            await pilot.press("p")
+            await until(pilot, lambda: "pause: applied at step" in events_text(app), timeout=20, what="pause")
+            assert app.state.paused
+            held = current_step("live")
+            await asyncio.sleep(1.0)
+            assert current_step("live") == held
+            await pilot.press("p")
+            await until(pilot, lambda: "resume: applied" in events_text(app), timeout=20, what="resume")
+            deadline = time.monotonic() + 20
+            while current_step("live") <= held + 3:
+                assert time.monotonic() < deadline, "no steps after resume"
+                await asyncio.sleep(0.2)
+            await pilot.press("q", "d")
+        assert app.return_value == "detach"
+    run(scenario())

@@ -1,0 +1,67 @@
+"""The console's main screen, wide and narrow, for a data-parallel and a pipeline run.
+
+Replayed feeds, preloaded and paused, so every picture is the same: times come from the
+records, not the clock. Refresh the SVGs after a deliberate change with
+`pytest tests/test_console_snapshots.py --snapshot-update`, and look at them.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from console.app import ConsoleApp
+from console.client import ReplaySource
+from widgets.curves import Curves
+from widgets.devices import Throttle
+from widgets.layers import LayerTable
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+@pytest.fixture(autouse=True)
+def utc(monkeypatch):
+    monkeypatch.setenv("TZ", "UTC")   # the events panel prints the records' times
+    time.tzset()
+    yield
+    monkeypatch.delenv("TZ")
+    time.tzset()
+
+
+async def settle(pilot) -> None:
+    app = pilot.app
+    # repaint at once (the panels' 4-per-second throttle would make the picture racy)
+    for widget in app.query("*"):
+        for throttle in vars(widget).values():
+            if isinstance(throttle, Throttle):
+                throttle.interval_s = 0.0
+    deadline = time.monotonic() + 10
+    while not app.replay_ready and time.monotonic() < deadline:
+        await pilot.pause(0.05)
+    await pilot.pause(0.1)
+    app.refresh_panels()
+    app.query_one(Curves).redraw()
+    # panels repaint at most 4 times a second: let a held update land, then draw once more
+    await pilot.pause(0.4)
+    app.refresh_panels()
+    app.query_one(Curves).redraw()
+    table = app.query_one(LayerTable)
+    table.shown = None      # rebuild: column widths then fit these rows, whatever came before
+    table.refill()
+    await pilot.pause(0.2)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("size,press", [((120, 40), ()), ((80, 24), ())], ids=["wide", "narrow"])
+def test_ddp_main_screen(snap_compare, size, press):
+    app = ConsoleApp(ReplaySource(FIXTURES / "ddp_feed.jsonl", paused=True, preload=48))
+    assert snap_compare(app, press=press, terminal_size=size, run_before=settle)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("size,press", [((120, 40), ()), ((80, 24), ("2",))], ids=["wide", "narrow-layers"])
+def test_pipeline_main_screen(snap_compare, size, press):
+    app = ConsoleApp(ReplaySource(FIXTURES / "pipeline_feed.jsonl", paused=True, preload=26))
+    assert snap_compare(app, press=press, terminal_size=size, run_before=settle)

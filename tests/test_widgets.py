@@ -1,0 +1,266 @@
+"""The console's widgets, alone: pure helpers, then each widget mounted in a tiny App.
+
+Run: `python -m pytest tests/test_widgets.py -q`. No pytest-asyncio: each Pilot test
+runs its coroutine with `asyncio.run`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from textual.app import App, ComposeResult
+from textual.widget import Widget
+
+from widgets import (Curves, DeviceCard, DevicesPanel, EventLog, LayerTable, StagesPanel,
+                     StreamsPanel, human_bytes, segment_bar)
+
+MIB = 2**20
+REPAINT_WAIT_S = 0.35   # panels repaint at most 4 times a second
+
+
+def rank_entry(rank: int, used: int = 20 * MIB, capacity: int = 64 * MIB, **extra) -> dict:
+    quarter = used // 4
+    return {"rank": rank, "parameters_bytes": quarter, "gradients_bytes": quarter,
+            "optimizer_state_bytes": quarter, "activations_bytes": used - 3 * quarter,
+            "swapped_bytes": 0, "used_bytes": used, "peak_bytes": used, "capacity_bytes": capacity,
+            "over_capacity": False, "rss_bytes": 400 * MIB, "cpu_percent": 50.0, **extra}
+
+
+def layer(name: str, fwd: float, bwd: float = 0.1, act: int = MIB) -> dict:
+    return {"name": name, "fwd_ms": fwd, "bwd_ms": bwd, "activation_bytes": act}
+
+
+def mounted(widget: Widget, test, size=(120, 40)) -> None:
+    """Mount `widget` alone in an App and run `test(pilot, widget)` against it."""
+    class Host(App):
+        def compose(self) -> ComposeResult:
+            yield widget
+
+    async def run() -> None:
+        async with Host().run_test(size=size) as pilot:
+            await pilot.pause()
+            await test(pilot, widget)
+
+    asyncio.run(run())
+
+
+def screen_text(pilot) -> str:
+    strips = pilot.app.screen._compositor.render_strips()
+    return "\n".join("".join(segment.text for segment in strip) for strip in strips)
+
+
+# --- pure helpers ----------------------------------------------------------------
+
+def cells_styled(text, style: str) -> int:
+    return sum(span.end - span.start for span in text.spans if str(span.style) == style)
+
+
+@pytest.mark.timeout(60)
+def test_segment_bar_widths_are_proportional_and_fill_the_width():
+    bar = segment_bar([(25, "red"), (50, "blue")], capacity=100, width=40, peak=None)
+    assert bar.plain == "█" * 30 + "░" * 10
+    assert cells_styled(bar, "red") == 10 and cells_styled(bar, "blue") == 20
+    # running-total rounding: three thirds of the capacity fill the bar exactly
+    assert segment_bar([(1, "a"), (1, "b"), (1, "c")], 3, 10, None).plain == "█" * 10
+
+
+@pytest.mark.timeout(60)
+def test_segment_bar_peak_mark_and_over_capacity():
+    bar = segment_bar([(30, "red")], capacity=100, width=20, peak=50)
+    assert len(bar) == 20 and bar.plain.index("┃") == 10
+    assert segment_bar([(10, "red")], 100, 20, peak=100).plain.index("┃") == 19
+    over = segment_bar([(150, "red")], capacity=100, width=20, peak=150)
+    assert len(over) == 20 and over.plain.endswith("▶") and "░" not in over.plain
+    assert cells_styled(over, "bold red") == 1
+    assert segment_bar([], capacity=0, width=5, peak=None).plain == "░" * 5
+
+
+@pytest.mark.timeout(60)
+def test_human_bytes():
+    assert human_bytes(0) == "0 B"
+    assert human_bytes(1023) == "1023 B"
+    assert human_bytes(1536) == "1.5 KiB"
+    assert human_bytes(64 * MIB) == "64.0 MiB"
+    assert human_bytes(300 * MIB) == "300 MiB"
+    assert human_bytes(3 * 2**30) == "3.0 GiB"
+    assert human_bytes(None) == "—"
+
+
+# --- widgets in an App -----------------------------------------------------------
+
+@pytest.mark.timeout(60)
+def test_panels_say_when_they_have_no_data():
+    class Panels(App):
+        def compose(self) -> ComposeResult:
+            yield DevicesPanel()
+            yield StreamsPanel()
+            yield StagesPanel()
+            yield LayerTable()
+            yield Curves()
+
+    async def run() -> None:
+        async with Panels().run_test(size=(120, 40)) as pilot:
+            app = pilot.app
+            app.query_one(DevicesPanel).update_ranks(None, True)
+            app.query_one(StreamsPanel).update_streams([], "pipeline")
+            app.query_one(StagesPanel).update_stages(None, "ddp")
+            app.query_one(LayerTable).update_layers(None)
+            await pilot.pause()
+            text = screen_text(pilot)
+            for message in ("no device data yet", "no communication streams in mode pipeline",
+                            "no pipeline stages in mode ddp", "no layer timings yet", "no steps yet"):
+                assert message in text, message
+            assert app.query_one(LayerTable).selected_layer is None
+
+    asyncio.run(run())
+
+
+@pytest.mark.timeout(60)
+def test_device_card_simulated_and_over_capacity():
+    async def test(pilot, panel: DevicesPanel) -> None:
+        over = rank_entry(1, used=70 * MIB, peak_bytes=72 * MIB, over_capacity=True)
+        panel.update_ranks([rank_entry(0), over], simulated=True)
+        await pilot.pause()
+        cards = list(panel.query(DeviceCard))
+        assert [card.rank for card in cards] == [0, 1]
+        text = screen_text(pilot)
+        assert "simulated" in text and "OVER" in text and "GPU" not in text
+        assert "used 70.0 MiB / cap 64.0 MiB" in text
+        assert cards[1].has_class("-crit") and not cards[0].has_class("-crit")
+        # same ranks again: updated in place (at the next repaint), not remounted
+        panel.update_ranks([rank_entry(0, used=55 * MIB), over], simulated=True)
+        await pilot.pause(REPAINT_WAIT_S)
+        assert list(panel.query(DeviceCard)) == cards and cards[0].has_class("-warn")
+
+    mounted(DevicesPanel(), test)
+
+
+@pytest.mark.timeout(60)
+def test_device_card_on_a_gpu_shows_nvml():
+    async def test(pilot, card: DeviceCard) -> None:
+        card.update_data(rank_entry(3, nvml_used_bytes=3 * 2**30, nvml_total_bytes=80 * 2**30,
+                                    gpu_util_percent=45.0), simulated=False)
+        await pilot.pause()
+        text = screen_text(pilot)
+        assert "GPU" in text and "simulated" not in text
+        assert "nvml 3.0 GiB / 80.0 GiB" in text and "util 45%" in text
+
+    mounted(DeviceCard(3), test)
+
+
+@pytest.mark.timeout(60)
+def test_layer_table_filter_sort_and_selection_kept():
+    async def test(pilot, table: LayerTable) -> None:
+        table.update_layers([layer("fc0", 1.0), layer("fc1", 3.0), layer("head", 2.0), layer("fc10", 0.5)])
+        await pilot.pause()
+        assert table.shown == ["fc0", "fc1", "fc10", "head"]   # natural name order
+        table.move_cursor(row=1)
+        assert table.selected_layer == "fc1"
+        assert table.cycle_sort() == "fwd"
+        assert table.shown == ["fc1", "head", "fc0", "fc10"] and table.selected_layer == "fc1"
+        assert "fwd ms ▼" in screen_text(pilot)
+        # new timings reorder the rows (at the next repaint): the cursor follows the layer
+        table.update_layers([layer("fc0", 9.0), layer("fc1", 3.0), layer("head", 2.0), layer("fc10", 0.5)])
+        await pilot.pause(REPAINT_WAIT_S)
+        assert table.shown[:2] == ["fc0", "fc1"] and table.selected_layer == "fc1"
+        # same order: cells change in place
+        table.update_layers([layer("fc0", 8.0), layer("fc1", 3.0), layer("head", 2.0), layer("fc10", 0.5)])
+        await pilot.pause(REPAINT_WAIT_S)
+        assert table.get_cell("fc0", "fwd").plain == "8.00" and table.selected_layer == "fc1"
+        table.set_filter("FC1")
+        assert table.shown == ["fc1", "fc10"] and table.selected_layer == "fc1"
+        table.set_filter("zz")
+        assert table.shown == [] and table.selected_layer is None
+        table.set_filter("")
+        assert len(table.shown) == 4
+        table.sort_by("act")
+        with pytest.raises(ValueError):
+            table.sort_by("colour")
+        await pilot.pause()
+        assert table.get_cell("fc0", "policy").plain == "—"
+
+    mounted(LayerTable(), test)
+
+
+@pytest.mark.timeout(60)
+def test_streams_one_lane_per_stream():
+    async def test(pilot, panel: StreamsPanel) -> None:
+        for step in range(70):
+            panel.update_streams([{"stream": i, "bytes": 1000 * step, "busy_ms": 1.0,
+                                   "busy_fraction": 0.5, "in_flight": i} for i in range(3)], "pipeline")
+        await pilot.pause()
+        lanes = list(panel.lanes.values())
+        assert [lane.stream for lane in lanes] == [0, 1, 2]
+        assert all(len(lane.history) == 60 for lane in lanes)
+        text = screen_text(pilot)
+        assert "stream 2" in text and "50%" in text
+        panel.update_streams(None, "ddp")
+        await pilot.pause()
+        assert "no communication streams in mode ddp" in screen_text(pilot)
+
+    mounted(StreamsPanel(), test)
+
+
+@pytest.mark.timeout(60)
+def test_stages_bars_and_imbalance():
+    async def test(pilot, panel: StagesPanel) -> None:
+        stages = [{"stage": 0, "fwd_ms": 1.0, "bwd_ms": 2.0, "idle_ms": 1.0},
+                  {"stage": 1, "fwd_ms": 2.0, "bwd_ms": 4.0, "idle_ms": 0.0, "micro_batches_in_flight": 2}]
+        panel.update_stages(stages, "pipeline", imbalance_ms=3.0, threshold_ms=1.0, migrating=True)
+        await pilot.pause()
+        text = screen_text(pilot)
+        assert "stage 0" in text and "stage 1" in text and "⟳ rebalancing" in text
+        assert "imbalance 3.00 ms > threshold 1.00 ms" in text and "mb 2" in text
+
+    mounted(StagesPanel(), test)
+
+
+async def redrawn(pilot, curves: Curves) -> None:
+    for _ in range(50):   # big plots redraw less often than 4 times a second
+        await pilot.pause(0.1)
+        if not curves.dirty:
+            break
+    await pilot.pause()
+    assert not curves.dirty
+
+
+@pytest.mark.timeout(60)
+def test_curves_take_many_points():
+    async def test(pilot, curves: Curves) -> None:
+        for step in range(1, 1001):
+            curves.add_point(step, 2.0 / step, 1000.0 + step)
+        assert len(curves.steps) == 500 and curves.steps[-1] == 1000
+        await pilot.pause(0.4)   # one throttled redraw
+        assert not curves.dirty and curves.loss_plot.display
+        curves.add_point(900, 0.5, 10.0)   # a restart replays from step 900
+        assert curves.steps[-1] == 900 and curves.steps[-2] == 899
+        curves.add_point(901, float("nan"), float("inf"))   # a diverged run must not break plotting
+        await redrawn(pilot, curves)   # an exception in the render fails the test at exit
+        curves.clear()
+        await redrawn(pilot, curves)
+        assert not curves.loss_plot.display
+
+    mounted(Curves(), test)
+
+
+@pytest.mark.timeout(60)
+def test_event_log_formats_commands_and_events():
+    async def test(pilot, log: EventLog) -> None:
+        log.add_event({"type": "event", "kind": "command", "step": 7, "name": "set-policy",
+                       "args": ["fc9", "recompute"], "status": "rejected", "reason": "unknown layer 'fc9'"})
+        log.add_event({"type": "event", "kind": "command", "step": 8, "name": "pause", "args": [],
+                       "status": "applied"})
+        log.add_event({"type": "event", "kind": "checkpoint", "step": 100, "path": "runs/x/step_000100"})
+        log.add_text("connection lost", "red")
+        await pilot.pause()
+        lines = ["".join(segment.text for segment in strip) for strip in log.lines]
+        assert "set-policy fc9 recompute rejected: unknown layer 'fc9'" in lines[0]
+        assert "step      7" in lines[0]
+        assert "pause applied at step 8" in lines[1]
+        assert "checkpoint" in lines[2] and "runs/x/step_000100" in lines[2]
+        assert "connection lost" in lines[3]
+        red = [s for s in log.lines[0] if "rejected" in s.text or s.text.strip() == "command"]
+        assert red and all(s.style.color.name == "red" for s in red)
+
+    mounted(EventLog(), test)

@@ -1,0 +1,234 @@
+"""Per-rank memory cards: the ledger's categories against the device's capacity.
+
+Try it: `python -m console.demo` (or mount `DevicesPanel` in any App) and call
+`update_ranks(step["ranks"], simulated)` with a step message's `ranks`.
+"""
+
+from __future__ import annotations
+
+from itertools import groupby
+from time import monotonic
+
+from rich.text import Text
+from textual.app import ComposeResult, RenderResult
+from textual.containers import Grid, VerticalScroll
+from textual.widget import Widget
+from textual.widgets import Static
+
+CARD_WIDTH = 36   # cells, border included; the grid fits as many per row as it can
+
+# (field, legend label, colour): the ledger's categories, stacked in this order
+CATEGORIES = [
+    ("parameters_bytes", "param", "#4c8dff"),
+    ("gradients_bytes", "grad", "#b07cff"),
+    ("optimizer_state_bytes", "optim", "#2ec4b6"),
+    ("activations_bytes", "act", "#e879a6"),
+]
+WARN_FRACTION, CRIT_FRACTION = 0.80, 0.95
+LEGEND = Text(" ").join(Text.assemble(("■", colour), label) for _, label, colour in CATEGORIES)
+
+
+def human_bytes(n: float | None) -> str:
+    """1536 -> '1.5 KiB'; three significant-ish digits, binary units."""
+    if n is None:
+        return "—"
+    value, unit = float(n), "B"
+    for next_unit in ("KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024:
+            break
+        value, unit = value / 1024, next_unit
+    if unit == "B":
+        return f"{int(value)} B"
+    return f"{value:.0f} {unit}" if abs(value) >= 100 else f"{value:.1f} {unit}"
+
+
+class Throttle:
+    """Call `apply` at most once per `interval_s`: at once after a quiet spell, else once
+    at the end of the interval. Panels record every update but repaint a few times a
+    second, because a repaint of 64 cards or 200 table rows costs far more than the data."""
+
+    def __init__(self, widget: Widget, interval_s: float, apply) -> None:
+        self.widget, self.interval_s, self.apply = widget, interval_s, apply
+        self.last = float("-inf")
+        self.timer = None
+
+    def __call__(self) -> None:
+        if self.timer is not None:   # already due: it will apply the newest data
+            return
+        wait = self.last + self.interval_s - monotonic()
+        if wait <= 0 or not self.widget.is_mounted:
+            self.fire()
+        else:
+            self.timer = self.widget.set_timer(wait, self.fire)
+
+    def fire(self) -> None:
+        self.timer, self.last = None, monotonic()
+        self.apply()
+
+
+def segment_bar(parts: list[tuple[int, str]], capacity: int, width: int,
+                peak: int | None) -> Text:
+    """A `width`-cell bar whose full width is `capacity`: one coloured run per part
+    (bytes, style), `░` for the free rest, `┃` at the peak, `▶` in the last cell when
+    the parts overflow the capacity. Boundaries round the running total, so the
+    segments always add up to the used width."""
+    width = max(1, width)
+    total = sum(max(0, n) for n, _ in parts)
+    scale = capacity if capacity > 0 else max(total, peak or 0, 1)
+    cells: list[tuple[str, str]] = []
+    running = 0
+    for n, style in parts:
+        start = min(width, round(running / scale * width))
+        running += max(0, n)
+        end = min(width, round(running / scale * width))
+        cells.extend(("█", style) for _ in range(end - start))
+    cells.extend(("░", "grey30") for _ in range(width - len(cells)))
+    if peak is not None and peak > 0:
+        col = min(width - 1, int(peak / scale * width))
+        over = peak > scale
+        bg = cells[col][1] if cells[col][0] == "█" else ""
+        cells[col] = ("┃", ("bold red" if over else "bold bright_white") + (f" on {bg}" if bg else ""))
+    if total > scale:
+        cells[-1] = ("▶", "bold red")
+    text = Text()
+    for (char, style), run in groupby(cells):   # one span per run: cheap to render
+        text.append(char * len(list(run)), style)
+    return text
+
+
+class DeviceCard(Widget):
+    """One rank: stacked memory bar, usage, peak, host process and NVML lines."""
+
+    DEFAULT_CSS = """
+    DeviceCard {
+        width: 1fr; height: auto; min-width: 30;
+        border: round $primary 60%; border-title-color: $text; border-subtitle-color: $text-muted;
+        padding: 0 1;
+    }
+    DeviceCard.-warn { border: round $warning; }
+    DeviceCard.-crit { border: round $error; border-subtitle-color: $error; }
+    """
+
+    def __init__(self, rank: int, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.rank = rank
+        self.entry: dict = {}
+        self.simulated = True
+        self.border_title = f"rank {rank}"
+
+    def update_data(self, entry: dict, simulated: bool) -> None:
+        if entry == self.entry and simulated == self.simulated:
+            return
+        relayout = ("nvml_used_bytes" in entry) != ("nvml_used_bytes" in self.entry)
+        self.entry, self.simulated = dict(entry), simulated
+        tag = "[dim italic]simulated[/]" if simulated else "[b $success]GPU[/]"
+        title = f"[b]rank {self.rank}[/] {tag}"
+        if self.border_title != title:
+            self.border_title = title
+        level = self.level()
+        self.set_class(level == "warn", "-warn")
+        self.set_class(level == "crit", "-crit")
+        subtitle = "[b reverse red] OVER [/]" if entry.get("over_capacity") else ""
+        if self.border_subtitle != subtitle:
+            self.border_subtitle = subtitle
+        self.refresh(layout=relayout)
+
+    def fraction(self) -> float:
+        entry = self.entry
+        capacity = entry.get("capacity_bytes") or 0
+        high = max(entry.get("used_bytes") or 0, entry.get("peak_bytes") or 0)
+        return high / capacity if capacity else 0.0
+
+    def level(self) -> str:
+        fraction = self.fraction()
+        if self.entry.get("over_capacity") or fraction > CRIT_FRACTION:
+            return "crit"
+        return "warn" if fraction > WARN_FRACTION else "ok"
+
+    def render(self) -> RenderResult:
+        entry, width = self.entry, max(10, self.size.width)
+        if not entry:
+            return Text("waiting for data", style="dim")
+        capacity = entry.get("capacity_bytes") or 0
+        parts = [(entry.get(field) or 0, colour) for field, _, colour in CATEGORIES]
+        level_style = {"ok": "", "warn": "bold #ffb000", "crit": "bold red"}[self.level()]
+        lines = [segment_bar(parts, capacity, width, entry.get("peak_bytes")), LEGEND.copy()]
+        used = Text.assemble("used ", (human_bytes(entry.get("used_bytes")), "bold"),
+                             " / cap ", human_bytes(capacity))
+        lines.append(used)
+        peak = Text.assemble("(peak ", (human_bytes(entry.get("peak_bytes")), level_style),
+                             ") ", (f"{self.fraction():.0%}", level_style))
+        if entry.get("swapped_bytes"):
+            peak.append(f"  swap {human_bytes(entry['swapped_bytes'])}", "cyan")
+        lines.append(peak)
+        cpu = entry.get("cpu_percent")
+        lines.append(Text.assemble(("rss ", "dim"), human_bytes(entry.get("rss_bytes")),
+                                   ("  cpu ", "dim"), "—" if cpu is None else f"{cpu:.0f}%"))
+        if "nvml_used_bytes" in entry:
+            util = entry.get("gpu_util_percent")
+            lines.append(Text.assemble(
+                ("nvml ", "dim"), human_bytes(entry.get("nvml_used_bytes")), " / ",
+                human_bytes(entry.get("nvml_total_bytes")),
+                ("  util ", "dim"), "—" if util is None else f"{util:.0f}%"))
+        for line in lines:
+            line.truncate(width, overflow="ellipsis")
+        return Text("\n").join(lines)
+
+    def get_content_height(self, container, viewport, width: int) -> int:
+        return 6 if "nvml_used_bytes" in self.entry else 5
+
+
+class DevicesPanel(VerticalScroll):
+    """Every rank's card in a grid that fits as many ~36-cell cards per row as it can."""
+
+    DEFAULT_CSS = """
+    DevicesPanel { height: 1fr; }
+    DevicesPanel > #devices-empty { width: 1fr; height: 1fr; content-align: center middle; color: $text-muted; }
+    DevicesPanel > Grid { height: auto; grid-size: 1; grid-rows: auto; grid-gutter: 0 1; }
+    """
+
+    REPAINT_S = 0.25   # memory moves slowly; 4 repaints a second are plenty
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.cards: dict[int, DeviceCard] = {}
+        self.latest: tuple[list[dict], bool] = ([], True)
+        self.ready = False   # composed and mounted: before that, updates wait for on_mount
+        self.repaint = Throttle(self, self.REPAINT_S, self.apply)
+
+    def compose(self) -> ComposeResult:
+        yield Static("no device data yet", id="devices-empty")
+        yield Grid(id="devices-grid")
+
+    def on_mount(self) -> None:
+        self.query_one(Grid).display = False
+        self.ready = True
+        self.apply()
+
+    def on_resize(self) -> None:
+        self.fit_columns()
+
+    def fit_columns(self) -> None:
+        fit = max(1, (self.size.width + 1) // (CARD_WIDTH + 1))
+        self.query_one(Grid).styles.grid_size_columns = max(1, min(fit, len(self.cards)))
+
+    def update_ranks(self, ranks: list[dict] | None, simulated: bool) -> None:
+        self.latest = (list(ranks or []), simulated)
+        self.repaint()
+
+    def apply(self) -> None:
+        if not self.ready:
+            return
+        ranks, simulated = self.latest
+        grid, empty = self.query_one(Grid), self.query_one("#devices-empty")
+        empty.display, grid.display = not ranks, bool(ranks)
+        if not ranks:
+            return
+        ids = [entry["rank"] for entry in ranks]
+        if ids != list(self.cards):   # the set of ranks changed: remount, else update in place
+            grid.remove_children()
+            self.cards = {rank: DeviceCard(rank) for rank in ids}
+            grid.mount_all(self.cards.values())
+            self.fit_columns()
+        for entry in ranks:
+            self.cards[entry["rank"]].update_data(entry, simulated)

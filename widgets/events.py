@@ -1,0 +1,85 @@
+"""The run's events, one line each: checkpoints, restarts, evals, commands, and console notes.
+
+`add_event(record)` takes a telemetry `event` record (docs/telemetry.md);
+`add_text("connection lost", "red")` is for lines the console itself has to say.
+"""
+
+from __future__ import annotations
+
+import time
+
+from rich.text import Text
+from textual.widgets import RichLog
+
+from .devices import human_bytes
+
+MAX_LINES = 500
+TAG_WIDTH = 10
+KIND_STYLES = {
+    "checkpoint": "bold cyan", "restart": "bold #ffb000", "resume": "bold blue", "eval": "bold magenta",
+    "memory_over_capacity": "bold red", "stop": "bold #ffb000", "command": "bold green",
+}
+TAGS = {"memory_over_capacity": "memory"}
+
+
+def describe(event: dict) -> tuple[str, str]:
+    """(tag style, message) for one event record."""
+    kind, style = event.get("kind", "?"), KIND_STYLES.get(event.get("kind"), "bold")
+    if kind == "checkpoint":
+        return style, f"saved {event.get('path', '')}"
+    if kind == "restart":
+        return style, f"worker group restarted ({event.get('restart')}/{event.get('max_restarts')})"
+    if kind == "resume":
+        return style, f"resumed from {event.get('checkpoint', '?')}"
+    if kind == "eval":
+        accuracy = event.get("test_accuracy")
+        return style, "test accuracy —" if accuracy is None else f"test accuracy {accuracy:.2%}"
+    if kind == "memory_over_capacity":
+        return style, (f"rank {event.get('rank')} peak {human_bytes(event.get('peak_bytes'))}"
+                       f" over capacity {human_bytes(event.get('capacity_bytes'))}")
+    if kind == "stop":
+        return style, f"stopped ({event.get('reason', '?')})"
+    if kind == "command":
+        command = " ".join([str(event.get("name", "?")), *map(str, event.get("args") or [])])
+        if event.get("status") == "rejected":
+            return "bold red", f"{command} rejected: {event.get('reason', 'no reason given')}"
+        return style, f"{command} applied at step {event.get('step')}"
+    extra = {k: v for k, v in event.items() if k not in ("schema", "time", "type", "kind", "step", "v")}
+    return style, " ".join(f"{k}={v}" for k, v in extra.items())
+
+
+class EventLog(RichLog):
+    """`12:01:03 step    100 checkpoint saved runs/…/step_000100`, newest at the bottom."""
+
+    DEFAULT_CSS = """
+    EventLog { height: 1fr; background: $surface; }
+    """
+
+    def __init__(self, **kwargs) -> None:
+        kwargs.setdefault("max_lines", MAX_LINES)
+        kwargs.setdefault("wrap", True)
+        super().__init__(**kwargs)
+
+    @staticmethod
+    def stamp(seconds: float | None) -> Text:
+        return Text(time.strftime("%H:%M:%S ", time.localtime(seconds)), style="dim")
+
+    def add_event(self, event: dict) -> None:
+        style, message = describe(event)
+        kind = str(event.get("kind", "?"))
+        step = event.get("step")
+        line = self.stamp(event.get("time"))
+        line.append(f"step {step:>6} " if isinstance(step, int) else "step      ? ", "dim")
+        line.append(TAGS.get(kind, kind)[:TAG_WIDTH].ljust(TAG_WIDTH), style)
+        line.append(" ")
+        line.append(message, "red" if style == "bold red" else "")
+        self.add_line(line)
+
+    def add_text(self, text: str, style: str = "") -> None:
+        line = self.stamp(None)
+        line.append(text, style or "italic")
+        self.add_line(line)
+
+    def add_line(self, line: Text) -> None:
+        # wrap at the log's own width (RichLog alone would measure against the terminal's)
+        self.write(line, width=self.scrollable_content_region.width or None)

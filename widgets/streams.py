@@ -1,0 +1,108 @@
+"""Communication streams: one lane per stream with its recent traffic as a sparkline.
+
+Feed it each step message's `streams` (docs/telemetry.md): `update_streams(msg.get("streams"), mode)`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.containers import Horizontal, VerticalScroll
+from textual.widgets import Sparkline, Static
+
+from .devices import human_bytes
+
+HISTORY = 60   # steps of traffic kept per stream
+
+
+class StreamLane(Horizontal):
+    """`stream 0  ▂▃▅▇▅▃  104 KiB   8%  ⇄0`: bytes this step, busy % of the step, in flight"""
+
+    DEFAULT_CSS = """
+    StreamLane { height: 1; }
+    StreamLane > .lane-name { width: 9; color: $text; text-style: bold; }
+    StreamLane > Sparkline { width: 1fr; min-width: 8; margin: 0 1 0 0; }
+    StreamLane > .lane-stats { width: 21; }
+    """
+
+    def __init__(self, stream: int, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.stream = stream
+        self.history: deque[float] = deque(maxlen=HISTORY)
+        self.stats_key: tuple | None = None
+        # made here, not in compose, so a lane can take a step before it is mounted
+        self.spark = Sparkline([], classes="lane-spark")
+        self.stats = Static("", classes="lane-stats")
+
+    def compose(self) -> ComposeResult:
+        yield Static(f"stream {self.stream}", classes="lane-name")
+        yield self.spark
+        yield self.stats
+
+    def add_step(self, entry: dict) -> None:
+        self.history.append(float(entry.get("bytes") or 0))
+        self.spark.data = list(self.history)
+        busy = entry.get("busy_fraction") or 0.0
+        in_flight = entry.get("in_flight") or 0
+        key = (human_bytes(entry.get("bytes") or 0), round(busy * 100), in_flight)
+        if key == self.stats_key:   # text unchanged: nothing to repaint
+            return
+        self.stats_key = key
+        busy_style = "bold red" if busy > 0.95 else "bold #ffb000" if busy > 0.8 else ""
+        self.stats.update(Text.assemble(
+            (f"{key[0]:>9}", "bold"), (f"  {key[1]:>3d}%", busy_style),
+            ("  ⇄", "dim"), (f"{in_flight}", "bold" if in_flight else "dim")), layout=False)
+
+
+class StreamsPanel(VerticalScroll):
+    """Every communication stream of the run, or why there are none."""
+
+    DEFAULT_CSS = """
+    StreamsPanel { height: auto; }
+    StreamsPanel > #streams-empty { width: 1fr; content-align: center middle; color: $text-muted; }
+    StreamsPanel > #streams-caption { color: $text-muted; height: 1; }
+    """
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.lanes: dict[int, StreamLane] = {}
+        self.mode = ""
+        self.early: tuple[list[dict] | None, str] | None = None   # what came before on_mount
+        self.ready = False
+
+    def compose(self) -> ComposeResult:
+        yield Static("no communication streams yet", id="streams-empty")
+        yield Static(f"bytes/step (last {HISTORY}) · busy % · ⇄ in flight", id="streams-caption")
+
+    def on_mount(self) -> None:
+        self.query_one("#streams-caption").display = False
+        self.ready = True
+        if self.early is not None:
+            self.update_streams(*self.early)
+
+    def update_streams(self, streams: list[dict] | None, mode: str) -> None:
+        if not self.ready:
+            self.early = (streams, mode)
+            return
+        empty, caption = self.query_one("#streams-empty", Static), self.query_one("#streams-caption")
+        if mode != self.mode:
+            self.mode = mode
+            empty.update(f"no communication streams in mode {mode}")
+        empty.display, caption.display = not streams, bool(streams)
+        for lane in self.lanes.values():
+            lane.display = bool(streams)
+        if not streams:
+            return
+        ids = [entry["stream"] for entry in streams]
+        if ids != list(self.lanes):   # the set of streams changed: remount the lanes
+            kept = {i: self.lanes[i].history for i in ids if i in self.lanes}
+            for lane in self.lanes.values():
+                lane.remove()
+            self.lanes = {i: StreamLane(i) for i in ids}
+            for i, history in kept.items():
+                self.lanes[i].history = history
+            self.mount_all(self.lanes.values())
+        for entry in streams:
+            self.lanes[entry["stream"]].add_step(entry)

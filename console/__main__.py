@@ -122,7 +122,8 @@ def demo(config: Path, steps: int | None) -> int:
             print(f"{cfg.run.name} ended (exit {code}); log: {log}")
         else:
             print(f"{cfg.run.name} goes on training in the background (launcher pid {proc.pid}).\n"
-                  f"  watch it:  trainyard console {info['name']}\n  stop it:   trainyard ctl {info['name']} stop\n"
+                  f"  watch it:  trainyard console {info['name']}\n"
+                  f"  stop it:   trainyard ctl {info['name']} stop\n"
                   f"  its log:   {log}")
     return 0
 

@@ -42,7 +42,6 @@ PANEL_SCHEDULE_S = {"devices": (1.0, 0.05), "streams": (0.5, 0.15), "curves": (0
                     "layers": (1.0, 0.55)}
 PAGES = ("devices", "layers", "curves")
 KEY_NAMES = {"slash": "/", "question_mark": "?", "plus": "+", "minus": "-"}
-REPLAY_ACTIONS = ("replay_toggle", "replay_step", "replay_speed")
 
 
 class ConsoleApp(App[str]):
@@ -52,13 +51,13 @@ class ConsoleApp(App[str]):
     TITLE = "trainyard"
     HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (120, "-wide")]
     BINDINGS = [
-        Binding("space", "replay_toggle", "Play/pause", tooltip="replay: play or pause"),
-        Binding("n", "replay_step", "Step", tooltip="replay: one record forward (pauses)"),
-        Binding("plus", "replay_speed(1)", "Faster", tooltip="replay: faster"),
-        Binding("minus", "replay_speed(-1)", "Slower", tooltip="replay: slower"),
+        Binding("space", "replay('toggle')", "Play/pause", tooltip="replay: play or pause"),
+        Binding("n", "replay('step')", "Step", tooltip="replay: one record forward (pauses)"),
+        Binding("plus", "replay('faster')", "Faster", tooltip="replay: faster"),
+        Binding("minus", "replay('slower')", "Slower", tooltip="replay: slower"),
         Binding("p", "pause", "Pause", tooltip="pause or resume training (pause / resume)"),
-        Binding("x", "checkpoint", "Checkpoint", tooltip="write a checkpoint at the next step (checkpoint)"),
-        Binding("r", "rebalance", "Rebalance", tooltip="re-split the pipeline's layers (rebalance)"),
+        Binding("x", "command('checkpoint')", "Checkpoint", tooltip="write a checkpoint at the next step"),
+        Binding("r", "command('rebalance')", "Rebalance", tooltip="re-split the pipeline's layers by their times"),
         Binding("k", "policy('keep')", "Keep", show=False, tooltip="selected layer: set-policy LAYER keep"),
         Binding("s", "policy('swap')", "Swap", show=False, tooltip="selected layer: set-policy LAYER swap"),
         Binding("c", "policy('recompute')", "Recompute", show=False,
@@ -180,13 +179,14 @@ class ConsoleApp(App[str]):
     def tab_chosen(self, event: Tabs.TabActivated) -> None:
         self.page = event.tab.id.removeprefix("tab-")
 
-    def refresh_panels(self) -> None:
-        """Draw the latest state: called on a timer, cheap when nothing changed."""
+    def refresh_panels(self, force: bool = False) -> None:
+        """Draw the latest state: called on a timer, cheap when nothing changed. `force`: every
+        panel now, off its schedule (tests, snapshots)."""
         state, hello = self.state, self.state.hello
         if state.new_run:
             self.curves.clear()
             state.new_run = False
-        step, now = state.last_step or {}, time.monotonic()
+        step, now = state.last_step or {}, float("inf") if force else time.monotonic()
         if self.due(self.devices, state.version, now):
             self.devices.update_ranks(step.get("ranks"), bool(hello.get("simulated", True)))
         if self.due(self.streams, state.version, now):
@@ -216,7 +216,7 @@ class ConsoleApp(App[str]):
         drawn, slot = self._drawn.get(panel.id, (-1, self._started + phase))
         if version == drawn or now < slot or not panel.region.area:
             return False
-        self._drawn[panel.id] = (version, slot + period if now < slot + period else now + period)
+        self._drawn[panel.id] = (version, slot + period if now < slot + period else time.monotonic() + period)
         return True
 
     @staticmethod
@@ -228,8 +228,7 @@ class ConsoleApp(App[str]):
             static.update(text, layout=not isinstance(before, Text) or before.cell_len != text.cell_len)
 
     def link_text(self) -> Text:
-        if isinstance(self.source, ReplaySource):
-            src = self.source
+        if isinstance(src := self.source, ReplaySource):
             return replay_label(src.paused, self.state.messages, src.total, src.speed, self.size.width >= 120)
         return link_label(self.link_state, self.read_only)
 
@@ -242,15 +241,14 @@ class ConsoleApp(App[str]):
         self.notify(text, severity=severity, timeout=4 if severity == "information" else 6)
 
     def send_command(self, name: str, *args: str) -> str | None:
-        label = " ".join((name, *args))
-        if isinstance(self.source, ReplaySource):
-            self.say("replay: commands are disabled", "warning")
-            return None
-        if self.read_only:
-            self.say("read-only: commands are disabled", "warning")
-            return None
-        if self.state.hello and name not in self.state.capabilities:
-            self.say(f"{label}: not available in mode {self.state.mode}", "warning")
+        """Send at once (the reply comes as a Feed message); None when refused here."""
+        label, state = " ".join((name, *args)), self.state
+        refusal = ("replay: commands are disabled" if isinstance(self.source, ReplaySource) else
+                   "read-only: commands are disabled" if self.read_only else
+                   f"{label}: not available in mode {state.mode}" if state.hello and name not in state.capabilities
+                   else None)
+        if refusal:
+            self.say(refusal, "warning")
             return None
         try:
             cid = self.source.send(name, list(args))
@@ -285,11 +283,8 @@ class ConsoleApp(App[str]):
     def action_pause(self) -> None:
         self.send_command("resume" if self.state.paused else "pause")
 
-    def action_rebalance(self) -> None:
-        self.send_command("rebalance")
-
-    def action_checkpoint(self) -> None:
-        self.send_command("checkpoint")
+    def action_command(self, name: str) -> None:
+        self.send_command(name)
 
     def action_policy(self, policy: str) -> None:
         if layer := self.selected_layer(f"set-policy {policy}"):
@@ -340,19 +335,16 @@ class ConsoleApp(App[str]):
         if yes:
             self.stopping = self.send_command("stop")
 
-    def action_replay_toggle(self) -> None:
-        self.source.toggle()
-
-    def action_replay_step(self) -> None:
-        self.source.step_once()
-
-    def action_replay_speed(self, direction: int) -> None:
-        self.notify(f"replay speed {self.source.change_speed(direction):g}×", timeout=2)
+    def action_replay(self, what: str) -> None:
+        if what == "toggle":
+            self.source.toggle()
+        elif what == "step":
+            self.source.step_once()
+        else:
+            self.notify(f"replay speed {self.source.change_speed(1 if what == 'faster' else -1):g}×", timeout=2)
 
     def check_action(self, action: str, parameters: tuple) -> bool | None:
-        if action in REPLAY_ACTIONS:
-            return isinstance(self.source, ReplaySource)
-        return True
+        return isinstance(self.source, ReplaySource) if action == "replay" else True
 
     def get_system_commands(self, screen):
         """Every key's action in the command palette (ctrl+p), named as in the footer."""

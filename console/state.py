@@ -50,9 +50,11 @@ class RunState:
         self.messages += 1
         kind = msg.get("type")
         if kind == "hello":
-            self.new_run = self.new_run or self.hello.get("run") != msg.get("run")
-            if self.new_run:
-                self.last_step, self.layers, self.step, self._rate = None, None, None, []
+            # another run, or the same name after the last one finished (not a reconnect, not a restart)
+            fresh = self.hello.get("run") != msg.get("run") or self.summary is not None
+            if fresh:
+                self.last_step, self.layers, self.step, self.summary, self._rate = None, None, None, None, []
+            self.new_run = self.new_run or fresh
             self.hello, self.steps = msg, msg.get("steps", self.steps)
             self.step = self.step if self.step is not None else msg.get("first_step")
             self.version += 1
@@ -104,9 +106,9 @@ class RunState:
             return
         self._seen.add(key)
         self.events.append(event)
-        if event.get("kind") == "command" and event.get("status") == "applied":
-            if event.get("name") in ("pause", "resume"):
-                self.paused = event["name"] == "pause"
+        if event.get("kind") == "command" and event.get("status") == "applied" \
+                and event.get("name") in ("pause", "resume"):   # another console's, say
+            self.paused = event["name"] == "pause"
 
     def take(self) -> tuple[list, list, list]:
         """(points, events, notes) not yet drawn; the caller draws them."""

@@ -7,15 +7,17 @@ commands as the engine would (FakeEngine); the last one attaches to a real headl
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from pathlib import Path
 
 import pytest
+from textual.widgets import OptionList
 
 from console.app import ConsoleApp
 from console.client import ReplaySource, SocketSource, replay_messages
-from console.screens import ConfirmStopScreen, HelpScreen, QuitScreen
+from console.screens import ConfirmStopScreen, HelpScreen, QuitScreen, RunPicker
 from engine.hub import Hub
 from engine.protocol import COMMANDS
 from tests.conftest import read_jsonl
@@ -94,7 +96,8 @@ def events_text(app: ConsoleApp) -> str:
 
 async def attached(pilot, app: ConsoleApp) -> None:
     await until(pilot, lambda: app.link_state == "connected" and app.state.last_step, what="the console to attach")
-    await pilot.pause(0.2)   # a refresh tick: the panels hold the snapshot
+    app.refresh_panels(force=True)   # the panels hold the snapshot now, not at their next turn
+    await pilot.pause(0.1)
 
 
 async def select(pilot, app: ConsoleApp, layer: str) -> None:
@@ -228,6 +231,23 @@ def test_quit_detach_sends_nothing_and_stop_asks_first(engines):
 
 
 @pytest.mark.timeout(60)
+def test_with_no_run_named_a_picker_lists_the_live_runs(engines):
+    engines("alpha", DDP_FEED)
+    engines("beta", PIPELINE_FEED)
+
+    async def scenario():
+        app = ConsoleApp(None)
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, lambda: isinstance(app.screen, RunPicker) and len(app.screen.runs) == 2,
+                        what="the picker to list both runs")
+            app.screen.query_one(OptionList).highlighted = 1
+            await pilot.press("enter")
+            await attached(pilot, app)
+            assert app.state.hello["run"] == "beta" and app.state.mode == "pipeline"
+    run(scenario())
+
+
+@pytest.mark.timeout(60)
 def test_help_lists_every_key_and_the_palette_has_every_action():
     async def scenario():
         app = ConsoleApp(ReplaySource(DDP_FEED, paused=True, preload=10))
@@ -291,3 +311,13 @@ def test_pause_and_resume_a_real_run(cli):
             await pilot.press("q", "d")
         assert app.return_value == "detach"
     run(scenario())
+
+
+@pytest.mark.timeout(120)
+def test_bench_console_reports_every_figure(cli):
+    r = cli.run("bench", "console", "--json", "--seconds", "2", "--presses", "3", timeout=110)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert report["commands_arrived"] == 3 and report["steps_per_s_shown"] > 0
+    for figure in ("cpu_percent_of_one_core", "key_to_hub_ms_median", "key_to_hub_ms_max", "meets_goals"):
+        assert figure in report

@@ -41,11 +41,11 @@ async def settle(pilot) -> None:
     while not app.replay_ready and time.monotonic() < deadline:
         await pilot.pause(0.05)
     await pilot.pause(0.1)
-    app.refresh_panels()
+    app.refresh_panels(force=True)
     app.query_one(Curves).redraw()
     # panels repaint at most 4 times a second: let a held update land, then draw once more
     await pilot.pause(0.4)
-    app.refresh_panels()
+    app.refresh_panels(force=True)
     app.query_one(Curves).redraw()
     table = app.query_one(LayerTable)
     table.shown = None      # rebuild: column widths then fit these rows, whatever came before

@@ -168,6 +168,11 @@ def test_layer_table_filter_sort_and_selection_kept():
         table.update_layers([layer("fc0", 8.0), layer("fc1", 3.0), layer("head", 2.0), layer("fc10", 0.5)])
         await pilot.pause(REPAINT_WAIT_S)
         assert table.get_cell("fc0", "fwd").plain == "8.00" and table.selected_layer == "fc1"
+        # a wider figure in place widens its column (only wider cells are measured)
+        table.update_layers([layer("fc0", 12345.0), layer("fc1", 3.0), layer("head", 2.0), layer("fc10", 0.5)])
+        await pilot.pause(REPAINT_WAIT_S)
+        assert table.columns["fwd"].content_width >= len("12345.00")
+        assert "12345.00" in screen_text(pilot)
         table.set_filter("FC1")
         assert table.shown == ["fc1", "fc10"] and table.selected_layer == "fc1"
         table.set_filter("zz")

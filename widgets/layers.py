@@ -124,8 +124,9 @@ class LayerTable(DataTable):
                 new = _cells(row)
                 old = self.cells[row["name"]]
                 for (key, _), before, after in zip(COLUMNS, old, new, strict=True):
-                    if before != after:
-                        self.update_cell(row["name"], key, after, update_width=True)
+                    if before != after:   # measuring every cell costs more than the rest: only a wider one
+                        wider = after.cell_len > self.columns[key].content_width
+                        self.update_cell(row["name"], key, after, update_width=wider)
                 self.cells[row["name"]] = new
             return
         selected = self.selected_layer

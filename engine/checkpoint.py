@@ -2,8 +2,9 @@
 
     runs/NAME/checkpoints/step_000010/
         manifest.json        step, world size, layout, config, {file: sha256, bytes}
-        model.pt             model state (rank 0: data parallel ranks hold equal copies)
-        optimizer.pt         optimizer state
+        model.pt             model state (ddp: rank 0 writes it, the ranks hold equal copies)
+        optimizer.pt         optimizer state (ddp)
+        shard0.pt, ...       sharded: each owner's parameters and optimizer state
         rank0.pt, rank1.pt   per-rank RNG states
 
 Every rank writes its files into `step_000010.tmp/`; when all have (a barrier in
@@ -147,3 +148,28 @@ def load_file(path: Path, name: str):
         return torch.load(file, map_location="cpu", weights_only=True)
     except Exception as e:   # verified already; this catches a file the manifest never described
         raise CheckpointError(f"{file}: cannot be read ({type(e).__name__}: {e})") from None
+
+
+def check_strategy(source: Path, manifest: dict, name: str) -> None:
+    """A checkpoint resumes only under the parallel strategy that wrote it (their files differ)."""
+    wrote = manifest.get("layout", {}).get("strategy", "unknown")
+    if wrote != name:
+        raise CheckpointError(f"{source}: written by a {wrote!r} run; this run is {name!r} "
+                              f"(resume with the parallel.strategy that wrote it)")
+
+
+def model_state(path: Path) -> dict:
+    """The whole model's state dict from a verified checkpoint, whichever strategy wrote it."""
+    manifest = verify(path)
+    files = manifest["files"]
+    if "model.pt" in files:
+        return load_file(path, "model.pt")
+    shards = sorted((n for n in files if re.fullmatch(r"shard\d+\.pt", n)), key=lambda n: int(n[5:-3]))
+    if not shards:
+        raise CheckpointError(f"{path}: holds neither model.pt nor shard files")
+    state = {}
+    for name in shards:
+        shard = load_file(path, name)
+        state.update(shard["params"])
+        state.update(shard.get("buffers") or {})
+    return state

@@ -57,7 +57,7 @@ def parse_size(text: str | int) -> int:
 
 # Values of a `choices` key that belong to the design but are not built yet: they get
 # "not available yet" instead of "must be one of".
-PLANNED_CHOICES = {"parallel.strategy": ("sharded", "pipeline", "param_server")}
+PLANNED_CHOICES = {"parallel.strategy": ("pipeline", "param_server")}
 # A `pattern` key's rule in words, for messages and docs (the regex is the rule itself).
 PATTERN_WORDS = {"run.name": "1 to 64 letters, digits, '.', '_' or '-', starting with a letter or digit"}
 
@@ -126,10 +126,25 @@ class OptimConfig:
 class ParallelConfig:
     """How the workers share the training, and how they survive failures."""
 
-    strategy: str = setting("ddp", "Parallel strategy. `ddp` (torch DistributedDataParallel, the baseline) "
-                                   "is available now; `sharded`, `pipeline` and `param_server` are planned.",
-                            choices=("ddp",))
+    strategy: str = setting("ddp", "Parallel strategy. `ddp`: torch DistributedDataParallel, the baseline. "
+                                   "`sharded`: every parameter has one owner rank that alone keeps its "
+                                   "optimizer state and broadcasts its update in slices over several streams "
+                                   "(docs/sharded.md). `pipeline` and `param_server` are planned.",
+                            choices=("ddp", "sharded"))
     world_size: int = setting(2, "Worker processes on this machine.", min=1, max=256)
+    streams: int = setting(2, "sharded: communication streams (one process group each) that carry the "
+                              "broadcast of updated parameters.", min=1, max=64)
+    slices: int = setting(4, "sharded: slices each owner cuts its updated shard into; at least `streams`.",
+                          min=1, max=4096)
+    slice_assignment: str = setting("balanced", "sharded: how slices are given to streams: `balanced` (the "
+                                                "stream with the fewest bytes so far) or `random` (seeded by "
+                                                "run.seed, the same on every rank).",
+                                    choices=("balanced", "random"))
+    overlap_forward: bool = setting(True, "sharded: the next step's forward of each layer waits only for the "
+                                          "broadcasts carrying that layer's parameters (false: the step waits "
+                                          "for every broadcast).")
+    main_stream_communicates: bool = setting(False, "sharded: the compute group is one of the `streams` "
+                                                    "(false: every stream is a group of its own).")
     backend: str = setting("auto", "Collective backend: `auto` picks nccl when every worker has its own "
                                    "CUDA GPU, otherwise gloo on the CPU.", choices=("auto", "gloo", "nccl"))
     collective_timeout_s: float = setting(60.0, "Timeout of every collective: a dead peer becomes an "

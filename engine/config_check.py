@@ -263,4 +263,13 @@ def listen_is_loopback(cfg: Config) -> str | None:
     return None
 
 
-CROSS_CHECKS = [listen_is_loopback, model_matches_data, branchy_has_square_images, batch_splits_over_ranks, heads_split_width]
+def slices_cover_streams(cfg: Config) -> str | None:
+    """`parallel.slices` must be at least `parallel.streams`: every stream carries at least one slice."""
+    p = cfg.parallel
+    if p.slices < p.streams:
+        return (f"parallel.slices = {p.slices} is smaller than parallel.streams = {p.streams}: every stream "
+                f"needs at least one slice (set slices >= {p.streams} or streams <= {p.slices})")
+    return None
+
+
+CROSS_CHECKS = [listen_is_loopback, slices_cover_streams, model_matches_data, branchy_has_square_images, batch_splits_over_ranks, heads_split_width]

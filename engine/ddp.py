@@ -1,9 +1,13 @@
 """Baseline data parallel: torch DistributedDataParallel, the reference every technique is measured against.
 
-    strategy = DDPStrategy(model, optimizer, topo, device)
+    strategy = DDPStrategy(model, optim_cfg, topo, device)
     loss = strategy.train_step(x, y)      # forward, backward (all-reduce inside), optimizer step
     strategy.timings                      # fwd_ms, bwd_ms, optim_ms of that step
     strategy.stream_stats()               # the one communicator: bytes, busy time, in flight
+    strategy.save(staged_dir); strategy.load(checkpoint, manifest)
+
+Every strategy has this interface (engine/sharded.py is the other): it builds its own
+optimizer over what it updates, and writes and reads its own checkpoint files.
 
 Each rank runs its slice of the global batch; DDP averages gradients, so a step
 equals a single-process step on the whole global batch. A communication hook
@@ -14,13 +18,17 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
+from engine import checkpoint as ckpt
+from engine.config import OptimConfig
 from engine.devices import LedgerDevice
+from engine.optim import make_optimizer
 from engine.topology import Topology
 
 COMMANDS = ("pause", "resume", "stop", "checkpoint")   # what an operator can do in this mode
@@ -62,9 +70,10 @@ class DDPStrategy:
     name = "ddp"
     commands = COMMANDS
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, topo: Topology,
+    def __init__(self, model: torch.nn.Module, optim_cfg: OptimConfig, topo: Topology,
                  device: LedgerDevice, loss_fn=cross_entropy):
-        self.model, self.optimizer, self.device, self.loss_fn = model, optimizer, device, loss_fn
+        self.model, self.topo, self.device, self.loss_fn = model, topo, device, loss_fn
+        self.optimizer = make_optimizer(optim_cfg, model.parameters())
         ids = [device.torch_device.index] if device.kind == "cuda" else None
         # DDP broadcasts rank 0's parameters here, so every rank starts from the same weights.
         self.ddp = DistributedDataParallel(model, device_ids=ids, process_group=topo.compute)
@@ -104,3 +113,20 @@ class DDPStrategy:
 
     def layout(self) -> dict:
         return {"strategy": self.name}
+
+    def sync(self) -> float:
+        return 0.0   # nothing in flight between steps
+
+    def close(self) -> None:
+        pass
+
+    # --- checkpoints: ranks hold equal copies, rank 0 writes them ---------------------------
+    def save(self, staged: Path) -> None:
+        if self.topo.is_first:
+            ckpt.write_file(staged, "model.pt", self.model.state_dict())
+            ckpt.write_file(staged, "optimizer.pt", self.optimizer.state_dict())
+
+    def load(self, source: Path, manifest: dict) -> None:
+        ckpt.check_strategy(source, manifest, self.name)
+        self.model.load_state_dict(ckpt.load_file(source, "model.pt"))
+        self.optimizer.load_state_dict(ckpt.load_file(source, "optimizer.pt"))

@@ -40,6 +40,7 @@ class MemoryLedger:
         self._modules: list[torch.nn.Module] = []
         self._optimizers: list[torch.optim.Optimizer] = []
         self._saved: dict[int, list] = {}   # storage pointer -> [bytes, references]
+        self.extra: dict[str, int] = {}     # bytes a strategy holds outside parameters/.grad/state, by category
         self.current_layer: str | None = None          # set by the layer profiler during forward
         self.activations_by_layer: dict[str, int] = {}  # bytes first saved while that layer ran
 
@@ -61,9 +62,11 @@ class MemoryLedger:
         for opt in self._optimizers:
             for per_param in opt.state.values():
                 state += sum(tensor_bytes(v) for v in per_param.values() if torch.is_tensor(v))
+        extra = self.extra
         with self._lock:
-            self.bytes["parameters"], self.bytes["gradients"] = params, grads
-            self.bytes["optimizer_state"] = state
+            self.bytes["parameters"] = params + extra.get("parameters", 0)
+            self.bytes["gradients"] = grads + extra.get("gradients", 0)
+            self.bytes["optimizer_state"] = state + extra.get("optimizer_state", 0)
             self._note_peak()
 
     def add(self, category: str, nbytes: int) -> None:

@@ -54,6 +54,7 @@ def prepare_run_dir(job: Job) -> None:
             raise ckpt.CheckpointError(
                 f"{job.resume}: written by {manifest.get('world_size')} workers; parallel.world_size is "
                 f"{cfg.parallel.world_size} (resuming onto a different world size is not supported)")
+        ckpt.check_strategy(job.resume, manifest, cfg.parallel.strategy)
         saved = manifest.get("config", {})
         for section in ("model", "data"):
             if saved.get(section) != cfg.to_dict()[section]:

@@ -4,6 +4,7 @@
     topo.rank, topo.world_size, topo.is_first
     topo.compute   # gradients, activations, parameters (gloo on CPU, nccl on GPU)
     topo.side      # telemetry gather and command broadcast (always gloo, never the training groups)
+    topo.stream_groups(n, include_compute=False)   # n communicators for the sliced broadcast
 
 Workers read RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and
 MASTER_PORT from the environment that torch's elastic agent (ours or torchrun's)
@@ -48,6 +49,21 @@ class Topology:
         # The side group carries small CPU tensors (telemetry, commands) beside training.
         topo.side = dist.new_group(backend="gloo", timeout=timeout)
         return topo
+
+    def stream_groups(self, n: int, include_compute: bool) -> list:
+        """`n` communication streams, each its own process group on the training backend (on a GPU,
+        NCCL gives each group its own communicator and CUDA stream). With `include_compute` the
+        compute group is stream 0. Every rank must call this at the same point."""
+        groups = [self.compute] if include_compute else []
+        while len(groups) < n:
+            groups.append(dist.new_group(backend=self.backend, timeout=timedelta(seconds=self.timeout_s)))
+        return groups
+
+    def release(self, groups: list) -> None:
+        """Destroy groups made by stream_groups (the compute and side groups stay)."""
+        for group in groups:
+            if group is not self.compute and group is not self.side:
+                dist.destroy_process_group(group)
 
     @property
     def is_first(self) -> bool:

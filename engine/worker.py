@@ -28,8 +28,8 @@ from engine.data import Dataset, batch_for, load_dataset
 from engine.ddp import DDPStrategy
 from engine.devices import open_device
 from engine.models import LayerList, build_model
-from engine.optim import make_optimizer
 from engine.profiler import LayerProfiler
+from engine.sharded import ShardedStrategy
 from engine.telemetry import Telemetry
 from engine.topology import Topology
 
@@ -111,13 +111,12 @@ class Worker:
         torch.manual_seed(cfg.run.seed)
         model = job.model if job.model is not None else build_model(cfg.model, self.data.meta, cfg.run.seed)
         self.model = model.to(self.device.torch_device)
-        self.optimizer = make_optimizer(cfg.optim, self.model.parameters())
-        self.device.ledger.track_module(self.model, self.optimizer)
+        self.strategy = make_strategy(cfg, self.model, topo, self.device)
+        self.device.ledger.track_module(self.model, self.strategy.optimizer)
         self.resumed_from = None
         self.first_step = self._resume()
         if self.first_step == 0:   # dropout streams differ per rank, reproducible from the seed
             torch.manual_seed(cfg.run.seed + 1000 * topo.rank)
-        self.strategy = DDPStrategy(self.model, self.optimizer, topo, self.device)
         self.profiler = LayerProfiler(self.model, self.device.ledger) if cfg.telemetry.layer_every else None
 
         self.tel = Telemetry.open(job, self._hello(), topo.is_first, self.first_step)
@@ -146,8 +145,7 @@ class Worker:
             raise ckpt.CheckpointError(
                 f"{source}: written by {manifest['world_size']} workers; this run has "
                 f"{self.topo.world_size} (parallel.world_size must match to resume)")
-        self.model.load_state_dict(ckpt.load_file(source, "model.pt"))
-        self.optimizer.load_state_dict(ckpt.load_file(source, "optimizer.pt"))
+        self.strategy.load(source, manifest)
         rng = ckpt.load_file(source, f"rank{self.topo.rank}.pt")
         torch.set_rng_state(rng["torch"])
         if self.device.kind == "cuda" and "cuda" in rng:
@@ -255,6 +253,9 @@ class Worker:
                   "streams": self.strategy.stream_stats(me["step_ms"])}
         record["time_split"]["comm_ms"] = sum(s["busy_ms"] for s in record["streams"])
         if layers is not None:
+            owners = self.strategy.layer_owners() if hasattr(self.strategy, "layer_owners") else {}
+            layers = [{**entry, "owner_rank": owners[entry["name"]]} if entry["name"] in owners else entry
+                      for entry in layers]
             record["layers"] = layers
             self.tel.update_state(layers=layers)
         self.tel.update_state(step=step)
@@ -286,9 +287,7 @@ class Worker:
         if self.device.kind == "cuda":
             rng["cuda"] = torch.cuda.get_rng_state()
         ckpt.write_file(staged, f"rank{self.topo.rank}.pt", rng)
-        if self.topo.is_first:
-            ckpt.write_file(staged, "model.pt", self.model.state_dict())
-            ckpt.write_file(staged, "optimizer.pt", self.optimizer.state_dict())
+        self.strategy.save(staged)
         dist.barrier(group=self.topo.side)
         if self.topo.is_first:
             # Batches are a function of (step, seed), so the step is the whole data position.
@@ -304,6 +303,7 @@ class Worker:
         ds = self.data
         if ds.x_test is None or len(ds.x_test) == 0:
             return None
+        self.strategy.sync()   # every parameter's latest broadcast has landed
         self.model.eval()
         correct = total = 0
         for i in range(0, len(ds.x_test), 1024):
@@ -332,6 +332,15 @@ class Worker:
         self.tel.summary(summary)
         self.tel.close("run stopped" if stopped_early else "run finished")
         return {"type": "summary", **summary}
+
+
+def make_strategy(cfg: Config, model: LayerList, topo: Topology, device) -> DDPStrategy | ShardedStrategy:
+    p = cfg.parallel
+    if p.strategy == "sharded":
+        return ShardedStrategy(model, cfg.optim, topo, device, streams=p.streams, slices=p.slices,
+                               assignment=p.slice_assignment, overlap_forward=p.overlap_forward,
+                               main_stream_communicates=p.main_stream_communicates, seed=cfg.run.seed)
+    return DDPStrategy(model, cfg.optim, topo, device)
 
 
 def main(argv: list[str] | None = None) -> None:

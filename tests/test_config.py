@@ -57,8 +57,13 @@ beta2 = 0.99
 eps = 1e-6
 
 [parallel]
-strategy = "ddp"
+strategy = "sharded"
 world_size = 4
+streams = 3
+slices = 9
+slice_assignment = "random"
+overlap_forward = false
+main_stream_communicates = true
 backend = "gloo"
 collective_timeout_s = 30
 max_restarts = 0
@@ -115,7 +120,7 @@ def test_full_file_loads_every_key(tmp_path):
     assert cfg.telemetry.log == "t.jsonl"
     unchanged = [f"{section}.{key}" for section, values in cfg.to_dict().items()
                  for key, value in values.items() if value == Config().to_dict()[section][key]]
-    assert unchanged == ["parallel.strategy"]  # the file moves every other key off its default
+    assert unchanged == []  # the file moves every key off its default
 
 
 def test_file_keys_not_given_keep_defaults(tmp_path):
@@ -195,16 +200,22 @@ def test_out_of_range(data, expected):
 
 
 def test_choices_with_and_without_suggestion():
-    assert error_of({"parallel": {"strategy": "zero"}}) == 'parallel.strategy = "zero": must be one of "ddp"'
+    assert error_of({"parallel": {"strategy": "zero"}}) == 'parallel.strategy = "zero": must be one of "ddp", "sharded"'
     assert error_of({"optim": {"name": "adamm"}}) == \
         'optim.name = "adamm": must be one of "sgd", "adamw" (did you mean "adamw"?)'
     assert error_of({"device": {"kind": "CUDA"}}).endswith('(did you mean "cuda"?)')
 
 
-@pytest.mark.parametrize("strategy", ["sharded", "pipeline", "param_server"])
+@pytest.mark.parametrize("strategy", ["pipeline", "param_server"])
 def test_planned_strategy_is_not_available_yet(strategy):
     assert error_of({"parallel": {"strategy": strategy}}) == \
-        f'parallel.strategy = "{strategy}": not available yet in this version; available: "ddp"'
+        f'parallel.strategy = "{strategy}": not available yet in this version; available: "ddp", "sharded"'
+
+
+def test_slices_fewer_than_streams_names_both():
+    assert error_of({"parallel": {"streams": 4, "slices": 2}}) == (
+        "parallel.slices = 2 is smaller than parallel.streams = 4: every stream needs at least one slice "
+        "(set slices >= 4 or streams <= 2)")
 
 
 def test_pattern_in_words():

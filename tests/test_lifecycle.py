@@ -9,7 +9,7 @@ import subprocess
 import pytest
 import torch
 
-from engine.checkpoint import list_checkpoints, load_file, verify
+from engine.checkpoint import list_checkpoints, load_file, model_state, verify
 from tests.conftest import ROOT, pid_alive, read_jsonl, wait_for
 from tests.test_training import single_process_reference
 
@@ -28,10 +28,12 @@ def read_pid(run_dir, who: str) -> int | None:
 
 
 @pytest.mark.timeout(150)
-def test_a_worker_killed_by_sigkill_is_restarted_and_the_run_completes(cli):
+@pytest.mark.parametrize("strategy", ["ddp", "sharded"])
+def test_a_worker_killed_by_sigkill_is_restarted_and_the_run_completes(cli, strategy):
     log = cli.tmp_path / "run.jsonl"
     run_dir = cli.tmp_path / "runs" / "killed"
-    paced = ["--set", "run.step_pause_ms=40", "--set", "checkpoint.every=10", "--set", "parallel.max_restarts=2"]
+    paced = ["--set", "run.step_pause_ms=40", "--set", "checkpoint.every=10", "--set", "parallel.max_restarts=2",
+             "--set", f"parallel.strategy={strategy}"]
     proc = cli.start("run", DEMO, "--headless", "--steps", "60", *cli.base_args("killed"), *paced,
                      "--telemetry-log", str(log))
     wait_for(lambda: steps_logged(log) >= 15, 60, "step 15")
@@ -48,7 +50,7 @@ def test_a_worker_killed_by_sigkill_is_restarted_and_the_run_completes(cli):
     assert read_pid(run_dir, "rank1") != victim
     assert "restart 1 of 2" in out
     # the restarted run continued exactly: the result equals one uninterrupted computation
-    got = load_file(list_checkpoints(run_dir)[-1], "model.pt")
+    got = model_state(list_checkpoints(run_dir)[-1])
     want = single_process_reference([], 60)
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-5, msg=name)
@@ -125,6 +127,14 @@ def test_resuming_onto_another_world_size_is_refused(cli, finished_run):
                 "--resume", str(finished_run), timeout=30)
     assert r.returncode == 2
     assert "written by 2 workers" in r.stderr and "parallel.world_size" in r.stderr
+
+
+@pytest.mark.timeout(60)
+def test_resuming_under_another_strategy_is_refused(cli, finished_run):
+    r = cli.run("run", DEMO, "--headless", *cli.base_args("done"), "--set", "parallel.strategy=sharded",
+                "--resume", str(finished_run), timeout=30)
+    assert r.returncode == 2
+    assert "written by a 'ddp' run; this run is 'sharded'" in r.stderr
 
 
 @pytest.mark.timeout(120)

@@ -132,6 +132,13 @@ def test_device_card_simulated_and_over_capacity():
         panel.update_ranks([rank_entry(0, used=55 * MIB), over], simulated=True)
         await pilot.pause(REPAINT_WAIT_S)
         assert list(panel.query(DeviceCard)) == cards and cards[0].has_class("-warn")
+        assert "owns" not in screen_text(pilot)
+        before = cards[0].size.height
+        # sharded ranks also show their shard and their wait at the broadcast gate, on a line of its own
+        panel.update_ranks([rank_entry(0, owned_bytes=3 * MIB, gate_ms=1.25), over], simulated=True)
+        await pilot.pause(REPAINT_WAIT_S)
+        assert "owns 3.0 MiB  gate 1.2 ms" in screen_text(pilot)
+        assert cards[0].size.height == before + 1
 
     mounted(DevicesPanel(), test)
 

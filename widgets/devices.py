@@ -119,7 +119,7 @@ class DeviceCard(Widget):
     def update_data(self, entry: dict, simulated: bool) -> None:
         if entry == self.entry and simulated == self.simulated:
             return
-        relayout = ("nvml_used_bytes" in entry) != ("nvml_used_bytes" in self.entry)
+        relayout = self.extra_lines(entry) != self.extra_lines(self.entry)
         self.entry, self.simulated = dict(entry), simulated
         tag = "[dim italic]simulated[/]" if simulated else "[b $success]GPU[/]"
         title = f"[b]rank {self.rank}[/] {tag}"
@@ -170,12 +170,19 @@ class DeviceCard(Widget):
                 ("nvml ", "dim"), human_bytes(entry.get("nvml_used_bytes")), " / ",
                 human_bytes(entry.get("nvml_total_bytes")),
                 ("  util ", "dim"), "—" if util is None else f"{util:.0f}%"))
+        if entry.get("owned_bytes"):   # sharded: this rank's shard, and its wait for others' broadcasts
+            lines.append(Text.assemble(("owns ", "dim"), human_bytes(entry["owned_bytes"]),
+                                       ("  gate ", "dim"), f"{entry.get('gate_ms') or 0.0:.1f} ms"))
         for line in lines:
             line.truncate(width, overflow="ellipsis")
         return Text("\n").join(lines)
 
+    @staticmethod
+    def extra_lines(entry: dict) -> int:
+        return ("nvml_used_bytes" in entry) + bool(entry.get("owned_bytes"))
+
     def get_content_height(self, container, viewport, width: int) -> int:
-        return 6 if "nvml_used_bytes" in self.entry else 5
+        return 5 + self.extra_lines(self.entry)
 
 
 class DevicesPanel(VerticalScroll):

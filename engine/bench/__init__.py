@@ -3,13 +3,14 @@ invocation and prints ratios; absolute times on a shared machine are noise, rati
 
     trainyard bench telemetry            # throughput with 0, 1 and 10 consoles attached
     trainyard bench console              # the console's CPU and key-to-run delay, 64 ranks x 200 layers
+    trainyard bench broadcast            # sharded + sliced multi-stream broadcast + gated forward vs DDP
 """
 
 from __future__ import annotations
 
 import importlib
 
-BENCHES = {"telemetry": "engine.bench.telemetry", "console": "console.bench"}
+BENCHES = {"telemetry": "engine.bench.telemetry", "console": "console.bench", "broadcast": "engine.bench.broadcast"}
 
 
 def run(name: str, argv: list[str]) -> int:

@@ -1,0 +1,157 @@
+"""`trainyard bench broadcast`: sharded ownership and the sliced, gated broadcast against torch DDP.
+
+One pool of `--world` worker processes (gloo on this machine) trains the same MLP
+(21M parameters in 20 equal layers by default, synthetic data) with each variant in turn, in rounds
+(A B C D, A B C D, ...) so that drift of the machine hits every variant alike:
+
+    ddp              torch DistributedDataParallel (all-reduce inside backward, full optimizer on every rank)
+    sharded-1        1 stream, the step waits for the whole broadcast
+    sharded-n        n streams, the step waits for the whole broadcast
+    sharded-n-gated  n streams, the next forward gated per layer on its own slices
+
+Figures: each variant's median step time over the rounds and its ratio to DDP, the
+optimizer-state bytes per rank (largest rank), and the overlap efficiency
+(T_wait - T_gated) / min(T_broadcast, T_forward), with T_broadcast (launch of the
+broadcast to its last slice landing) and T_forward measured in sharded-n, the same run.
+The per-phase columns (forward, backward, reduce, update, broadcast wait, gate wait)
+are the profile that explains a missed goal.
+
+    trainyard bench broadcast [--world 4] [--streams 4] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+
+def measure(topo, variant: str, hidden: int, depth: int, features: int, batch: int, steps: int, warmup: int,
+            streams: int, slices: int) -> dict:
+    """One variant on this rank: `warmup` steps, then `steps` timed ones."""
+    import torch
+    import torch.distributed as dist
+
+    from engine.config import ModelConfig, OptimConfig
+    from engine.ddp import DDPStrategy
+    from engine.devices import LedgerDevice
+    from engine.models import build_model
+    from engine.sharded import ShardedStrategy
+
+    model = build_model(ModelConfig(name="mlp", hidden=hidden, depth=depth),
+                        {"input_dim": features, "num_classes": 10}, seed=0)
+    device = LedgerDevice(1 << 40)
+    optim = OptimConfig(name="sgd", lr=0.01)
+    if variant == "ddp":
+        runner = DDPStrategy(model, optim, topo, device)
+    else:
+        runner = ShardedStrategy(model, optim, topo, device, streams=1 if variant == "sharded-1" else streams,
+                                 slices=slices, overlap_forward=variant.endswith("gated"))
+    device.ledger.track_module(model, runner.optimizer)
+    per_rank = batch // topo.world_size
+    gen = torch.Generator().manual_seed(topo.rank)
+    x = torch.randn(per_rank, features, generator=gen)
+    y = torch.randint(0, 10, (per_rank,), generator=gen)
+    phases = ("fwd_ms", "bwd_ms", "reduce_ms", "optim_ms", "broadcast_wait_ms", "gate_ms")
+    for _ in range(warmup):
+        runner.train_step(x, y)
+    runner.sync()
+    dist.barrier(group=topo.compute)
+    sums = dict.fromkeys(phases, 0.0)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        runner.train_step(x, y)
+        for k in phases:
+            sums[k] += runner.timings.get(k, 0.0)
+    runner.sync()   # the last broadcast is part of the work
+    elapsed = time.perf_counter() - t0
+    device.ledger.refresh()
+    result = {"step_ms": elapsed / steps * 1000, **{k: v / steps for k, v in sums.items()},
+              "optimizer_state_bytes": device.ledger.bytes["optimizer_state"],
+              "parameters": sum(p.numel() for p in model.parameters())}
+    runner.close()
+    return result
+
+
+def run_bench(world: int, rounds: int, streams: int, slices: int, hidden: int, depth: int, features: int,
+              batch: int, steps: int, warmup: int) -> dict:
+    from engine.procpool import DistPool
+    variants = ["ddp", "sharded-1", f"sharded-{streams}", f"sharded-{streams}-gated"]
+    runs: dict[str, list[dict]] = {v: [] for v in variants}
+    with DistPool(world, timeout_s=120) as pool:
+        for _ in range(rounds):
+            for v in variants:
+                results = pool.run(measure, timeout=600, variant=v, hidden=hidden, depth=depth, features=features,
+                                   batch=batch, steps=steps, warmup=warmup, streams=streams, slices=slices)
+                runs[v].append({**results[0], "state_per_rank": [r["optimizer_state_bytes"] for r in results]})
+    med = {v: {k: statistics.median(r[k] for r in runs[v]) for k in runs[v][0] if k != "state_per_rank"}
+           for v in variants}
+    ddp_ms = med["ddp"]["step_ms"]
+    wait, gated = med[variants[2]], med[variants[3]]
+    t_broadcast, t_forward = wait["broadcast_wait_ms"], wait["fwd_ms"]
+    efficiency = (wait["step_ms"] - gated["step_ms"]) / min(t_broadcast, t_forward) if min(t_broadcast, t_forward) \
+        else 0.0
+    ddp_state = max(runs["ddp"][0]["state_per_rank"])
+    rows = []
+    for v in variants:
+        state = max(runs[v][0]["state_per_rank"])
+        rows.append({"variant": v, "step_ms": round(med[v]["step_ms"], 2),
+                     "ratio_to_ddp": round(med[v]["step_ms"] / ddp_ms, 3),
+                     "optimizer_state_bytes_per_rank": state, "state_fraction_of_ddp": round(state / ddp_state, 4),
+                     **{k: round(med[v][k], 2) for k in ("fwd_ms", "bwd_ms", "reduce_ms", "optim_ms",
+                                                         "broadcast_wait_ms", "gate_ms")}})
+    gated_row = rows[3]
+    return {"bench": "broadcast", "world": world, "streams": streams, "slices": slices, "rounds": rounds,
+            "steps_per_round": steps, "parameters": int(med["ddp"]["parameters"]), "batch": batch,
+            "variants": rows, "t_broadcast_ms": round(t_broadcast, 2), "t_forward_ms": round(t_forward, 2),
+            "overlap_efficiency": round(efficiency, 3),
+            "goals": {"gated_ratio_to_ddp_at_most": 1.0, "state_fraction_at_most": round(1 / world, 4),
+                      "overlap_efficiency_at_least": 0.5},
+            "meets_goals": {"step_ratio": gated_row["ratio_to_ddp"] <= 1.0,
+                            "optimizer_state": gated_row["state_fraction_of_ddp"] <= 1 / world + 0.02,
+                            "overlap_efficiency": efficiency >= 0.5}}
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="trainyard bench broadcast")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--world", type=int, default=4, help="worker processes (default 4)")
+    parser.add_argument("--streams", type=int, default=4, help="streams of the n-stream variants (default 4)")
+    parser.add_argument("--slices", type=int, default=16, help="slices per owner (default 16)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per variant and round")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=1024, help="MLP width (default 1024)")
+    parser.add_argument("--depth", type=int, default=20, help="MLP hidden layers (default 20: 21M parameters in "
+                                                                "20 equal layers, which whole-parameter ownership "
+                                                                "can split evenly over 2 or 4 ranks)")
+    parser.add_argument("--features", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=32, help="global batch")
+    args = parser.parse_args(argv)
+    if args.slices < args.streams or args.batch % args.world:
+        parser.error("--slices must be >= --streams and --batch divisible by --world")
+    report = run_bench(args.world, args.rounds, args.streams, args.slices, args.hidden, args.depth, args.features,
+                       args.batch, args.steps, args.warmup)
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+    table = Table(title=f"broadcast: {report['parameters'] / 1e6:.1f}M parameters, world {args.world}, "
+                        f"{args.streams} streams x {args.slices} slices, median of {args.rounds} rounds "
+                        f"(ms per step)")
+    for col in ("variant", "step", "x DDP", "opt. state/rank", "fwd", "bwd", "reduce", "update", "bcast wait",
+                "gate wait"):
+        table.add_column(col, justify="left" if col == "variant" else "right")
+    for r in report["variants"]:
+        table.add_row(r["variant"], f"{r['step_ms']:.1f}", f"{r['ratio_to_ddp']:.3f}",
+                      f"{r['optimizer_state_bytes_per_rank'] / 2**20:.1f} MiB ({r['state_fraction_of_ddp']:.2f})",
+                      *(f"{r[k]:.1f}" for k in ("fwd_ms", "bwd_ms", "reduce_ms", "optim_ms", "broadcast_wait_ms",
+                                                  "gate_ms")))
+    Console().print(table)
+    met = report["meets_goals"]
+    print(f"overlap efficiency {report['overlap_efficiency']:.2f} (goal >= 0.5; T_broadcast "
+          f"{report['t_broadcast_ms']:.1f} ms, T_forward {report['t_forward_ms']:.1f} ms)")
+    print("goals: " + ", ".join(f"{k} {'met' if v else 'MISSED'}" for k, v in met.items()))
+    return 0

@@ -1,0 +1,246 @@
+"""Sharded ownership, multi-stream sliced broadcast, gated forward (engine/sharded.py).
+
+The plan (owners, slices, streams) is checked as pure functions; training is checked
+against torch DDP in a pool of worker processes that stays up for the whole grid
+(tests/pool.py), and through the CLI for checkpoints and the restart path.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.checkpoint import list_checkpoints, model_state
+from engine.config import Config
+from engine.data import batch_for, load_dataset
+from engine.ddp import DDPStrategy
+from engine.devices import LedgerDevice
+from engine.models import build_model
+from engine.sharded import ShardedStrategy, assign_owners, cut, plan_slices
+from tests.conftest import read_jsonl
+from engine.procpool import DistPool
+from tests.test_training import DEMO, single_process_reference
+
+# --- the plan ---------------------------------------------------------------------------
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 10_000), min_size=1, max_size=40), st.integers(1, 8))
+def test_owners_are_contiguous_in_forward_order_and_balanced_by_bytes(sizes, world):
+    owners = assign_owners(sizes, world)
+    assert owners == sorted(owners) and 0 <= owners[0] and owners[-1] < world   # contiguous runs, in order
+    share = [sum(s for s, o in zip(sizes, owners) if o == r) for r in range(world)]
+    assert max(share) <= sum(sizes) / world + max(sizes)   # off the ideal by less than one parameter
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 500), st.integers(1, 40))
+def test_cut_covers_the_buffer_with_nearly_equal_slices(numel, pieces):
+    ranges = cut(numel, pieces)
+    assert [a for a, _ in ranges[1:]] == [b for _, b in ranges[:-1]]
+    assert (ranges[0][0], ranges[-1][1]) == (0, numel) if numel else ranges == []
+    assert len(ranges) == min(numel, pieces)
+    lengths = [b - a for a, b in ranges]
+    assert not lengths or max(lengths) - min(lengths) <= 1
+
+
+def spans_of(sizes_per_owner: list[list[int]]) -> list[list[tuple[int, int, int]]]:
+    """Owners' buffers holding parameters of consecutive layers: layer numbers run on across owners."""
+    spans, layer = [], 0
+    for sizes in sizes_per_owner:
+        at, owner_spans = 0, []
+        for size in sizes:
+            owner_spans.append((at, at + size, layer))
+            at, layer = at + size, layer + 1
+        spans.append(owner_spans)
+    return spans
+
+
+def test_slices_go_out_in_forward_order_and_cover_every_element():
+    spans = spans_of([[100, 10], [50, 50, 7]])
+    plan = plan_slices(spans, slices=4, streams=2, assignment="balanced", seed=0)
+    assert [min(s.layers) for s in plan] == sorted(min(s.layers) for s in plan)
+    for owner, total in ((0, 110), (1, 107)):
+        mine = [(s.start, s.stop) for s in plan if s.owner == owner]
+        assert mine[0][0] == 0 and mine[-1][1] == total and len(mine) == 4
+    # a slice carries exactly the layers whose elements it holds
+    assert [s.layers for s in plan[:4]] == [(0,), (0,), (0,), (0, 1)] and plan[4].layers == (2,)
+    # balanced: equal slices alternate streams, so each stream carries half the bytes (within a slice)
+    load = [sum(s.numel for s in plan if s.stream == k) for k in (0, 1)]
+    assert abs(load[0] - load[1]) <= max(s.numel for s in plan)
+
+
+def test_random_assignment_is_seeded_and_uses_every_stream():
+    spans = spans_of([[1000] * 8, [1000] * 8])
+    a = plan_slices(spans, slices=16, streams=4, assignment="random", seed=3)
+    assert a == plan_slices(spans, slices=16, streams=4, assignment="random", seed=3)   # every rank agrees
+    assert a != plan_slices(spans, slices=16, streams=4, assignment="random", seed=4)
+    assert {s.stream for s in a} == {0, 1, 2, 3}
+
+
+def test_fewer_slices_than_streams_is_refused_naming_both():
+    with pytest.raises(ValueError, match=r"parallel.slices = 2 is smaller than parallel.streams = 4"):
+        ShardedStrategy(build_model(Config().model, {"input_dim": 4, "num_classes": 2}, 0), Config().optim,
+                        None, LedgerDevice(1 << 20), streams=4, slices=2)
+
+
+# --- training against torch DDP, in a pool of workers ------------------------------------
+
+STEPS = 20
+_REFERENCE: dict = {}   # per worker process: DDP's final parameters, trained once per setting
+_DATA: dict = {}
+
+
+def _config(optim: str, depth: int) -> Config:
+    cfg = Config()
+    cfg.model.hidden, cfg.model.depth = 64, depth
+    cfg.data.batch_size = 32
+    cfg.optim.name, cfg.optim.lr = optim, (0.05 if optim == "sgd" else 0.01)
+    return cfg
+
+
+def _train(topo, strategy: str, optim: str, depth: int, steps: int, **options) -> dict:
+    cfg = _config(optim, depth)
+    if "digits" not in _DATA:
+        _DATA["digits"] = load_dataset(cfg.data, cfg.run.seed)
+    ds = _DATA["digits"]
+    model = build_model(cfg.model, ds.meta, cfg.run.seed)
+    device = LedgerDevice(1 << 30)
+    if strategy == "ddp":
+        runner = DDPStrategy(model, cfg.optim, topo, device)
+    else:
+        runner = ShardedStrategy(model, cfg.optim, topo, device, seed=cfg.run.seed, **options)
+    device.ledger.track_module(model, runner.optimizer)
+    for step in range(steps):
+        x, y = batch_for(ds, step, cfg.data.batch_size, cfg.run.seed, topo.rank, topo.world_size)
+        runner.train_step(x, y)
+    runner.close()
+    device.ledger.refresh()
+    return {"state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+            "optimizer_state_bytes": device.ledger.bytes["optimizer_state"],
+            "largest_param_bytes": max(p.numel() * p.element_size() for p in model.parameters()),
+            "gate_ms": getattr(runner, "timings", {}).get("gate_ms", 0.0)}
+
+
+def sharded_vs_ddp(topo, optim: str = "sgd", depth: int = 2, steps: int = STEPS, **options) -> dict:
+    key = (optim, depth, steps)
+    if key not in _REFERENCE:
+        _REFERENCE[key] = _train(topo, "ddp", optim, depth, steps)
+    want = _REFERENCE[key]
+    got = _train(topo, "sharded", optim, depth, steps, **options)
+    assert got["state"].keys() == want["state"].keys()
+    diff = max(float((got["state"][k] - want["state"][k]).abs().max()) for k in want["state"])
+    return {"max_diff": diff, "ddp_state_bytes": want["optimizer_state_bytes"],
+            "sharded_state_bytes": got["optimizer_state_bytes"], "largest_param_bytes": got["largest_param_bytes"]}
+
+
+@pytest.fixture(scope="module")
+def pools():
+    made: dict[int, DistPool] = {}
+
+    def get(world: int) -> DistPool:
+        if world not in made or made[world].broken:
+            made[world] = DistPool(world)
+        return made[world]
+    yield get
+    for pool in made.values():
+        pool.close()
+
+
+def grid_id(case) -> str:
+    world, streams, slices, assignment, overlap, main, optim = case
+    return (f"w{world}-st{streams}-sl{slices}-{assignment}-{'overlap' if overlap else 'wait'}"
+            f"{'-main' if main else ''}-{optim}")
+
+
+# (world, streams, slices, assignment, overlap_forward, main_stream_communicates, optim): every value of
+# every dimension appears at both world sizes; the slow test below runs the whole grid.
+QUICK = [(2, 1, 1, "balanced", True, False, "sgd"), (2, 2, 16, "random", True, True, "adamw"),
+         (2, 4, 4, "balanced", False, False, "sgd"), (2, 1, 4, "random", False, False, "sgd"),
+         (4, 1, 16, "balanced", False, True, "sgd"), (4, 2, 4, "random", True, False, "sgd"),
+         (4, 4, 16, "random", False, False, "adamw"), (4, 4, 4, "balanced", True, False, "sgd")]
+PAIRS = [(1, 1), (1, 4), (1, 16), (2, 4), (2, 16), (4, 4), (4, 16)]
+FULL = [(w, st_, sl, a, ov, False, opt) for w in (2, 4) for st_, sl in PAIRS for a in ("balanced", "random")
+        for ov in (True, False) for opt in ("sgd", "adamw")]
+
+
+def check_against_ddp(pools, case) -> None:
+    world, streams, slices, assignment, overlap, main, optim = case
+    results = pools(world).run(sharded_vs_ddp, optim=optim, streams=streams, slices=slices, assignment=assignment,
+                               overlap_forward=overlap, main_stream_communicates=main)
+    for rank, result in enumerate(results):
+        assert result["max_diff"] <= 1e-5, f"rank {rank}: parameters differ from DDP by {result['max_diff']}"
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("case", QUICK, ids=grid_id)
+def test_parameters_equal_ddp_after_20_steps(pools, case):
+    check_against_ddp(pools, case)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("case", [c for c in FULL if c not in QUICK], ids=grid_id)
+def test_parameters_equal_ddp_full_grid(pools, case):
+    check_against_ddp(pools, case)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("optim", ["sgd", "adamw"])
+def test_optimizer_state_is_about_one_world_th_of_ddps(pools, optim):
+    world = 4
+    results = pools(world).run(sharded_vs_ddp, optim=optim, depth=6, steps=2, streams=2, slices=4)
+    ddp = results[0]["ddp_state_bytes"]
+    # the split is by whole parameters: an owner may hold one parameter's state more than its share
+    per_param_state = results[0]["largest_param_bytes"] * (1 if optim == "sgd" else 2) + 64
+    shares = [r["sharded_state_bytes"] for r in results]
+    assert sum(shares) == ddp                   # every parameter's state exists once, on its owner
+    for rank, share in enumerate(shares):       # and each owner holds about 1/world of it
+        assert 0 < share <= ddp / world + per_param_state, f"rank {rank}: {share} of DDP's {ddp} bytes"
+
+
+def peer_fails_before_its_broadcast(topo, how: str, steps: int = 6) -> dict:
+    """At step 3, before broadcasting its slices, rank 1 leaves (os._exit) or goes silent; rank 0
+    must get an error naming the broadcast."""
+    class Leaving(ShardedStrategy):
+        calls = 0
+
+        def _broadcast(self):
+            Leaving.calls += 1
+            if self.rank == 1 and Leaving.calls == 4:   # the first call is at start-up
+                if how == "hang":
+                    time.sleep(60)
+                os._exit(7)
+            super()._broadcast()
+    cfg = _config("sgd", 2)
+    ds = load_dataset(cfg.data, cfg.run.seed)
+    model = build_model(cfg.model, ds.meta, cfg.run.seed)
+    runner = Leaving(model, cfg.optim, topo, LedgerDevice(1 << 30), streams=2, slices=4)
+    t0 = time.monotonic()
+    try:
+        for step in range(steps):
+            t0 = time.monotonic()
+            runner.train_step(*batch_for(ds, step, cfg.data.batch_size, cfg.run.seed, topo.rank, topo.world_size))
+        runner.sync()
+    except Exception as e:   # noqa: BLE001 - the error is the result
+        return {"error": f"{type(e).__name__}: {e}", "after_s": time.monotonic() - t0, "step": step}
+    return {"error": None}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["exit", "hang"])
+def test_a_slice_whose_peer_failed_is_an_error_within_the_collective_timeout(how):
+    timeout_s = 4.0
+    pool = DistPool(2, timeout_s=timeout_s)
+    try:
+        [result] = pool.run(peer_fails_before_its_broadcast, answer_from=[0], timeout=60, how=how)
+    finally:
+        pool.close()
+    assert result["error"], f"rank 0 trained on although its peer {'left' if how == 'exit' else 'went silent'}"
+    assert result["error"].startswith("RuntimeError: broadcast of slice ") and " on stream " in result["error"]
+    assert result["step"] in (3, 4) and result["after_s"] < timeout_s + 5, result

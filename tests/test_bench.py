@@ -17,3 +17,24 @@ def test_bench_telemetry_reports_ratios_as_json(cli):
     # every attached console received messages
     assert all(count > 0 for count in report["messages_per_client"]["10"][0])
     assert len(report["messages_per_client"]["10"][0]) == 10
+
+
+@pytest.mark.timeout(120)
+def test_bench_broadcast_reports_every_variant_and_figure(cli):
+    r = cli.run("bench", "broadcast", "--json", "--world", "2", "--streams", "2", "--slices", "4", "--rounds", "1",
+                "--steps", "2", "--warmup", "1", "--hidden", "32", "--depth", "4", "--features", "32", timeout=110)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert [v["variant"] for v in report["variants"]] == ["ddp", "sharded-1", "sharded-2", "sharded-2-gated"]
+    ddp, *sharded = report["variants"]
+    assert ddp["ratio_to_ddp"] == 1.0 and ddp["state_fraction_of_ddp"] == 1.0
+    for row in sharded:   # the owners split the optimizer state: 4 equal layers over 2 ranks
+        assert 0.4 <= row["state_fraction_of_ddp"] <= 0.6 and row["step_ms"] > 0
+    assert sharded[2]["broadcast_wait_ms"] == 0.0 and sharded[1]["broadcast_wait_ms"] > 0
+    for figure in ("overlap_efficiency", "t_broadcast_ms", "t_forward_ms", "meets_goals", "parameters"):
+        assert figure in report
+
+
+def test_bench_broadcast_refuses_fewer_slices_than_streams(cli):
+    r = cli.run("bench", "broadcast", "--streams", "4", "--slices", "2", timeout=30)
+    assert r.returncode == 2 and "--slices must be >= --streams" in r.stderr

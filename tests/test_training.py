@@ -54,14 +54,26 @@ def test_digits_reaches_090_test_accuracy(cli, world):
 def test_parameters_equal_single_process(cli, strategy, world, optim):
     overrides = [f"optim.name={optim}", "optim.lr=0.01", f"parallel.strategy={strategy}"]
     args = [f"--set={o}" for o in overrides]
+    log = cli.tmp_path / "run.jsonl"
     result = cli.run("run", DEMO, "--headless", "--steps", "20", *cli.base_args("parity"),
-                     "--set", f"parallel.world_size={world}", *args)
+                     "--set", f"parallel.world_size={world}", "--set", "telemetry.layer_every=5", *args,
+                     "--telemetry-log", str(log))
     assert result.returncode == 0, result.stderr
     got = final_model(cli.tmp_path / "runs" / "parity")
     want = single_process_reference(overrides, 20)
     assert got.keys() == want.keys()
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-5, msg=name)
+    steps = [r for r in read_jsonl(log) if r["type"] == "step"]
+    total = sum(v.numel() * v.element_size() for v in want.values())
+    owned = [entry["owned_bytes"] for entry in steps[-1]["ranks"]]
+    if strategy == "sharded":   # two streams (the default), every byte owned once, owners in the layer table
+        assert all(len(r["streams"]) == 2 for r in steps) and sum(owned) == total and all(owned)
+        assert sum(s["bytes"] for s in steps[-1]["streams"]) > 0
+        table = next(r["layers"] for r in reversed(steps) if "layers" in r)
+        assert {e["name"]: e.get("owner_rank") for e in table if e["name"].startswith("fc")} == {"fc0": 0, "fc1": 1}
+    else:
+        assert owned == [0] * world and all(len(r["streams"]) == 1 for r in steps)
 
 
 @pytest.mark.timeout(150)

@@ -156,6 +156,23 @@ class ParallelConfig:
 
 
 @dataclass
+class UpdateConfig:
+    """Where each layer's optimizer update runs: on the device or on the host (docs/hybrid.md)."""
+
+    placement: Any = setting("device", "`device`: every update inline on the compute thread; `host`: every "
+                                       "update on the host executor (fp32 master weights and optimizer state "
+                                       "in host memory); `auto`: measured for `profile_steps` steps, then "
+                                       "planned by `planner`; or a table `{layer = \"host\", ...}` (layers "
+                                       "not named: device).", kind="placement")
+    planner: str = setting("global", "For `auto`: `global` (the placement with the shortest modelled step "
+                                     "that fits the device capacity, exact) or `local` (decided layer by layer "
+                                     "as backward ends, from the host queue's finish time).",
+                           choices=("global", "local"))
+    profile_steps: int = setting(4, "For `auto`: trial steps that measure every layer's update on both sides "
+                                    "(alternating) before the plan is made.", min=2, max=1000)
+
+
+@dataclass
 class DeviceConfig:
     """Where each worker computes, and how much memory it may hold."""
 
@@ -200,6 +217,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    update: UpdateConfig = field(default_factory=UpdateConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)

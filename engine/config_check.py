@@ -65,6 +65,8 @@ def allowed_words(path: str, f: dataclasses.Field) -> str:
     meta = f.metadata
     if meta["kind"] == "size":
         return SIZE_WORDS
+    if meta["kind"] == "placement":
+        return PLACEMENT_WORDS
     if meta["choices"]:
         return "one of " + ", ".join(show(c) for c in meta["choices"])
     if meta["pattern"]:
@@ -119,6 +121,8 @@ def check_value(path: str, f: dataclasses.Field, value: Any) -> Any:
     meta = f.metadata
     if meta["kind"] == "size":
         return _check_size(path, value)
+    if meta["kind"] == "placement":
+        return _check_placement(path, value)
     kind = f.type if isinstance(f.type, str) else f.type.__name__
     ok = {"int": isinstance(value, int) and not isinstance(value, bool),
           "float": isinstance(value, (int, float)) and not isinstance(value, bool),
@@ -146,6 +150,23 @@ def check_value(path: str, f: dataclasses.Field, value: Any) -> Any:
     if meta["pattern"] and not re.fullmatch(meta["pattern"], value):
         raise ConfigError(f"{path} = {show(value)}: must be {allowed_words(path, f)}")
     return value
+
+
+PLACEMENT_WORDS = '"auto", "device", "host", or a table of layer names to "device" or "host"'
+
+
+def _check_placement(path: str, value: Any) -> str | dict:
+    if isinstance(value, str):
+        if value not in ("auto", "device", "host"):
+            raise ConfigError(f"{path} = {show(value)}: expected {PLACEMENT_WORDS}"
+                              f"{did_you_mean(value, ('auto', 'device', 'host'))}")
+        return value
+    if not isinstance(value, dict) or not value:
+        raise ConfigError(f"{path} = {show(value)}: expected {PLACEMENT_WORDS}")
+    for layer, side in value.items():
+        if side not in ("device", "host"):
+            raise ConfigError(f"{path}.{layer} = {show(side)}: must be \"device\" or \"host\"")
+    return dict(value)
 
 
 def _check_size(path: str, value: Any) -> str:

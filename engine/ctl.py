@@ -67,8 +67,9 @@ def ctl(run: str, command: str, args: list[str], token_file: Path | None, timeou
     except (OSError, EOFError, TimeoutError, protocol.ProtocolError) as e:
         err.print(f"[red]error:[/] cannot talk to run {run!r}: {escape(str(e) or type(e).__name__)}")
         return 2
+    said = escape(" ".join([command, *args]))
     if reply.get("status") == "applied":
-        out.print(f"{command}: applied at step {reply.get('step')}")
+        out.print(f"{said}: applied at step {reply.get('step')}")
         return 0
-    err.print(f"{command}: rejected: {escape(str(reply.get('reason')))}")
+    err.print(f"{said}: rejected: {escape(str(reply.get('reason')))}")
     return 1

@@ -77,9 +77,10 @@ class LayerProfiler:
             self.bwd_start[i] = time.perf_counter()
         return hook
 
-    def finish(self) -> list[dict]:
-        """Call after backward returned: the measured step, one dict per layer."""
-        end = time.perf_counter()
+    def finish(self, end: float | None = None) -> list[dict]:
+        """Call after backward returned: the measured step, one dict per layer. `end`: when backward
+        ended (perf_counter), if not now."""
+        end = time.perf_counter() if end is None else end
         self.armed = False
         rows = []
         for i, name in enumerate(self.names):

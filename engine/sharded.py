@@ -44,10 +44,10 @@ import torch
 import torch.distributed as dist
 
 from engine import checkpoint as ckpt
-from engine.config import OptimConfig
-from engine.ddp import COMMANDS, cross_entropy
+from engine.config import OptimConfig, UpdateConfig
+from engine.ddp import COMMANDS, cross_entropy, params_by_layer
 from engine.devices import LedgerDevice, tensor_bytes
-from engine.optim import make_optimizer
+from engine.hybrid import HybridUpdater
 from engine.topology import Topology
 
 
@@ -147,7 +147,8 @@ class ShardedStrategy:
 
     def __init__(self, model, optim_cfg: OptimConfig, topo: Topology, device: LedgerDevice, *,
                  streams: int = 2, slices: int = 4, assignment: str = "balanced", overlap_forward: bool = True,
-                 main_stream_communicates: bool = False, seed: int = 0, loss_fn=cross_entropy):
+                 main_stream_communicates: bool = False, seed: int = 0, update_cfg: UpdateConfig | None = None,
+                 loss_fn=cross_entropy):
         if slices < streams:
             raise ValueError(f"parallel.slices = {slices} is smaller than parallel.streams = {streams}; "
                              f"every stream needs at least one slice")
@@ -208,8 +209,11 @@ class ShardedStrategy:
             for layer in s.layers:
                 self.gates.setdefault(layer, []).append(i)
 
-        mine = [p for p, o in zip(order, self.owners) if o == self.rank]
-        self.optimizer = make_optimizer(optim_cfg, mine) if mine else None
+        # this rank updates the parameters it owns, each layer's on the device or the host
+        mine = {id(p) for p, o in zip(order, self.owners) if o == self.rank}
+        self.updater = HybridUpdater(model, params_by_layer(model, only=mine), optim_cfg, device,
+                                     update_cfg or UpdateConfig())
+        self.optimizer = self.updater   # what the ledger counts: device-side optimizer state
 
         # gradient sums: each rank sends an owner's gradient buffer to it point-to-point once that
         # buffer is complete in backward; the owner receives the others' into buffers of its own
@@ -305,6 +309,7 @@ class ShardedStrategy:
         x, y = x.to(self.device.torch_device), y.to(self.device.torch_device)
         for buffer in self.grad_flat:
             buffer.zero_()
+        self.updater.begin_step()
         self._remaining, self._sent, self._gate_s = list(self._expected), set(), 0.0
         self._recvs = [dist.irecv(buffer, src=q, group=self.topo.compute) for q, buffer in self.recv_flat.items()]
         t0 = time.perf_counter()
@@ -320,8 +325,8 @@ class ShardedStrategy:
                 self._reduce(owner)
         self._sum_onto_owner()
         t3 = time.perf_counter()
-        if self.optimizer is not None:
-            self.optimizer.step()
+        self.updater.end_backward()   # device updates inline, host ones on the executor meanwhile
+        host_wait = self.updater.wait_host()   # a slice goes out only once all of it is updated
         for _, buffer in self.buffers:
             dist.broadcast(buffer, src=0, group=self.topo.compute)
         t4 = time.perf_counter()
@@ -329,7 +334,8 @@ class ShardedStrategy:
         waited = 0.0 if self.overlap_forward else self.sync()
         self.timings = {"fwd_ms": (t1 - t0) * 1000, "bwd_ms": (t2 - t1) * 1000, "optim_ms": (t4 - t3) * 1000,
                         "gate_ms": self._gate_s * 1000, "reduce_ms": (t3 - t2) * 1000,
-                        "broadcast_wait_ms": waited * 1000, "owned_bytes": self.owned_bytes}
+                        "broadcast_wait_ms": waited * 1000, "owned_bytes": self.owned_bytes,
+                        "host_wait_ms": host_wait * 1000, **self.updater.timings()}
         self.device.ledger.refresh()
         return loss.item()
 
@@ -365,8 +371,7 @@ class ShardedStrategy:
                 if o == self.rank}
         buffers = {n: b.detach().clone() for n, b in self.buffers} if self.topo.is_first else {}
         ckpt.write_file(staged, f"shard{self.rank}.pt",
-                        {"params": mine, "buffers": buffers,
-                         "optimizer": self.optimizer.state_dict() if self.optimizer else None})
+                        {"params": mine, "buffers": buffers, "optimizer": self.updater.state_dict()})
 
     def load(self, source: Path, manifest: dict) -> None:
         ckpt.check_strategy(source, manifest, self.name)
@@ -382,10 +387,11 @@ class ShardedStrategy:
                     by_name[name].copy_(value)
                 for name, value in shard.get("buffers", {}).items():
                     dict(self.buffers)[name].copy_(value)
-                if owner == self.rank and self.optimizer is not None:
-                    self.optimizer.load_state_dict(shard["optimizer"])
+                if owner == self.rank:
+                    self.updater.load_state_dict(shard["optimizer"])
 
     def close(self) -> None:
         """Let the last broadcasts land and give the stream groups back."""
         self.sync()
+        self.updater.close()
         self.topo.release(self.groups)

@@ -43,6 +43,7 @@ class RankZeroTelemetry(Telemetry):
         self.progress = HeadlessProgress(cfg.run.name, cfg.run.steps, first_step) if job.headless else None
         self.capabilities = set(hello["capabilities"])
         self.layers = set(hello.get("layers", []))
+        self.updated_layers = set(hello.get("updated_layers", self.layers))
         self.mode = hello["mode"]
         self.live_interval_s = 1.0 / cfg.telemetry.live_hz if cfg.telemetry.live_hz else 0.0
         self._last_live = 0.0
@@ -73,6 +74,8 @@ class RankZeroTelemetry(Telemetry):
             reason = f"unknown layer {args[0]!r}"
         elif name not in self.capabilities:
             reason = f"{name} is not available in mode {self.mode}"
+        elif name == "set-placement" and args[0] not in self.updated_layers:
+            reason = f"layer {args[0]!r} has no parameters: it has no optimizer update to place"
         if reason:
             self.event("command", self.current_step, name=name, args=args, status="rejected", reason=reason)
         return reason

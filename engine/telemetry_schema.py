@@ -67,7 +67,8 @@ STEP = {
                    "layers": {"type": "array", "items": LAYER}},
 }
 
-EVENT_KINDS = ["checkpoint", "restart", "resume", "eval", "memory_over_capacity", "stop", "command"]
+EVENT_KINDS = ["checkpoint", "restart", "resume", "eval", "memory_over_capacity", "stop", "command", "update_plan",
+               "placement"]
 EVENT = {
     "type": "object",
     "required": ["schema", "time", "type", "kind", "step"],
@@ -81,6 +82,9 @@ EVENT = {
         {"if": {"properties": {"kind": {"const": "memory_over_capacity"}}},
          "then": {"required": ["rank", "peak_bytes", "capacity_bytes"]}},
         {"if": {"properties": {"kind": {"const": "stop"}}}, "then": {"required": ["reason"]}},
+        {"if": {"properties": {"kind": {"const": "update_plan"}}},
+         "then": {"required": ["planner", "placement", "predicted_ms", "all_device_ms", "all_host_ms"]}},
+        {"if": {"properties": {"kind": {"const": "placement"}}}, "then": {"required": ["layer", "placement"]}},
         {"if": {"properties": {"kind": {"const": "command"}}},
          "then": {"required": ["name", "args", "status"],
                   "properties": {"status": {"enum": ["applied", "rejected"]}}}},

@@ -11,6 +11,8 @@ when to stop, and rank 0 has what it logs and draws.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import signal
 import sys
@@ -131,6 +133,8 @@ class Worker:
         return {"run": cfg.run.name, "mode": cfg.parallel.strategy, "world_size": self.topo.world_size,
                 "backend": self.topo.backend, "device": self.device.name, "simulated": self.device.simulated,
                 "layers": list(getattr(self.model, "names", [])), "layout": self.strategy.layout(),
+                "updated_layers": [n for n, layer in zip(self.model.names, self.model.layers)
+                                   if any(True for _ in layer.parameters())],
                 "capabilities": list(self.strategy.commands), "steps": cfg.run.steps, "config": cfg.to_dict()}
 
     # --- resume -----------------------------------------------------------------
@@ -181,6 +185,8 @@ class Worker:
                 step_ms = (time.perf_counter() - t0) * 1000
                 layers = self.profiler.finish() if profile else None
                 step, trained = step + 1, True
+                if self.strategy.updater.new_plan:
+                    self._report_plan(step)
             payload = encode_commands(self.tel.take_commands())
             t_wait = time.perf_counter()
             table = exchange(self.topo, {"stop": float(self.stop.requested), "command_bytes": len(payload),
@@ -224,6 +230,11 @@ class Worker:
             self._save(step)
         elif name == "stop":
             self.stop_reason = "command"
+        elif name == "set-placement":
+            self.strategy.sync()
+            self.strategy.updater.set_placement(*command["args"])
+            self.tel.event("placement", step, layer=command["args"][0], placement=command["args"][1],
+                           source="command")
         else:   # the hub rejects these in this mode; a command from elsewhere gets the same answer
             self.tel.reply(command, "rejected", reason=f"{name} is not available in mode {self.cfg.parallel.strategy}")
             return
@@ -253,13 +264,51 @@ class Worker:
                   "streams": self.strategy.stream_stats(me["step_ms"])}
         record["time_split"]["comm_ms"] = sum(s["busy_ms"] for s in record["streams"])
         if layers is not None:
-            owners = self.strategy.layer_owners() if hasattr(self.strategy, "layer_owners") else {}
-            layers = [{**entry, "owner_rank": owners[entry["name"]]} if entry["name"] in owners else entry
-                      for entry in layers]
+            layers = self._layer_rows(layers)
             record["layers"] = layers
             self.tel.update_state(layers=layers)
         self.tel.update_state(step=step)
         self.tel.step(record)
+
+    def _layer_rows(self, layers: list[dict]) -> list[dict]:
+        """The profiler's rows with what the strategy knows of each layer: owner, update placement, and
+        the update's measured time on that side."""
+        owners = self.strategy.layer_owners() if hasattr(self.strategy, "layer_owners") else {}
+        updates = self.strategy.updater.by_name
+        rows = []
+        for entry in layers:
+            name, row = entry["name"], dict(entry)
+            if name in owners:
+                row["owner_rank"] = owners[name]
+            if name in updates:
+                u = updates[name]
+                row["placement"] = u.side
+                row["update_ms"] = round(u.device_ms if u.side == "device" else u.host_ms + u.copy_ms, 4)
+            rows.append(row)
+        return rows
+
+    def _report_plan(self, step: int) -> None:
+        """A placement plan was just made (after the trial of `update.placement = "auto"`)."""
+        updater = self.strategy.updater
+        updater.new_plan = False
+        if not self.topo.is_first:
+            return
+        plan, profile = updater.plan, updater.profile
+        others = {side: round(updater.predicted(side).makespan_ms, 3) for side in ("device", "host")}
+        saved = self.run_dir / "update_profile.json"
+        saved.write_text(json.dumps({
+            "step": step, "planner": self.cfg.update.planner, "capacity_bytes": profile.capacity_bytes,
+            "peak_bytes_without_state": profile.peak_bytes, "layers_backward_order": [
+                dataclasses.asdict(c) for c in profile.layers],
+            "placement": updater.placement(), "predicted_makespan_ms": round(plan.makespan_ms, 3),
+            "predicted_all_device_ms": others["device"], "predicted_all_host_ms": others["host"]}, indent=2))
+        on_host = sorted(n for n, side in updater.placement().items() if side == "host")
+        self.tel.event("update_plan", step, planner=self.cfg.update.planner, placement=updater.placement(),
+                       predicted_ms=round(plan.makespan_ms, 3), all_device_ms=others["device"],
+                       all_host_ms=others["host"], profile=str(saved))
+        self.tel.note(f"update plan ({self.cfg.update.planner}): {len(on_host)} of {len(updater.by_name)} layers "
+                      f"on the host; modelled step {plan.makespan_ms:.1f} ms (all device {others['device']:.1f}, "
+                      f"all host {others['host']:.1f}); profile in {saved}")
 
     def _announce(self) -> None:
         self.tel.update_state(step=self.first_step, steps=self.cfg.run.steps, paused=False)
@@ -339,8 +388,9 @@ def make_strategy(cfg: Config, model: LayerList, topo: Topology, device) -> DDPS
     if p.strategy == "sharded":
         return ShardedStrategy(model, cfg.optim, topo, device, streams=p.streams, slices=p.slices,
                                assignment=p.slice_assignment, overlap_forward=p.overlap_forward,
-                               main_stream_communicates=p.main_stream_communicates, seed=cfg.run.seed)
-    return DDPStrategy(model, cfg.optim, topo, device)
+                               main_stream_communicates=p.main_stream_communicates, seed=cfg.run.seed,
+                               update_cfg=cfg.update)
+    return DDPStrategy(model, cfg.optim, topo, device, update_cfg=cfg.update)
 
 
 def main(argv: list[str] | None = None) -> None:

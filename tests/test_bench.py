@@ -38,3 +38,18 @@ def test_bench_broadcast_reports_every_variant_and_figure(cli):
 def test_bench_broadcast_refuses_fewer_slices_than_streams(cli):
     r = cli.run("bench", "broadcast", "--streams", "4", "--slices", "2", timeout=30)
     assert r.returncode == 2 and "--slices must be >= --streams" in r.stderr
+
+
+@pytest.mark.timeout(120)
+def test_bench_hybrid_reports_every_placement_at_both_capacities(cli):
+    r = cli.run("bench", "hybrid", "--json", "--rounds", "1", "--steps", "2", "--warmup", "1", "--trial", "4",
+                "--hidden", "32", "--depth", "3", timeout=110)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert report["layers_with_updates"] == 4 and set(report["cases"]) == {"tight", "roomy"}
+    tight, roomy = report["cases"]["tight"]["placements"], report["cases"]["roomy"]["placements"]
+    assert not tight["all-device"]["fits"] and tight["all-device"]["measured_ms"] is None   # reported infeasible
+    assert all(row["fits"] for row in roomy.values())
+    for rows in (tight, roomy):   # the exact plan is the brute-force optimum of the cost model
+        assert rows["auto-global"]["modelled_ms"] == rows["brute-force"]["modelled_ms"]
+        assert rows["all-host"]["ratio_to_all_host"] == 1.0 and rows["auto-local"]["measured_ms"] > 0

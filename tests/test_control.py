@@ -12,9 +12,12 @@ import jsonschema
 import pytest
 
 from engine import protocol
-from engine.checkpoint import list_checkpoints, verify
+import torch
+
+from engine.checkpoint import list_checkpoints, model_state, verify
 from engine.telemetry_schema import RECORD_SCHEMA
 from tests.conftest import ROOT, read_jsonl, wait_for
+from tests.test_training import single_process_reference
 
 DEMO = str(ROOT / "demo" / "configs" / "digits_ddp.toml")
 
@@ -81,6 +84,12 @@ def test_commands_pause_resume_reject_and_stop(cli):
     assert r.returncode == 1 and "not available in mode ddp" in r.stderr
     r = ctl(cli, "steer", "set-policy", "fc0", "sometimes")
     assert r.returncode == 2 and "keep, swap, recompute" in r.stderr
+    r = ctl(cli, "steer", "set-placement", "act0", "host")
+    assert r.returncode == 1 and "has no parameters" in r.stderr
+    r = ctl(cli, "steer", "set-placement", "fc1", "host")   # fc1's optimizer update moves to the host
+    assert r.returncode == 0 and "set-placement fc1 host: applied at step" in r.stdout
+    moved_at = int(r.stdout.rsplit(" ", 1)[1])
+    wait_for(lambda: current_step("steer") > moved_at + 3, 20, "steps after the move")
 
     r = ctl(cli, "steer", "stop")
     assert r.returncode == 0
@@ -91,7 +100,18 @@ def test_commands_pause_resume_reject_and_stop(cli):
     records = read_jsonl(log)
     assert records[-1]["type"] == "summary" and records[-1]["stopped_early"]
     rejected = [r for r in records if r.get("kind") == "command" and r["status"] == "rejected"]
-    assert [r["reason"] for r in rejected] == ["unknown layer 'blocks.3'", "set-policy is not available in mode ddp"]
+    assert [r["reason"] for r in rejected] == ["unknown layer 'blocks.3'", "set-policy is not available in mode ddp",
+                                               "layer 'act0' has no parameters: it has no optimizer update to place"]
+    moves = [r for r in records if r.get("kind") == "placement"]
+    assert [(m["step"], m["layer"], m["placement"]) for m in moves] == [(moved_at, "fc1", "host")]
+    # the step the reply named is where the update moved, and the result is the same computation
+    placed = {r["step"]: {e["name"]: e.get("placement") for e in r["layers"]} for r in records
+              if r["type"] == "step" and "layers" in r}
+    assert all(p["fc1"] == ("host" if s > moved_at else "device") for s, p in placed.items())
+    got = model_state(list_checkpoints(cli.tmp_path / "runs" / "steer")[-1])
+    want = single_process_reference([], stopped_at)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-5, msg=name)
     assert not protocol.list_runs()      # socket and registry entry are gone
 
 

@@ -173,13 +173,16 @@ class DeviceCard(Widget):
         if entry.get("owned_bytes"):   # sharded: this rank's shard, and its wait for others' broadcasts
             lines.append(Text.assemble(("owns ", "dim"), human_bytes(entry["owned_bytes"]),
                                        ("  gate ", "dim"), f"{entry.get('gate_ms') or 0.0:.1f} ms"))
+        if entry.get("host_bytes"):    # hybrid update: what the host-placed updates keep in host memory
+            lines.append(Text.assemble(("host ", "dim"), human_bytes(entry["host_bytes"]),
+                                       ("  busy ", "dim"), f"{entry.get('host_busy_ms') or 0.0:.1f} ms"))
         for line in lines:
             line.truncate(width, overflow="ellipsis")
         return Text("\n").join(lines)
 
     @staticmethod
     def extra_lines(entry: dict) -> int:
-        return ("nvml_used_bytes" in entry) + bool(entry.get("owned_bytes"))
+        return ("nvml_used_bytes" in entry) + bool(entry.get("owned_bytes")) + bool(entry.get("host_bytes"))
 
     def get_content_height(self, container, viewport, width: int) -> int:
         return 5 + self.extra_lines(self.entry)

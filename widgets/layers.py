@@ -15,10 +15,11 @@ from .devices import Throttle
 
 # (column key, title); the sort keys below index into the same figures
 COLUMNS = [("name", "layer"), ("where", "stage/owner"), ("fwd", "fwd ms"), ("bwd", "bwd ms"),
-           ("act", "act MiB"), ("policy", "policy"), ("placement", "placement")]
-SORTS = ["name", "fwd", "bwd", "act"]
-SORT_FIELDS = {"name": "name", "fwd": "fwd_ms", "bwd": "bwd_ms", "act": "activation_bytes"}
-ALIASES = {"fwd_ms": "fwd", "bwd_ms": "bwd", "activation_bytes": "act", "act_mib": "act", "layer": "name"}
+           ("act", "act MiB"), ("policy", "policy"), ("placement", "placement"), ("update", "upd ms")]
+SORTS = ["name", "fwd", "bwd", "act", "update"]
+SORT_FIELDS = {"name": "name", "fwd": "fwd_ms", "bwd": "bwd_ms", "act": "activation_bytes", "update": "update_ms"}
+ALIASES = {"fwd_ms": "fwd", "bwd_ms": "bwd", "activation_bytes": "act", "act_mib": "act", "layer": "name",
+           "update_ms": "update"}
 POLICY_STYLES = {"keep": "", "swap": "cyan", "recompute": "magenta", "host": "cyan"}
 EMPTY_KEY = "\0empty"   # the key of the one dim "nothing to show" row; never a layer name
 
@@ -47,7 +48,8 @@ def _cells(row: dict) -> tuple:
             _number(row.get("fwd_ms")), _number(row.get("bwd_ms")),
             _number(act, 2**20) if act is not None else _number(None),
             Text(row.get("policy", "—"), style=POLICY_STYLES.get(row.get("policy"), "dim")),
-            Text(row.get("placement", "—"), style=POLICY_STYLES.get(row.get("placement"), "dim")))
+            Text(row.get("placement", "—"), style=POLICY_STYLES.get(row.get("placement"), "dim")),
+            _number(row.get("update_ms")))
 
 
 class LayerTable(DataTable):

@@ -4,13 +4,15 @@ invocation and prints ratios; absolute times on a shared machine are noise, rati
     trainyard bench telemetry            # throughput with 0, 1 and 10 consoles attached
     trainyard bench console              # the console's CPU and key-to-run delay, 64 ranks x 200 layers
     trainyard bench broadcast            # sharded + sliced multi-stream broadcast + gated forward vs DDP
+    trainyard bench hybrid               # each layer's update on the device or the host: planners vs fixed
 """
 
 from __future__ import annotations
 
 import importlib
 
-BENCHES = {"telemetry": "engine.bench.telemetry", "console": "console.bench", "broadcast": "engine.bench.broadcast"}
+BENCHES = {"telemetry": "engine.bench.telemetry", "console": "console.bench", "broadcast": "engine.bench.broadcast",
+           "hybrid": "engine.bench.hybrid"}
 
 
 def run(name: str, argv: list[str]) -> int:

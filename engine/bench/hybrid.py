@@ -1,0 +1,164 @@
+"""`trainyard bench hybrid`: where should each layer's optimizer update run?
+
+One worker (world 1: on this 2-core machine the host executor needs the other core)
+trains a 12-layer MLP with AdamW. A trial (`update.placement = "auto"`) measures every
+layer on both sides; from that profile the bench builds the placements below at two
+device capacities: a tight one, where all-device does not fit (it is reported as
+infeasible and not run), and a roomy one, where everything fits:
+
+    all-device   every update inline on the compute thread
+    all-host     every update on the host executor (ZeRO-Offload's placement)
+    auto-global  the exact plan of the cost model (engine/update_plan.py)
+    auto-local   the layer-by-layer rule
+    brute-force  the best of all 2^12 placements under the cost model
+
+Each placement then trains the same steps from the same weights, in rounds (one
+placement after another, repeated) so drift hits all alike; the figure is each
+placement's median step time, and its ratio to all-host and to brute-force.
+
+    trainyard bench hybrid [--json] [--rounds 3] [--steps 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import time
+
+
+def _model_and_data(hidden: int, depth: int, batch: int):
+    import torch
+
+    from engine.config import ModelConfig
+    from engine.models import build_model
+    model = build_model(ModelConfig(name="mlp", hidden=hidden, depth=depth),
+                        {"input_dim": hidden, "num_classes": 10}, seed=0)
+    gen = torch.Generator().manual_seed(0)
+    return model, torch.randn(batch, hidden, generator=gen), torch.randint(0, 10, (batch,), generator=gen)
+
+
+def _runner(topo, model, placement, profile_steps: int = 6):
+    from engine.config import OptimConfig, UpdateConfig
+    from engine.ddp import DDPStrategy
+    from engine.devices import LedgerDevice
+    device = LedgerDevice(1 << 40)
+    runner = DDPStrategy(model, OptimConfig(name="adamw", lr=1e-3), topo, device,
+                         update_cfg=UpdateConfig(placement=placement, profile_steps=profile_steps))
+    device.ledger.track_module(model, runner.optimizer)
+    return runner
+
+
+def profile_job(topo, hidden: int, depth: int, batch: int, trial: int) -> dict:
+    model, x, y = _model_and_data(hidden, depth, batch)
+    runner = _runner(topo, model, "auto", profile_steps=trial)
+    for _ in range(trial):
+        runner.train_step(x, y)
+    profile = runner.updater.profile
+    runner.close()
+    return {"layers": [dataclasses.asdict(c) for c in profile.layers], "peak_bytes": profile.peak_bytes}
+
+
+def measure_job(topo, hidden: int, depth: int, batch: int, placement: dict, steps: int, warmup: int) -> float:
+    model, x, y = _model_and_data(hidden, depth, batch)
+    runner = _runner(topo, model, placement)
+    for _ in range(warmup):
+        runner.train_step(x, y)
+    runner.sync()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        runner.train_step(x, y)
+    runner.sync()   # the last host updates are part of the step
+    elapsed = time.perf_counter() - t0
+    runner.close()
+    return elapsed / steps * 1000
+
+
+def run_bench(hidden: int, depth: int, batch: int, rounds: int, steps: int, warmup: int, trial: int) -> dict:
+    from engine.procpool import DistPool
+    from engine.update_plan import LayerCost, Profile, fixed, plan_brute_force, plan_global, plan_local
+    with DistPool(1, timeout_s=120) as pool:
+        measured = pool.run(profile_job, timeout=600, hidden=hidden, depth=depth, batch=batch, trial=trial)[0]
+        layers = tuple(LayerCost(**c) for c in measured["layers"])
+        total_state = sum(c.state_bytes for c in layers)
+        capacities = {"tight": measured["peak_bytes"] + total_state // 2,
+                      "roomy": measured["peak_bytes"] + total_state + (1 << 20)}
+        cases = {}
+        for label, capacity in capacities.items():
+            profile = Profile(layers, peak_bytes=measured["peak_bytes"], capacity_bytes=capacity)
+            plans = {"all-device": fixed(profile, "device"), "all-host": fixed(profile, "host"),
+                     "auto-global": plan_global(profile), "auto-local": plan_local(profile),
+                     "brute-force": plan_brute_force(profile)}
+            cases[label] = {"capacity_bytes": capacity, "plans": plans, "names": profile.names, "times": {}}
+        # every distinct placement runs once per round; the same placement at both capacities runs once
+        todo = {}
+        for case in cases.values():
+            for plan in case["plans"].values():
+                if plan.fits:
+                    todo[plan.placement] = dict(zip(case["names"], plan.placement))
+        times = {key: [] for key in todo}
+        for _ in range(rounds):
+            for key, placement in todo.items():
+                times[key].append(pool.run(measure_job, timeout=600, hidden=hidden, depth=depth, batch=batch,
+                                           placement=placement, steps=steps, warmup=warmup)[0])
+    report = {"bench": "hybrid", "world": 1, "layers_with_updates": len(layers), "optimizer": "adamw",
+              "hidden": hidden, "batch": batch, "rounds": rounds, "steps_per_round": steps,
+              "peak_bytes_without_state": measured["peak_bytes"], "optimizer_state_bytes": total_state,
+              "profile": measured["layers"], "cases": {}}
+    for label, case in cases.items():
+        rows = {}
+        for name, plan in case["plans"].items():
+            ms = statistics.median(times[plan.placement]) if plan.fits else None
+            rows[name] = {"fits": plan.fits, "host_layers": plan.host_layers, "modelled_ms": round(plan.makespan_ms, 2),
+                          "measured_ms": None if ms is None else round(ms, 2),
+                          "device_bytes": plan.device_bytes}
+        host, best = rows["all-host"]["measured_ms"], rows["brute-force"]["measured_ms"]
+        for row in rows.values():
+            if row["measured_ms"] is not None:
+                row["ratio_to_all_host"] = round(row["measured_ms"] / host, 3)
+                row["ratio_to_brute_force"] = round(row["measured_ms"] / best, 3)
+        auto = rows["auto-global"]
+        report["cases"][label] = {
+            "capacity_bytes": case["capacity_bytes"], "placements": rows,
+            "meets_goals": {"auto_at_most_0.85x_all_host": auto["ratio_to_all_host"] <= 0.85,
+                            "auto_within_5pct_of_brute_force": auto["ratio_to_brute_force"] <= 1.05}}
+    return report
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="trainyard bench hybrid")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per placement and round")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--trial", type=int, default=6, help="trial steps of the profile (alternating sides)")
+    parser.add_argument("--hidden", type=int, default=1024, help="MLP width (default 1024)")
+    parser.add_argument("--depth", type=int, default=11, help="hidden layers (default 11: 12 layers with updates)")
+    parser.add_argument("--batch", type=int, default=64)
+    args = parser.parse_args(argv)
+    if args.depth + 1 > 20:
+        parser.error("--depth: at most 19 (the brute force tries 2^(depth+1) placements)")
+    report = run_bench(args.hidden, args.depth, args.batch, args.rounds, args.steps, args.warmup, args.trial)
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+    console = Console()
+    for label, case in report["cases"].items():
+        table = Table(title=f"hybrid update, {label} capacity {case['capacity_bytes'] / 2**20:.1f} MiB: "
+                            f"{report['layers_with_updates']} layers, AdamW, 1 worker (ms per step, median of "
+                            f"{report['rounds']} rounds)")
+        for col in ("placement", "host layers", "modelled", "measured", "x all-host", "x brute-force"):
+            table.add_column(col, justify="left" if col == "placement" else "right")
+        for name, row in case["placements"].items():
+            if not row["fits"]:
+                table.add_row(name, str(row["host_layers"]), f"{row['modelled_ms']:.1f}",
+                              "[red]infeasible[/]", "—", "—")
+                continue
+            table.add_row(name, str(row["host_layers"]), f"{row['modelled_ms']:.1f}", f"{row['measured_ms']:.1f}",
+                          f"{row['ratio_to_all_host']:.3f}", f"{row['ratio_to_brute_force']:.3f}")
+        console.print(table)
+        console.print("goals: " + ", ".join(f"{k} {'met' if v else 'MISSED'}" for k, v in case["meets_goals"].items()))
+    return 0

@@ -1,0 +1,375 @@
+"""Technique 3: each layer's optimizer update on the device or on the host.
+
+    updater = HybridUpdater(model, params_by_layer, optim_cfg, device, update_cfg)
+    updater.begin_step()                      # before forward
+    updater.params_reduced(params)            # any thread: these gradients are final
+    updater.run_device_ready()                # compute thread: device updates whose gradients are final
+    updater.end_backward()                    # compute thread: the rest is dispatched
+    updater.wait_host()                       # every host update of the step has landed
+
+Every layer that has parameters gets its own optimizer (the same class and settings
+for every layer, so the math is that of one optimizer over the whole model). A
+layer's update runs on one side at a time:
+
+- **device**: inline on the compute thread, as soon as the layer's gradients are final
+  (the strategy says when: DDP when the all-reduce of their bucket completes, sharded
+  when the owner has summed them);
+- **host**: on the host executor, a thread of its own with fp32 master copies of the
+  layer's weights and its optimizer state in host memory: the gradients are copied
+  down, the host optimizer steps, the weights are copied back up. It runs while the
+  backward of earlier layers goes on. A forward pre-hook on the layer waits for it
+  before the next forward uses the weights (the gate).
+
+Both sides run the same optimizer on the same fp32 values, so the parameters are the
+same whichever side updated them. Moving a layer (the plan, or `set-placement`) moves
+its optimizer state with it; the ledger counts only device-side state.
+
+On the CPU the "device" is the worker's compute thread and the "host" is the
+executor thread, which runs on another core; the copies are memory copies. Nothing
+assumes a speed ratio: `placement = "auto"` measures both sides for
+`update.profile_steps` trial steps (even steps on the device, odd ones on the host)
+and plans from what it measured (engine/update_plan.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import statistics
+import threading
+import time
+from collections import deque
+
+import torch
+
+from engine.config import OptimConfig, UpdateConfig
+from engine.devices import LedgerDevice, tensor_bytes
+from engine.optim import make_optimizer
+from engine.profiler import LayerProfiler
+from engine.update_plan import LayerCost, Profile, fixed, plan_global, plan_local
+
+SIDES = ("device", "host")
+
+
+class LayerUpdate:
+    """One layer's parameters (those this rank updates) and its optimizer, on one side at a time."""
+
+    def __init__(self, name: str, index: int, params: list[torch.nn.Parameter], optim_cfg: OptimConfig):
+        self.name, self.index, self.params, self.cfg = name, index, params, optim_cfg
+        self.side = "device"
+        self.optimizer = make_optimizer(optim_cfg, params)
+        self.master: list[torch.Tensor] | None = None
+        self.done = threading.Event()   # set when this step's update has landed
+        self.done.set()
+        self.device_ms = self.host_ms = self.copy_ms = 0.0   # the last measurement of each
+
+    def move(self, side: str) -> None:
+        """Carry the optimizer state (and, to the host, fp32 master weights) to `side`."""
+        if side == self.side:
+            return
+        state = self.optimizer.state_dict()
+        if side == "host":
+            self.master = [p.detach().to("cpu", dtype=torch.float32, copy=True) for p in self.params]
+            self.optimizer = make_optimizer(self.cfg, self.master)
+        else:
+            with torch.no_grad():
+                for p, m in zip(self.params, self.master):
+                    p.copy_(m)
+            self.master = None
+            self.optimizer = make_optimizer(self.cfg, self.params)
+        self.optimizer.load_state_dict(state)   # casts the state to the new side's device and dtype
+        self.side = side
+
+    def refresh_master(self) -> None:
+        """The device weights changed outside an update (a checkpoint was loaded): copy them down."""
+        if self.master is not None:
+            with torch.no_grad():
+                for p, m in zip(self.params, self.master):
+                    m.copy_(p.detach())
+
+    def step_device(self) -> None:
+        t0 = time.perf_counter()
+        self.optimizer.step()
+        self._zero_grads()
+        self.device_ms = (time.perf_counter() - t0) * 1000
+
+    @torch.no_grad()
+    def step_host(self) -> None:
+        t0 = time.perf_counter()
+        for p, m in zip(self.params, self.master):
+            m.grad = None if p.grad is None else p.grad.detach().to("cpu", dtype=torch.float32, copy=True)
+        t1 = time.perf_counter()
+        self.optimizer.step()
+        t2 = time.perf_counter()
+        for p, m in zip(self.params, self.master):
+            p.copy_(m)
+        self._zero_grads()
+        t3 = time.perf_counter()
+        self.host_ms, self.copy_ms = (t2 - t1) * 1000, ((t1 - t0) + (t3 - t2)) * 1000
+
+    def _zero_grads(self) -> None:
+        for p in self.params:   # in place: strategies keep gradients as views into their buffers
+            if p.grad is not None:
+                p.grad.zero_()
+
+    def state_bytes(self) -> int:
+        return sum(tensor_bytes(v) for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v))
+
+    def host_bytes(self) -> int:
+        return 0 if self.side == "device" else self.state_bytes() + sum(tensor_bytes(m) for m in self.master)
+
+
+class HostExecutor:
+    """One thread that runs host updates in the order they were dispatched."""
+
+    def __init__(self):
+        self._queue: queue.Queue = queue.Queue()
+        self.error: BaseException | None = None
+        self.busy_s = 0.0
+        self._thread = threading.Thread(target=self._run, name="trainyard-host-updates", daemon=True)
+        self._thread.start()
+
+    def submit(self, update: LayerUpdate) -> None:
+        update.done.clear()
+        self._queue.put(update)
+
+    def _run(self) -> None:
+        torch.set_num_threads(1)
+        while True:
+            update = self._queue.get()
+            if update is None:
+                return
+            t0 = time.perf_counter()
+            try:
+                update.step_host()
+            except BaseException as e:   # noqa: BLE001 - reported on the compute thread at the gate
+                self.error = e
+            finally:
+                self.busy_s += time.perf_counter() - t0
+                update.done.set()
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=10)
+
+
+class HybridUpdater:
+    def __init__(self, model, params_by_layer: dict[int, list[torch.nn.Parameter]], optim_cfg: OptimConfig,
+                 device: LedgerDevice, cfg: UpdateConfig):
+        self.model, self.device, self.cfg = model, device, cfg
+        self.updates = {i: LayerUpdate(model.names[i], i, ps, optim_cfg) for i, ps in params_by_layer.items() if ps}
+        self.by_name = {u.name: u for u in self.updates.values()}
+        self.layer_of = {id(p): u for u in self.updates.values() for p in u.params}
+        self.executor: HostExecutor | None = None
+        self._lock = threading.Lock()
+        self._missing: dict[int, int] = {}
+        self._dispatched: set[int] = set()
+        self._device_ready: deque[LayerUpdate] = deque()
+        self._gate_s = self._device_s = 0.0
+        self.trial_left = cfg.profile_steps if cfg.placement == "auto" else 0
+        self._trial: list[dict] = []
+        self._profiler = LayerProfiler(model, device.ledger) if self.trial_left else None
+        self.plan = None              # the planner's Timeline once made (auto)
+        self.new_plan = False         # set when a plan was just made; the worker reports it
+        self.profile: Profile | None = None
+        if isinstance(cfg.placement, dict):
+            unknown = sorted(set(cfg.placement) - set(model.names))
+            if unknown:
+                raise ValueError(f"update.placement names unknown layer {unknown[0]!r}; layers are "
+                                 f"{', '.join(model.names)}")
+            self.place({n: s for n, s in cfg.placement.items() if n in self.by_name})
+        elif cfg.placement == "host":
+            self.place(dict.fromkeys(self.by_name, "host"))
+        for index in self.updates:
+            model.layers[index].register_forward_pre_hook(self._gate(index))
+
+    # --- placement ---------------------------------------------------------------------------
+    def placement(self) -> dict[str, str]:
+        return {u.name: u.side for u in self.updates.values()}
+
+    def place(self, placement: dict[str, str]) -> None:
+        """Move layers to the sides named (at a step boundary: nothing in flight)."""
+        self.wait_host()
+        for name, side in placement.items():
+            if side not in SIDES:
+                raise ValueError(f"placement of {name!r} must be 'device' or 'host', got {side!r}")
+            if name in self.by_name:
+                self.by_name[name].move(side)
+        if any(u.side == "host" for u in self.updates.values()) and self.executor is None:
+            self.executor = HostExecutor()
+        self.device.ledger.refresh()
+
+    def set_placement(self, layer: str, side: str) -> None:
+        """An operator's `set-placement`: this layer stays there (a later plan does not move it)."""
+        if layer not in self.model.names:
+            raise ValueError(f"unknown layer {layer!r}")
+        self.trial_left = 0
+        self.place({layer: side})
+
+    # --- the ledger's view: device-side optimizer state ----------------------------------------
+    @property
+    def state(self) -> dict:
+        """Per-parameter optimizer state of the device-placed layers (what the ledger counts)."""
+        out = {}
+        for u in self.updates.values():
+            if u.side == "device":
+                out.update(u.optimizer.state)
+        return out
+
+    def host_bytes(self) -> int:
+        return sum(u.host_bytes() for u in self.updates.values())
+
+    # --- a step ------------------------------------------------------------------------------
+    def begin_step(self) -> None:
+        if self.trial_left:
+            side = "device" if self.trial_left % 2 == 0 else "host"
+            self.place(dict.fromkeys(self.by_name, side))
+            self._profiler.arm()
+            if side == "host":
+                self.device.ledger.reset_peak()
+        self._missing = {i: len(u.params) for i, u in self.updates.items()}
+        self._dispatched = set()
+        self._gate_s = self._device_s = 0.0
+
+    def params_reduced(self, params) -> None:
+        """Called from any thread: these parameters' gradients are final for this step."""
+        ready = []
+        with self._lock:
+            for p in params:
+                u = self.layer_of.get(id(p))
+                if u is None:
+                    continue
+                self._missing[u.index] -= 1
+                if self._missing[u.index] == 0:
+                    ready.append(u)
+        for u in ready:
+            self._dispatch(u)
+
+    def _dispatch(self, u: LayerUpdate) -> None:
+        with self._lock:
+            if u.index in self._dispatched:
+                return
+            self._dispatched.add(u.index)
+        if u.side == "host":
+            self.executor.submit(u)
+        else:
+            self._device_ready.append(u)
+
+    def run_device_ready(self) -> None:
+        """Compute thread: the device updates whose gradients are final, inline, now."""
+        while self._device_ready:
+            u = self._device_ready.popleft()
+            t0 = time.perf_counter()
+            u.step_device()
+            self._device_s += time.perf_counter() - t0
+
+    def end_backward(self) -> None:
+        """Compute thread, after backward: dispatch layers not dispatched yet (all layers, in backward
+        order, when the strategy reports nothing itself) and run the device ones."""
+        rows = self._profiler.finish() if self.trial_left else None
+        for index in sorted(self.updates, reverse=True):
+            self._dispatch(self.updates[index])
+        self.run_device_ready()
+        if self.trial_left:
+            self._record_trial(rows)
+
+    def _gate(self, index: int):
+        def hook(module, args) -> None:
+            u = self.updates[index]
+            if not u.done.is_set():
+                t0 = time.perf_counter()
+                u.done.wait()
+                self._gate_s += time.perf_counter() - t0
+            self._raise_host_error()
+        return hook
+
+    def wait_host(self) -> float:
+        """Every host update dispatched so far has landed; the seconds waited."""
+        t0 = time.perf_counter()
+        for u in self.updates.values():
+            u.done.wait()
+        self._raise_host_error()
+        return time.perf_counter() - t0
+
+    def _raise_host_error(self) -> None:
+        if self.executor is not None and self.executor.error is not None:
+            error, self.executor.error = self.executor.error, None
+            raise RuntimeError(f"a host update failed: {type(error).__name__}: {error}") from error
+
+    def timings(self) -> dict:
+        busy = 0.0
+        if self.executor is not None:
+            busy, self.executor.busy_s = self.executor.busy_s * 1000, 0.0
+        return {"update_device_ms": self._device_s * 1000, "host_busy_ms": busy, "host_gate_ms": self._gate_s * 1000,
+                "host_bytes": self.host_bytes()}
+
+    # --- the trial and the plan ----------------------------------------------------------------
+    def _record_trial(self, rows: list[dict]) -> None:
+        self.wait_host()
+        side = "device" if self.trial_left % 2 == 0 else "host"
+        layers = {row["name"]: row for row in rows}
+        self._trial.append({"side": side, "layers": layers, "peak": self.device.ledger.peak_bytes,
+                            "updates": {u.name: (u.device_ms, u.host_ms, u.copy_ms, u.state_bytes())
+                                        for u in self.updates.values()}})
+        self.trial_left -= 1
+        if self.trial_left == 0:
+            self._make_plan()
+
+    def _make_plan(self) -> None:
+        def median(values: list[float]) -> float:
+            return statistics.median(values) if values else 0.0
+        dev = [t for t in self._trial if t["side"] == "device"][1:] or [t for t in self._trial if t["side"] == "device"]
+        host = [t for t in self._trial if t["side"] == "host"][1:] or [t for t in self._trial if t["side"] == "host"]
+        # one cost per layer with an update, in backward order; the times of layers without parameters
+        # go to the next layer with one in backward order (they delay its backward and precede it)
+        costs, carry_fwd, carry_bwd = [], 0.0, 0.0
+        for index in reversed(range(len(self.model.names))):
+            name = self.model.names[index]
+            # backward times from the host steps: no device update inside them, the host busy beside them
+            rows = [t["layers"][name] for t in host if name in t["layers"]]
+            fwd, bwd = median([r["fwd_ms"] for r in rows]), median([r["bwd_ms"] for r in rows])
+            if name not in self.by_name:
+                carry_fwd, carry_bwd = carry_fwd + fwd, carry_bwd + bwd
+                continue
+            costs.append(LayerCost(
+                name=name, fwd_ms=fwd + carry_fwd, bwd_ms=bwd + carry_bwd,
+                device_ms=median([t["updates"][name][0] for t in dev]),
+                host_ms=median([t["updates"][name][1] for t in host]),
+                copy_ms=median([t["updates"][name][2] for t in host]),
+                state_bytes=max(t["updates"][name][3] for t in self._trial)))
+            carry_fwd = carry_bwd = 0.0
+        if costs and carry_bwd:   # layers before the first one with parameters: the end of backward
+            last = costs[-1]
+            costs[-1] = dataclasses.replace(last, fwd_ms=last.fwd_ms + carry_fwd, bwd_ms=last.bwd_ms + carry_bwd)
+        peak = min(t["peak"] for t in host) if host else self.device.ledger.peak_bytes
+        self.profile = Profile(tuple(costs), peak_bytes=peak, capacity_bytes=self.device.ledger.capacity_bytes)
+        planner = plan_global if self.cfg.planner == "global" else plan_local
+        self.plan = planner(self.profile)
+        self.place({name: side for name, side in zip((c.name for c in costs), self.plan.placement)})
+        self.new_plan = True
+
+    def predicted(self, placement: str | dict) -> object:
+        """The cost model's timeline of another placement, from this run's profile (for reports)."""
+        return fixed(self.profile, placement)
+
+    # --- checkpoints ---------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        self.wait_host()
+        return {"layers": {u.name: u.optimizer.state_dict() for u in self.updates.values()},
+                "placement": self.placement()}
+
+    def load_state_dict(self, saved: dict) -> None:
+        self.wait_host()
+        layers = saved.get("layers", {})
+        missing = sorted(set(self.by_name) - set(layers))
+        if missing:
+            raise ValueError(f"the checkpoint holds no optimizer state for layer {missing[0]!r}")
+        for name, u in self.by_name.items():
+            u.refresh_master()
+            u.optimizer.load_state_dict(layers[name])
+
+    def close(self) -> None:
+        if self.executor is not None:
+            self.wait_host()
+            self.executor.close()
+            self.executor = None

@@ -1,0 +1,414 @@
+"""Where each layer's optimizer update runs: the planner of the hybrid optimizer update.
+
+A layer's update runs either on the *device* (inline on the compute thread, right after
+that layer's backward) or on the *host* (an executor thread with its own copy of the
+weights and optimizer state, which works while the backward of earlier layers goes on).
+Layers are always given in BACKWARD order: index 0 is the model's last layer, the first
+whose backward ends.
+
+Cost model (`simulate`; every planner, the brute force included, scores placements with it):
+
+* Device: the clock starts at 0; each layer adds its `bwd_ms`, and its backward ends at
+  r_i; a device-placed update then adds its `device_ms`, delaying every later backward.
+* Host: a FIFO in backward order. A host update starts at max(r_i, host free), then takes
+  `copy_ms + host_ms` (gradients down, weights back up, the step itself) on the host.
+* makespan = max(device end, host end).
+* Memory: the device holds `peak_bytes` (params, grads, activations) plus the optimizer
+  state of every device-placed layer; a placement *fits* if that is <= `capacity_bytes`.
+  All-host therefore always fits unless `peak_bytes` alone is over capacity, and then no
+  placement does: the planners raise `InfeasibleCapacity`.
+
+Planners:
+
+* `plan_global`: the exact optimum (minimum makespan among placements that fit), by a DP
+  over layers keeping a Pareto front of (device clock, host free, device bytes), cut by a
+  lower bound against the best of a beam search and the simple plans (branch and bound).
+  60 layers take milliseconds to a few tenths of a second.
+* `plan_brute_force`: all 2^n placements, for checking `plan_global` (n <= 20).
+* `plan_local`: the online rule the engine can apply as each backward ends, without
+  looking ahead: host if the host would finish the update before the next step's forward
+  needs the layer, else device, unless the device has no room for its state.
+* `fixed`: a given placement ("device", "host", or a per-layer dict), scored as is.
+
+Tie-break (global and brute force): among placements with the same makespan, fewer host
+updates first (each one costs copies and a second copy of the weights), then the
+lexicographically smallest placement in backward order with "device" < "host".
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, bisect_right
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from itertools import accumulate
+
+PLACEMENTS = ("device", "host")
+BRUTE_FORCE_MAX_LAYERS = 20
+
+# Relative slack, far above rounding: on the branch-and-bound cut, because the lower bound
+# is summed in another order than `simulate` sums and a tie must survive it; and as the
+# margin by which a state must lead another to win whatever the tie-break (`_pareto`).
+_BOUND_SLACK = 1e-9
+_BEAM_WIDTH = 64  # states per layer of the heuristic search that sets the first bound
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    name: str
+    fwd_ms: float      # forward time of the layer
+    bwd_ms: float      # backward time of the layer
+    device_ms: float   # its update on the device
+    host_ms: float     # its update on the host
+    copy_ms: float     # copies for a host update (grads down, weights up), on the host's timeline
+    state_bytes: int   # optimizer state the update keeps, on the side that runs it
+
+    def __post_init__(self) -> None:
+        for key in ("fwd_ms", "bwd_ms", "device_ms", "host_ms", "copy_ms", "state_bytes"):
+            value = getattr(self, key)
+            if not value >= 0 or value == float("inf"):  # also rejects NaN
+                raise ValueError(f"layer {self.name!r}: {key} = {value!r} must be a finite number >= 0")
+
+
+@dataclass(frozen=True)
+class Profile:
+    layers: tuple[LayerCost, ...]  # backward order
+    peak_bytes: int                # device peak without any optimizer state
+    capacity_bytes: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layers", tuple(self.layers))
+        names = [layer.name for layer in self.layers]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"layer names must be unique; repeated: {', '.join(dupes)}")
+        if self.peak_bytes < 0 or self.capacity_bytes < 0:
+            raise ValueError("peak_bytes and capacity_bytes must be >= 0")
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(layer.name for layer in self.layers)
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """One placement under the cost model."""
+
+    makespan_ms: float
+    device_end_ms: float
+    host_end_ms: float
+    device_bytes: int
+    capacity_bytes: int
+    fits: bool
+    placement: tuple[str, ...]                   # backward order
+    host_spans: dict[str, tuple[float, float]] = field(hash=False)  # host layer -> (start, end)
+
+    @property
+    def host_layers(self) -> int:
+        return self.placement.count("host")
+
+
+class InfeasibleCapacity(ValueError):
+    """No placement fits: the device is too small even with every update on the host."""
+
+    def __init__(self, capacity_bytes: int, min_capacity_bytes: int):
+        self.capacity_bytes = capacity_bytes
+        self.min_capacity_bytes = min_capacity_bytes
+        super().__init__(
+            f"device capacity {human_bytes(capacity_bytes)} ({capacity_bytes} bytes) is too small for the "
+            f"update plan: even with every optimizer update on the host the device needs "
+            f"{human_bytes(min_capacity_bytes)} (params, gradients, activations); the smallest capacity "
+            f"that fits is {human_bytes(min_capacity_bytes)} ({min_capacity_bytes} bytes)")
+
+
+def human_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB'; whole bytes below 1 KiB."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def min_capacity(profile: Profile) -> int:
+    """The smallest capacity any placement fits in: all-host, which keeps no state on the device."""
+    return profile.peak_bytes
+
+
+def simulate(profile: Profile, placement: Mapping[str, str] | Sequence[str]) -> Timeline:
+    """Score a complete placement (one entry per layer) with the cost model."""
+    if isinstance(placement, Mapping):
+        missing = [n for n in profile.names if n not in placement]
+        if missing or len(placement) != len(profile.layers):
+            raise ValueError(f"placement must name every layer exactly: missing {missing}, "
+                             f"unknown {sorted(set(placement) - set(profile.names))}")
+        placement = [placement[n] for n in profile.names]
+    placement = tuple(placement)
+    if len(placement) != len(profile.layers):
+        raise ValueError(f"placement has {len(placement)} entries for {len(profile.layers)} layers")
+    bad = [p for p in placement if p not in PLACEMENTS]
+    if bad:
+        raise ValueError(f"placement {bad[0]!r} is not one of {PLACEMENTS}")
+
+    t = host_free = 0.0
+    device_bytes = profile.peak_bytes
+    spans: dict[str, tuple[float, float]] = {}
+    for layer, where in zip(profile.layers, placement):
+        t += layer.bwd_ms
+        if where == "device":
+            t += layer.device_ms
+            device_bytes += layer.state_bytes
+        else:
+            start = max(t, host_free)
+            host_free = start + layer.copy_ms + layer.host_ms
+            spans[layer.name] = (start, host_free)
+    return Timeline(makespan_ms=max(t, host_free), device_end_ms=t, host_end_ms=host_free,
+                    device_bytes=device_bytes, capacity_bytes=profile.capacity_bytes,
+                    fits=device_bytes <= profile.capacity_bytes, placement=placement, host_spans=spans)
+
+
+def fixed(profile: Profile, placement: str | Mapping[str, str]) -> Timeline:
+    """Score "device", "host", or a dict naming some layers (the rest on the device).
+
+    A placement that does not fit is still scored, with fits=False, so that a report can
+    show why all-device is not an option.
+    """
+    if isinstance(placement, str):
+        if placement not in PLACEMENTS:
+            raise ValueError(f"placement {placement!r} is not one of {PLACEMENTS}")
+        return simulate(profile, [placement] * len(profile.layers))
+    unknown = [n for n in placement if n not in profile.names]
+    if unknown:
+        raise ValueError(f"unknown layer {unknown[0]!r} in placement; the layers are: {', '.join(profile.names)}")
+    return simulate(profile, [placement.get(n, "device") for n in profile.names])
+
+
+def _require_fits(profile: Profile) -> None:
+    if profile.peak_bytes > profile.capacity_bytes:
+        raise InfeasibleCapacity(profile.capacity_bytes, min_capacity(profile))
+
+
+def _placement_of(bits: int, n: int) -> list[str]:
+    """Layer 0 is the most significant bit, so integer order is the placements' lexicographic order."""
+    return [PLACEMENTS[(bits >> (n - 1 - i)) & 1] for i in range(n)]
+
+
+def plan_brute_force(profile: Profile) -> Timeline:
+    """Score all 2^n placements; the reference `plan_global` is checked against."""
+    n = len(profile.layers)
+    if n > BRUTE_FORCE_MAX_LAYERS:
+        raise ValueError(f"brute force over {n} layers is 2^{n} placements; it takes at most "
+                         f"{BRUTE_FORCE_MAX_LAYERS} layers (use plan_global)")
+    _require_fits(profile)
+    best: tuple[float, int, int] | None = None
+    for bits in range(2 ** n):  # ascending, so the first of equal (makespan, host count) is the smallest
+        timeline = simulate(profile, _placement_of(bits, n))
+        if timeline.fits and (best is None or (timeline.makespan_ms, timeline.host_layers) < best[:2]):
+            best = (timeline.makespan_ms, timeline.host_layers, bits)
+    return simulate(profile, _placement_of(best[2], n))
+
+
+def plan_local(profile: Profile) -> Timeline:
+    """The online rule, decided for each layer when its backward ends.
+
+    Host if the host, after the work already queued, finishes the update before the next
+    step's forward reaches the layer (the rest of this backward, then the forward of the
+    layers in front of it), since it then costs the device nothing; else device, which
+    delays later backward by `device_ms` but is ready in time; unless the layer's state
+    does not fit on the device, which forces the host.
+    """
+    _require_fits(profile)
+    layers = profile.layers
+    # after[i]: backward still to run after layer i, plus the forward of the layers before it.
+    after = list(accumulate((l.bwd_ms + l.fwd_ms for l in reversed(layers[1:])), initial=0.0))[::-1]
+    t = host_free = 0.0
+    device_bytes = profile.peak_bytes
+    placement = []
+    for layer, later in zip(layers, after):
+        t += layer.bwd_ms
+        host_done = max(t, host_free) + layer.copy_ms + layer.host_ms
+        fits_on_device = device_bytes + layer.state_bytes <= profile.capacity_bytes
+        if host_done <= t + later or not fits_on_device:
+            placement.append("host")
+            host_free = host_done
+        else:
+            placement.append("device")
+            t += layer.device_ms
+            device_bytes += layer.state_bytes
+    return simulate(profile, placement)
+
+
+def plan_global(profile: Profile) -> Timeline:
+    """The placement with the least makespan that fits (exact), with the module's tie-break.
+
+    A beam search finds a near-best makespan quickly; the exact search, cut against it (or
+    against the simple plans, if better), then has few states to keep.
+    """
+    _require_fits(profile)
+    bounds = _Bounds(profile)
+    simple = [fixed(profile, "host"), plan_local(profile), fixed(profile, "device")]
+    best = min(t.makespan_ms for t in simple if t.fits)
+    best = min(best, _search(profile, bounds, float("inf"), width=_BEAM_WIDTH)[0])
+    bits = _search(profile, bounds, best, tie_break=True)[2]
+    return simulate(profile, _placement_of(bits, len(profile.layers)))
+
+
+class _Bounds:
+    """Lower bounds on the makespan reachable from a state, from the layers still to place.
+
+    For the layers from index i on, with A = the device clock plus their backward, B = the
+    host key and C = the device bytes still free, the makespan is at least
+    * A, B, and A + min(device, host cost) of the last layer (its update ends after A either way);
+    * the balance point of device and host load when updates move to the host in order of
+      device time saved per host time spent (the fractional relaxation, ignoring capacity);
+    * B + the least host work that moves enough state off the device to fit C
+      (the fractional knapsack in order of host time per byte).
+    """
+
+    def __init__(self, profile: Profile):
+        layers = profile.layers
+        self.n = n = len(layers)
+        self.capacity = profile.capacity_bytes
+        hc = [l.copy_ms + l.host_ms for l in layers]
+        self.rest_bwd = _suffix_sums([l.bwd_ms for l in layers])
+        self.rest_dev = _suffix_sums([l.device_ms for l in layers])
+        self.rest_state = _suffix_sums([l.state_bytes for l in layers])
+        self.last = min(layers[-1].device_ms, hc[-1]) if layers else 0.0
+        # Per suffix: cumulative (device + host) cost and host cost along the best-ratio order,
+        # and cumulative bytes and host cost along the cheapest-host-per-byte order.
+        self.balance: list[tuple[list[float], list[float]]] = []
+        self.evict: list[tuple[list[int], list[float]]] = []
+        for i in range(n + 1):
+            rest = range(i, n)
+            by_ratio = sorted(rest, key=lambda j: -layers[j].device_ms / hc[j] if hc[j] else -float("inf"))
+            self.balance.append((_prefix_sums([layers[j].device_ms + hc[j] for j in by_ratio]),
+                                 _prefix_sums([hc[j] for j in by_ratio])))
+            by_cost = sorted((j for j in rest if layers[j].state_bytes), key=lambda j: hc[j] / layers[j].state_bytes)
+            self.evict.append((_prefix_sums([layers[j].state_bytes for j in by_cost]),
+                               _prefix_sums([hc[j] for j in by_cost])))
+
+    def lower(self, i: int, d: float, h: float, b: int) -> float:
+        if i == self.n:
+            return h
+        a = d + self.rest_bwd[i]
+        lower = max(a + self.last, h)
+        both, host = self.balance[i]
+        gap = a + self.rest_dev[i] - h  # device load over host load, all on the device
+        if gap > 0:
+            k = bisect_left(both, gap)
+            if k < len(both):
+                # Move the first k entirely and a fraction of the next, to where the loads meet.
+                step = both[k] - (both[k - 1] if k else 0.0)
+                done_both, done_host = (both[k - 1], host[k - 1]) if k else (0.0, 0.0)
+                lower = max(lower, h + done_host + (gap - done_both) * ((host[k] - done_host) / step))
+        over = b + self.rest_state[i] - self.capacity
+        if over > 0:
+            sizes, host = self.evict[i]
+            k = bisect_left(sizes, over)  # < len(sizes): all of them on the host fits, as b <= capacity
+            done_size, done_host = (sizes[k - 1], host[k - 1]) if k else (0, 0.0)
+            lower = max(lower, h + done_host + (host[k] - done_host) * (over - done_size) / (sizes[k] - done_size))
+        return lower
+
+
+def _prefix_sums(values: list) -> list:
+    return list(accumulate(values))
+
+
+def _suffix_sums(values: list) -> list:
+    return list(accumulate(reversed(values), initial=0))[::-1]
+
+
+def _search(profile: Profile, bounds: _Bounds, cut: float, tie_break: bool = False,
+            width: int | None = None) -> tuple[float, int, int]:
+    """(makespan, host count, placement bits) of the best placement whose makespan can reach `cut`.
+
+    A DP over layers in backward order. A state after layer i is (device clock d, host key h,
+    device bytes b, host count k, placement bits p), with two normalisations that change no
+    completion's makespan: h = max(host free, d), since every later backward ends after d and
+    so a host free by then starts its next update at that backward's end; and b counts as 0
+    once every remaining state would fit on top of it. State A dominates B if A is <= in d, h,
+    b (and, with `tie_break`, in (k, p) too, or ahead by the slack in both d and h): every
+    completion of B then does as well from A (with the tie-break: or strictly better).
+    States whose lower bound exceeds `cut` are dropped, with a few ulps of slack so that a
+    tie survives the bound's different summation order. With `width`, only that many states
+    with the least lower bounds are kept per layer: a heuristic (beam search), not exact.
+    """
+    layers, capacity = profile.layers, profile.capacity_bytes
+    margin = _BOUND_SLACK * max(1.0, abs(cut))
+    cut += margin
+    front = [(0.0, 0.0, 0, 0, 0, profile.peak_bytes, 0.0)]  # (d, h, b key, k, p, b, lower bound)
+    for i, layer in enumerate(layers, start=1):
+        children = []
+        for d, h, _, k, p, b, _ in front:
+            r = d + layer.bwd_ms
+            on_device = r + layer.device_ms
+            host_free = max(r, h) + layer.copy_ms + layer.host_ms
+            for cd, ch, ck, cp, cb in ((on_device, max(h, on_device), k, p << 1, b + layer.state_bytes),
+                                       (r, host_free, k + 1, (p << 1) | 1, b)):
+                if cb > capacity:
+                    continue
+                lower = bounds.lower(i, cd, ch, cb)
+                if lower <= cut:
+                    children.append((cd, ch, 0 if cb + bounds.rest_state[i] <= capacity else cb, ck, cp, cb, lower))
+        front = _pareto(children, margin if tie_break else None)
+        if width is not None and len(front) > width:
+            front = sorted(front, key=lambda s: s[-1])[:width]
+    # After the last layer h = max(host end, device end), the makespan.
+    return min((h, k, p) for _, h, _, k, p, _, _ in front)
+
+
+def _pareto(states: list[tuple], tie_margin: float | None) -> list[tuple]:
+    """The states no other dominates: <= in d, h and b key; with a `tie_margin`, also <= in
+    (k, p), unless better by more than the margin in both d and h, since every completion is
+    then strictly faster from the dominating state (the margin outlasts rounding).
+
+    Sorted by (d, h, b key, k, p), a dominating state comes first, so one pass against the
+    states kept so far suffices (dominance is transitive). The <= test in (h, b key) is a
+    lookup in a staircase (h ascending, b key descending) of the kept states, for the tie
+    test of those more than the margin ahead in d; the few within the margin are scanned.
+    Missing a dominance would only keep a state too many; each one found is real.
+    """
+    states.sort()
+    kept: list[tuple] = []
+    stair_h: list[float] = []
+    stair_b: list[int] = []
+    staged = 0  # with a margin, kept[:staged] are on the staircase
+    for state in states:
+        d, h, b, k, p, _, _ = state
+        if tie_margin is None:
+            at = bisect_right(stair_h, h)
+            if at and stair_b[at - 1] <= b:
+                continue
+            _climb(stair_h, stair_b, h, b)
+        else:
+            while staged < len(kept) and kept[staged][0] < d - tie_margin:
+                _climb(stair_h, stair_b, kept[staged][1], kept[staged][2])
+                staged += 1
+            at = bisect_left(stair_h, h - tie_margin)
+            if at and stair_b[at - 1] <= b:
+                continue
+            if any(kept[j][1] <= h and kept[j][2] <= b and kept[j][3:5] <= (k, p) for j in range(staged, len(kept))):
+                continue
+        kept.append(state)
+    return kept
+
+
+def _climb(stair_h: list[float], stair_b: list[int], h: float, b: int) -> None:
+    """Add (h, b) to the staircase, dropping the points it dominates."""
+    at = bisect_right(stair_h, h)
+    if at and stair_b[at - 1] <= b:
+        return
+    start = end = bisect_left(stair_h, h)
+    while end < len(stair_b) and stair_b[end] >= b:
+        end += 1
+    stair_h[start:end] = [h]
+    stair_b[start:end] = [b]
+
+
+def describe(timeline: Timeline) -> str:
+    """One line: makespan, the two timelines, how many updates on the host, memory."""
+    n = len(timeline.placement)
+    memory = (f"{human_bytes(timeline.device_bytes)} of {human_bytes(timeline.capacity_bytes)}"
+              + ("" if timeline.fits else " (does not fit)"))
+    return (f"makespan {timeline.makespan_ms:.2f} ms (device {timeline.device_end_ms:.2f} ms, "
+            f"host {timeline.host_end_ms:.2f} ms); {timeline.host_layers}/{n} updates on the host; "
+            f"device {memory}")

@@ -1,0 +1,172 @@
+"""Hybrid optimizer update (engine/hybrid.py): the same parameters whichever side runs each
+layer's update, the trial and the plan, live placement changes."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from engine.config import Config, UpdateConfig
+from engine.data import batch_for, load_dataset
+from engine.ddp import DDPStrategy
+from engine.devices import LedgerDevice
+from engine.models import build_model
+from engine.procpool import DistPool
+from engine.sharded import ShardedStrategy
+
+STEPS = 20
+_DATA: dict = {}
+
+
+def train(topo, strategy: str = "ddp", optim: str = "sgd", placement="device", planner: str = "global",
+          steps: int = STEPS, switch: tuple | None = None, capacity: int = 1 << 30) -> dict:
+    """`steps` steps of a 4-layer MLP on the digits; `switch` = (step, layer, side): a live set-placement."""
+    cfg = Config()
+    cfg.model.hidden, cfg.model.depth = 32, 3
+    cfg.data.batch_size = 32
+    cfg.optim.name, cfg.optim.lr = optim, (0.05 if optim == "sgd" else 0.01)
+    if "digits" not in _DATA:
+        _DATA["digits"] = load_dataset(cfg.data, cfg.run.seed)
+    ds = _DATA["digits"]
+    model = build_model(cfg.model, ds.meta, cfg.run.seed)
+    device = LedgerDevice(capacity)
+    update = UpdateConfig(placement=placement, planner=planner, profile_steps=4)
+    if strategy == "ddp":
+        runner = DDPStrategy(model, cfg.optim, topo, device, update_cfg=update)
+    else:
+        runner = ShardedStrategy(model, cfg.optim, topo, device, streams=2, slices=4, update_cfg=update)
+    device.ledger.track_module(model, runner.optimizer)
+    seen = []
+    for step in range(steps):
+        if switch and step == switch[0]:
+            runner.sync()
+            runner.updater.set_placement(switch[1], switch[2])
+        runner.train_step(*batch_for(ds, step, cfg.data.batch_size, cfg.run.seed, topo.rank, topo.world_size))
+        seen.append(dict(runner.updater.placement()))
+        if step == 1:
+            device.ledger.refresh()
+            state_bytes = device.ledger.bytes["optimizer_state"]
+    runner.sync()
+    out = {"state": {k: v.detach().clone() for k, v in model.state_dict().items()}, "placements": seen,
+           "device_state_bytes": state_bytes, "plan": runner.updater.plan}
+    runner.close()
+    return out
+
+
+def compare(topo, **variant) -> dict:
+    """`variant` against all-device, on this rank: the largest difference of any parameter."""
+    base = {k: v for k, v in variant.items() if k in ("strategy", "optim")}
+    want, got = train(topo, **base), train(topo, **variant)
+    diff = max(float((got["state"][k] - want["state"][k]).abs().max()) for k in want["state"])
+    return {"max_diff": diff, "placements": got["placements"], "plan": got["plan"],
+            "device_state_bytes": (want["device_state_bytes"], got["device_state_bytes"])}
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with DistPool(2) as p:
+        yield p
+
+
+LAYERS = ["fc0", "fc1", "fc2", "head"]
+RANDOM = dict(zip(LAYERS, random.Random(7).choices(["device", "host"], k=len(LAYERS))))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("strategy", ["ddp", "sharded"])
+@pytest.mark.parametrize("optim", ["sgd", "adamw"])
+@pytest.mark.parametrize("placement", ["host", "auto", "random"])
+def test_parameters_are_identical_whichever_side_updates(pool, strategy, optim, placement):
+    chosen = RANDOM if placement == "random" else placement
+    results = pool.run(compare, strategy=strategy, optim=optim, placement=chosen)
+    for rank, result in enumerate(results):
+        assert result["max_diff"] == 0.0, f"rank {rank}: {result['max_diff']}"
+    mine = results[0]["placements"]
+    if placement == "host":       # rank 0's layers (all of them in ddp, its own in sharded) on the host
+        assert set(mine[-1].values()) == {"host"}
+    if placement == "auto":       # the trial alternates sides, then the plan holds
+        assert set(mine[0].values()) == {"device"} and set(mine[1].values()) == {"host"}
+        assert mine[4] == mine[-1] and results[0]["plan"] is not None
+
+
+@pytest.mark.timeout(120)
+def test_host_placed_state_leaves_the_device_ledger(pool):
+    [r0, _] = pool.run(compare, placement="host")
+    on_device, on_host = r0["device_state_bytes"]
+    assert on_device > 0 and on_host == 0
+
+
+@pytest.mark.timeout(120)
+def test_a_live_placement_change_keeps_parameters_identical(pool):
+    # the same run, with fc1 moved to the host at step 7 and back at no point: still equal to all-device
+    results = pool.run(compare, placement="device", switch=(7, "fc1", "host"))
+    assert all(r["max_diff"] == 0.0 for r in results)
+    placements = results[0]["placements"]
+    assert placements[6]["fc1"] == "device" and placements[7]["fc1"] == "host" and placements[-1]["fc1"] == "host"
+
+
+def test_placement_table_naming_an_unknown_layer_is_refused():
+    cfg = Config()
+    model = build_model(cfg.model, {"input_dim": 4, "num_classes": 2}, 0)
+    from engine.ddp import params_by_layer
+    from engine.hybrid import HybridUpdater
+    with pytest.raises(ValueError, match=r"update.placement names unknown layer 'fc9'; layers are fc0, "):
+        HybridUpdater(model, params_by_layer(model), cfg.optim, LedgerDevice(1 << 20),
+                      UpdateConfig(placement={"fc9": "host"}))
+
+
+def test_layer_update_moves_state_and_weights_exactly():
+    from engine.hybrid import LayerUpdate
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(4, 3)
+    twin = torch.nn.Linear(4, 3)
+    twin.load_state_dict(layer.state_dict())
+    cfg = Config().optim
+    a, b = LayerUpdate("a", 0, list(layer.parameters()), cfg), LayerUpdate("b", 0, list(twin.parameters()), cfg)
+    b.move("host")
+    for step in range(5):
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step))
+        for mod, upd in ((layer, a), (twin, b)):
+            mod(x).square().sum().backward()
+            upd.step_device() if upd.side == "device" else upd.step_host()
+        if step == 2:
+            b.move("device")
+    for p, q in zip(layer.parameters(), twin.parameters()):
+        assert torch.equal(p, q)
+
+
+# --- through the CLI: the trial, the plan, the profile saved with the run ------------------------
+
+@pytest.mark.timeout(120)
+def test_auto_placement_plans_after_the_trial_and_saves_the_profile(cli):
+    from engine.checkpoint import list_checkpoints, model_state
+    from tests.conftest import read_jsonl
+    from tests.test_training import DEMO, single_process_reference
+    log = cli.tmp_path / "run.jsonl"
+    r = cli.run("run", DEMO, "--headless", "--steps", "12", *cli.base_args("auto"), "--set", "update.placement=auto",
+                "--set", "telemetry.layer_every=3", "--telemetry-log", str(log))
+    assert r.returncode == 0, r.stderr
+    records = read_jsonl(log)
+    [plan] = [rec for rec in records if rec.get("kind") == "update_plan"]
+    assert plan["step"] == 4 and set(plan["placement"]) == {"fc0", "fc1", "head"}   # after 4 trial steps
+    assert plan["predicted_ms"] <= min(plan["all_device_ms"], plan["all_host_ms"]) + 1e-9
+    saved = json.loads((cli.tmp_path / "runs" / "auto" / "update_profile.json").read_text())
+    assert [c["name"] for c in saved["layers_backward_order"]] == ["head", "fc1", "fc0"]
+    last = next(rec["layers"] for rec in reversed(records) if rec.get("type") == "step" and "layers" in rec)
+    assert {e["name"]: e["placement"] for e in last if "placement" in e} == plan["placement"]
+    got = model_state(list_checkpoints(cli.tmp_path / "runs" / "auto")[-1])
+    want = single_process_reference([], 12)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-5, msg=name)
+
+
+@pytest.mark.timeout(120)
+def test_an_infeasible_capacity_names_the_smallest_that_fits(cli):
+    from tests.test_training import DEMO
+    r = cli.run("run", DEMO, "--headless", "--steps", "12", *cli.base_args("tiny"), "--set", "update.placement=auto",
+                "--set", "device.memory=1KiB", "--set", "parallel.max_restarts=0")
+    assert r.returncode == 1
+    assert "is too small for the update plan" in r.stderr and "the smallest capacity that fits is" in r.stderr

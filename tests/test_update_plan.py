@@ -1,0 +1,222 @@
+"""The hybrid optimizer update planner: cost model, exact global plan, online local rule."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.update_plan import (
+    PLACEMENTS,
+    InfeasibleCapacity,
+    LayerCost,
+    Profile,
+    describe,
+    fixed,
+    human_bytes,
+    min_capacity,
+    plan_brute_force,
+    plan_global,
+    plan_local,
+    simulate,
+)
+
+D, H = PLACEMENTS
+
+
+def layer(name, fwd=1.0, bwd=2.0, device=1.0, host=1.0, copy=0.0, state=10) -> LayerCost:
+    return LayerCost(name, fwd_ms=fwd, bwd_ms=bwd, device_ms=device, host_ms=host, copy_ms=copy, state_bytes=state)
+
+
+THREE = (layer("a", fwd=1, bwd=2, device=1, host=3, copy=1, state=100),
+         layer("b", fwd=1, bwd=4, device=2, host=2, copy=0.5, state=200),
+         layer("c", fwd=2, bwd=3, device=1.5, host=5, copy=1, state=300))
+
+
+def test_simulate_hand_worked():
+    profile = Profile(THREE, peak_bytes=1000, capacity_bytes=1300)
+    # a: backward ends at 2, host 2 -> 2+1+3 = 6; b: ends at 6, host from 6 to 8.5;
+    # c: ends at 9, on the device until 10.5. Device holds 1000 + 300.
+    t = simulate(profile, [H, H, D])
+    assert (t.makespan_ms, t.device_end_ms, t.host_end_ms) == (10.5, 10.5, 8.5)
+    assert t.host_spans == {"a": (2.0, 6.0), "b": (6.0, 8.5)}
+    assert (t.device_bytes, t.fits, t.placement, t.host_layers) == (1300, True, (H, H, D), 2)
+    # a: ends at 2, device to 3; b: ends at 7, host to 9.5; c: ends at 10, device to 11.5.
+    t = simulate(profile, {"a": D, "b": H, "c": D})
+    assert (t.makespan_ms, t.device_end_ms, t.host_end_ms) == (11.5, 11.5, 9.5)
+    assert t.host_spans == {"b": (7.0, 9.5)}
+    assert (t.device_bytes, t.fits) == (1400, False)
+    # The host sticks out past the device: c's backward ends at 12, its host update at 18.
+    t = simulate(profile, [D, D, H])
+    assert (t.device_end_ms, t.host_end_ms, t.makespan_ms) == (12.0, 18.0, 18.0)
+
+
+def test_simulate_rejects_bad_placements():
+    profile = Profile(THREE, peak_bytes=0, capacity_bytes=10**6)
+    with pytest.raises(ValueError, match="3 layers"):
+        simulate(profile, [D, H])
+    with pytest.raises(ValueError, match="'gpu' is not one of"):
+        simulate(profile, [D, "gpu", H])
+    with pytest.raises(ValueError, match=r"missing \['c'\]"):
+        simulate(profile, {"a": D, "b": D})
+
+
+def test_profile_validates():
+    with pytest.raises(ValueError, match="repeated: a"):
+        Profile((layer("a"), layer("a")), peak_bytes=0, capacity_bytes=1)
+    with pytest.raises(ValueError, match="bwd_ms"):
+        layer("a", bwd=-1.0)
+    with pytest.raises(ValueError, match="host_ms"):
+        layer("a", host=float("nan"))
+
+
+def test_fixed():
+    profile = Profile(THREE, peak_bytes=1000, capacity_bytes=1300)
+    assert fixed(profile, "device").placement == (D, D, D)
+    assert fixed(profile, "device").fits is False  # still scored, for the report
+    assert fixed(profile, "host").placement == (H, H, H)
+    assert fixed(profile, {"b": H}).placement == (D, H, D)
+    with pytest.raises(ValueError, match=r"unknown layer 'fc9'.*a, b, c"):
+        fixed(profile, {"fc9": H})
+    with pytest.raises(ValueError, match="not one of"):
+        fixed(profile, "cpu")
+
+
+def test_local_rule_sends_cheap_updates_to_the_host_and_keeps_late_ones():
+    profile = Profile((layer("head", fwd=1, bwd=2, device=1, host=2, copy=1),
+                       layer("stem", fwd=1, bwd=2, device=1, host=10, copy=1)), peak_bytes=100, capacity_bytes=1000)
+    t = plan_local(profile)
+    # head ends at 2; the next forward needs it at 2 + stem's backward + stem's forward = 5, and
+    # the host is done at 2+1+2 = 5: host. stem ends at 4 and is needed at once; the host would
+    # take until 15: device.
+    assert t.placement == (H, D)
+    assert (t.makespan_ms, t.device_end_ms, t.host_end_ms) == (5.0, 5.0, 5.0)
+    assert plan_global(profile) == t
+
+
+def test_local_rule_capacity_forces_the_host():
+    # stem would stay on the device, but its state does not fit there.
+    profile = Profile((layer("head", fwd=1, bwd=2, device=1, host=2, copy=1, state=10),
+                       layer("stem", fwd=1, bwd=2, device=1, host=10, copy=1, state=10)),
+                      peak_bytes=100, capacity_bytes=105)
+    t = plan_local(profile)
+    assert t.placement == (H, H) and t.fits
+    assert t.host_spans == {"head": (2.0, 5.0), "stem": (5.0, 16.0)}
+    assert plan_global(profile) == t
+
+
+def test_local_rule_counts_device_updates_already_placed():
+    profile = Profile((layer("a", fwd=0, bwd=1, device=1, host=4),
+                       layer("b", fwd=0, bwd=1, device=3, host=100),
+                       layer("c", fwd=0, bwd=1, device=1, host=2),
+                       layer("d", fwd=1, bwd=1, device=1, host=1)), peak_bytes=0, capacity_bytes=100)
+    t = plan_local(profile)
+    # a: ends at 1, needed at 1 + 4 = 5, host done at 5: host. b: its host update is too slow,
+    # device, which delays c's backward end to 6 (not 3): the host, free at 5, is done at 8,
+    # when the forward needs c (6 + d's backward and forward). d: needed at once: device.
+    assert t.placement == (H, D, H, D)
+    assert t.host_spans == {"a": (1.0, 5.0), "c": (6.0, 8.0)}
+    assert t.makespan_ms == 8.0
+
+
+def test_tie_break_fewer_host_updates_then_device_first():
+    # Makespan 8 three ways: (H, D, D), (D, H, D) with one host update, (H, H, D) with two.
+    profile = Profile(tuple(layer(n, bwd=2, device=1, host=3) for n in "abc"), peak_bytes=0, capacity_bytes=20)
+    for placement in ([H, D, D], [D, H, D], [H, H, D]):
+        assert simulate(profile, placement).makespan_ms == 8.0
+    assert plan_brute_force(profile).placement == (D, H, D)
+    assert plan_global(profile).placement == (D, H, D)
+
+
+def test_infeasible_capacity_message():
+    profile = Profile(THREE, peak_bytes=3 * 2**19, capacity_bytes=2**20)
+    for planner in (plan_global, plan_local, plan_brute_force):
+        with pytest.raises(InfeasibleCapacity) as err:
+            planner(profile)
+        assert str(err.value) == (
+            "device capacity 1.0 MiB (1048576 bytes) is too small for the update plan: even with every "
+            "optimizer update on the host the device needs 1.5 MiB (params, gradients, activations); "
+            "the smallest capacity that fits is 1.5 MiB (1572864 bytes)")
+        assert err.value.min_capacity_bytes == min_capacity(profile) == 3 * 2**19
+        assert isinstance(err.value, ValueError)
+    fits = Profile(THREE, peak_bytes=3 * 2**19, capacity_bytes=3 * 2**19)
+    assert plan_global(fits).placement == (H, H, H) == plan_local(fits).placement
+
+
+def test_human_bytes_and_describe():
+    assert [human_bytes(n) for n in (0, 1023, 1536, 5 * 2**30, 3 * 2**40)] == \
+        ["0 B", "1023 B", "1.5 KiB", "5.0 GiB", "3.0 TiB"]
+    t = fixed(Profile(THREE, peak_bytes=1000, capacity_bytes=1300), "device")
+    assert describe(t) == ("makespan 13.50 ms (device 13.50 ms, host 0.00 ms); 0/3 updates on the host; "
+                           "device 1.6 KiB of 1.3 KiB (does not fit)")
+
+
+def test_brute_force_refuses_many_layers():
+    profile = Profile(tuple(layer(f"l{i}") for i in range(21)), peak_bytes=0, capacity_bytes=1)
+    with pytest.raises(ValueError, match="at most 20 layers"):
+        plan_brute_force(profile)
+
+
+def test_no_layers():
+    t = plan_global(Profile((), peak_bytes=5, capacity_bytes=5))
+    assert (t.makespan_ms, t.placement, t.fits) == (0.0, (), True)
+
+
+# Small whole numbers make ties (the tie-break), floats make the general case.
+_MS = st.one_of(st.integers(0, 4).map(float), st.floats(0, 20, allow_nan=False, allow_infinity=False))
+
+
+@st.composite
+def profiles(draw, max_layers=12):
+    n = draw(st.integers(0, max_layers))
+    layers = tuple(LayerCost(f"l{i}", *(draw(_MS) for _ in range(5)), state_bytes=draw(st.integers(0, 100)))
+                   for i in range(n))
+    peak = draw(st.integers(0, 1000))
+    total = sum(l.state_bytes for l in layers)
+    return Profile(layers, peak_bytes=peak, capacity_bytes=peak + draw(st.integers(0, total)))
+
+
+@settings(max_examples=100, deadline=None)
+@given(profiles())
+def test_global_is_exact_and_never_worse(profile):
+    best = plan_global(profile)
+    assert best == plan_brute_force(profile)  # makespan, and placement by the tie-break
+    assert best.fits
+    local = plan_local(profile)
+    assert local.fits
+    assert best.makespan_ms <= local.makespan_ms
+    assert best.makespan_ms <= fixed(profile, "host").makespan_ms
+    everything = fixed(profile, "device")
+    if everything.fits:
+        assert best.makespan_ms <= everything.makespan_ms
+
+
+def _random_profile(seed: int, n: int, headroom: float, kinds: int | None = None) -> Profile:
+    rng = random.Random(seed)
+
+    def costs():
+        return (rng.uniform(0.5, 5), rng.uniform(1, 10), rng.uniform(0.1, 3), rng.uniform(1, 20),
+                rng.uniform(0.5, 5), rng.randint(1, 10**6))
+    # kinds: a model of a few repeated blocks, so many layers cost exactly the same.
+    blocks = [costs() for _ in range(kinds or n)]
+    layers = tuple(LayerCost(f"l{i}", *blocks[i % len(blocks)]) for i in range(n))
+    peak = 10**7
+    return Profile(layers, peak_bytes=peak, capacity_bytes=peak + int(headroom * sum(l.state_bytes for l in layers)))
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("seed, headroom, kinds", [(0, 0.2, None), (1, 0.5, None), (2, 1.0, None), (3, 0.35, 2)])
+def test_global_on_sixty_layers(seed, headroom, kinds):
+    profile = _random_profile(seed, 60, headroom, kinds)
+    best = plan_global(profile)
+    assert best.fits and len(best.placement) == 60
+    assert best.makespan_ms <= plan_local(profile).makespan_ms
+    assert best.makespan_ms <= fixed(profile, "host").makespan_ms
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_global_matches_brute_force_on_fourteen_layers(seed):
+    profile = _random_profile(seed, 14, 0.4)
+    assert plan_global(profile) == plan_brute_force(profile)

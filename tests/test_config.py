@@ -69,6 +69,11 @@ collective_timeout_s = 30
 max_restarts = 0
 shutdown_timeout_s = 2
 
+[update]
+placement = { fc0 = "host" }
+planner = "local"
+profile_steps = 6
+
 [device]
 kind = "cpu"
 memory = "2GiB"
@@ -320,3 +325,12 @@ def test_command_line_check_exits_2_on_error(tmp_path):
     assert ok.returncode == 0 and "steps = 5" in ok.stdout
     bad = subprocess.run(run + ["--set", "optim.lrr=1"], cwd=ROOT, capture_output=True, text=True)
     assert bad.returncode == 2 and "unknown key 'optim.lrr'" in bad.stderr
+
+
+def test_update_placement_is_a_side_auto_or_a_table_of_sides():
+    assert error_of({"update": {"placement": "hots"}}) == (
+        'update.placement = "hots": expected "auto", "device", "host", or a table of layer names to "device" or '
+        '"host" (did you mean "host"?)')
+    assert error_of({"update": {"placement": {"fc0": "gpu"}}}) == 'update.placement.fc0 = "gpu": must be "device" or "host"'
+    assert error_of({"update": {"placement": 3}}).startswith("update.placement = 3: expected ")
+    assert config_from_dict({"update": {"placement": {"fc0": "host"}}}).update.placement == {"fc0": "host"}

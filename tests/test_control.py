@@ -44,7 +44,7 @@ def test_a_client_gets_hello_snapshot_and_schema_valid_steps(cli):
     with protocol.connect("watch", client="test") as conn:
         assert conn.hello["run"] == "watch" and conn.hello["mode"] == "ddp" and conn.hello["world_size"] == 2
         assert conn.hello["protocol"] == protocol.VERSION
-        assert set(conn.hello["capabilities"]) == {"pause", "resume", "stop", "checkpoint"}
+        assert set(conn.hello["capabilities"]) == {"pause", "resume", "stop", "checkpoint", "set-placement"}
         snapshot = conn.read(timeout=5)
         assert snapshot["type"] == "snapshot" and snapshot["steps"] == 100000
         steps = []

@@ -35,7 +35,7 @@ def final_model(run_dir) -> dict:
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])   # world 4: parity tests cover it
 def test_digits_reaches_090_test_accuracy(cli, world):
     log = cli.tmp_path / "run.jsonl"
     result = cli.run("run", DEMO, "--headless", *cli.base_args(f"acc{world}"),

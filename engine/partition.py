@@ -1,0 +1,392 @@
+"""Split a model's layers into pipeline stages.
+
+A model is an ordered list of named layers grouped into *clusters*
+(`LayerList.names` / `LayerList.clusters`, see engine/models/layers.py).  A
+pipeline with k stages gives each stage a contiguous, non-empty run of
+clusters; stage 0 runs first.  A cluster is never split across stages.
+
+Declaring blocks
+----------------
+Every loose layer of a LayerList is a cluster of its own.  To keep several
+layers together (a residual branch-and-merge block, say), wrap them in a Block:
+
+    LayerList([("fc0", nn.Linear(64, 32)), ("act0", nn.ReLU()),
+               Block("res", [("split", Split()), ("left", Left()), ("merge", Merge())]),
+               ("head", nn.Linear(32, 10))])
+
+gives the clusters [["fc0"], ["act0"], ["res.split", "res.left", "res.merge"], ["head"]],
+and no function here will ever put a stage boundary inside "res".
+
+Objective
+---------
+`partition(clusters, k, threshold_ms)` works in two exact steps (dynamic
+programming, no heuristics):
+
+1. Find the optimum T*: the smallest possible "largest stage time" over all
+   splits into k contiguous non-empty stages.  A stage's time is the sum of the
+   `time_ms` (forward + backward) of its clusters.
+2. Among all splits whose every stage time is <= T* + threshold_ms, choose the
+   one whose boundaries carry the fewest activation bytes: the sum of
+   `out_bytes` of the last cluster of every stage but the last (the final
+   cluster's output never crosses a stage boundary).  Remaining ties go to the
+   lexicographically smallest tuple of stage sizes (counted in clusters), i.e.
+   earlier stages are kept as short as possible.
+
+With threshold_ms = 0 the result is a time-optimal split that, among
+time-optimal splits, ships the least data.  A positive threshold trades up to
+that many milliseconds of the slowest stage for cheaper boundaries.  (Floating
+point: the limit T* + threshold_ms is widened by a relative 1e-9 so that splits
+whose time equals the optimum up to rounding count as ties.)
+
+Thresholds
+----------
+`threshold_in_ms(value, stage_ms)` turns a user-given threshold into
+milliseconds:
+- value > 1            -> value milliseconds;
+- 0 < value <= 1       -> that fraction of the mean stage time
+                          (so 0.1 is "10% of a mean stage", and 1.0 means one whole
+                          mean stage time, NOT 1 ms; write e.g. 1.001 for about 1 ms);
+- value == 0           -> 0 ms.
+Negative, NaN or infinite values are rejected.  The same number serves
+`needs_rebalance(stage_ms, threshold_ms)`, which is true when
+max(stage_ms) - min(stage_ms) > threshold_ms.
+
+Everything here is pure Python (stdlib only) and deterministic.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+__all__ = [
+    "Cluster", "Layout", "clusters_from", "partition", "uniform", "from_names",
+    "stage_times", "needs_rebalance", "threshold_in_ms",
+]
+
+# Relative slack on T* + threshold so that rounding noise does not break ties.
+_REL_EPS = 1e-9
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Layers that must stay in one stage, with their cost."""
+
+    layers: tuple[str, ...]
+    time_ms: float  # forward + backward time of all its layers
+    out_bytes: int  # activation bytes its last layer sends to the next cluster
+
+    def __post_init__(self) -> None:
+        if not self.layers:
+            raise ValueError("a Cluster needs at least one layer")
+        if not (isinstance(self.time_ms, (int, float)) and not isinstance(self.time_ms, bool)
+                and math.isfinite(self.time_ms) and self.time_ms >= 0):
+            raise ValueError(f"cluster {list(self.layers)}: time_ms must be a finite number >= 0, "
+                             f"got {self.time_ms!r}")
+        if not (isinstance(self.out_bytes, int) and not isinstance(self.out_bytes, bool)
+                and self.out_bytes >= 0):
+            raise ValueError(f"cluster {list(self.layers)}: out_bytes must be an int >= 0, "
+                             f"got {self.out_bytes!r}")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A split of the model into stages (layer names per stage, in model order)."""
+
+    stages: tuple[tuple[str, ...], ...]
+    stage_ms: tuple[float, ...]
+    max_ms: float
+    boundary_bytes: int
+
+    @property
+    def imbalance_ms(self) -> float:
+        """Slowest stage time minus fastest stage time."""
+        return max(self.stage_ms) - min(self.stage_ms) if self.stage_ms else 0.0
+
+    def stage_of(self, layer: str) -> int:
+        """Index of the stage holding `layer`; ValueError if the layout has no such layer."""
+        for i, stage in enumerate(self.stages):
+            if layer in stage:
+                return i
+        raise ValueError(f"layer {layer!r} is in no stage of this layout")
+
+    def moves_from(self, old: "Layout") -> list[tuple[str, int, int]]:
+        """(layer, from_stage, to_stage) for every layer whose stage differs in `old`, in model order."""
+        old_of = {name: i for i, stage in enumerate(old.stages) for name in stage}
+        new_of = {name: i for i, stage in enumerate(self.stages) for name in stage}
+        if set(old_of) != set(new_of):
+            only_old = sorted(set(old_of) - set(new_of))
+            only_new = sorted(set(new_of) - set(old_of))
+            raise ValueError(f"layouts hold different layers: only in old {only_old}, "
+                             f"only in new {only_new}")
+        return [(name, old_of[name], i)
+                for i, stage in enumerate(self.stages) for name in stage if old_of[name] != i]
+
+
+# --------------------------------------------------------------------------- building clusters
+
+def clusters_from(names: list[str], clusters: list[list[str]],
+                  layer_ms: Mapping[str, float], out_bytes: Mapping[str, int]) -> list[Cluster]:
+    """Build Clusters from `LayerList.names`/`.clusters` and per-layer measurements.
+
+    `layer_ms[name]` is the forward + backward time of a layer and is required for
+    every layer.  `out_bytes[name]` is needed for the last layer of every cluster
+    except the model's final cluster (whose output never crosses a stage boundary;
+    it defaults to 0 there).  Extra keys in either mapping are ignored.
+    """
+    flat = [name for cluster in clusters for name in cluster]
+    for i, cluster in enumerate(clusters):
+        if not cluster:
+            raise ValueError(f"cluster {i} is empty")
+    if len(set(names)) != len(names):
+        dup = sorted({n for n in names if names.count(n) > 1})
+        raise ValueError(f"layer names repeat: {dup}")
+    if flat != list(names):
+        missing = [n for n in names if n not in flat]
+        extra = [n for n in flat if n not in names]
+        if missing:
+            raise ValueError(f"clusters miss layers {missing}")
+        if extra:
+            raise ValueError(f"clusters name unknown layers {extra}")
+        if len(flat) != len(names):
+            dup = sorted({n for n in flat if flat.count(n) > 1})
+            raise ValueError(f"clusters repeat layers {dup}")
+        at = next(i for i, (a, b) in enumerate(zip(flat, names)) if a != b)
+        raise ValueError(f"clusters are not in model order: position {at} is {flat[at]!r}, "
+                         f"the model has {names[at]!r} there")
+    out: list[Cluster] = []
+    for ci, cluster in enumerate(clusters):
+        total = 0.0
+        for name in cluster:
+            if name not in layer_ms:
+                raise ValueError(f"no timing for layer {name!r}")
+            total += layer_ms[name]
+        last = cluster[-1]
+        if last in out_bytes:
+            nbytes = out_bytes[last]
+        elif ci == len(clusters) - 1:
+            nbytes = 0
+        else:
+            raise ValueError(f"no activation size (out_bytes) for layer {last!r}")
+        out.append(Cluster(tuple(cluster), total, nbytes))
+    return out
+
+
+# --------------------------------------------------------------------------- helpers
+
+def _check_stages(n: int, stages: int) -> None:
+    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
+        raise ValueError(f"stages must be an int >= 1, got {stages!r}")
+    if stages > n:
+        raise ValueError(f"cannot split {n} clusters into {stages} stages "
+                         f"(more stages than clusters; every stage needs at least one cluster)")
+
+
+def _layout_from_sizes(clusters: Sequence[Cluster], sizes: Sequence[int]) -> Layout:
+    stages: list[tuple[str, ...]] = []
+    times: list[float] = []
+    nbytes = 0
+    start = 0
+    for s, size in enumerate(sizes):
+        group = clusters[start:start + size]
+        stages.append(tuple(name for c in group for name in c.layers))
+        t = 0.0
+        for c in group:  # left-to-right, the same order partition's table uses
+            t += c.time_ms
+        times.append(t)
+        if s < len(sizes) - 1:
+            nbytes += group[-1].out_bytes
+        start += size
+    return Layout(tuple(stages), tuple(times), max(times), nbytes)
+
+
+def _segment_table(times: Sequence[float]) -> list[list[float]]:
+    """seg[i][j] = time of clusters i..j-1, summed left to right (== sum(times[i:j]) bitwise)."""
+    n = len(times)
+    seg = [[0.0] * (n + 1) for _ in range(n + 1)]
+    for i in range(n):
+        acc = 0.0
+        for j in range(i + 1, n + 1):
+            acc += times[j - 1]
+            seg[i][j] = acc
+    return seg
+
+
+def _limit(optimum: float, threshold_ms: float) -> float:
+    return optimum + threshold_ms + _REL_EPS * abs(optimum)
+
+
+# --------------------------------------------------------------------------- partitioners
+
+def partition(clusters: Sequence[Cluster], stages: int, threshold_ms: float = 0.0) -> Layout:
+    """Best split of `clusters` into `stages` contiguous stages (see the module docstring)."""
+    n = len(clusters)
+    _check_stages(n, stages)
+    if isinstance(threshold_ms, bool) or not isinstance(threshold_ms, (int, float)) \
+            or not math.isfinite(threshold_ms) or threshold_ms < 0:
+        raise ValueError(f"threshold_ms must be a finite number >= 0, got {threshold_ms!r}")
+    times = [c.time_ms for c in clusters]
+    seg = _segment_table(times)
+    inf = math.inf
+
+    # Step 1: best[s][j] = smallest max stage time covering clusters 0..j-1 with s stages.
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, stages + 1):
+        for j in range(s, n - (stages - s) + 1):
+            b = inf
+            for i in range(s - 1, j):
+                prev = best[s - 1][i]
+                if prev == inf:
+                    continue
+                v = prev if prev > seg[i][j] else seg[i][j]
+                if v < b:
+                    b = v
+            best[s][j] = b
+    limit = _limit(best[stages][n], threshold_ms)
+
+    # Step 2: over splits with every stage <= limit, minimise (boundary bytes, sizes)
+    # lexicographically. suffix[s][i] = best (bytes, sizes) covering clusters i..n-1 with s
+    # stages; the first stage's size leads the sizes tuple, so fixing the first stage
+    # and taking the best suffix is optimal.
+    suffix: list[list[tuple[int, tuple[int, ...]] | None]] = \
+        [[None] * (n + 1) for _ in range(stages + 1)]
+    suffix[0][n] = (0, ())
+    for s in range(1, stages + 1):
+        for i in range(n - s, -1, -1):
+            if i < stages - s:  # the stages before need at least one cluster each
+                continue
+            cand = None
+            for j in range(i + 1, n - (s - 1) + 1):
+                if seg[i][j] > limit:
+                    break  # times are >= 0, so longer stages only get slower
+                rest = suffix[s - 1][j]
+                if rest is None:
+                    continue
+                cost = rest[0] + (clusters[j - 1].out_bytes if s > 1 else 0)
+                key = (cost, (j - i,) + rest[1])
+                if cand is None or key < cand:
+                    cand = key
+            suffix[s][i] = cand
+    chosen = suffix[stages][0]
+    assert chosen is not None, "the time-optimal split always satisfies the limit"
+    return _layout_from_sizes(clusters, chosen[1])
+
+
+def uniform(clusters: Sequence[Cluster], stages: int) -> Layout:
+    """Split by cluster count as evenly as possible; earlier stages get the extra cluster."""
+    n = len(clusters)
+    _check_stages(n, stages)
+    base, extra = divmod(n, stages)
+    return _layout_from_sizes(clusters, [base + (1 if s < extra else 0) for s in range(stages)])
+
+
+def from_names(clusters: Sequence[Cluster], stage_names: Sequence[Sequence[str]]) -> Layout:
+    """A user-given split: layer names per stage, stage 0 first.
+
+    Within a stage the names may be listed in any order (the Layout stores them in
+    model order), but every stage must be a contiguous run of whole clusters and the
+    stages must follow the model order.  ValueError otherwise.
+    """
+    index: dict[str, int] = {}
+    cluster_of: dict[str, int] = {}
+    for ci, c in enumerate(clusters):
+        for name in c.layers:
+            cluster_of[name] = ci
+            index[name] = len(index)
+    if not stage_names:
+        raise ValueError("no stages given")
+    seen: dict[str, int] = {}
+    for s, stage in enumerate(stage_names):
+        if isinstance(stage, str):
+            raise ValueError(f"stage {s} is a string ({stage!r}); give a list of layer names")
+        if not stage:
+            raise ValueError(f"stage {s} is empty; every stage needs at least one layer")
+        for name in stage:
+            if name not in index:
+                raise ValueError(f"stage {s} names unknown layer {name!r}")
+            if name in seen:
+                where = "twice in stage" if seen[name] == s else f"in stages {seen[name]} and"
+                raise ValueError(f"layer {name!r} appears {where} {s}")
+            seen[name] = s
+    missing = [name for name in index if name not in seen]
+    if missing:
+        raise ValueError(f"layers {missing} are in no stage")
+    for ci, c in enumerate(clusters):
+        owners = sorted({seen[name] for name in c.layers})
+        if len(owners) > 1:
+            label = _cluster_label(c)
+            raise ValueError(f"stages {owners} split cluster {label} {list(c.layers)}; "
+                             f"a block's layers must stay in one stage")
+    sizes: list[int] = []
+    expected = 0
+    for s, stage in enumerate(stage_names):
+        ids = sorted(cluster_of[name] for name in stage)
+        first, last = ids[0], ids[-1]
+        got = sorted(set(ids))
+        if got != list(range(first, last + 1)):
+            gap = next(k for k in range(first, last + 1) if k not in got)
+            raise ValueError(f"stage {s} is not contiguous: it skips {list(clusters[gap].layers)}")
+        if first != expected and s == 0:
+            raise ValueError(f"stage 0 must start at the model's first layer "
+                             f"{clusters[0].layers[0]!r}, not at {clusters[first].layers[0]!r}")
+        if first != expected:
+            raise ValueError(f"stage {s} is not contiguous with stage {s - 1}: stages must follow "
+                             f"the model order, and stage {s} starts at "
+                             f"{clusters[first].layers[0]!r}")
+        sizes.append(last - first + 1)
+        expected = last + 1
+    return _layout_from_sizes(clusters, sizes)
+
+
+def _cluster_label(c: Cluster) -> str:
+    """The block name if all layers share a 'block.' prefix, else the first layer's name."""
+    heads = {name.split(".", 1)[0] for name in c.layers}
+    if len(heads) == 1 and all("." in name for name in c.layers):
+        return repr(next(iter(heads)))
+    return repr(c.layers[0])
+
+
+# --------------------------------------------------------------------------- measurements
+
+def stage_times(layout_or_stages: Layout | Sequence[Sequence[str]],
+                layer_ms: Mapping[str, float]) -> list[float]:
+    """Per-stage sum of `layer_ms` for a Layout or a list of layer-name lists."""
+    stages = layout_or_stages.stages if isinstance(layout_or_stages, Layout) else layout_or_stages
+    out: list[float] = []
+    for stage in stages:
+        t = 0.0
+        for name in stage:
+            if name not in layer_ms:
+                raise ValueError(f"no timing for layer {name!r}")
+            t += layer_ms[name]
+        out.append(t)
+    return out
+
+
+def needs_rebalance(stage_ms: Sequence[float], threshold_ms: float) -> bool:
+    """True when the slowest and fastest stages differ by more than threshold_ms."""
+    if not stage_ms:
+        return False
+    return max(stage_ms) - min(stage_ms) > threshold_ms
+
+
+def threshold_in_ms(value: float, stage_ms: Sequence[float]) -> float:
+    """A threshold in ms: value > 1 is ms; 0 < value <= 1 is a fraction of the mean stage time.
+
+    0 stays 0.  Negative, NaN, infinite or non-numeric values raise ValueError, as does
+    a fraction when `stage_ms` is empty (there is no mean to take it of).
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"threshold must be a finite number, got {value!r}")
+    if value < 0:
+        raise ValueError(f"threshold must be >= 0, got {value!r}")
+    if value == 0:
+        return 0.0
+    if value > 1:
+        return float(value)
+    if not stage_ms:
+        raise ValueError(f"threshold {value!r} is a fraction of the mean stage time, "
+                         f"but no stage times were given")
+    return value * (sum(stage_ms) / len(stage_ms))

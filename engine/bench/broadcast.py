@@ -4,7 +4,8 @@ One pool of `--world` worker processes (gloo on this machine) trains the same ML
 (21M parameters in 20 equal layers by default, synthetic data) with each variant in turn, in rounds
 (A B C D, A B C D, ...) so that drift of the machine hits every variant alike:
 
-    ddp              torch DistributedDataParallel (all-reduce inside backward, full optimizer on every rank)
+    ddp              torch DistributedDataParallel and one torch optimizer stepping after backward, as users
+                     run it (all-reduce inside backward, full optimizer state on every rank)
     sharded-1        1 stream, the step waits for the whole broadcast
     sharded-n        n streams, the step waits for the whole broadcast
     sharded-n-gated  n streams, the next forward gated per layer on its own slices
@@ -27,6 +28,40 @@ import statistics
 import time
 
 
+class TorchDDP:
+    """The baseline exactly as users run it: DistributedDataParallel (default buckets) and one optimizer
+    stepping after backward (trainyard's own ddp strategy steps each layer inline instead)."""
+
+    def __init__(self, model, optim_cfg, topo, device):
+        import torch.nn.functional as F
+        from torch.nn.parallel import DistributedDataParallel
+
+        from engine.optim import make_optimizer
+        self.ddp = DistributedDataParallel(model, process_group=topo.compute)
+        self.optimizer = make_optimizer(optim_cfg, model.parameters())
+        self.device, self.loss = device, F.cross_entropy
+        self.timings: dict = {}
+
+    def train_step(self, x, y) -> float:
+        self.optimizer.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        with self.device.ledger.saved_activations():
+            loss = self.loss(self.ddp(x), y)
+            t1 = time.perf_counter()
+            loss.backward()
+        t2 = time.perf_counter()
+        self.optimizer.step()
+        self.timings = {"fwd_ms": (t1 - t0) * 1000, "bwd_ms": (t2 - t1) * 1000,
+                        "optim_ms": (time.perf_counter() - t2) * 1000}
+        return loss.item()
+
+    def sync(self) -> float:
+        return 0.0
+
+    def close(self) -> None:
+        pass
+
+
 def measure(topo, variant: str, hidden: int, depth: int, features: int, batch: int, steps: int, warmup: int,
             streams: int, slices: int) -> dict:
     """One variant on this rank: `warmup` steps, then `steps` timed ones."""
@@ -34,7 +69,6 @@ def measure(topo, variant: str, hidden: int, depth: int, features: int, batch: i
     import torch.distributed as dist
 
     from engine.config import ModelConfig, OptimConfig
-    from engine.ddp import DDPStrategy
     from engine.devices import LedgerDevice
     from engine.models import build_model
     from engine.sharded import ShardedStrategy
@@ -44,7 +78,7 @@ def measure(topo, variant: str, hidden: int, depth: int, features: int, batch: i
     device = LedgerDevice(1 << 40)
     optim = OptimConfig(name="sgd", lr=0.01)
     if variant == "ddp":
-        runner = DDPStrategy(model, optim, topo, device)
+        runner = TorchDDP(model, optim, topo, device)
     else:
         runner = ShardedStrategy(model, optim, topo, device, streams=1 if variant == "sharded-1" else streams,
                                  slices=slices, overlap_forward=variant.endswith("gated"))

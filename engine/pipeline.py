@@ -1,0 +1,250 @@
+"""Pipeline parallel: each rank runs one stage (a run of consecutive layers) of the model.
+
+    stage = PipelineStage(model, [["fc0", "act0", "fc1"], ["act1", "head"]], topo, device,
+                          optim_cfg, micro_batches=4, schedule="1f1b")
+    loss = stage.train_step(x, y)   # the global-batch loss on the last stage, None elsewhere
+    stage.stage_params()            # the parameters this rank trains
+    stage.layout()                  # {"strategy": "pipeline", "stages": ..., "schedule": ..., ...}
+
+Rank r runs stage r (world size == number of stages). Every rank holds the whole
+LayerList (built from the same seed) but only runs, and only updates, its own layers.
+x and y are the whole global batch on every rank: stage 0 reads x, the last stage
+reads y (labels never travel). The batch is cut into `micro_batches` equal
+micro-batches; activations travel forward and their gradients backward between
+neighbouring stages by point-to-point messages on topo.compute.
+
+Loss scaling: each micro-batch's loss is weighted by micro_size / global_size, so
+the accumulated gradients equal those of one pass over the whole global batch and
+the returned loss is the mean over the global batch. One optimizer update per step,
+through HybridUpdater (begin_step before the first forward, end_backward after the
+last backward).
+
+Shape exchange: every message is a header then a payload. The header is a fixed
+int64 tensor of HEADER_LEN entries, [ndim, d0, d1, ...] (zero-padded); the payload
+is the float32 tensor of that shape. So stages may emit any shape (up to
+HEADER_LEN - 1 dimensions), and shapes may change from step to step.
+
+Ordering: sends are non-blocking (isend), receives are blocking (recv). Both
+schedules are then deadlock-free: a rank only ever blocks on a receive whose
+matching send the neighbour issues without waiting on anything this rank has not
+already sent. Forward messages use tag 0 and backward messages tag 1. The send
+works (and the tensors they read) are kept until the end of the step and waited on
+there, so no buffer is reused or freed while in flight.
+
+Schedules:
+- "gpipe": all micro-batches forward, then all backward (in reverse order).
+- "1f1b": warm-up of min(stages - rank - 1, micro_batches) forwards, then alternate
+  one forward and one backward, then the remaining backwards (non-interleaved 1F1B).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from engine.config import OptimConfig, UpdateConfig
+from engine.ddp import cross_entropy
+from engine.hybrid import HybridUpdater
+
+SCHEDULES = ("gpipe", "1f1b")
+HEADER_LEN = 8
+FWD_TAG, BWD_TAG = 0, 1
+
+
+def check_stages(names: list[str], stage_layers: list[list[str]], world_size: int | None = None,
+                 clusters: list[list[str]] | None = None) -> list[tuple[int, int]]:
+    """Validate a split of `names` into stages; return each stage's [start, end) range of layer indices.
+
+    The stages must be non-empty, contiguous and together cover `names` in order; with
+    `world_size`, there must be exactly one stage per rank; with `clusters` (LayerList.clusters),
+    no stage boundary may fall inside a cluster (a Block is never split)."""
+    if not isinstance(stage_layers, (list, tuple)) or not stage_layers:
+        raise ValueError(f"stage_layers must be a non-empty list of lists of layer names, got {stage_layers!r}")
+    if world_size is not None and len(stage_layers) != world_size:
+        raise ValueError(f"pipeline needs one stage per rank: {len(stage_layers)} stages but world size "
+                         f"{world_size}")
+    index = {name: i for i, name in enumerate(names)}
+    ranges, expected = [], 0
+    for s, stage in enumerate(stage_layers):
+        if not isinstance(stage, (list, tuple)) or not stage:
+            raise ValueError(f"stage {s} is empty; every stage needs at least one layer")
+        for name in stage:
+            if name not in index:
+                raise ValueError(f"stage {s} names unknown layer {name!r}; layers are {', '.join(names)}")
+        start = index[stage[0]]
+        if start != expected:
+            what = f"layer {names[expected]!r} is missing" if start > expected else f"layer {stage[0]!r} repeats"
+            raise ValueError(f"stage {s} starts at {stage[0]!r} but layers must be covered in order, each "
+                             f"once: {what}")
+        for k, name in enumerate(stage):
+            if index[name] != start + k:
+                raise ValueError(f"stage {s} is not contiguous in forward order: {name!r} follows "
+                                 f"{stage[k - 1]!r}, expected {names[start + k] if start + k < len(names) else 'nothing'!r}")
+        expected = start + len(stage)
+    if expected != len(names):
+        raise ValueError(f"stages cover layers up to {names[expected - 1]!r}; layers "
+                         f"{names[expected:]} are in no stage")
+    ranges = [(index[st[0]], index[st[0]] + len(st)) for st in stage_layers]
+    if clusters:
+        for s, (start, _) in enumerate(ranges[1:], 1):
+            for cluster in clusters:
+                if len(cluster) > 1 and cluster[0] != names[start] and names[start] in cluster:
+                    raise ValueError(f"stage {s} starts at {names[start]!r}, inside the block "
+                                     f"{cluster[0].split('.')[0]!r}; a block is never split across stages")
+    return ranges
+
+
+def split_micro(batch_size: int, micro_batches: int) -> int:
+    """The micro-batch size; ValueError unless `batch_size` divides into `micro_batches` equal parts."""
+    if not isinstance(micro_batches, int) or micro_batches < 1:
+        raise ValueError(f"micro_batches must be a positive integer, got {micro_batches!r}")
+    if batch_size % micro_batches:
+        raise ValueError(f"global batch of {batch_size} does not split into {micro_batches} equal micro-batches")
+    return batch_size // micro_batches
+
+
+def schedule_ops(schedule: str, stages: int, rank: int, micro_batches: int) -> list[tuple[str, int]]:
+    """The order of ("F", i) forwards and ("B", i) backwards that stage `rank` runs."""
+    m = micro_batches
+    if schedule == "gpipe":
+        return [("F", i) for i in range(m)] + [("B", i) for i in reversed(range(m))]
+    if schedule == "1f1b":
+        warm = min(stages - rank - 1, m)
+        ops = [("F", i) for i in range(warm)]
+        for i in range(m - warm):
+            ops += [("F", warm + i), ("B", i)]
+        ops += [("B", i) for i in range(m - warm, m)]
+        return ops
+    raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+
+
+class PipelineStage:
+    name = "pipeline"
+
+    def __init__(self, model, stage_layers: list[list[str]], topo, device, optim_cfg: OptimConfig,
+                 micro_batches: int, schedule: str = "1f1b", loss_fn=cross_entropy):
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+        if not isinstance(micro_batches, int) or micro_batches < 1:
+            raise ValueError(f"micro_batches must be a positive integer, got {micro_batches!r}")
+        ranges = check_stages(model.names, stage_layers, topo.world_size, getattr(model, "clusters", None))
+        self.model, self.topo, self.device, self.loss_fn = model, topo, device, loss_fn
+        self.stage_layers = [list(s) for s in stage_layers]
+        self.schedule, self.micro_batches = schedule, micro_batches
+        self.stages, self.rank = len(stage_layers), topo.rank
+        self.start, self.end = ranges[self.rank]
+        self.is_first, self.is_last = self.rank == 0, self.rank == self.stages - 1
+        group = topo.compute
+        self.group = group
+        self.prev = None if self.is_first else dist.get_global_rank(group, self.rank - 1)
+        self.next = None if self.is_last else dist.get_global_rank(group, self.rank + 1)
+        mine = range(self.start, self.end)
+        by_layer = {}
+        seen: set[int] = set()
+        for i, layer in enumerate(model.layers):
+            ps = []
+            for p in layer.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    if i in mine:
+                        ps.append(p)
+            by_layer[i] = ps
+        self.updater = HybridUpdater(model, by_layer, optim_cfg, device, UpdateConfig())
+        self.optimizer = self.updater
+        self.timings = {"fwd_ms": 0.0, "bwd_ms": 0.0, "optim_ms": 0.0}
+
+    # --- point to point ------------------------------------------------------------------------
+    def _send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
+        tensor = tensor.detach().to("cpu", torch.float32).contiguous()
+        if tensor.dim() > HEADER_LEN - 1:
+            raise ValueError(f"pipeline messages carry at most {HEADER_LEN - 1} dimensions, got {tensor.dim()}")
+        header = torch.zeros(HEADER_LEN, dtype=torch.int64)
+        header[0] = tensor.dim()
+        header[1:1 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+        for t in (header, tensor):   # keep the tensor alive until its send is waited on
+            self._pending.append((dist.isend(t, dst, group=self.group, tag=tag), t))
+
+    def _recv(self, src: int, tag: int) -> torch.Tensor:
+        header = torch.empty(HEADER_LEN, dtype=torch.int64)
+        dist.recv(header, src, group=self.group, tag=tag)
+        ndim = int(header[0])
+        out = torch.empty([int(d) for d in header[1:1 + ndim]], dtype=torch.float32)
+        dist.recv(out, src, group=self.group, tag=tag)
+        return out.to(self.device.torch_device)
+
+    # --- a step --------------------------------------------------------------------------------
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.model.layers[self.start:self.end]:
+            x = layer(x)
+        return x
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float | None:
+        size = split_micro(x.shape[0], self.micro_batches)
+        if y.shape[0] != x.shape[0]:   # checked on every rank, so all refuse the step together
+            raise ValueError(f"x has {x.shape[0]} samples but y has {y.shape[0]}")
+        dev = self.device.torch_device
+        m, total = self.micro_batches, x.shape[0]
+        inputs: dict[int, torch.Tensor] = {}
+        outputs: dict[int, torch.Tensor] = {}
+        losses: list[torch.Tensor] = []
+        self._pending = []
+        fwd_s = bwd_s = 0.0
+        self.updater.begin_step()
+        with self.device.ledger.saved_activations():
+            for op, i in schedule_ops(self.schedule, self.stages, self.rank, m):
+                t0 = time.perf_counter()
+                if op == "F":
+                    if self.is_first:
+                        inp = x[i * size:(i + 1) * size].to(dev)
+                    else:
+                        inp = self._recv(self.prev, FWD_TAG).requires_grad_(True)
+                    out = self._forward(inp)
+                    if self.is_last:
+                        loss = self.loss_fn(out, y[i * size:(i + 1) * size].to(dev)) * (size / total)
+                        losses.append(loss.detach())
+                        outputs[i] = loss
+                    else:
+                        self._send(out, self.next, FWD_TAG)
+                        outputs[i] = out
+                    inputs[i] = inp
+                    fwd_s += time.perf_counter() - t0
+                else:
+                    out, inp = outputs.pop(i), inputs.pop(i)
+                    if self.is_last:
+                        out.backward()
+                    else:
+                        grad = self._recv(self.next, BWD_TAG)
+                        out.backward(grad)
+                    if not self.is_first:
+                        self._send(inp.grad if inp.grad is not None else torch.zeros_like(inp), self.prev, BWD_TAG)
+                    bwd_s += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        self.updater.end_backward()
+        optim_s = time.perf_counter() - t0
+        for work, _ in self._pending:
+            work.wait()
+        self._pending = []
+        self.timings = {"fwd_ms": fwd_s * 1000, "bwd_ms": bwd_s * 1000, "optim_ms": optim_s * 1000}
+        self.device.ledger.refresh()
+        return float(torch.stack(losses).sum()) if self.is_last else None
+
+    # --- views ---------------------------------------------------------------------------------
+    def stage_params(self) -> list[torch.nn.Parameter]:
+        return [p for u in self.updater.updates.values() for p in u.params]
+
+    def stage_state(self) -> dict[str, torch.Tensor]:
+        """This stage's entries of model.state_dict() (keys as in the whole model)."""
+        keys = tuple(f"layers.{i}." for i in range(self.start, self.end))
+        return {k: v for k, v in self.model.state_dict().items() if k.startswith(keys)}
+
+    def layout(self) -> dict:
+        return {"strategy": "pipeline", "stages": self.stage_layers, "schedule": self.schedule,
+                "micro_batches": self.micro_batches}
+
+    def sync(self) -> float:
+        return self.updater.wait_host()
+
+    def close(self) -> None:
+        self.updater.close()

@@ -1,0 +1,203 @@
+"""Pipeline parallel (engine/pipeline.py): a pipelined step equals a single-process step on the
+whole global batch, for both schedules, several micro-batch counts and both optimizers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.config import Config, ModelConfig, OptimConfig
+from engine.data import batch_for, load_dataset
+from engine.ddp import cross_entropy
+from engine.devices import LedgerDevice
+from engine.models import Block, LayerList, build_model
+from engine.optim import make_optimizer
+from engine.pipeline import PipelineStage, check_stages, schedule_ops, split_micro
+from engine.procpool import DistPool
+
+STEPS = 10
+BATCH = 32
+MODEL = ModelConfig(name="mlp", hidden=32, depth=3)
+META = {"input_dim": 64, "num_classes": 10}
+NAMES = ["fc0", "act0", "fc1", "act1", "fc2", "act2", "head"]
+SPLITS = {2: [NAMES[:4], NAMES[4:]], 3: [NAMES[:2], NAMES[2:5], NAMES[5:]]}
+_DATA: dict = {}
+
+
+def _optim(name: str) -> OptimConfig:
+    return OptimConfig(name=name, lr=0.05 if name == "sgd" else 0.01)
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    if "b" not in _DATA:
+        cfg = Config()
+        ds = load_dataset(cfg.data, cfg.run.seed)
+        _DATA["b"] = [batch_for(ds, step, BATCH, cfg.run.seed) for step in range(STEPS)]
+    return _DATA["b"]
+
+
+# --- jobs (run on every rank) ----------------------------------------------------------------
+
+def pipe_job(topo, variants: list[tuple[str, str, int]]) -> list[dict]:
+    """For each (optim, schedule, micro_batches): STEPS pipelined steps; this stage's weights and losses."""
+    out = []
+    for optim, schedule, micro in variants:
+        model = build_model(MODEL, META, seed=0)
+        device = LedgerDevice(1 << 30)
+        stage = PipelineStage(model, SPLITS[topo.world_size], topo, device, _optim(optim), micro, schedule)
+        device.ledger.track_module(model, stage.optimizer)
+        losses = [stage.train_step(x, y) for x, y in _batches()]
+        stage.sync()
+        out.append({"state": {k: v.detach().clone() for k, v in stage.stage_state().items()},
+                    "losses": losses, "layout": stage.layout(),
+                    "n_params": sum(p.numel() for p in stage.stage_params())})
+        stage.close()
+    return out
+
+
+def bad_batch_job(topo) -> str:
+    """A batch that does not split into micro-batches fails on every rank before any message."""
+    model = build_model(MODEL, META, seed=0)
+    stage = PipelineStage(model, SPLITS[topo.world_size], topo, LedgerDevice(1 << 30), _optim("sgd"), 4, "1f1b")
+    x, y = _batches()[0]
+    try:
+        stage.train_step(x[:30], y[:30])
+    except ValueError as e:
+        return str(e)
+    finally:
+        stage.close()
+    return "no error"
+
+
+# --- the reference: one process, no pipeline -------------------------------------------------
+
+def reference(optim: str) -> tuple[dict, list[float]]:
+    model = build_model(MODEL, META, seed=0)
+    opt = make_optimizer(_optim(optim), model.parameters())
+    losses = []
+    for x, y in _batches():
+        opt.zero_grad()
+        loss = cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
+
+
+def check(results: list[list[dict]], variants: list) -> None:
+    refs = {o: reference(o) for o in {v[0] for v in variants}}
+    for k, (optim, schedule, micro) in enumerate(variants):
+        ref_state, ref_losses = refs[optim]
+        merged: dict = {}
+        for rank, per_rank in enumerate(results):
+            r = per_rank[k]
+            assert not set(merged) & set(r["state"]), "stages overlap"
+            merged.update(r["state"])
+            assert r["layout"] == {"strategy": "pipeline", "stages": SPLITS[len(results)], "schedule": schedule,
+                                   "micro_batches": micro}
+            assert r["n_params"] == sum(t.numel() for t in r["state"].values())
+            if rank < len(results) - 1:
+                assert r["losses"] == [None] * STEPS
+        assert set(merged) == set(ref_state), (optim, schedule, micro)
+        for name in ref_state:
+            tag = f"{optim}/{schedule}/{micro} {name}"
+            torch.testing.assert_close(merged[name], ref_state[name], atol=1e-5, rtol=0,
+                                       msg=lambda m, tag=tag: f"{tag}: {m}")
+        torch.testing.assert_close(results[-1][k]["losses"], ref_losses, atol=1e-5, rtol=0)
+        # the weights moved: the comparison is not trivially equal initial weights
+        assert any((ref_state[n] - build_model(MODEL, META, seed=0).state_dict()[n]).abs().max() > 1e-3
+                   for n in ref_state)
+
+
+VARIANTS_2 = [(o, s, m) for o in ("sgd", "adamw") for s in ("gpipe", "1f1b") for m in (1, 4)]
+VARIANTS_3 = VARIANTS_2
+
+
+@pytest.fixture(scope="module")
+def pool2():
+    with DistPool(2, timeout_s=30) as p:
+        yield p
+
+
+@pytest.fixture(scope="module")
+def pool3():
+    with DistPool(3, timeout_s=30) as p:
+        yield p
+
+
+@pytest.mark.timeout(120)
+def test_two_stages_match_single_process(pool2):
+    results = pool2.run(pipe_job, timeout=90, variants=VARIANTS_2)
+    check(results, VARIANTS_2)
+
+
+@pytest.mark.timeout(120)
+def test_three_stages_match_single_process(pool3):
+    results = pool3.run(pipe_job, timeout=90, variants=VARIANTS_3)
+    check(results, VARIANTS_3)
+
+
+@pytest.mark.timeout(120)
+def test_indivisible_batch_is_refused_on_every_rank(pool2):
+    errors = pool2.run(bad_batch_job, timeout=30)
+    assert all("30" in e and "4 equal micro-batches" in e for e in errors), errors
+    # the pool still works afterwards: nothing was left in flight
+    results = pool2.run(pipe_job, timeout=60, variants=[("sgd", "1f1b", 2)])
+    check(results, [("sgd", "1f1b", 2)])
+
+
+# --- validation, no pool ---------------------------------------------------------------------
+
+def test_check_stages_accepts_a_cover_and_returns_ranges():
+    assert check_stages(NAMES, SPLITS[2], 2) == [(0, 4), (4, 7)]
+    assert check_stages(NAMES, SPLITS[3]) == [(0, 2), (2, 5), (5, 7)]
+    assert check_stages(NAMES, [NAMES]) == [(0, 7)]
+
+
+@pytest.mark.parametrize("stages, world, match", [
+    (SPLITS[2], 3, "2 stages but world size 3"),
+    ([], None, "non-empty list"),
+    ([NAMES[:4], [], NAMES[4:]], None, "stage 1 is empty"),
+    ([NAMES[:4], NAMES[5:]], None, "'act1'|'fc2' is missing"),
+    ([NAMES[:4], NAMES[3:]], None, "'act1' repeats"),
+    ([NAMES[:3], ["act1", "act2", "fc2", "head"]], None, "not contiguous"),
+    ([NAMES[:4], NAMES[4:6]], None, r"\['head'\] are in no stage"),
+    ([NAMES[:4], ["fc2", "act2", "nope"]], None, "unknown layer 'nope'"),
+    ([NAMES[4:], NAMES[:4]], None, "covered in order"),
+])
+def test_check_stages_errors(stages, world, match):
+    with pytest.raises(ValueError, match=match):
+        check_stages(NAMES, stages, world)
+
+
+def test_check_stages_refuses_to_split_a_block():
+    model = LayerList([("a", torch.nn.Linear(2, 2)),
+                       Block("b", [("x", torch.nn.ReLU()), ("y", torch.nn.Identity())]),
+                       ("c", torch.nn.Linear(2, 2))])
+    check_stages(model.names, [["a", "b.x", "b.y"], ["c"]], clusters=model.clusters)
+    with pytest.raises(ValueError, match="inside the block 'b'"):
+        check_stages(model.names, [["a", "b.x"], ["b.y", "c"]], clusters=model.clusters)
+
+
+def test_split_micro():
+    assert split_micro(32, 4) == 8
+    with pytest.raises(ValueError, match="30 does not split into 4"):
+        split_micro(30, 4)
+    with pytest.raises(ValueError, match="positive integer"):
+        split_micro(32, 0)
+
+
+def test_schedules():
+    assert schedule_ops("gpipe", 2, 0, 3) == [("F", 0), ("F", 1), ("F", 2), ("B", 2), ("B", 1), ("B", 0)]
+    # 1F1B, 3 stages, 4 micro-batches: rank 0 warms up with 2 forwards, the last stage with none
+    assert schedule_ops("1f1b", 3, 0, 4) == [("F", 0), ("F", 1), ("F", 2), ("B", 0), ("F", 3), ("B", 1),
+                                             ("B", 2), ("B", 3)]
+    assert schedule_ops("1f1b", 3, 2, 2) == [("F", 0), ("B", 0), ("F", 1), ("B", 1)]
+    # fewer micro-batches than the warm-up: all forwards, then all backwards
+    assert schedule_ops("1f1b", 3, 0, 1) == [("F", 0), ("B", 0)]
+    for rank in range(3):
+        ops = schedule_ops("1f1b", 3, rank, 5)
+        assert sorted(ops) == sorted([("F", i) for i in range(5)] + [("B", i) for i in range(5)])
+        assert all(ops.index(("F", i)) < ops.index(("B", i)) for i in range(5))
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        schedule_ops("zigzag", 2, 0, 1)

@@ -203,7 +203,9 @@ class HybridUpdater:
         """An operator's `set-placement`: this layer stays there (a later plan does not move it)."""
         if layer not in self.model.names:
             raise ValueError(f"unknown layer {layer!r}")
-        self.trial_left = 0
+        if self.trial_left:   # the operator decides: the trial ends unplanned
+            self.trial_left = 0
+            self._profiler.armed = False
         self.place({layer: side})
 
     # --- the ledger's view: device-side optimizer state ----------------------------------------

@@ -5,6 +5,7 @@
         model.pt             model state (ddp: rank 0 writes it, the ranks hold equal copies)
         optimizer.pt         optimizer state (ddp)
         shard0.pt, ...       sharded: each owner's parameters and optimizer state
+        stage0.pt, ...       pipeline: each stage's layers and optimizer state
         rank0.pt, rank1.pt   per-rank RNG states
 
 Every rank writes its files into `step_000010.tmp/`; when all have (a barrier in
@@ -164,9 +165,9 @@ def model_state(path: Path) -> dict:
     files = manifest["files"]
     if "model.pt" in files:
         return load_file(path, "model.pt")
-    shards = sorted((n for n in files if re.fullmatch(r"shard\d+\.pt", n)), key=lambda n: int(n[5:-3]))
+    shards = sorted((n for n in files if re.fullmatch(r"(shard|stage)\d+\.pt", n)), key=lambda n: int(n[5:-3]))
     if not shards:
-        raise CheckpointError(f"{path}: holds neither model.pt nor shard files")
+        raise CheckpointError(f"{path}: holds neither model.pt nor shard or stage files")
     state = {}
     for name in shards:
         shard = load_file(path, name)

@@ -57,7 +57,7 @@ def parse_size(text: str | int) -> int:
 
 # Values of a `choices` key that belong to the design but are not built yet: they get
 # "not available yet" instead of "must be one of".
-PLANNED_CHOICES = {"parallel.strategy": ("pipeline", "param_server")}
+PLANNED_CHOICES = {"parallel.strategy": ("param_server",)}
 # A `pattern` key's rule in words, for messages and docs (the regex is the rule itself).
 PATTERN_WORDS = {"run.name": "1 to 64 letters, digits, '.', '_' or '-', starting with a letter or digit"}
 
@@ -129,8 +129,10 @@ class ParallelConfig:
     strategy: str = setting("ddp", "Parallel strategy. `ddp`: torch DistributedDataParallel, the baseline. "
                                    "`sharded`: every parameter has one owner rank that alone keeps its "
                                    "optimizer state and broadcasts its update in slices over several streams "
-                                   "(docs/sharded.md). `pipeline` and `param_server` are planned.",
-                            choices=("ddp", "sharded"))
+                                   "(docs/sharded.md). `pipeline`: one stage of consecutive layers per "
+                                   "worker, micro-batches in flight (docs/pipeline.md). `param_server` is "
+                                   "planned.",
+                            choices=("ddp", "sharded", "pipeline"))
     world_size: int = setting(2, "Worker processes on this machine.", min=1, max=256)
     streams: int = setting(2, "sharded: communication streams (one process group each) that carry the "
                               "broadcast of updated parameters.", min=1, max=64)
@@ -143,6 +145,15 @@ class ParallelConfig:
     overlap_forward: bool = setting(True, "sharded: the next step's forward of each layer waits only for the "
                                           "broadcasts carrying that layer's parameters (false: the step waits "
                                           "for every broadcast).")
+    micro_batches: int = setting(4, "pipeline: micro-batches per global batch (the batch must divide by it).",
+                                 min=1, max=4096)
+    schedule: str = setting("1f1b", "pipeline: `1f1b` (one forward, one backward, after a warm-up) or `gpipe` "
+                                    "(all forwards, then all backwards).", choices=("1f1b", "gpipe"))
+    partition: Any = setting("uniform", "pipeline: `uniform` (the same number of layer clusters per stage) or "
+                                        "a list of stages, each a list of layer names: "
+                                        "`[[\"fc0\", \"act0\"], [\"fc1\", \"head\"]]`. A stage is "
+                                        "contiguous and never cuts a Block. (`balanced`, from measured "
+                                        "times, is planned.)", kind="partition")
     main_stream_communicates: bool = setting(False, "sharded: the compute group is one of the `streams` "
                                                     "(false: every stream is a group of its own).")
     backend: str = setting("auto", "Collective backend: `auto` picks nccl when every worker has its own "

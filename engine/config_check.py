@@ -67,6 +67,8 @@ def allowed_words(path: str, f: dataclasses.Field) -> str:
         return SIZE_WORDS
     if meta["kind"] == "placement":
         return PLACEMENT_WORDS
+    if meta["kind"] == "partition":
+        return PARTITION_WORDS
     if meta["choices"]:
         return "one of " + ", ".join(show(c) for c in meta["choices"])
     if meta["pattern"]:
@@ -123,6 +125,8 @@ def check_value(path: str, f: dataclasses.Field, value: Any) -> Any:
         return _check_size(path, value)
     if meta["kind"] == "placement":
         return _check_placement(path, value)
+    if meta["kind"] == "partition":
+        return _check_partition(path, value)
     kind = f.type if isinstance(f.type, str) else f.type.__name__
     ok = {"int": isinstance(value, int) and not isinstance(value, bool),
           "float": isinstance(value, (int, float)) and not isinstance(value, bool),
@@ -167,6 +171,23 @@ def _check_placement(path: str, value: Any) -> str | dict:
         if side not in ("device", "host"):
             raise ConfigError(f"{path}.{layer} = {show(side)}: must be \"device\" or \"host\"")
     return dict(value)
+
+
+PARTITION_WORDS = '"uniform", or a list of stages, each a non-empty list of layer names'
+
+
+def _check_partition(path: str, value: Any) -> str | list:
+    if value == "balanced":
+        raise ConfigError(f'{path} = "balanced": not available yet in this version; use "uniform" or a list '
+                          f'of stages')
+    if value == "uniform":
+        return value
+    if isinstance(value, str):
+        raise ConfigError(f"{path} = {show(value)}: expected {PARTITION_WORDS}{did_you_mean(value, ('uniform',))}")
+    if not isinstance(value, list) or not value or not all(
+            isinstance(stage, list) and stage and all(isinstance(n, str) for n in stage) for stage in value):
+        raise ConfigError(f"{path} = {show(value)}: expected {PARTITION_WORDS}")
+    return [list(stage) for stage in value]
 
 
 def _check_size(path: str, value: Any) -> str:
@@ -248,8 +269,18 @@ def branchy_has_square_images(cfg: Config) -> str | None:
 
 
 def batch_splits_over_ranks(cfg: Config) -> str | None:
-    """`data.batch_size` is divisible by `parallel.world_size`: every rank gets the same share."""
+    """Data parallel: `data.batch_size` is divisible by `parallel.world_size` (every rank gets the same
+    share); pipeline: by `parallel.micro_batches`, and a partition list has `world_size` stages."""
     batch, world = cfg.data.batch_size, cfg.parallel.world_size
+    p = cfg.parallel
+    if p.strategy == "pipeline":
+        if batch % p.micro_batches:
+            return (f"data.batch_size = {batch}: must be divisible by parallel.micro_batches = {p.micro_batches} "
+                    f"(e.g. {_near_multiples(batch, p.micro_batches)})")
+        if isinstance(p.partition, list) and len(p.partition) != world:
+            return (f"parallel.partition lists {len(p.partition)} stages but parallel.world_size = {world} "
+                    f"(one stage per worker)")
+        return None
     if batch % world:
         return (f"data.batch_size = {batch}: must be divisible by parallel.world_size = {world} "
                 f"(e.g. {_near_multiples(batch, world)})")

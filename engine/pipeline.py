@@ -123,8 +123,12 @@ def schedule_ops(schedule: str, stages: int, rank: int, micro_batches: int) -> l
 class PipelineStage:
     name = "pipeline"
 
+    commands = ("pause", "resume", "stop", "checkpoint", "set-placement")
+    global_batch = True   # every rank takes the whole global batch: stage 0 its inputs, the last its labels
+
     def __init__(self, model, stage_layers: list[list[str]], topo, device, optim_cfg: OptimConfig,
-                 micro_batches: int, schedule: str = "1f1b", loss_fn=cross_entropy):
+                 micro_batches: int, schedule: str = "1f1b", loss_fn=cross_entropy,
+                 update_cfg: UpdateConfig | None = None):
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
         if not isinstance(micro_batches, int) or micro_batches < 1:
@@ -151,28 +155,33 @@ class PipelineStage:
                     if i in mine:
                         ps.append(p)
             by_layer[i] = ps
-        self.updater = HybridUpdater(model, by_layer, optim_cfg, device, UpdateConfig())
+        self.updater = HybridUpdater(model, by_layer, optim_cfg, device, update_cfg or UpdateConfig())
+        self.loss_rank = self.stages - 1   # the rank whose loss is the step's
         self.optimizer = self.updater
         self.timings = {"fwd_ms": 0.0, "bwd_ms": 0.0, "optim_ms": 0.0}
 
     # --- point to point ------------------------------------------------------------------------
     def _send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
-        tensor = tensor.detach().to("cpu", torch.float32).contiguous()
+        dev = self.device.torch_device   # gloo sends CPU tensors, nccl device tensors: the stage's own device
+        tensor = tensor.detach().to(dev, torch.float32).contiguous()
         if tensor.dim() > HEADER_LEN - 1:
             raise ValueError(f"pipeline messages carry at most {HEADER_LEN - 1} dimensions, got {tensor.dim()}")
-        header = torch.zeros(HEADER_LEN, dtype=torch.int64)
+        header = torch.zeros(HEADER_LEN, dtype=torch.int64, device=dev)
         header[0] = tensor.dim()
         header[1:1 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
         for t in (header, tensor):   # keep the tensor alive until its send is waited on
             self._pending.append((dist.isend(t, dst, group=self.group, tag=tag), t))
 
     def _recv(self, src: int, tag: int) -> torch.Tensor:
-        header = torch.empty(HEADER_LEN, dtype=torch.int64)
+        t0 = time.perf_counter()
+        dev = self.device.torch_device
+        header = torch.empty(HEADER_LEN, dtype=torch.int64, device=dev)
         dist.recv(header, src, group=self.group, tag=tag)
         ndim = int(header[0])
-        out = torch.empty([int(d) for d in header[1:1 + ndim]], dtype=torch.float32)
+        out = torch.empty([int(d) for d in header[1:1 + ndim].tolist()], dtype=torch.float32, device=dev)
         dist.recv(out, src, group=self.group, tag=tag)
-        return out.to(self.device.torch_device)
+        self._recv_s += time.perf_counter() - t0   # waiting for a neighbour: the stage's idle time
+        return out
 
     # --- a step --------------------------------------------------------------------------------
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -191,10 +200,11 @@ class PipelineStage:
         losses: list[torch.Tensor] = []
         self._pending = []
         fwd_s = bwd_s = 0.0
+        self._recv_s = 0.0
         self.updater.begin_step()
         with self.device.ledger.saved_activations():
             for op, i in schedule_ops(self.schedule, self.stages, self.rank, m):
-                t0 = time.perf_counter()
+                t0, r0 = time.perf_counter(), self._recv_s
                 if op == "F":
                     if self.is_first:
                         inp = x[i * size:(i + 1) * size].to(dev)
@@ -209,7 +219,7 @@ class PipelineStage:
                         self._send(out, self.next, FWD_TAG)
                         outputs[i] = out
                     inputs[i] = inp
-                    fwd_s += time.perf_counter() - t0
+                    fwd_s += time.perf_counter() - t0 - (self._recv_s - r0)
                 else:
                     out, inp = outputs.pop(i), inputs.pop(i)
                     if self.is_last:
@@ -219,14 +229,16 @@ class PipelineStage:
                         out.backward(grad)
                     if not self.is_first:
                         self._send(inp.grad if inp.grad is not None else torch.zeros_like(inp), self.prev, BWD_TAG)
-                    bwd_s += time.perf_counter() - t0
+                    bwd_s += time.perf_counter() - t0 - (self._recv_s - r0)
         t0 = time.perf_counter()
         self.updater.end_backward()
         optim_s = time.perf_counter() - t0
         for work, _ in self._pending:
             work.wait()
         self._pending = []
-        self.timings = {"fwd_ms": fwd_s * 1000, "bwd_ms": bwd_s * 1000, "optim_ms": optim_s * 1000}
+        # fwd/bwd: this stage's own compute; waiting for neighbours is recv_wait_ms (idle in the stages panel)
+        self.timings = {"fwd_ms": fwd_s * 1000, "bwd_ms": bwd_s * 1000, "optim_ms": optim_s * 1000,
+                        "recv_wait_ms": self._recv_s * 1000}
         self.device.ledger.refresh()
         return float(torch.stack(losses).sum()) if self.is_last else None
 
@@ -245,6 +257,58 @@ class PipelineStage:
 
     def sync(self) -> float:
         return self.updater.wait_host()
+
+    # --- what the worker needs of a strategy -----------------------------------------------------
+    def stream_stats(self, step_ms: float) -> list[dict]:
+        return []   # activations travel point to point between neighbours; no broadcast streams
+
+    def layer_stages(self) -> dict[str, int]:
+        return {name: stage for stage, names in enumerate(self.stage_layers) for name in names}
+
+    def stage_rows(self, ranks: list[dict]) -> dict:
+        """The step record's `stages` (one per stage, from every rank's timings) and `imbalance_ms`."""
+        rows = []
+        for stage, names in enumerate(self.stage_layers):
+            r = ranks[stage]
+            busy = r["fwd_ms"] + r["bwd_ms"] + r["optim_ms"]
+            rows.append({"stage": stage, "rank": stage, "layers": names, "fwd_ms": r["fwd_ms"],
+                         "bwd_ms": r["bwd_ms"], "idle_ms": round(max(0.0, r["step_ms"] - busy), 4),
+                         "micro_batches": self.micro_batches})
+        busy = [row["fwd_ms"] + row["bwd_ms"] for row in rows]
+        return {"stages": rows, "imbalance_ms": round(max(busy) - min(busy), 4), "migrating": False}
+
+    def gather_weights(self) -> None:
+        """Every rank gets every stage's current weights (for an evaluation on rank 0). All ranks call it."""
+        self.sync()
+        with torch.no_grad():
+            for stage, (start, end) in enumerate(check_stages(self.model.names, self.stage_layers)):
+                for layer in self.model.layers[start:end]:
+                    for t in list(layer.parameters()) + list(layer.buffers()):
+                        dist.broadcast(t.data, src=dist.get_global_rank(self.group, stage), group=self.group)
+
+    def save(self, staged) -> None:
+        from engine import checkpoint as ckpt
+        self.sync()
+        ckpt.write_file(staged, f"stage{self.rank}.pt", {"params": {k: v.detach().clone()
+                                                                    for k, v in self.stage_state().items()},
+                                                         "optimizer": self.updater.state_dict()})
+
+    def load(self, source, manifest: dict) -> None:
+        from engine import checkpoint as ckpt
+        ckpt.check_strategy(source, manifest, self.name)
+        saved = manifest["layout"].get("stages")
+        if saved != self.stage_layers:
+            raise ckpt.CheckpointError(f"{source}: written with stages {saved}; this run's stages are "
+                                       f"{self.stage_layers} (resume with the same partition)")
+        self.sync()
+        state = self.model.state_dict()
+        with torch.no_grad():
+            for stage in range(self.stages):
+                part = ckpt.load_file(source, f"stage{stage}.pt")
+                for key, value in part["params"].items():
+                    state[key].copy_(value)
+                if stage == self.rank:
+                    self.updater.load_state_dict(part["optimizer"])
 
     def close(self) -> None:
         self.updater.close()

@@ -30,6 +30,8 @@ from engine.data import Dataset, batch_for, load_dataset
 from engine.ddp import DDPStrategy
 from engine.devices import open_device
 from engine.models import LayerList, build_model
+from engine.partition import Cluster, uniform
+from engine.pipeline import PipelineStage
 from engine.profiler import LayerProfiler
 from engine.sharded import ShardedStrategy
 from engine.telemetry import Telemetry
@@ -176,12 +178,13 @@ class Worker:
         while True:
             trained, local_loss, layers = False, 0.0, None
             if not self.paused and step < cfg.run.steps:
-                x, y = batch_for(self.data, step, cfg.data.batch_size, cfg.run.seed, rank, world)
+                share = (0, 1) if getattr(self.strategy, "global_batch", False) else (rank, world)
+                x, y = batch_for(self.data, step, cfg.data.batch_size, cfg.run.seed, *share)
                 profile = self._profile_due(step)
                 if profile:
                     self.profiler.arm()
                 t0 = time.perf_counter()
-                local_loss = self.strategy.train_step(x, y)
+                local_loss = self.strategy.train_step(x, y) or 0.0   # None: a pipeline stage before the last
                 step_ms = (time.perf_counter() - t0) * 1000
                 layers = self.profiler.finish() if profile else None
                 step, trained = step + 1, True
@@ -197,13 +200,16 @@ class Worker:
             self.wait_ms = (time.perf_counter() - t_wait) * 1000
             if trained:
                 now = time.perf_counter()
-                loss = float(table[:, COLUMN["loss"]].mean())
+                losses = table[:, COLUMN["loss"]]
+                loss = float(losses[self.strategy.loss_rank] if hasattr(self.strategy, "loss_rank") else losses.mean())
                 self._report(step, loss, table, cfg.data.batch_size / max(now - last, 1e-9), layers)
                 last = now
                 if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step < cfg.run.steps:
                     self._save(step)
-                if cfg.run.eval_every and step % cfg.run.eval_every == 0 and self.topo.is_first:
-                    self.tel.event("eval", step, test_accuracy=self.evaluate())
+                if cfg.run.eval_every and step % cfg.run.eval_every == 0:
+                    self._prepare_eval()
+                    if self.topo.is_first:
+                        self.tel.event("eval", step, test_accuracy=self.evaluate())
             for command in commands:
                 self._apply(command, step)
             if table[:, COLUMN["stop"]].max() > 0 and self.stop_reason is None:
@@ -263,6 +269,8 @@ class Worker:
                                  "comm_ms": 0.0, "wait_ms": me["wait_ms"]},
                   "streams": self.strategy.stream_stats(me["step_ms"])}
         record["time_split"]["comm_ms"] = sum(s["busy_ms"] for s in record["streams"])
+        if hasattr(self.strategy, "stage_rows"):
+            record.update(self.strategy.stage_rows(ranks))
         if layers is not None:
             layers = self._layer_rows(layers)
             record["layers"] = layers
@@ -274,10 +282,15 @@ class Worker:
         """The profiler's rows with what the strategy knows of each layer: owner, update placement, and
         the update's measured time on that side."""
         owners = self.strategy.layer_owners() if hasattr(self.strategy, "layer_owners") else {}
+        stages = self.strategy.layer_stages() if hasattr(self.strategy, "layer_stages") else {}
         updates = self.strategy.updater.by_name
         rows = []
         for entry in layers:
             name, row = entry["name"], dict(entry)
+            if stages and stages[name] != self.topo.rank:
+                continue   # rank 0 measures its own stage's layers only
+            if name in stages:
+                row["stage"] = stages[name]
             if name in owners:
                 row["owner_rank"] = owners[name]
             if name in updates:
@@ -364,10 +377,16 @@ class Worker:
         self.model.train()
         return correct / total
 
+    def _prepare_eval(self) -> None:
+        """Every rank: a pipeline gathers every stage's weights so that rank 0 can evaluate the model."""
+        if hasattr(self.strategy, "gather_weights"):
+            self.strategy.gather_weights()
+
     def _finish(self, step: int, loss: float | None) -> dict | None:
         stopped_early = step < self.cfg.run.steps
         if step > self.first_step or stopped_early:
             self._save(step)
+        self._prepare_eval()
         if not self.topo.is_first:
             return None
         if stopped_early:
@@ -383,8 +402,16 @@ class Worker:
         return {"type": "summary", **summary}
 
 
-def make_strategy(cfg: Config, model: LayerList, topo: Topology, device) -> DDPStrategy | ShardedStrategy:
+def make_strategy(cfg: Config, model: LayerList, topo: Topology, device):
     p = cfg.parallel
+    if p.strategy == "pipeline":
+        if p.partition == "uniform":
+            split = uniform([Cluster(tuple(c), 0.0, 0) for c in model.clusters], topo.world_size)
+            stages = [list(stage) for stage in split.stages]
+        else:
+            stages = p.partition
+        return PipelineStage(model, stages, topo, device, cfg.optim, micro_batches=p.micro_batches,
+                             schedule=p.schedule, update_cfg=cfg.update)
     if p.strategy == "sharded":
         return ShardedStrategy(model, cfg.optim, topo, device, streams=p.streams, slices=p.slices,
                                assignment=p.slice_assignment, overlap_forward=p.overlap_forward,

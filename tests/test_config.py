@@ -61,6 +61,9 @@ strategy = "sharded"
 world_size = 4
 streams = 3
 slices = 9
+micro_batches = 2
+schedule = "gpipe"
+partition = [["fc0"], ["act0", "head"]]
 slice_assignment = "random"
 overlap_forward = false
 main_stream_communicates = true
@@ -205,16 +208,17 @@ def test_out_of_range(data, expected):
 
 
 def test_choices_with_and_without_suggestion():
-    assert error_of({"parallel": {"strategy": "zero"}}) == 'parallel.strategy = "zero": must be one of "ddp", "sharded"'
+    assert error_of({"parallel": {"strategy": "zero"}}) == \
+        'parallel.strategy = "zero": must be one of "ddp", "sharded", "pipeline"'
     assert error_of({"optim": {"name": "adamm"}}) == \
         'optim.name = "adamm": must be one of "sgd", "adamw" (did you mean "adamw"?)'
     assert error_of({"device": {"kind": "CUDA"}}).endswith('(did you mean "cuda"?)')
 
 
-@pytest.mark.parametrize("strategy", ["pipeline", "param_server"])
+@pytest.mark.parametrize("strategy", ["param_server"])
 def test_planned_strategy_is_not_available_yet(strategy):
     assert error_of({"parallel": {"strategy": strategy}}) == \
-        f'parallel.strategy = "{strategy}": not available yet in this version; available: "ddp", "sharded"'
+        f'parallel.strategy = "{strategy}": not available yet in this version; available: "ddp", "sharded", "pipeline"'
 
 
 def test_slices_fewer_than_streams_names_both():
@@ -334,3 +338,16 @@ def test_update_placement_is_a_side_auto_or_a_table_of_sides():
     assert error_of({"update": {"placement": {"fc0": "gpu"}}}) == 'update.placement.fc0 = "gpu": must be "device" or "host"'
     assert error_of({"update": {"placement": 3}}).startswith("update.placement = 3: expected ")
     assert config_from_dict({"update": {"placement": {"fc0": "host"}}}).update.placement == {"fc0": "host"}
+
+
+
+def test_pipeline_settings_are_checked_against_each_other():
+    pipe = {"strategy": "pipeline", "world_size": 2}
+    assert error_of({"parallel": {**pipe, "micro_batches": 5}, "data": {"batch_size": 64}}).startswith(
+        "data.batch_size = 64: must be divisible by parallel.micro_batches = 5")
+    assert error_of({"parallel": {**pipe, "partition": [["fc0"], ["act0"], ["head"]]}}) == (
+        "parallel.partition lists 3 stages but parallel.world_size = 2 (one stage per worker)")
+    assert error_of({"parallel": {**pipe, "partition": "balanced"}}).startswith(
+        'parallel.partition = "balanced": not available yet')
+    assert error_of({"parallel": {**pipe, "partition": [["fc0"], []]}}).startswith("parallel.partition = ")
+    assert error_of({"parallel": {**pipe, "partition": "unifrom"}}).endswith('(did you mean "uniform"?)')

@@ -201,3 +201,55 @@ def test_schedules():
         assert all(ops.index(("F", i)) < ops.index(("B", i)) for i in range(5))
     with pytest.raises(ValueError, match="schedule must be one of"):
         schedule_ops("zigzag", 2, 0, 1)
+
+
+# --- the pipeline strategy through the CLI -------------------------------------------------------
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world,schedule,optim", [(2, "1f1b", "adamw"), (3, "gpipe", "sgd")])
+def test_a_pipeline_run_equals_one_process_and_reports_its_stages(cli, world, schedule, optim):
+    from engine.checkpoint import list_checkpoints, model_state
+    from tests.conftest import read_jsonl
+    from tests.test_training import DEMO, single_process_reference
+    overrides = [f"optim.name={optim}", "optim.lr=0.01", "parallel.strategy=pipeline", f"parallel.schedule={schedule}"]
+    log = cli.tmp_path / "run.jsonl"
+    r = cli.run("run", DEMO, "--headless", "--steps", "20", *cli.base_args("pipe"), *[f"--set={o}" for o in overrides],
+                "--set", f"parallel.world_size={world}", "--set", "telemetry.layer_every=5", "--telemetry-log", str(log))
+    assert r.returncode == 0, r.stderr
+    got = model_state(list_checkpoints(cli.tmp_path / "runs" / "pipe")[-1])
+    want = single_process_reference(overrides, 20)
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-5, msg=name)
+    records = read_jsonl(log)
+    import jsonschema
+
+    from engine.telemetry_schema import RECORD_SCHEMA
+    for rec in records:
+        jsonschema.validate(rec, RECORD_SCHEMA)
+    steps = [rec for rec in records if rec["type"] == "step"]
+    stages = steps[-1]["stages"]
+    assert [s["stage"] for s in stages] == list(range(world)) and "imbalance_ms" in steps[-1]
+    assert [n for s in stages for n in s["layers"]] == ["fc0", "act0", "fc1", "act1", "head"]
+    table = next(rec["layers"] for rec in reversed(steps) if "layers" in rec)
+    assert {e["stage"] for e in table} == {0}   # rank 0 times its own stage's layers
+    # rank 0 evaluated with every stage's weights: the reference model's accuracy exactly
+    from engine.config import load_config
+    from engine.data import load_dataset
+    from engine.models import build_model
+    cfg = load_config(DEMO, overrides)
+    ds = load_dataset(cfg.data, cfg.run.seed)
+    model = build_model(cfg.model, ds.meta, cfg.run.seed)
+    model.load_state_dict(want)
+    with torch.no_grad():
+        accuracy = float((model(ds.x_test).argmax(dim=-1) == ds.y_test).float().mean())
+    assert records[-1]["type"] == "summary" and records[-1]["test_accuracy"] == pytest.approx(accuracy, abs=1e-6)
+
+
+@pytest.mark.timeout(60)
+def test_a_partition_that_is_not_contiguous_is_refused(cli):
+    from tests.test_training import DEMO
+    r = cli.run("run", DEMO, "--headless", "--steps", "5", *cli.base_args("badpipe"), "--set", "parallel.strategy=pipeline",
+                "--set", 'parallel.partition=[["fc0", "fc1"], ["act0", "act1", "head"]]', "--set",
+                "parallel.max_restarts=0")
+    assert r.returncode == 1 and "not contiguous" in r.stderr

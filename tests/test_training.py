@@ -77,8 +77,8 @@ def test_parameters_equal_single_process(cli, strategy, world, optim):
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("strategy", ["ddp", "sharded"])
-def test_resumed_run_repeats_the_losses_of_an_uninterrupted_one(cli, strategy):
+@pytest.mark.parametrize("strategy", [pytest.param("ddp", marks=pytest.mark.slow), "sharded", "pipeline"])
+def test_resumed_run_repeats_the_losses_of_an_uninterrupted_one(cli, strategy):   # ddp: the restart test resumes it
     common = ["--set", "checkpoint.every=5", "--set", "model.dropout=0.1",  # dropout: RNG state must resume too
               "--set", f"parallel.strategy={strategy}", "--set", f"optim.name={'sgd' if strategy == 'ddp' else 'adamw'}"]
     straight = cli.tmp_path / "straight.jsonl"

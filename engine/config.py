@@ -55,6 +55,15 @@ def parse_size(text: str | int) -> int:
     return value
 
 
+def format_size(n: float) -> str:
+    """1536 -> '1.5 KiB'; whole bytes below 1 KiB (the inverse of parse_size, for messages)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
 # Values of a `choices` key that belong to the design but are not built yet: they get
 # "not available yet" instead of "must be one of".
 PLANNED_CHOICES = {"parallel.strategy": ("param_server",)}

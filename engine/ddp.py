@@ -66,6 +66,13 @@ class CommMeter:
         return out
 
 
+def stream_entry(stream: int, taken: dict, step_ms: float) -> dict:
+    """A step record's `streams` entry from a meter's take(): its busy time as a fraction of the step."""
+    busy = min(taken["busy_ms"] / step_ms, 1.0) if step_ms > 0 else 0.0
+    return {"stream": stream, "bytes": taken["bytes"], "busy_ms": round(taken["busy_ms"], 3),
+            "busy_fraction": round(busy, 4), "in_flight": taken["in_flight"]}
+
+
 class DDPStrategy:
     name = "ddp"
     commands = COMMANDS
@@ -119,10 +126,7 @@ class DDPStrategy:
         return loss.item()
 
     def stream_stats(self, step_ms: float) -> list[dict]:
-        taken = self.meter.take()
-        busy = min(taken["busy_ms"] / step_ms, 1.0) if step_ms > 0 else 0.0
-        return [{"stream": 0, "bytes": taken["bytes"], "busy_ms": round(taken["busy_ms"], 3),
-                 "busy_fraction": round(busy, 4), "in_flight": taken["in_flight"]}]
+        return [stream_entry(0, self.meter.take(), step_ms)]
 
     def layout(self) -> dict:
         return {"strategy": self.name}

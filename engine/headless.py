@@ -11,13 +11,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
     TimeRemainingColumn
 from rich.table import Table
 
-
-def format_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
+from engine.config import format_size
 
 
 class HeadlessProgress:
@@ -49,7 +43,7 @@ class HeadlessProgress:
         device = "simulated: CPU ledger" if summary.get("simulated") else "GPU"
         for rank, peak in enumerate(summary["peak_bytes_per_rank"]):
             table.add_row(f"peak memory rank {rank}",
-                          f"{format_bytes(peak)} of {format_bytes(summary['capacity_bytes'])} ({device})")
+                          f"{format_size(peak)} of {format_size(summary['capacity_bytes'])} ({device})")
         if summary.get("restarts"):
             table.add_row("restarts", str(summary["restarts"]))
         if summary.get("stopped_early"):

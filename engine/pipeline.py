@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from engine.config import OptimConfig, UpdateConfig
-from engine.ddp import cross_entropy
+from engine.ddp import cross_entropy, params_by_layer
 from engine.hybrid import HybridUpdater
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -144,17 +144,8 @@ class PipelineStage:
         self.group = group
         self.prev = None if self.is_first else dist.get_global_rank(group, self.rank - 1)
         self.next = None if self.is_last else dist.get_global_rank(group, self.rank + 1)
-        mine = range(self.start, self.end)
-        by_layer = {}
-        seen: set[int] = set()
-        for i, layer in enumerate(model.layers):
-            ps = []
-            for p in layer.parameters():
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    if i in mine:
-                        ps.append(p)
-            by_layer[i] = ps
+        mine = {id(p) for layer in model.layers[self.start:self.end] for p in layer.parameters()}
+        by_layer = params_by_layer(model, only=mine)
         self.updater = HybridUpdater(model, by_layer, optim_cfg, device, update_cfg or UpdateConfig())
         self.loss_rank = self.stages - 1   # the rank whose loss is the step's
         self.optimizer = self.updater

@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from engine import checkpoint as ckpt
 from engine.config import OptimConfig, UpdateConfig
-from engine.ddp import COMMANDS, cross_entropy, params_by_layer
+from engine.ddp import COMMANDS, cross_entropy, params_by_layer, stream_entry
 from engine.devices import LedgerDevice, tensor_bytes
 from engine.hybrid import HybridUpdater
 from engine.topology import Topology
@@ -156,15 +156,9 @@ class ShardedStrategy:
         self.overlap_forward = overlap_forward
         self.world, self.rank = topo.world_size, topo.rank
 
-        # parameters in forward-use order, each with the first layer that uses it
-        order, first_layer, seen = [], {}, set()
+        # parameters in forward-use order (a shared one at its first use)
+        order = [p for params in params_by_layer(model).values() for p in params]
         names = {id(p): n for n, p in model.named_parameters()}
-        for index, layer in enumerate(model.layers):
-            for p in layer.parameters():
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    order.append(p)
-                    first_layer[id(p)] = index
         dtypes = {p.dtype for p in order}
         if len(dtypes) > 1:
             raise ValueError(f"the sharded strategy needs one parameter dtype; this model has "
@@ -183,7 +177,6 @@ class ShardedStrategy:
         self.flat = [torch.empty(n, dtype=dtype, device=dev) for n in totals]
         self.grad_flat = [torch.zeros(n, dtype=dtype, device=dev) for n in totals]
         spans: list[list[tuple[int, int, int]]] = [[] for _ in range(self.world)]
-        self.layer_owner: dict[int, int] = {}
         layer_of = {id(p): [] for p in order}
         for index, layer in enumerate(model.layers):
             for p in layer.parameters():
@@ -230,7 +223,6 @@ class ShardedStrategy:
         self._works: list = []                  # slice index -> work of the broadcast in flight
         self._pending: dict[int, list[int]] = {}
         self._gate_s = 0.0
-        self._gate_lock = threading.Lock()
         for index, layer in enumerate(model.layers):
             layer.register_forward_pre_hook(self._gate(index))
         self.timings = {"fwd_ms": 0.0, "bwd_ms": 0.0, "optim_ms": 0.0, "gate_ms": 0.0, "reduce_ms": 0.0,
@@ -307,8 +299,9 @@ class ShardedStrategy:
     # --- a step -------------------------------------------------------------------------
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         x, y = x.to(self.device.torch_device), y.to(self.device.torch_device)
-        for buffer in self.grad_flat:
-            buffer.zero_()
+        for owner, buffer in enumerate(self.grad_flat):
+            if owner != self.rank:   # this rank's own shard: each update zeroed its gradients already
+                buffer.zero_()
         self.updater.begin_step()
         self._remaining, self._sent, self._gate_s = list(self._expected), set(), 0.0
         self._recvs = [dist.irecv(buffer, src=q, group=self.topo.compute) for q, buffer in self.recv_flat.items()]
@@ -340,13 +333,7 @@ class ShardedStrategy:
         return loss.item()
 
     def stream_stats(self, step_ms: float) -> list[dict]:
-        out = []
-        for i, meter in enumerate(self.meters):
-            taken = meter.take()
-            busy = min(taken["busy_ms"] / step_ms, 1.0) if step_ms > 0 else 0.0
-            out.append({"stream": i, "bytes": taken["bytes"], "busy_ms": round(taken["busy_ms"], 3),
-                        "busy_fraction": round(busy, 4), "in_flight": taken["in_flight"]})
-        return out
+        return [stream_entry(i, meter.take(), step_ms) for i, meter in enumerate(self.meters)]
 
     def layer_owners(self) -> dict[str, int]:
         """Each layer's owner: the rank owning most of its parameter bytes (layers without any: none)."""

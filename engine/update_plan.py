@@ -42,6 +42,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
 
+from engine.config import format_size
+
 PLACEMENTS = ("device", "host")
 BRUTE_FORCE_MAX_LAYERS = 20
 
@@ -114,19 +116,10 @@ class InfeasibleCapacity(ValueError):
         self.capacity_bytes = capacity_bytes
         self.min_capacity_bytes = min_capacity_bytes
         super().__init__(
-            f"device capacity {human_bytes(capacity_bytes)} ({capacity_bytes} bytes) is too small for the "
+            f"device capacity {format_size(capacity_bytes)} ({capacity_bytes} bytes) is too small for the "
             f"update plan: even with every optimizer update on the host the device needs "
-            f"{human_bytes(min_capacity_bytes)} (params, gradients, activations); the smallest capacity "
-            f"that fits is {human_bytes(min_capacity_bytes)} ({min_capacity_bytes} bytes)")
-
-
-def human_bytes(n: float) -> str:
-    """1536 -> '1.5 KiB'; whole bytes below 1 KiB."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
+            f"{format_size(min_capacity_bytes)} (params, gradients, activations); the smallest capacity "
+            f"that fits is {format_size(min_capacity_bytes)} ({min_capacity_bytes} bytes)")
 
 
 def min_capacity(profile: Profile) -> int:
@@ -407,7 +400,7 @@ def _climb(stair_h: list[float], stair_b: list[int], h: float, b: int) -> None:
 def describe(timeline: Timeline) -> str:
     """One line: makespan, the two timelines, how many updates on the host, memory."""
     n = len(timeline.placement)
-    memory = (f"{human_bytes(timeline.device_bytes)} of {human_bytes(timeline.capacity_bytes)}"
+    memory = (f"{format_size(timeline.device_bytes)} of {format_size(timeline.capacity_bytes)}"
               + ("" if timeline.fits else " (does not fit)"))
     return (f"makespan {timeline.makespan_ms:.2f} ms (device {timeline.device_end_ms:.2f} ms, "
             f"host {timeline.host_end_ms:.2f} ms); {timeline.host_layers}/{n} updates on the host; "

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engine.config import format_size
 from engine.update_plan import (
     PLACEMENTS,
     InfeasibleCapacity,
@@ -15,7 +16,6 @@ from engine.update_plan import (
     Profile,
     describe,
     fixed,
-    human_bytes,
     min_capacity,
     plan_brute_force,
     plan_global,
@@ -145,8 +145,8 @@ def test_infeasible_capacity_message():
     assert plan_global(fits).placement == (H, H, H) == plan_local(fits).placement
 
 
-def test_human_bytes_and_describe():
-    assert [human_bytes(n) for n in (0, 1023, 1536, 5 * 2**30, 3 * 2**40)] == \
+def test_sizes_and_describe():
+    assert [format_size(n) for n in (0, 1023, 1536, 5 * 2**30, 3 * 2**40)] == \
         ["0 B", "1023 B", "1.5 KiB", "5.0 GiB", "3.0 TiB"]
     t = fixed(Profile(THREE, peak_bytes=1000, capacity_bytes=1300), "device")
     assert describe(t) == ("makespan 13.50 ms (device 13.50 ms, host 0.00 ms); 0/3 updates on the host; "

@@ -158,11 +158,25 @@ class ParallelConfig:
                                  min=1, max=4096)
     schedule: str = setting("1f1b", "pipeline: `1f1b` (one forward, one backward, after a warm-up) or `gpipe` "
                                     "(all forwards, then all backwards).", choices=("1f1b", "gpipe"))
-    partition: Any = setting("uniform", "pipeline: `uniform` (the same number of layer clusters per stage) or "
-                                        "a list of stages, each a list of layer names: "
+    partition: Any = setting("uniform", "pipeline: the layout at the start: `uniform` (the same number of layer "
+                                        "clusters per stage), `balanced` (the last stage times every layer on "
+                                        "the first micro-batch and splits the model time-optimally), or a "
+                                        "list of stages, each a list of layer names: "
                                         "`[[\"fc0\", \"act0\"], [\"fc1\", \"head\"]]`. A stage is "
-                                        "contiguous and never cuts a Block. (`balanced`, from measured "
-                                        "times, is planned.)", kind="partition")
+                                        "contiguous and never cuts a Block. A resumed run continues in the "
+                                        "layout of its checkpoint.", kind="partition")
+    rebalance: str = setting("auto", "pipeline: `auto` (every `rebalance_check_every` steps the last stage "
+                                     "compares stage times and, past `imbalance_threshold`, moves layers "
+                                     "between stages while training runs), `manual` (only on the `rebalance` "
+                                     "command, console key `r`) or `off` (the layout never changes; the "
+                                     "command is refused).", choices=("auto", "manual", "off"))
+    imbalance_threshold: float = setting(0.25, "pipeline: how far apart the slowest and fastest stage may be "
+                                               "before a rebalance, and how much faster a new layout's "
+                                               "slowest stage must be to be taken: above 1 in milliseconds, "
+                                               "from 0 to 1 a fraction of the mean stage time.", min=0.0)
+    rebalance_check_every: int = setting(10, "pipeline, `rebalance = \"auto\"`: steps between checks (the "
+                                             "stage times are the mean over those steps).", min=1,
+                                         max=1_000_000)
     main_stream_communicates: bool = setting(False, "sharded: the compute group is one of the `streams` "
                                                     "(false: every stream is a group of its own).")
     backend: str = setting("auto", "Collective backend: `auto` picks nccl when every worker has its own "

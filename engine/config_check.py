@@ -173,17 +173,15 @@ def _check_placement(path: str, value: Any) -> str | dict:
     return dict(value)
 
 
-PARTITION_WORDS = '"uniform", or a list of stages, each a non-empty list of layer names'
+PARTITION_WORDS = '"uniform", "balanced", or a list of stages, each a non-empty list of layer names'
 
 
 def _check_partition(path: str, value: Any) -> str | list:
-    if value == "balanced":
-        raise ConfigError(f'{path} = "balanced": not available yet in this version; use "uniform" or a list '
-                          f'of stages')
-    if value == "uniform":
+    if value in ("uniform", "balanced"):
         return value
     if isinstance(value, str):
-        raise ConfigError(f"{path} = {show(value)}: expected {PARTITION_WORDS}{did_you_mean(value, ('uniform',))}")
+        raise ConfigError(f"{path} = {show(value)}: expected {PARTITION_WORDS}"
+                          f"{did_you_mean(value, ('uniform', 'balanced'))}")
     if not isinstance(value, list) or not value or not all(
             isinstance(stage, list) and stage and all(isinstance(n, str) for n in stage) for stage in value):
         raise ConfigError(f"{path} = {show(value)}: expected {PARTITION_WORDS}")

@@ -21,7 +21,7 @@ from engine.topology import Topology
 FIELDS = ("stop", "command_bytes", "loss", "step_ms", "fwd_ms", "bwd_ms", "optim_ms", "wait_ms", "gate_ms", "owned_bytes", "host_bytes", "host_busy_ms",
           "parameters_bytes", "gradients_bytes", "optimizer_state_bytes", "activations_bytes",
           "swapped_bytes", "used_bytes", "peak_bytes", "capacity_bytes", "over_capacity",
-          "rss_bytes", "cpu_percent")
+          "rss_bytes", "cpu_percent", "migration_bytes", "migration_ms")
 COLUMN = {name: i for i, name in enumerate(FIELDS)}
 
 

@@ -51,6 +51,14 @@ class MemoryLedger:
             self._optimizers.append(optimizer)
         self.refresh()
 
+    def retrack(self, module: torch.nn.Module, index: int = 0) -> None:
+        """Count `module` in place of the `index`th tracked one (a pipeline stage whose layers changed)."""
+        if index < len(self._modules):
+            self._modules[index] = module
+        else:
+            self._modules.append(module)
+        self.refresh()
+
     def refresh(self) -> None:
         """Recount parameters, gradients and optimizer state (they change size lazily)."""
         params = grads = state = 0

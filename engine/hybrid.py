@@ -156,7 +156,7 @@ class HostExecutor:
 class HybridUpdater:
     def __init__(self, model, params_by_layer: dict[int, list[torch.nn.Parameter]], optim_cfg: OptimConfig,
                  device: LedgerDevice, cfg: UpdateConfig):
-        self.model, self.device, self.cfg = model, device, cfg
+        self.model, self.device, self.cfg, self.optim_cfg = model, device, cfg, optim_cfg
         self.updates = {i: LayerUpdate(model.names[i], i, ps, optim_cfg) for i, ps in params_by_layer.items() if ps}
         self.by_name = {u.name: u for u in self.updates.values()}
         self.layer_of = {id(p): u for u in self.updates.values() for p in u.params}
@@ -180,8 +180,8 @@ class HybridUpdater:
             self.place({n: s for n, s in cfg.placement.items() if n in self.by_name})
         elif cfg.placement == "host":
             self.place(dict.fromkeys(self.by_name, "host"))
-        for index in self.updates:
-            model.layers[index].register_forward_pre_hook(self._gate(index))
+        self._gate_handles = {index: model.layers[index].register_forward_pre_hook(self._gate(index))
+                              for index in self.updates}
 
     # --- placement ---------------------------------------------------------------------------
     def placement(self) -> dict[str, str]:
@@ -207,6 +207,37 @@ class HybridUpdater:
             self.trial_left = 0
             self._profiler.armed = False
         self.place({layer: side})
+
+    # --- layers that change hands (pipeline migration) ------------------------------------------
+    def drop_layer(self, index: int) -> dict:
+        """Stop updating layer `index` here; its optimizer state and side, for whoever takes it over."""
+        if index not in self.updates:   # a layer without parameters has no update
+            return {"state": None, "side": "device"}
+        u = self.updates.pop(index)
+        u.done.wait()   # a host update of the layer still in flight lands first
+        self._raise_host_error()
+        del self.by_name[u.name]
+        for p in u.params:
+            self.layer_of.pop(id(p), None)
+        self._gate_handles.pop(index).remove()
+        self._missing.pop(index, None)
+        return {"state": u.optimizer.state_dict(), "side": u.side}
+
+    def add_layer(self, index: int, params: list[torch.nn.Parameter], state: dict | None = None,
+                  side: str = "device") -> None:
+        """Update layer `index` here from now on, continuing from `state` (an optimizer state_dict)."""
+        if not params:
+            return
+        u = LayerUpdate(self.model.names[index], index, params, self.optim_cfg)
+        if state is not None:
+            u.optimizer.load_state_dict(state)
+        self.updates[index] = u
+        self.by_name[u.name] = u
+        self.layer_of.update({id(p): u for p in params})
+        self._gate_handles[index] = self.model.layers[index].register_forward_pre_hook(self._gate(index))
+        self._missing[index] = len(params)
+        if side == "host":
+            self.place({u.name: "host"})
 
     # --- the ledger's view: device-side optimizer state ----------------------------------------
     @property

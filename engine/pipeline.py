@@ -5,6 +5,12 @@
     loss = stage.train_step(x, y)   # the global-batch loss on the last stage, None elsewhere
     stage.stage_params()            # the parameters this rank trains
     stage.layout()                  # {"strategy": "pipeline", "stages": ..., "schedule": ..., ...}
+    decision = stage.boundary(step, requested=False)   # every rank, at each step boundary: rebalance?
+
+Rebalancing (engine/rebalance.py): every stage times its layers; at a check the last
+stage decides a new layout, and the layers migrate during the next step without
+stopping it (engine/migration.py: the layout switches at a micro-batch, weights and
+optimizer state move at the step's start, partial gradients at its end).
 
 Rank r runs stage r (world size == number of stages). Every rank holds the whole
 LayerList (built from the same seed) but only runs, and only updates, its own layers.
@@ -47,6 +53,9 @@ import torch.distributed as dist
 from engine.config import OptimConfig, UpdateConfig
 from engine.ddp import cross_entropy, params_by_layer
 from engine.hybrid import HybridUpdater
+from engine.migration import Migration
+from engine.partition import Cluster, uniform
+from engine.rebalance import LayerClock, Rebalancer
 
 SCHEDULES = ("gpipe", "1f1b")
 HEADER_LEN = 8
@@ -96,6 +105,12 @@ def check_stages(names: list[str], stage_layers: list[list[str]], world_size: in
     return ranges
 
 
+def uniform_stages(model, stages: int) -> list[list[str]]:
+    """The same number of clusters per stage (earlier stages take the remainder)."""
+    split = uniform([Cluster(tuple(c), 0.0, 0) for c in model.clusters], stages)
+    return [list(stage) for stage in split.stages]
+
+
 def split_micro(batch_size: int, micro_batches: int) -> int:
     """The micro-batch size; ValueError unless `batch_size` divides into `micro_batches` equal parts."""
     if not isinstance(micro_batches, int) or micro_batches < 1:
@@ -123,33 +138,62 @@ def schedule_ops(schedule: str, stages: int, rank: int, micro_batches: int) -> l
 class PipelineStage:
     name = "pipeline"
 
-    commands = ("pause", "resume", "stop", "checkpoint", "set-placement")
     global_batch = True   # every rank takes the whole global batch: stage 0 its inputs, the last its labels
 
-    def __init__(self, model, stage_layers: list[list[str]], topo, device, optim_cfg: OptimConfig,
+    def __init__(self, model, stage_layers: list[list[str]] | str, topo, device, optim_cfg: OptimConfig,
                  micro_batches: int, schedule: str = "1f1b", loss_fn=cross_entropy,
-                 update_cfg: UpdateConfig | None = None):
+                 update_cfg: UpdateConfig | None = None, rebalance: str = "off", threshold: float = 0.2,
+                 check_every: int = 10):
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
         if not isinstance(micro_batches, int) or micro_batches < 1:
             raise ValueError(f"micro_batches must be a positive integer, got {micro_batches!r}")
-        ranges = check_stages(model.names, stage_layers, topo.world_size, getattr(model, "clusters", None))
+        self.balance_first = stage_layers == "balanced"   # profiled and split at the first step
+        if self.balance_first:
+            stage_layers = uniform_stages(model, topo.world_size)
+        check_stages(model.names, stage_layers, topo.world_size, getattr(model, "clusters", None))
         self.model, self.topo, self.device, self.loss_fn = model, topo, device, loss_fn
-        self.stage_layers = [list(s) for s in stage_layers]
         self.schedule, self.micro_batches = schedule, micro_batches
         self.stages, self.rank = len(stage_layers), topo.rank
-        self.start, self.end = ranges[self.rank]
         self.is_first, self.is_last = self.rank == 0, self.rank == self.stages - 1
         group = topo.compute
         self.group = group
         self.prev = None if self.is_first else dist.get_global_rank(group, self.rank - 1)
         self.next = None if self.is_last else dist.get_global_rank(group, self.rank + 1)
-        mine = {id(p) for layer in model.layers[self.start:self.end] for p in layer.parameters()}
-        by_layer = params_by_layer(model, only=mine)
+        self._set_layout(stage_layers)
+        by_layer = params_by_layer(model, only={id(p) for p in self.ledger_module.parameters()})
         self.updater = HybridUpdater(model, by_layer, optim_cfg, device, update_cfg or UpdateConfig())
         self.loss_rank = self.stages - 1   # the rank whose loss is the step's
         self.optimizer = self.updater
         self.timings = {"fwd_ms": 0.0, "bwd_ms": 0.0, "optim_ms": 0.0}
+        self.clock = LayerClock(model.names)
+        self.rebalancer = Rebalancer(model, topo, rebalance, threshold, check_every)
+        self.commands = ("pause", "resume", "stop", "checkpoint", "set-placement") + \
+            (("rebalance",) if rebalance != "off" else ())
+        self.pending: list[list[str]] | None = None   # the layout the next step migrates to
+        self.migration: Migration | None = None      # the last step's migration, until reported
+        self.threshold_ms = 0.0
+
+    def _set_layout(self, stage_layers: list[list[str]]) -> None:
+        """This rank's range of layers (at construction, after a migration, on resume)."""
+        ranges = check_stages(self.model.names, stage_layers, self.topo.world_size,
+                              getattr(self.model, "clusters", None))
+        self.stage_layers = [list(s) for s in stage_layers]
+        self.start, self.end = ranges[self.rank]
+        self.ledger_module = torch.nn.ModuleList(self.model.layers[self.start:self.end])
+
+    def _adopt(self, stage_layers: list[list[str]]) -> None:
+        """Take a layout between steps (resume, the balanced start): nothing is in flight, the weights are
+        every rank's own copy, and optimizer state starts fresh for layers this rank did not update."""
+        old = set(range(self.start, self.end))
+        self._set_layout(stage_layers)
+        new = set(range(self.start, self.end))
+        for i in sorted(old - new):
+            if i in self.updater.updates:
+                self.updater.drop_layer(i)
+        for i in sorted(new - old):
+            self.updater.add_layer(i, list(self.model.layers[i].parameters()))
+        self.device.ledger.retrack(self.ledger_module)
 
     # --- point to point ------------------------------------------------------------------------
     def _send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
@@ -175,15 +219,15 @@ class PipelineStage:
         return out
 
     # --- a step --------------------------------------------------------------------------------
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.model.layers[self.start:self.end]:
-            x = layer(x)
-        return x
-
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float | None:
         size = split_micro(x.shape[0], self.micro_batches)
         if y.shape[0] != x.shape[0]:   # checked on every rank, so all refuse the step together
             raise ValueError(f"x has {x.shape[0]} samples but y has {y.shape[0]}")
+        if self.balance_first:
+            self.balance_first = False
+            decision = self.rebalancer.initial(self.model, x[:size], y[:size], self.loss_fn, self.stage_layers)
+            if decision.changed:
+                self._adopt(decision.stages)
         dev = self.device.torch_device
         m, total = self.micro_batches, x.shape[0]
         inputs: dict[int, torch.Tensor] = {}
@@ -193,15 +237,24 @@ class PipelineStage:
         fwd_s = bwd_s = 0.0
         self._recv_s = 0.0
         self.updater.begin_step()
+        move, self.pending = (Migration(self, self.pending) if self.pending else None), None
+        ranges = [(self.start, self.end)]
+        if move is not None:
+            move.start()
+            ranges.append(check_stages(self.model.names, move.new)[self.rank])
         with self.device.ledger.saved_activations():
             for op, i in schedule_ops(self.schedule, self.stages, self.rank, m):
                 t0, r0 = time.perf_counter(), self._recv_s
+                new_layout = move is not None and move.use_new(i)
                 if op == "F":
                     if self.is_first:
                         inp = x[i * size:(i + 1) * size].to(dev)
                     else:
                         inp = self._recv(self.prev, FWD_TAG).requires_grad_(True)
-                    out = self._forward(inp)
+                    if new_layout:
+                        move.receive_state()   # the arriving layers' weights, before their first use here
+                    start, end = ranges[1] if new_layout else ranges[0]
+                    out = self.clock.forward(self.model.layers, start, end, inp)
                     if self.is_last:
                         loss = self.loss_fn(out, y[i * size:(i + 1) * size].to(dev)) * (size / total)
                         losses.append(loss.detach())
@@ -213,14 +266,20 @@ class PipelineStage:
                     fwd_s += time.perf_counter() - t0 - (self._recv_s - r0)
                 else:
                     out, inp = outputs.pop(i), inputs.pop(i)
-                    if self.is_last:
-                        out.backward()
-                    else:
-                        grad = self._recv(self.next, BWD_TAG)
-                        out.backward(grad)
+                    grad = None if self.is_last else self._recv(self.next, BWD_TAG)
+                    if out.requires_grad:   # a stage of layers without parameters on stage 0 has no graph
+                        self.clock.backward(out, grad)
                     if not self.is_first:
                         self._send(inp.grad if inp.grad is not None else torch.zeros_like(inp), self.prev, BWD_TAG)
                     bwd_s += time.perf_counter() - t0 - (self._recv_s - r0)
+        if move is not None:
+            move.finish()   # partial gradients change hands before the update
+            self._set_layout(move.new)
+            self.device.ledger.retrack(self.ledger_module)
+            self.clock.take()   # the next check measures the new layout only
+            self.migration = move
+        else:
+            self.clock.end_step()
         t0 = time.perf_counter()
         self.updater.end_backward()
         optim_s = time.perf_counter() - t0
@@ -229,9 +288,33 @@ class PipelineStage:
         self._pending = []
         # fwd/bwd: this stage's own compute; waiting for neighbours is recv_wait_ms (idle in the stages panel)
         self.timings = {"fwd_ms": fwd_s * 1000, "bwd_ms": bwd_s * 1000, "optim_ms": optim_s * 1000,
-                        "recv_wait_ms": self._recv_s * 1000}
+                        "recv_wait_ms": self._recv_s * 1000,
+                        "migration_bytes": move.sent_bytes if move else 0,
+                        "migration_ms": move.duration_ms if move else 0.0}
         self.device.ledger.refresh()
         return float(torch.stack(losses).sum()) if self.is_last else None
+
+    # --- rebalancing -----------------------------------------------------------------------------
+    def boundary(self, step: int, requested: bool = False):
+        """Every rank, at every step boundary. A check when one is due (or `requested`): the Decision,
+        whose layout (if changed) the next step migrates to; otherwise None."""
+        if self.pending is not None or not self.rebalancer.due(step, requested):
+            return None
+        decision = self.rebalancer.check(step, self.clock, self.stage_layers, requested)
+        self.threshold_ms = decision.threshold_ms
+        if decision.changed:
+            self.pending = decision.stages
+        return decision
+
+    def take_migration(self) -> Migration | None:
+        """The migration the last step ran, once (for its report)."""
+        move, self.migration = self.migration, None
+        return move
+
+    def migrate(self, new_stages: list[list[str]]) -> None:
+        """Move to `new_stages` during the next step (every rank, at the same boundary)."""
+        check_stages(self.model.names, new_stages, self.topo.world_size, getattr(self.model, "clusters", None))
+        self.pending = [list(s) for s in new_stages] if new_stages != self.stage_layers else None
 
     # --- views ---------------------------------------------------------------------------------
     def stage_params(self) -> list[torch.nn.Parameter]:
@@ -266,7 +349,8 @@ class PipelineStage:
                          "bwd_ms": r["bwd_ms"], "idle_ms": round(max(0.0, r["step_ms"] - busy), 4),
                          "micro_batches": self.micro_batches})
         busy = [row["fwd_ms"] + row["bwd_ms"] for row in rows]
-        return {"stages": rows, "imbalance_ms": round(max(busy) - min(busy), 4), "migrating": False}
+        return {"stages": rows, "imbalance_ms": round(max(busy) - min(busy), 4),
+                "threshold_ms": round(self.threshold_ms, 4), "migrating": self.migration is not None}
 
     def gather_weights(self) -> None:
         """Every rank gets every stage's current weights (for an evaluation on rank 0). All ranks call it."""
@@ -288,10 +372,15 @@ class PipelineStage:
         from engine import checkpoint as ckpt
         ckpt.check_strategy(source, manifest, self.name)
         saved = manifest["layout"].get("stages")
-        if saved != self.stage_layers:
-            raise ckpt.CheckpointError(f"{source}: written with stages {saved}; this run's stages are "
-                                       f"{self.stage_layers} (resume with the same partition)")
+        try:   # the layout the run had reached (rebalancing may have moved it): resume in that layout
+            check_stages(self.model.names, saved, self.topo.world_size, getattr(self.model, "clusters", None))
+        except (ValueError, TypeError) as e:
+            raise ckpt.CheckpointError(f"{source}: its pipeline layout does not fit this model and world "
+                                       f"size ({e})") from None
         self.sync()
+        self.balance_first = False
+        if saved != self.stage_layers:
+            self._adopt(saved)
         state = self.model.state_dict()
         with torch.no_grad():
             for stage in range(self.stages):

@@ -44,6 +44,7 @@ class RankZeroTelemetry(Telemetry):
         self.capabilities = set(hello["capabilities"])
         self.layers = set(hello.get("layers", []))
         self.updated_layers = set(hello.get("updated_layers", self.layers))
+        self.rebalancing: str | None = None   # set while a decided layout waits for its migration
         self.mode = hello["mode"]
         self.live_interval_s = 1.0 / cfg.telemetry.live_hz if cfg.telemetry.live_hz else 0.0
         self._last_live = 0.0
@@ -74,6 +75,8 @@ class RankZeroTelemetry(Telemetry):
             reason = f"unknown layer {args[0]!r}"
         elif name not in self.capabilities:
             reason = f"{name} is not available in mode {self.mode}"
+        elif name == "rebalance" and getattr(self, "rebalancing", None):
+            reason = f"a rebalance is already in flight ({self.rebalancing})"
         elif name == "set-placement" and args[0] not in self.updated_layers:
             reason = f"layer {args[0]!r} has no parameters: it has no optimizer update to place"
         if reason:

@@ -68,7 +68,7 @@ STEP = {
 }
 
 EVENT_KINDS = ["checkpoint", "restart", "resume", "eval", "memory_over_capacity", "stop", "command", "update_plan",
-               "placement"]
+               "placement", "rebalance", "migration"]
 EVENT = {
     "type": "object",
     "required": ["schema", "time", "type", "kind", "step"],
@@ -85,6 +85,11 @@ EVENT = {
         {"if": {"properties": {"kind": {"const": "update_plan"}}},
          "then": {"required": ["planner", "placement", "predicted_ms", "all_device_ms", "all_host_ms"]}},
         {"if": {"properties": {"kind": {"const": "placement"}}}, "then": {"required": ["layer", "placement"]}},
+        {"if": {"properties": {"kind": {"const": "rebalance"}}},
+         "then": {"required": ["reason", "stages", "stage_ms", "predicted_ms", "threshold_ms", "layer_ms"]}},
+        {"if": {"properties": {"kind": {"const": "migration"}}},
+         "then": {"required": ["moves", "stages", "bytes", "duration_ms", "cutover_micro_batch"],
+                  "properties": {"bytes": _BYTES, "duration_ms": {"type": "number", "minimum": 0}}}},
         {"if": {"properties": {"kind": {"const": "command"}}},
          "then": {"required": ["name", "args", "status"],
                   "properties": {"status": {"enum": ["applied", "rejected"]}}}},

@@ -30,8 +30,7 @@ from engine.data import Dataset, batch_for, load_dataset
 from engine.ddp import DDPStrategy
 from engine.devices import open_device
 from engine.models import LayerList, build_model
-from engine.partition import Cluster, uniform
-from engine.pipeline import PipelineStage
+from engine.pipeline import PipelineStage, uniform_stages
 from engine.profiler import LayerProfiler
 from engine.sharded import ShardedStrategy
 from engine.telemetry import Telemetry
@@ -116,7 +115,8 @@ class Worker:
         model = job.model if job.model is not None else build_model(cfg.model, self.data.meta, cfg.run.seed)
         self.model = model.to(self.device.torch_device)
         self.strategy = make_strategy(cfg, self.model, topo, self.device)
-        self.device.ledger.track_module(self.model, self.strategy.optimizer)
+        # a pipeline stage counts only its own layers (and follows them when they migrate)
+        self.device.ledger.track_module(getattr(self.strategy, "ledger_module", self.model), self.strategy.optimizer)
         self.resumed_from = None
         self.first_step = self._resume()
         if self.first_step == 0:   # dropout streams differ per rank, reproducible from the seed
@@ -129,6 +129,7 @@ class Worker:
         self.paused = False
         self.stop_reason: str | None = None
         self.wait_ms = 0.0
+        self.rebalance_requested, self.rebalance_command = False, None
 
     def _hello(self) -> dict:
         cfg = self.cfg
@@ -210,8 +211,13 @@ class Worker:
                     self._prepare_eval()
                     if self.topo.is_first:
                         self.tel.event("eval", step, test_accuracy=self.evaluate())
+            if trained and hasattr(self.strategy, "take_migration"):
+                self._report_migration(step, table)
+            self.rebalance_requested = False
             for command in commands:
                 self._apply(command, step)
+            if hasattr(self.strategy, "boundary") and (trained or self.rebalance_requested):
+                self._rebalance(step)
             if table[:, COLUMN["stop"]].max() > 0 and self.stop_reason is None:
                 self.stop_reason = f"signal {self.stop.signal or 'on another rank'}"
             if self.stop_reason or step >= cfg.run.steps:
@@ -221,6 +227,48 @@ class Worker:
                 last = time.perf_counter()
             elif cfg.run.step_pause_ms:
                 time.sleep(cfg.run.step_pause_ms / 1000)
+
+    def _rebalance(self, step: int) -> None:
+        """Every rank: the pipeline's check, when due; rank 0 reports the decision."""
+        decision = self.strategy.boundary(step, self.rebalance_requested)
+        if decision is None:
+            return
+        command = self.rebalance_command if decision.reason == "command" else None
+        if not decision.changed:
+            self.rebalance_command = None
+            if command:
+                self.tel.reply(command, "applied", step=step, reason=decision.summary())
+            return
+        if not self.topo.is_first:
+            return
+        self.tel.rebalancing = f"decided at step {step}"
+        self.tel.event("rebalance", step, reason=decision.reason, stages=decision.stages,
+                       stage_ms=[round(t, 4) for t in decision.stage_ms],
+                       predicted_ms=[round(t, 4) for t in decision.predicted_ms],
+                       threshold_ms=round(decision.threshold_ms, 4),
+                       layer_ms={k: round(v, 4) for k, v in decision.layer_ms.items()})
+        self.tel.note(f"rebalance ({decision.reason}) at step {step}: {decision.summary()}; "
+                      f"layers migrate during step {step + 1}")
+
+    def _report_migration(self, step: int, table: torch.Tensor) -> None:
+        """Every rank, after the step: if layers migrated during it, rank 0 logs what moved and answers
+        the operator's rebalance."""
+        move = self.strategy.take_migration()
+        if move is None:
+            return
+        command, self.rebalance_command = self.rebalance_command, None
+        if not self.topo.is_first:
+            return
+        self.tel.rebalancing = None
+        nbytes = int(table[:, COLUMN["migration_bytes"]].sum())
+        duration = float(table[:, COLUMN["migration_ms"]].max())
+        self.tel.event("migration", step, moves=[{"layer": n, "from_stage": a, "to_stage": b} for n, a, b in move.moves],
+                       stages=move.new, bytes=nbytes, duration_ms=round(duration, 3), cutover_micro_batch=move.cutover)
+        self.tel.update_state(layout=move.new)
+        self.tel.note(f"migrated {len(move.moves)} layer(s) during step {step} ({nbytes} bytes, {duration:.1f} ms): "
+                      f"stages now {move.new}")
+        if command:
+            self.tel.reply(command, "applied", step=step, reason=f"new layout took effect in step {step}: {move.new}")
 
     def _profile_due(self, step: int) -> bool:
         every = self.cfg.telemetry.layer_every
@@ -236,6 +284,12 @@ class Worker:
             self._save(step)
         elif name == "stop":
             self.stop_reason = "command"
+        elif name == "rebalance" and hasattr(self.strategy, "boundary"):
+            if self.rebalance_requested or self.strategy.pending is not None:
+                self.tel.reply(command, "rejected", reason="a rebalance is already in flight")
+            else:   # answered once the check has run, or once the new layout has taken effect
+                self.rebalance_requested, self.rebalance_command = True, command
+            return
         elif name == "set-placement":
             self.strategy.sync()
             self.strategy.updater.set_placement(*command["args"])
@@ -405,13 +459,10 @@ class Worker:
 def make_strategy(cfg: Config, model: LayerList, topo: Topology, device):
     p = cfg.parallel
     if p.strategy == "pipeline":
-        if p.partition == "uniform":
-            split = uniform([Cluster(tuple(c), 0.0, 0) for c in model.clusters], topo.world_size)
-            stages = [list(stage) for stage in split.stages]
-        else:
-            stages = p.partition
+        stages = uniform_stages(model, topo.world_size) if p.partition == "uniform" else p.partition
         return PipelineStage(model, stages, topo, device, cfg.optim, micro_batches=p.micro_batches,
-                             schedule=p.schedule, update_cfg=cfg.update)
+                             schedule=p.schedule, update_cfg=cfg.update, rebalance=p.rebalance,
+                             threshold=p.imbalance_threshold, check_every=p.rebalance_check_every)
     if p.strategy == "sharded":
         return ShardedStrategy(model, cfg.optim, topo, device, streams=p.streams, slices=p.slices,
                                assignment=p.slice_assignment, overlap_forward=p.overlap_forward,

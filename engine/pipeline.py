@@ -173,6 +173,7 @@ class PipelineStage:
         self.pending: list[list[str]] | None = None   # the layout the next step migrates to
         self.migration: Migration | None = None      # the last step's migration, until reported
         self.threshold_ms = 0.0
+        self._move: Migration | None = None
 
     def _set_layout(self, stage_layers: list[list[str]]) -> None:
         """This rank's range of layers (at construction, after a migration, on resume)."""
@@ -211,10 +212,18 @@ class PipelineStage:
         t0 = time.perf_counter()
         dev = self.device.torch_device
         header = torch.empty(HEADER_LEN, dtype=torch.int64, device=dev)
-        dist.recv(header, src, group=self.group, tag=tag)
-        ndim = int(header[0])
-        out = torch.empty([int(d) for d in header[1:1 + ndim].tolist()], dtype=torch.float32, device=dev)
-        dist.recv(out, src, group=self.group, tag=tag)
+        try:
+            dist.recv(header, src, group=self.group, tag=tag)
+            ndim = int(header[0])
+            out = torch.empty([int(d) for d in header[1:1 + ndim].tolist()], dtype=torch.float32, device=dev)
+            dist.recv(out, src, group=self.group, tag=tag)
+        except Exception as e:   # a neighbour died or went silent: say who and what, within the timeout
+            what = "activations" if tag == FWD_TAG else "gradients"
+            during = (f" while layers migrate ({', '.join(n for n, _, _ in self._move.moves)})"
+                      if self._move is not None else "")
+            raise RuntimeError(f"pipeline stage {self.rank}: receiving {what} from stage "
+                               f"{src if self.group is None else dist.get_group_rank(self.group, src)} "
+                               f"failed{during}: {type(e).__name__}: {e}") from e
         self._recv_s += time.perf_counter() - t0   # waiting for a neighbour: the stage's idle time
         return out
 
@@ -238,6 +247,7 @@ class PipelineStage:
         self._recv_s = 0.0
         self.updater.begin_step()
         move, self.pending = (Migration(self, self.pending) if self.pending else None), None
+        self._move = move
         ranges = [(self.start, self.end)]
         if move is not None:
             move.start()
@@ -277,7 +287,7 @@ class PipelineStage:
             self._set_layout(move.new)
             self.device.ledger.retrack(self.ledger_module)
             self.clock.take()   # the next check measures the new layout only
-            self.migration = move
+            self.migration, self._move = move, None
         else:
             self.clock.end_step()
         t0 = time.perf_counter()

@@ -64,6 +64,9 @@ slices = 9
 micro_batches = 2
 schedule = "gpipe"
 partition = [["fc0"], ["act0", "head"]]
+rebalance = "manual"
+imbalance_threshold = 5.0
+rebalance_check_every = 3
 slice_assignment = "random"
 overlap_forward = false
 main_stream_communicates = true
@@ -347,7 +350,9 @@ def test_pipeline_settings_are_checked_against_each_other():
         "data.batch_size = 64: must be divisible by parallel.micro_batches = 5")
     assert error_of({"parallel": {**pipe, "partition": [["fc0"], ["act0"], ["head"]]}}) == (
         "parallel.partition lists 3 stages but parallel.world_size = 2 (one stage per worker)")
-    assert error_of({"parallel": {**pipe, "partition": "balanced"}}).startswith(
-        'parallel.partition = "balanced": not available yet')
+    assert config_from_dict({"parallel": {**pipe, "partition": "balanced"}}).parallel.partition == "balanced"
+    assert error_of({"parallel": {**pipe, "rebalance": "sometimes"}}).startswith('parallel.rebalance = "sometimes"')
+    assert error_of({"parallel": {**pipe, "imbalance_threshold": -1}}).startswith("parallel.imbalance_threshold = -1")
+    assert error_of({"parallel": {**pipe, "rebalance_check_every": 0}}).startswith("parallel.rebalance_check_every = 0")
     assert error_of({"parallel": {**pipe, "partition": [["fc0"], []]}}).startswith("parallel.partition = ")
     assert error_of({"parallel": {**pipe, "partition": "unifrom"}}).endswith('(did you mean "uniform"?)')

@@ -3,6 +3,9 @@ equal to single-process training; the decision rule; the per-layer clock."""
 
 from __future__ import annotations
 
+import os
+import time
+
 import pytest
 import torch
 
@@ -86,3 +89,41 @@ def test_a_migration_during_step_7_leaves_training_equal_to_one_process(world):
         variants = _variants(world)
         results = pool.run(migrating_job, timeout=150, variants=variants)
     check_migrated(results, variants)
+
+
+def peer_dies_in_migration(topo, how: str, schedule: str) -> dict:
+    """Layers move from stage 1 to stage 0 during step 3; rank 1 leaves (or goes silent) as that step
+    starts. Rank 0 must fail with an error naming the migration, within the collective timeout."""
+    class Leaving(PipelineStage):
+        def train_step(self, x, y):
+            if self.pending is not None and self.rank == 1:
+                if how == "hang":
+                    time.sleep(60)
+                os._exit(7)
+            return super().train_step(x, y)
+    stage = Leaving(build_model(MODEL, META, seed=0), [NAMES[:2], NAMES[2:]], topo, LedgerDevice(1 << 30),
+                    _optim("sgd"), 4, schedule)
+    t0 = time.monotonic()
+    try:
+        for step, (x, y) in enumerate(_batches()[:5]):
+            if step == 2:
+                stage.migrate([NAMES[:4], NAMES[4:]])
+            t0 = time.monotonic()
+            stage.train_step(x, y)
+    except Exception as e:   # noqa: BLE001 - the error is the result
+        return {"error": f"{type(e).__name__}: {e}", "after_s": time.monotonic() - t0, "step": step}
+    return {"error": None}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how, schedule", [("exit", "gpipe"), ("hang", "1f1b")])
+def test_a_migration_whose_peer_dies_fails_within_the_collective_timeout(how, schedule):
+    timeout_s = 4.0
+    pool = DistPool(2, timeout_s=timeout_s)
+    try:
+        [result] = pool.run(peer_dies_in_migration, answer_from=[0], timeout=60, how=how, schedule=schedule)
+    finally:
+        pool.close()
+    assert result["error"] and result["step"] == 2, result
+    assert "fc1, act1" in result["error"] and ("migration" in result["error"] or "migrate" in result["error"])
+    assert result["after_s"] < timeout_s + 5, result

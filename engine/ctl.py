@@ -70,6 +70,8 @@ def ctl(run: str, command: str, args: list[str], token_file: Path | None, timeou
     said = escape(" ".join([command, *args]))
     if reply.get("status") == "applied":
         out.print(f"{said}: applied at step {reply.get('step')}")
+        if reply.get("reason"):   # what the engine made of it (a rebalance: the new layout, or why none)
+            out.print(f"  {escape(str(reply['reason']))}")
         return 0
     err.print(f"{said}: rejected: {escape(str(reply.get('reason')))}")
     return 1

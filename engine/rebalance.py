@@ -159,18 +159,19 @@ class Rebalancer:
 
 def decide(clusters: list[list[str]], names: list[str], layer_ms: dict[str, float], out_bytes: dict[str, int],
            stage_layers: list[list[str]], threshold: float) -> tuple[Layout, Layout, float]:
-    """The current layout's costs, the layout to run next (the current one unless the best split beats
-    its slowest stage by more than the threshold) and the threshold in ms."""
+    """The current layout's costs, the layout to run next and the threshold in ms. The current layout
+    stays unless its slowest stage is more than the threshold slower than the optimum T*; then the
+    split is partition()'s: within the threshold of T*, the fewest boundary bytes."""
     costs = clusters_from(names, clusters, layer_ms, out_bytes)
     now = stage_times(stage_layers, layer_ms)
     current = Layout(tuple(tuple(s) for s in stage_layers), tuple(now), max(now), 0)
     thr = threshold_in_ms(threshold, now)
     if max(now) - min(now) <= thr and thr > 0:
         return current, current, thr
-    best = partition(costs, len(stage_layers), thr)
-    if max(now) - best.max_ms <= thr:
+    optimum = partition(costs, len(stage_layers)).max_ms
+    if max(now) <= optimum + thr:
         return current, current, thr
-    return current, best, thr
+    return current, partition(costs, len(stage_layers), thr), thr
 
 
 def profile_layers(model, x: torch.Tensor, y: torch.Tensor, loss_fn, repeats: int = 3) -> tuple[dict, dict]:

@@ -4,6 +4,7 @@ equal to single-process training; the decision rule; the per-layer clock."""
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import pytest
@@ -14,6 +15,7 @@ from engine.devices import LedgerDevice
 from engine.models import build_model
 from engine.pipeline import PipelineStage
 from engine.procpool import DistPool
+from engine.rebalance import LayerClock, decide
 from tests.test_pipeline import META, _batches, _optim, reference
 
 MODEL = ModelConfig(name="mlp", hidden=32, depth=3)
@@ -127,3 +129,171 @@ def test_a_migration_whose_peer_dies_fails_within_the_collective_timeout(how, sc
     assert result["error"] and result["step"] == 2, result
     assert "fc1, act1" in result["error"] and ("migration" in result["error"] or "migrate" in result["error"])
     assert result["after_s"] < timeout_s + 5, result
+
+
+# --- the decision rule, no processes --------------------------------------------------------------
+
+def test_the_decision_keeps_a_layout_within_the_threshold_and_moves_a_skewed_one():
+    names = ["a", "b", "c", "d"]
+    clusters = [[n] for n in names]
+    nbytes = {"a": 100, "b": 100, "c": 10, "d": 100}
+    ms = {"a": 1.0, "b": 1.0, "c": 1.0, "d": 5.0}
+    # skewed: stage 1 holds 7 ms of 8; the best split is [a, b, c] | [d] (5 ms, and c ships the fewest bytes)
+    current, new, thr = decide(clusters, names, ms, nbytes, [["a"], ["b", "c", "d"]], 0.25)
+    assert thr == pytest.approx(0.25 * 4.0) and current.stage_ms == (1.0, 7.0)
+    assert new.stages == (("a", "b", "c"), ("d",)) and new.max_ms == 5.0
+    # within the threshold of the optimum: kept, however the bytes fall
+    current, new, _ = decide(clusters, names, ms, nbytes, [["a", "b"], ["c", "d"]], 0.25)
+    assert new is current
+    # among splits within the threshold of the optimum, the fewest boundary bytes: b ships 100, c 10
+    _, new, _ = decide(clusters, names, ms, {**nbytes, "b": 1, "c": 100}, [["a"], ["b", "c", "d"]], 0.25)
+    assert new.stages == (("a", "b"), ("c", "d")) and new.max_ms == 6.0
+    # imbalanced, but no split beats the slowest stage by more than the threshold (2 ms): kept
+    _, new, thr = decide(clusters, names, ms, nbytes, [["a", "b"], ["c", "d"]], 2.5)
+    assert thr == 2.5 and new.stages == (("a", "b"), ("c", "d"))
+    # a block is never cut: with b and c one cluster the best split is [a] | [b, c, d]... or [a, b, c] | [d]
+    _, new, _ = decide([["a"], ["b", "c"], ["d"]], names, ms, nbytes, [["a"], ["b", "c", "d"]], 0.0)
+    assert new.stages == (("a", "b", "c"), ("d",))
+    ms2 = {"a": 1.0, "b": 3.0, "c": 3.0, "d": 1.0}
+    _, new, _ = decide([["a"], ["b", "c"], ["d"]], names, ms2, nbytes, [["a"], ["b", "c", "d"]], 0.0)
+    assert all(("b" in s) == ("c" in s) for s in new.stages)
+
+
+def test_the_layer_clock_times_forward_and_backward_of_each_layer():
+    model = build_model(MODEL, META, seed=0)
+    clock = LayerClock(model.names)
+    x = torch.randn(8, 64)
+    out = clock.forward(model.layers, 0, len(model.names), x)
+    clock.backward(out.sum())
+    clock.end_step()
+    assert all(p.grad is not None for p in model.parameters())
+    assert all(f > 0 for f in clock.fwd_ms) and sum(b > 0 for b in clock.bwd_ms) >= len(model.names) - 1
+    assert clock.out_bytes == [8 * 32 * 4] * 6 + [8 * 10 * 4]
+    ms, nbytes = clock.take()
+    assert len(ms) == len(model.names) and clock.steps == 0 and clock.fwd_ms == [0.0] * len(model.names)
+
+
+# --- through the CLI ------------------------------------------------------------------------------
+
+SKEWED = ["--set", "parallel.strategy=pipeline", "--set", 'parallel.partition=[["fc0"], ["act0", "fc1", "act1", "head"]]',
+          "--set", "model.hidden=256"]
+
+
+def _stages_of(step_record) -> list[list[str]]:
+    return [s["layers"] for s in step_record["stages"]]
+
+
+@pytest.mark.timeout(150)
+def test_auto_rebalancing_moves_layers_live_and_training_equals_one_process(cli):
+    from engine.checkpoint import list_checkpoints, model_state, verify
+    from engine.telemetry_schema import RECORD_SCHEMA
+    from tests.conftest import read_jsonl
+    from tests.test_training import DEMO, single_process_reference
+    import jsonschema
+    log = cli.tmp_path / "run.jsonl"
+    r = cli.run("run", DEMO, "--headless", "--steps", "30", *cli.base_args("auto"), *SKEWED,
+                "--set", "parallel.rebalance_check_every=3", "--telemetry-log", str(log))
+    assert r.returncode == 0, r.stderr
+    records = read_jsonl(log)
+    for rec in records:
+        jsonschema.validate(rec, RECORD_SCHEMA)
+    decided = [e for e in records if e.get("kind") == "rebalance"]
+    moved = [e for e in records if e.get("kind") == "migration"]
+    assert decided and len(moved) == len(decided), "the skewed start was never rebalanced"
+    for d, m in zip(decided, moved):
+        assert m["step"] == d["step"] + 1 and m["stages"] == d["stages"] and m["bytes"] > 0
+        assert max(d["predicted_ms"]) < max(d["stage_ms"])
+    steps = {rec["step"]: rec for rec in records if rec["type"] == "step"}
+    assert _stages_of(steps[1]) == [["fc0"], ["act0", "fc1", "act1", "head"]]
+    assert steps[moved[0]["step"]]["migrating"] and _stages_of(steps[moved[0]["step"]]) == moved[0]["stages"]
+    assert _stages_of(steps[30]) == moved[-1]["stages"] and "threshold_ms" in steps[30]
+    last = list_checkpoints(cli.tmp_path / "runs" / "auto")[-1]
+    assert verify(last)["layout"]["stages"] == moved[-1]["stages"]
+    want = single_process_reference(SKEWED[1::2][2:], 30)
+    got = model_state(last)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-5, msg=name)
+
+    # resume: the run goes on in the checkpoint's layout, whatever the config's partition says
+    log2 = cli.tmp_path / "run2.jsonl"
+    r = cli.run("run", DEMO, "--headless", "--steps", "35", *cli.base_args("auto"), *SKEWED, "--set",
+                "parallel.rebalance=off", "--resume", str(last), "--telemetry-log", str(log2))
+    assert r.returncode == 0, r.stderr
+    steps2 = [rec for rec in read_jsonl(log2) if rec["type"] == "step"]
+    assert steps2[0]["step"] == 31 and all(_stages_of(s) == moved[-1]["stages"] for s in steps2)
+    want = single_process_reference(SKEWED[1::2][2:], 35)
+    got = model_state(list_checkpoints(cli.tmp_path / "runs" / "auto")[-1])
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-5, msg=name)
+
+
+@pytest.mark.timeout(150)
+def test_the_rebalance_command_answers_with_the_step_the_new_layout_took_effect(cli):
+    from engine.checkpoint import list_checkpoints, verify
+    from tests.conftest import read_jsonl, wait_for
+    from tests.test_control import ctl, current_step, start_live
+    log = cli.tmp_path / "run.jsonl"
+    proc = start_live(cli, "steer", *SKEWED, "--set", "parallel.rebalance=manual", "--telemetry-log", str(log))
+    wait_for(lambda: current_step("steer") >= 5, 30, "step 5")
+    r = ctl(cli, "steer", "rebalance")
+    assert r.returncode == 0 and "rebalance: applied at step" in r.stdout, r.stdout + r.stderr
+    took_effect = int(r.stdout.split("applied at step ")[1].split()[0])
+    assert "new layout took effect in step" in r.stdout
+    wait_for(lambda: current_step("steer") > took_effect + 2, 20, "steps after the migration")
+    r = ctl(cli, "steer", "stop")
+    assert r.returncode == 0
+    proc.wait(timeout=30)
+    records = read_jsonl(log)
+    [decided] = [e for e in records if e.get("kind") == "rebalance"]
+    [moved] = [e for e in records if e.get("kind") == "migration"]
+    assert decided["reason"] == "command" and moved["step"] == took_effect == decided["step"] + 1
+    steps = {rec["step"]: rec for rec in records if rec["type"] == "step"}
+    assert _stages_of(steps[took_effect - 1]) == [["fc0"], ["act0", "fc1", "act1", "head"]]
+    assert _stages_of(steps[took_effect + 1]) == moved["stages"] != _stages_of(steps[took_effect - 1])
+    assert verify(list_checkpoints(cli.tmp_path / "runs" / "steer")[-1])["layout"]["stages"] == moved["stages"]
+
+
+@pytest.mark.timeout(90)
+def test_the_rebalance_command_is_refused_when_rebalancing_is_off(cli):
+    from tests.test_control import ctl, start_live
+    proc = start_live(cli, "fixed", "--set", "parallel.strategy=pipeline", "--set", "parallel.rebalance=off")
+    r = ctl(cli, "fixed", "rebalance")
+    assert r.returncode == 1 and 'rebalancing is off in this run (parallel.rebalance = "off")' in r.stderr
+    assert ctl(cli, "fixed", "stop").returncode == 0
+    proc.wait(timeout=30)
+
+
+@pytest.mark.timeout(180)
+def test_a_worker_killed_around_a_migration_restarts_from_a_checkpoint_with_a_valid_layout(cli):
+    from engine.checkpoint import list_checkpoints, model_state
+    from tests.conftest import read_jsonl, wait_for
+    from tests.test_lifecycle import read_pid
+    from tests.test_training import DEMO, single_process_reference
+    log = cli.tmp_path / "run.jsonl"
+    run_dir = cli.tmp_path / "runs" / "killed"
+    proc = cli.start("run", DEMO, "--headless", "--steps", "40", *cli.base_args("killed"), *SKEWED,
+                     "--set", "parallel.rebalance_check_every=4", "--set", "checkpoint.every=3",
+                     "--set", "run.step_pause_ms=30", "--set", "parallel.max_restarts=2", "--telemetry-log", str(log))
+
+    def migrated_and_saved() -> bool:   # a checkpoint written after a migration: it holds the new layout
+        records = read_jsonl(log) if log.exists() else []
+        moved = [r["step"] for r in records if r.get("kind") == "migration"]
+        return bool(moved) and any(r.get("kind") == "checkpoint" and r["step"] > moved[0] for r in records)
+    wait_for(migrated_and_saved, 90, "a checkpoint after a migration")
+    victim = read_pid(run_dir, "rank1")
+    os.kill(victim, signal.SIGKILL)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    records = read_jsonl(log)
+    [restart] = [r for r in records if r.get("kind") == "restart"]
+    assert records[-1]["type"] == "summary" and records[-1]["steps"] == 40 and records[-1]["restarts"] == 1
+    before, after = records[:records.index(restart)], records[records.index(restart):]
+    moved = [r for r in before if r.get("kind") == "migration"]
+    saved_layout = next(_stages_of(r) for r in before if r["type"] == "step" and r["step"] == restart["step"])
+    assert moved and restart["step"] > moved[0]["step"] and saved_layout == moved[-1]["stages"]
+    first = next(r for r in after if r["type"] == "step")
+    assert first["step"] == restart["step"] + 1 and _stages_of(first) == saved_layout
+    got = model_state(list_checkpoints(run_dir)[-1])
+    want = single_process_reference(SKEWED[1::2][2:], 40)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-5, msg=name)

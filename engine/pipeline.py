@@ -25,10 +25,13 @@ the returned loss is the mean over the global batch. One optimizer update per st
 through HybridUpdater (begin_step before the first forward, end_backward after the
 last backward).
 
-Shape exchange: every message is a header then a payload. The header is a fixed
-int64 tensor of HEADER_LEN entries, [ndim, d0, d1, ...] (zero-padded); the payload
-is the float32 tensor of that shape. So stages may emit any shape (up to
-HEADER_LEN - 1 dimensions), and shapes may change from step to step.
+Shape exchange: the first message of a step in each direction (and, in a step
+that migrates layers, the first one under the new layout) is a header then a
+payload; the others are the payload alone, since the micro-batches of a step are
+equal and run the same layers. The header is a fixed int64 tensor of HEADER_LEN
+entries, [ndim, d0, d1, ...] (zero-padded); the payload is the float32 tensor of
+that shape. So stages may emit any shape (up to HEADER_LEN - 1 dimensions), and
+shapes may change from step to step, at the cost of one small message per step.
 
 Ordering: sends are non-blocking (isend), receives are blocking (recv). Both
 schedules are then deadlock-free: a rank only ever blocks on a receive whose
@@ -197,25 +200,31 @@ class PipelineStage:
         self.device.ledger.retrack(self.ledger_module)
 
     # --- point to point ------------------------------------------------------------------------
-    def _send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
+    def _send(self, tensor: torch.Tensor, dst: int, tag: int, layout: int = 0) -> None:
         dev = self.device.torch_device   # gloo sends CPU tensors, nccl device tensors: the stage's own device
         tensor = tensor.detach().to(dev, torch.float32).contiguous()
         if tensor.dim() > HEADER_LEN - 1:
             raise ValueError(f"pipeline messages carry at most {HEADER_LEN - 1} dimensions, got {tensor.dim()}")
-        header = torch.zeros(HEADER_LEN, dtype=torch.int64, device=dev)
-        header[0] = tensor.dim()
-        header[1:1 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
-        for t in (header, tensor):   # keep the tensor alive until its send is waited on
+        sends = [tensor]
+        if ("to", tag, layout) not in self._shapes:   # the first message of its kind this step says its shape
+            self._shapes[("to", tag, layout)] = tuple(tensor.shape)
+            header = torch.zeros(HEADER_LEN, dtype=torch.int64, device=dev)
+            header[0] = tensor.dim()
+            header[1:1 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+            sends.insert(0, header)
+        for t in sends:   # keep the tensor alive until its send is waited on
             self._pending.append((dist.isend(t, dst, group=self.group, tag=tag), t))
 
-    def _recv(self, src: int, tag: int) -> torch.Tensor:
+    def _recv(self, src: int, tag: int, layout: int = 0) -> torch.Tensor:
         t0 = time.perf_counter()
         dev = self.device.torch_device
-        header = torch.empty(HEADER_LEN, dtype=torch.int64, device=dev)
         try:
-            dist.recv(header, src, group=self.group, tag=tag)
-            ndim = int(header[0])
-            out = torch.empty([int(d) for d in header[1:1 + ndim].tolist()], dtype=torch.float32, device=dev)
+            shape = self._shapes.get(("from", tag, layout))
+            if shape is None:
+                header = torch.empty(HEADER_LEN, dtype=torch.int64, device=dev)
+                dist.recv(header, src, group=self.group, tag=tag)
+                shape = self._shapes[("from", tag, layout)] = tuple(int(d) for d in header[1:1 + int(header[0])].tolist())
+            out = torch.empty(shape, dtype=torch.float32, device=dev)
             dist.recv(out, src, group=self.group, tag=tag)
         except Exception as e:   # a neighbour died or went silent: say who and what, within the timeout
             what = "activations" if tag == FWD_TAG else "gradients"
@@ -242,7 +251,7 @@ class PipelineStage:
         inputs: dict[int, torch.Tensor] = {}
         outputs: dict[int, torch.Tensor] = {}
         losses: list[torch.Tensor] = []
-        self._pending = []
+        self._pending, self._shapes = [], {}
         fwd_s = bwd_s = 0.0
         self._recv_s = 0.0
         self.updater.begin_step()
@@ -260,7 +269,7 @@ class PipelineStage:
                     if self.is_first:
                         inp = x[i * size:(i + 1) * size].to(dev)
                     else:
-                        inp = self._recv(self.prev, FWD_TAG).requires_grad_(True)
+                        inp = self._recv(self.prev, FWD_TAG, new_layout).requires_grad_(True)
                     if new_layout:
                         move.receive_state()   # the arriving layers' weights, before their first use here
                     start, end = ranges[1] if new_layout else ranges[0]
@@ -270,17 +279,18 @@ class PipelineStage:
                         losses.append(loss.detach())
                         outputs[i] = loss
                     else:
-                        self._send(out, self.next, FWD_TAG)
+                        self._send(out, self.next, FWD_TAG, new_layout)
                         outputs[i] = out
                     inputs[i] = inp
                     fwd_s += time.perf_counter() - t0 - (self._recv_s - r0)
                 else:
                     out, inp = outputs.pop(i), inputs.pop(i)
-                    grad = None if self.is_last else self._recv(self.next, BWD_TAG)
+                    grad = None if self.is_last else self._recv(self.next, BWD_TAG, new_layout)
                     if out.requires_grad:   # a stage of layers without parameters on stage 0 has no graph
                         self.clock.backward(out, grad)
                     if not self.is_first:
-                        self._send(inp.grad if inp.grad is not None else torch.zeros_like(inp), self.prev, BWD_TAG)
+                        self._send(inp.grad if inp.grad is not None else torch.zeros_like(inp), self.prev, BWD_TAG,
+                                   new_layout)
                     bwd_s += time.perf_counter() - t0 - (self._recv_s - r0)
         if move is not None:
             move.finish()   # partial gradients change hands before the update

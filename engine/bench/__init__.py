@@ -5,6 +5,7 @@ invocation and prints ratios; absolute times on a shared machine are noise, rati
     trainyard bench console              # the console's CPU and key-to-run delay, 64 ranks x 200 layers
     trainyard bench broadcast            # sharded + sliced multi-stream broadcast + gated forward vs DDP
     trainyard bench hybrid               # each layer's update on the device or the host: planners vs fixed
+    trainyard bench pipeline             # a skewed 4-stage pipeline rebalanced live vs best static and torch's
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import importlib
 
 BENCHES = {"telemetry": "engine.bench.telemetry", "console": "console.bench", "broadcast": "engine.bench.broadcast",
-           "hybrid": "engine.bench.hybrid"}
+           "hybrid": "engine.bench.hybrid", "pipeline": "engine.bench.pipeline"}
 
 
 def run(name: str, argv: list[str]) -> int:

@@ -1,0 +1,180 @@
+"""`trainyard bench pipeline`: a skewed pipeline, rebalanced live, against static layouts and torch's.
+
+Four stages (one worker process each, gloo on the CPU) train an MLP whose head is several
+times heavier than its hidden layers, starting from a skewed layout (the last stage holds
+most of the work). Side by side in one invocation, in rounds (so drift hits all alike):
+
+    before       trainyard, the skewed layout, `rebalance = "auto"`, until its first check
+    migration    the step during which the layers move (the check's decision, live)
+    after        the same run, in the layout it rebalanced to
+    best static  trainyard, `rebalance = "off"`, the layout with the smallest slowest stage over
+                 every split of the layers, by brute force on the costs the run measured
+    torch even   torch.distributed.pipelining's Schedule1F1B, the layers split evenly by count
+
+The figures are throughput (samples/s over the steps of each phase, the slowest rank's
+wall time) and the ratios the goals name; a migration step is compared with the mean of
+the three steps before and the three after it.
+
+    trainyard bench pipeline [--json] [--rounds 2] [--steps 12]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import time
+
+import torch
+from torch import nn
+
+STAGES = 4
+BATCH, MICRO = 128, 4
+HIDDEN, DEPTH, CLASSES = 384, 12, 4096
+THRESHOLD, CHECK_AT = 0.2, 4
+
+
+def bench_model(hidden: int = HIDDEN, depth: int = DEPTH, classes: int = CLASSES, seed: int = 0):
+    """`depth` equal hidden layers and a head `classes / hidden` times as costly as one of them."""
+    from engine.models import LayerList
+    torch.manual_seed(seed)
+    layers = []
+    for i in range(depth):
+        layers += [(f"fc{i}", nn.Linear(hidden, hidden)), (f"act{i}", nn.ReLU())]
+    return LayerList(layers + [("head", nn.Linear(hidden, classes))])
+
+
+def skewed_layout(names: list[str]) -> list[list[str]]:
+    """Stages 0-2 hold one hidden layer each; the last holds the rest and the head."""
+    return [names[0:2], names[2:4], names[4:6], names[6:]]
+
+
+def even_layout(names: list[str]) -> list[list[str]]:
+    per, extra = divmod(len(names), STAGES)
+    out, start = [], 0
+    for s in range(STAGES):
+        size = per + (1 if s < extra else 0)
+        out.append(names[start:start + size])
+        start += size
+    return out
+
+
+def best_static(names: list[str], layer_ms: dict[str, float]) -> tuple[list[list[str]], float]:
+    """Every split of the layers into STAGES contiguous stages; the one with the smallest slowest stage."""
+    best, best_ms = None, float("inf")
+    for cuts in itertools.combinations(range(1, len(names)), STAGES - 1):
+        bounds = (0, *cuts, len(names))
+        stages = [names[a:b] for a, b in zip(bounds, bounds[1:])]
+        slowest = max(sum(layer_ms[n] for n in s) for s in stages)
+        if slowest < best_ms:
+            best, best_ms = stages, slowest
+    return best, best_ms
+
+
+def _batches(steps: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randn(BATCH, HIDDEN, generator=gen), torch.randint(0, CLASSES, (BATCH,), generator=gen))
+            for _ in range(steps)]
+
+
+def trainyard_job(topo, stages: list[list[str]], steps: int, rebalance: str) -> dict:
+    """One pipeline run; with `rebalance = "auto"` its first check is after step CHECK_AT."""
+    from engine.config import OptimConfig
+    from engine.devices import LedgerDevice
+    from engine.pipeline import PipelineStage
+    model = bench_model()
+    device = LedgerDevice(1 << 40)
+    stage = PipelineStage(model, stages, topo, device, OptimConfig(name="sgd", lr=0.01), MICRO, "1f1b",
+                          rebalance=rebalance, threshold=THRESHOLD, check_every=CHECK_AT)
+    step_ms, decision, migrated_at = [], None, None
+    for step, (x, y) in enumerate(_batches(steps), 1):
+        t0 = time.perf_counter()
+        stage.train_step(x, y)
+        if stage.take_migration() is not None:
+            migrated_at = step
+        found = stage.boundary(step) if decision is None else None
+        decision = decision or (found if found is not None and found.changed else None)
+        step_ms.append((time.perf_counter() - t0) * 1000)
+    stage.close()
+    return {"step_ms": step_ms, "stages": stage.stage_layers, "migrated_at": migrated_at,
+            "layer_ms": decision.layer_ms if decision else None}
+
+
+def _slowest(results: list[dict], lo: int, hi: int) -> float:
+    """Mean step ms over steps [lo, hi) (1-based), the slowest rank's."""
+    return max(statistics.mean(r["step_ms"][lo - 1:hi - 1]) for r in results)
+
+
+def run(rounds: int, steps: int) -> dict:
+    from engine.bench.torch_pipeline import torch_1f1b_job
+    from engine.procpool import DistPool
+    names = bench_model().names
+    rows: dict[str, list[float]] = {k: [] for k in ("before", "migration", "around", "after", "best", "torch")}
+    layouts = {}
+    with DistPool(STAGES, timeout_s=120) as pool:
+        for _ in range(rounds):
+            auto = pool.run(trainyard_job, timeout=600, stages=skewed_layout(names), steps=CHECK_AT + 2 + steps,
+                            rebalance="auto")
+            at = auto[0]["migrated_at"]
+            if at is None:
+                raise RuntimeError("the skewed start was not rebalanced at its first check")
+            layer_ms = next(r["layer_ms"] for r in auto if r["layer_ms"])
+            rows["before"].append(_slowest(auto, 2, at))   # step 1 warms up
+            rows["migration"].append(max(r["step_ms"][at - 1] for r in auto))
+            rows["around"].append(statistics.mean([_slowest(auto, at - 3, at), _slowest(auto, at + 1, at + 4)]))
+            rows["after"].append(_slowest(auto, at + 1, len(auto[0]["step_ms"]) + 1))
+            layouts["after"] = auto[0]["stages"]
+            layouts["best"], layouts["best_modelled_ms"] = best_static(names, layer_ms)
+            best = pool.run(trainyard_job, timeout=600, stages=layouts["best"], steps=steps + 1, rebalance="off")
+            rows["best"].append(_slowest(best, 2, steps + 2))
+            layouts["torch"] = even_layout(names)
+            torch_run = pool.run(torch_1f1b_job, timeout=600, build="engine.bench.pipeline:bench_model",
+                                 build_kwargs={}, stage_layers=layouts["torch"], micro_batches=MICRO,
+                                 batches=_batches(steps + 1), optim={"name": "sgd", "lr": 0.01}, warmup=1)
+            rows["torch"].append(max(statistics.mean(r["step_ms"]) for r in torch_run))
+    ms = {k: statistics.median(v) for k, v in rows.items()}
+    thr = {k: BATCH / ms[k] * 1000 for k in ("before", "after", "best", "torch", "migration")}
+    return {"stages": STAGES, "batch": BATCH, "micro_batches": MICRO, "rounds": rounds, "steps": steps,
+            "step_ms": {k: round(v, 2) for k, v in ms.items()},
+            "samples_per_s": {k: round(v, 1) for k, v in thr.items()},
+            "after_over_before": round(ms["before"] / ms["after"], 3),
+            "after_over_best_static": round(ms["best"] / ms["after"], 3),
+            "after_over_torch_even": round(ms["torch"] / ms["after"], 3),
+            "migration_step_over_around": round(ms["around"] / ms["migration"], 3),
+            "layouts": {"skewed": skewed_layout(names), **layouts}}
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="trainyard bench pipeline")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--rounds", type=int, default=2, help="repeat every variant this often (median)")
+    parser.add_argument("--steps", type=int, default=12, help="measured steps per variant")
+    args = parser.parse_args(argv)
+    report = run(args.rounds, args.steps)
+    goals = {"after >= 1.3x before": report["after_over_before"] >= 1.3,
+             "after >= 0.95x best static": report["after_over_best_static"] >= 0.95,
+             "after >= 1.0x torch even split": report["after_over_torch_even"] >= 1.0,
+             "migration step >= 0.5x the steps around it": report["migration_step_over_around"] >= 0.5}
+    report["goals"] = goals
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+    table = Table(title=f"pipeline: {STAGES} stages on the CPU (simulated devices), batch {BATCH}, "
+                        f"{MICRO} micro-batches, 1F1B, median of {args.rounds} rounds")
+    for col in ("variant", "step ms", "samples/s", "layout (layers per stage)"):
+        table.add_column(col, justify="left" if col in ("variant", "layout (layers per stage)") else "right")
+    lay = report["layouts"]
+    for key, label, layout in (("before", "before (skewed)", lay["skewed"]), ("migration", "migration step", None),
+                               ("after", "after auto rebalance", lay["after"]), ("best", "best static", lay["best"]),
+                               ("torch", "torch Schedule1F1B even", lay["torch"])):
+        table.add_row(label, f"{report['step_ms'][key]:.1f}", f"{report['samples_per_s'][key]:.0f}",
+                      "" if layout is None else " | ".join(str(len(s)) for s in layout))
+    Console().print(table)
+    print(f"after/before {report['after_over_before']:.3f}, after/best static {report['after_over_best_static']:.3f}, "
+          f"after/torch even {report['after_over_torch_even']:.3f}, migration step/around "
+          f"{report['migration_step_over_around']:.3f}")
+    print("goals: " + ", ".join(f"{k} {'met' if v else 'MISSED'}" for k, v in goals.items()))
+    return 0

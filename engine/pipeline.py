@@ -57,6 +57,7 @@ from engine.config import OptimConfig, UpdateConfig
 from engine.ddp import cross_entropy, params_by_layer
 from engine.hybrid import HybridUpdater
 from engine.migration import Migration
+from engine.optim import make_optimizer
 from engine.partition import Cluster, uniform
 from engine.rebalance import LayerClock, Rebalancer
 
@@ -166,6 +167,9 @@ class PipelineStage:
         self._set_layout(stage_layers)
         by_layer = params_by_layer(model, only={id(p) for p in self.ledger_module.parameters()})
         self.updater = HybridUpdater(model, by_layer, optim_cfg, device, update_cfg or UpdateConfig())
+        # torch builds its first optimizer slowly (1.8 s measured here: lazy imports); a stage that starts
+        # without parameters would pay that inside the step in which layers migrate to it
+        make_optimizer(optim_cfg, [torch.nn.Parameter(torch.zeros(1))])
         self.loss_rank = self.stages - 1   # the rank whose loss is the step's
         self.optimizer = self.updater
         self.timings = {"fwd_ms": 0.0, "bwd_ms": 0.0, "optim_ms": 0.0}
@@ -260,6 +264,7 @@ class PipelineStage:
         ranges = [(self.start, self.end)]
         if move is not None:
             move.start()
+            move.receive_state()   # first, and completed: see engine/migration.py
             ranges.append(check_stages(self.model.names, move.new)[self.rank])
         with self.device.ledger.saved_activations():
             for op, i in schedule_ops(self.schedule, self.stages, self.rank, m):
@@ -270,8 +275,6 @@ class PipelineStage:
                         inp = x[i * size:(i + 1) * size].to(dev)
                     else:
                         inp = self._recv(self.prev, FWD_TAG, new_layout).requires_grad_(True)
-                    if new_layout:
-                        move.receive_state()   # the arriving layers' weights, before their first use here
                     start, end = ranges[1] if new_layout else ranges[0]
                     out = self.clock.forward(self.model.layers, start, end, inp)
                     if self.is_last:

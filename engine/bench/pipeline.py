@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 STAGES = 4
-BATCH, MICRO = 128, 4
+BATCH, MICRO = 128, 8
 HIDDEN, DEPTH, CLASSES = 384, 12, 4096
 THRESHOLD, CHECK_AT = 0.2, 4
 
@@ -47,7 +47,7 @@ def bench_model(hidden: int = HIDDEN, depth: int = DEPTH, classes: int = CLASSES
 
 def skewed_layout(names: list[str]) -> list[list[str]]:
     """Stages 0-2 hold one hidden layer each; the last holds the rest and the head."""
-    return [names[0:2], names[2:4], names[4:6], names[6:]]
+    return [names[0:1], names[1:2], names[2:3], names[3:]]
 
 
 def even_layout(names: list[str]) -> list[list[str]]:

@@ -64,6 +64,7 @@ from engine.rebalance import LayerClock, Rebalancer
 SCHEDULES = ("gpipe", "1f1b")
 HEADER_LEN = 8
 FWD_TAG, BWD_TAG = 0, 1
+TIME_EVERY = 4   # a stage times its layers on every 4th step (and before each automatic check)
 
 
 def check_stages(names: list[str], stage_layers: list[list[str]], world_size: int | None = None,
@@ -174,6 +175,8 @@ class PipelineStage:
         self.optimizer = self.updater
         self.timings = {"fwd_ms": 0.0, "bwd_ms": 0.0, "optim_ms": 0.0}
         self.clock = LayerClock(model.names)
+        self.clock.armed = rebalance != "off"
+        self._steps = 0   # steps run, for the clock's sampling
         self.rebalancer = Rebalancer(model, topo, rebalance, threshold, check_every)
         self.commands = ("pause", "resume", "stop", "checkpoint", "set-placement") + \
             (("rebalance",) if rebalance != "off" else ())
@@ -303,6 +306,7 @@ class PipelineStage:
             self.migration, self._move = move, None
         else:
             self.clock.end_step()
+        self._steps += 1
         t0 = time.perf_counter()
         self.updater.end_backward()
         optim_s = time.perf_counter() - t0
@@ -321,12 +325,16 @@ class PipelineStage:
     def boundary(self, step: int, requested: bool = False):
         """Every rank, at every step boundary. A check when one is due (or `requested`): the Decision,
         whose layout (if changed) the next step migrates to; otherwise None."""
-        if self.pending is not None or not self.rebalancer.due(step, requested):
-            return None
-        decision = self.rebalancer.check(step, self.clock, self.stage_layers, requested)
-        self.threshold_ms = decision.threshold_ms
-        if decision.changed:
-            self.pending = decision.stages
+        decision = None
+        if self.pending is None and self.rebalancer.due(step, requested):
+            decision = self.rebalancer.check(step, self.clock, self.stage_layers, requested)
+            self.threshold_ms = decision.threshold_ms
+            if decision.changed:
+                self.pending = decision.stages
+        # time every TIME_EVERY-th step, and always the step before an automatic check
+        r = self.rebalancer
+        self.clock.armed = r.mode != "off" and (self._steps % TIME_EVERY == 0 or (
+            r.mode == "auto" and (step + 1) % r.check_every == 0))
         return decision
 
     def take_migration(self) -> Migration | None:

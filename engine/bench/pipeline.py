@@ -1,8 +1,9 @@
 """`trainyard bench pipeline`: a skewed pipeline, rebalanced live, against static layouts and torch's.
 
-Four stages (one worker process each, gloo on the CPU) train an MLP whose head is several
-times heavier than its hidden layers, starting from a skewed layout (the last stage holds
-most of the work). Side by side in one invocation, in rounds (so drift hits all alike):
+Four stages (one worker process each, gloo on the CPU) train an MLP with a heavy head:
+a trunk of narrow layers, then wide layers (each 8x a trunk layer's work) before the
+classifier, so an even split by layer count leaves the last stage with most of the work.
+The run starts from a skewed layout (the last stage holds all but three layers). Side by side in one invocation, in rounds (so drift hits all alike):
 
     before       trainyard, the skewed layout, `rebalance = "auto"`, until its first check
     migration    the step during which the layers move (the check's decision, live)
@@ -30,18 +31,20 @@ import torch
 from torch import nn
 
 STAGES = 4
-BATCH, MICRO = 128, 8
-HIDDEN, DEPTH, CLASSES = 384, 12, 4096
+BATCH, MICRO = 128, 4
+HIDDEN, DEPTH, WIDE, CLASSES = 256, 16, 2048, 10
 THRESHOLD, CHECK_AT = 0.2, 4
 
 
-def bench_model(hidden: int = HIDDEN, depth: int = DEPTH, classes: int = CLASSES, seed: int = 0):
-    """`depth` equal hidden layers and a head `classes / hidden` times as costly as one of them."""
+def bench_model(hidden: int = HIDDEN, depth: int = DEPTH, wide: int = WIDE, classes: int = CLASSES, seed: int = 0):
+    """`depth` narrow layers, then two wide pairs (hidden -> wide -> hidden), then the classifier."""
     from engine.models import LayerList
     torch.manual_seed(seed)
     layers = []
     for i in range(depth):
         layers += [(f"fc{i}", nn.Linear(hidden, hidden)), (f"act{i}", nn.ReLU())]
+    for j in range(2):
+        layers += [(f"up{j}", nn.Linear(hidden, wide)), (f"wact{j}", nn.ReLU()), (f"down{j}", nn.Linear(wide, hidden))]
     return LayerList(layers + [("head", nn.Linear(hidden, classes))])
 
 

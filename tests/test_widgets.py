@@ -265,8 +265,14 @@ def test_event_log_formats_commands_and_events():
                        "status": "applied"})
         log.add_event({"type": "event", "kind": "checkpoint", "step": 100, "path": "runs/x/step_000100"})
         log.add_text("connection lost", "red")
+        log.add_event({"type": "event", "kind": "rebalance", "step": 10, "reason": "auto",
+                       "stages": [["a", "b"], ["c"]], "stage_ms": [1.0, 7.5], "predicted_ms": [4.0, 4.5]})
+        log.add_event({"type": "event", "kind": "migration", "step": 11, "bytes": 2048, "duration_ms": 12.4,
+                       "moves": [{"layer": "b", "from_stage": 1, "to_stage": 0}], "stages": [["a", "b"], ["c"]]})
         await pilot.pause()
         lines = ["".join(segment.text for segment in strip) for strip in log.lines]
+        assert "auto: slowest stage 7.5 -> 4.5 ms, new stages 2|1 layers" in lines[4]
+        assert "1 layer(s) moved (b 1→0), 2.0 KiB in 12 ms; stages 2|1" in lines[5]
         assert "set-policy fc9 recompute rejected: unknown layer 'fc9'" in lines[0]
         assert "step      7" in lines[0]
         assert "pause applied at step 8" in lines[1]

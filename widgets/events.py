@@ -18,6 +18,7 @@ TAG_WIDTH = 10
 KIND_STYLES = {
     "checkpoint": "bold cyan", "restart": "bold #ffb000", "resume": "bold blue", "eval": "bold magenta",
     "memory_over_capacity": "bold red", "stop": "bold #ffb000", "command": "bold green",
+    "rebalance": "bold #ffb000", "migration": "bold #ffb000",
 }
 TAGS = {"memory_over_capacity": "memory"}
 
@@ -43,9 +44,24 @@ def describe(event: dict) -> tuple[str, str]:
         command = " ".join([str(event.get("name", "?")), *map(str, event.get("args") or [])])
         if event.get("status") == "rejected":
             return "bold red", f"{command} rejected: {event.get('reason', 'no reason given')}"
-        return style, f"{command} applied at step {event.get('step')}"
+        detail = f" ({event['reason']})" if event.get("reason") else ""
+        return style, f"{command} applied at step {event.get('step')}{detail}"
+    if kind == "rebalance":
+        now, then = event.get("stage_ms") or [0], event.get("predicted_ms") or [0]
+        return style, (f"{event.get('reason', '?')}: slowest stage {max(now):.1f} -> {max(then):.1f} ms, "
+                       f"new stages {_sizes(event.get('stages'))} layers; migrating next step")
+    if kind == "migration":
+        moves = event.get("moves") or []
+        moved = ", ".join(f"{m.get('layer')} {m.get('from_stage')}→{m.get('to_stage')}" for m in moves[:6])
+        more = f" +{len(moves) - 6} more" if len(moves) > 6 else ""
+        return style, (f"{len(moves)} layer(s) moved ({moved}{more}), {human_bytes(event.get('bytes'))} "
+                       f"in {event.get('duration_ms', 0):.0f} ms; stages {_sizes(event.get('stages'))}")
     extra = {k: v for k, v in event.items() if k not in ("schema", "time", "type", "kind", "step", "v")}
     return style, " ".join(f"{k}={v}" for k, v in extra.items())
+
+
+def _sizes(stages) -> str:
+    return "|".join(str(len(s)) for s in stages or [])
 
 
 class EventLog(RichLog):

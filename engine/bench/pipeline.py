@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 STAGES = 4
-BATCH, MICRO = 128, 4
+BATCH, MICRO = 256, 8
 HIDDEN, DEPTH, WIDE, CLASSES = 256, 16, 2048, 10
 THRESHOLD, CHECK_AT = 0.2, 4
 

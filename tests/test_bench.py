@@ -8,6 +8,7 @@ import pytest
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.slow   # 45 s; `trainyard bench telemetry` itself is what it runs
 def test_bench_telemetry_reports_ratios_as_json(cli):
     r = cli.run("bench", "telemetry", "--json", "--rounds", "1", "--steps", "400", "--warmup", "20", timeout=170)
     assert r.returncode == 0, r.stderr

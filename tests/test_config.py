@@ -356,3 +356,9 @@ def test_pipeline_settings_are_checked_against_each_other():
     assert error_of({"parallel": {**pipe, "rebalance_check_every": 0}}).startswith("parallel.rebalance_check_every = 0")
     assert error_of({"parallel": {**pipe, "partition": [["fc0"], []]}}).startswith("parallel.partition = ")
     assert error_of({"parallel": {**pipe, "partition": "unifrom"}}).endswith('(did you mean "uniform"?)')
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "demo" / "configs").glob("*.toml")), ids=lambda p: p.name)
+def test_every_demo_config_loads(path):
+    cfg = load_config(path)
+    assert cfg.run.name and cfg.parallel.world_size >= 1

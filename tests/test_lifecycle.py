@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
 
 from engine.checkpoint import list_checkpoints, load_file, model_state, verify
-from tests.conftest import ROOT, pid_alive, read_jsonl, wait_for
+from tests.conftest import CLI, ROOT, pid_alive, read_jsonl, wait_for
 from tests.test_training import single_process_reference
 
 DEMO = str(ROOT / "demo" / "configs" / "digits_ddp.toml")
@@ -28,7 +31,8 @@ def read_pid(run_dir, who: str) -> int | None:
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("strategy", ["ddp", "sharded"])
+# sharded: its resume parity runs in CI; the pipeline's restart is in tests/test_rebalance.py
+@pytest.mark.parametrize("strategy", ["ddp", pytest.param("sharded", marks=pytest.mark.slow)])
 def test_a_worker_killed_by_sigkill_is_restarted_and_the_run_completes(cli, strategy):
     log = cli.tmp_path / "run.jsonl"
     run_dir = cli.tmp_path / "runs" / "killed"
@@ -80,12 +84,27 @@ def test_a_signal_to_the_launcher_stops_every_process_with_a_final_checkpoint(cl
     assert stops and stops[0]["step"] == manifest["step"]
 
 
-@pytest.fixture
-def finished_run(cli):
-    result = cli.run("run", DEMO, "--headless", "--steps", "10", *cli.base_args("done"),
-                     "--set", "checkpoint.every=5")
+@pytest.fixture(scope="module")
+def finished_template(tmp_path_factory):
+    """One finished 10-step run for the module; each test gets its own copy."""
+    root = tmp_path_factory.mktemp("finished")
+    runtime = Path(tempfile.mkdtemp(prefix="ty", dir="/tmp"))
+    runner = CLI(root, runtime)
+    try:
+        result = runner.run("run", DEMO, "--headless", "--steps", "10", *runner.base_args("done"),
+                            "--set", "checkpoint.every=5")
+    finally:
+        runner.reap()
+        shutil.rmtree(runtime, ignore_errors=True)
     assert result.returncode == 0, result.stderr
-    return cli.tmp_path / "runs" / "done"
+    return root / "runs" / "done"
+
+
+@pytest.fixture
+def finished_run(cli, finished_template):
+    target = cli.tmp_path / "runs" / "done"
+    shutil.copytree(finished_template, target)
+    return target
 
 
 @pytest.mark.timeout(90)

@@ -16,7 +16,11 @@ from engine.models import build_model
 from engine.pipeline import PipelineStage
 from engine.procpool import DistPool
 from engine.rebalance import LayerClock, decide
-from tests.test_pipeline import META, _batches, _optim, reference
+from engine.config import Config
+from engine.data import batch_for, load_dataset
+from engine.ddp import cross_entropy
+from engine.optim import make_optimizer
+from tests.test_pipeline import BATCH, META, _optim
 
 MODEL = ModelConfig(name="mlp", hidden=32, depth=3)
 NAMES = ["fc0", "act0", "fc1", "act1", "fc2", "act2", "head"]
@@ -27,7 +31,32 @@ LAYOUTS = {
     4: [([NAMES[:1], NAMES[1:2], NAMES[2:3], NAMES[3:]], [NAMES[:4], NAMES[4:5], NAMES[5:6], NAMES[6:]]),
         ([NAMES[:4], NAMES[4:5], NAMES[5:6], NAMES[6:]], [NAMES[:1], NAMES[1:3], NAMES[3:5], NAMES[5:]])],
 }
+STATIC_4 = [NAMES[:2], NAMES[2:4], NAMES[4:6], NAMES[6:]]   # k = 4 without a migration, both schedules
 MIGRATE_BEFORE = 6   # the forced migration runs during step 7 (steps count from 1)
+STEPS = 20
+_DATA: dict = {}
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    if "b" not in _DATA:
+        cfg = Config()
+        ds = load_dataset(cfg.data, cfg.run.seed)
+        _DATA["b"] = [batch_for(ds, step, BATCH, cfg.run.seed) for step in range(STEPS)]
+    return _DATA["b"]
+
+
+def reference(optim: str) -> tuple[dict, list[float]]:
+    """One process, the same global batches, one update per batch: what every layout must equal."""
+    model = build_model(MODEL, META, seed=0)
+    opt = make_optimizer(_optim(optim), model.parameters())
+    losses = []
+    for x, y in _batches():
+        opt.zero_grad()
+        loss = cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
 
 
 def migrating_job(topo, variants) -> list[dict]:
@@ -70,6 +99,9 @@ def check_migrated(results, variants):
             torch.testing.assert_close(merged[name], ref_state[name], atol=1e-5, rtol=0,
                                        msg=lambda m, name=name: f"{optim}/{schedule}/{micro} {name}: {m}")
         torch.testing.assert_close(results[-1][k]["losses"], ref_losses, atol=1e-5, rtol=0)
+        if start == then:
+            assert all(not per_rank[k]["moved"] for per_rank in results)
+            continue
         moves = {n: (a, b) for per_rank in results for (step, ms, _) in per_rank[k]["moved"] for n, a, b in ms}
         assert all(step == MIGRATE_BEFORE + 1 for per_rank in results for step, _, _ in per_rank[k]["moved"])
         want = {n: (s, t) for s, names in enumerate(start) for n in names
@@ -80,13 +112,14 @@ def check_migrated(results, variants):
 
 
 def _variants(world):
+    static = [("sgd", "1f1b", 4, (STATIC_4, STATIC_4)), ("adamw", "gpipe", 4, (STATIC_4, STATIC_4))]
     return [(o, s, m, lay) for lay in LAYOUTS[world] for (o, s, m) in
-            (("adamw", "1f1b", 4), ("sgd", "gpipe", 4), ("adamw", "gpipe", 1))]
+            (("adamw", "1f1b", 4), ("sgd", "gpipe", 4), ("adamw", "gpipe", 1))] + (static if world == 4 else [])
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("world", [2, 4])
-def test_a_migration_during_step_7_leaves_training_equal_to_one_process(world):
+@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.slow), 4])
+def test_20_steps_with_a_migration_during_step_7_equal_one_process(world):
     with DistPool(world, timeout_s=30) as pool:
         variants = _variants(world)
         results = pool.run(migrating_job, timeout=150, variants=variants)
@@ -118,7 +151,8 @@ def peer_dies_in_migration(topo, how: str, schedule: str) -> dict:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("how, schedule", [("exit", "gpipe"), ("hang", "1f1b")])
+@pytest.mark.parametrize("how, schedule", [("exit", "gpipe"), pytest.param("exit", "1f1b", marks=pytest.mark.slow),
+                                           pytest.param("hang", "1f1b", marks=pytest.mark.slow)])
 def test_a_migration_whose_peer_dies_fails_within_the_collective_timeout(how, schedule):
     timeout_s = 4.0
     pool = DistPool(2, timeout_s=timeout_s)
@@ -253,6 +287,24 @@ def test_the_rebalance_command_answers_with_the_step_the_new_layout_took_effect(
     assert verify(list_checkpoints(cli.tmp_path / "runs" / "steer")[-1])["layout"]["stages"] == moved["stages"]
 
 
+def test_the_hub_refuses_a_rebalance_when_off_or_while_one_is_in_flight(tmp_path):
+    from engine.config import config_from_dict
+    from engine.telemetry import RankZeroTelemetry
+    from engine.worker import Job
+    job = Job(config=config_from_dict({"telemetry": {"hub": False}}), telemetry_log=tmp_path / "t.jsonl",
+              headless=False)
+    base = {"mode": "pipeline", "layers": NAMES, "capabilities": ["pause", "stop"]}
+    off = RankZeroTelemetry(job, base, 0)
+    assert off._validate("rebalance", []) == 'rebalancing is off in this run (parallel.rebalance = "off")'
+    on = RankZeroTelemetry(job, {**base, "capabilities": ["pause", "stop", "rebalance"]}, 0)
+    assert on._validate("rebalance", []) is None
+    on.rebalancing = "decided at step 10"
+    assert on._validate("rebalance", []) == "a rebalance is already in flight (decided at step 10)"
+    ddp = RankZeroTelemetry(job, {**base, "mode": "ddp"}, 0)
+    assert ddp._validate("rebalance", []) == "rebalance is not available in mode ddp"
+
+
+@pytest.mark.slow   # the same refusal, through a live run and `trainyard ctl`
 @pytest.mark.timeout(90)
 def test_the_rebalance_command_is_refused_when_rebalancing_is_off(cli):
     from tests.test_control import ctl, start_live
@@ -297,3 +349,45 @@ def test_a_worker_killed_around_a_migration_restarts_from_a_checkpoint_with_a_va
     want = single_process_reference(SKEWED[1::2][2:], 40)
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-5, msg=name)
+
+
+def balanced_job(topo) -> dict:
+    """`partition = "balanced"`: the last stage profiles the model at the first step; every rank takes
+    the same (valid) layout, and training still equals one process."""
+    model = build_model(MODEL, META, seed=0)
+    device = LedgerDevice(1 << 30)
+    stage = PipelineStage(model, "balanced", topo, device, _optim("sgd"), 4, "1f1b", rebalance="manual")
+    device.ledger.track_module(stage.ledger_module, stage.optimizer)
+    losses = [stage.train_step(x, y) for x, y in _batches()]
+    stage.sync()
+    out = {"state": {k: v.detach().clone() for k, v in stage.stage_state().items()}, "losses": losses,
+           "stages": stage.stage_layers}
+    stage.close()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_a_balanced_start_is_one_layout_on_every_rank_and_trains_like_one_process():
+    with DistPool(2, timeout_s=30) as pool:
+        results = pool.run(balanced_job, timeout=90)
+    assert results[0]["stages"] == results[1]["stages"]
+    assert [n for s in results[0]["stages"] for n in s] == NAMES and all(results[0]["stages"])
+    ref_state, ref_losses = reference("sgd")
+    merged = {**results[0]["state"], **results[1]["state"]}
+    for name in ref_state:
+        torch.testing.assert_close(merged[name], ref_state[name], atol=1e-5, rtol=0)
+    torch.testing.assert_close(results[1]["losses"], ref_losses, atol=1e-5, rtol=0)
+
+
+def test_the_bench_finds_the_best_static_split_by_brute_force():
+    from engine.bench.pipeline import best_static, bench_model, even_layout, skewed_layout
+    from engine.partition import Cluster, partition
+    names = bench_model().names
+    assert [len(s) for s in even_layout(names)] == [10, 10, 10, 9]
+    assert [len(s) for s in skewed_layout(names)] == [1, 1, 1, 36]
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(5):
+        ms = dict(zip(names, (torch.rand(len(names), generator=gen) * 10).tolist()))
+        stages, slowest = best_static(names, ms)
+        exact = partition([Cluster((n,), ms[n], 0) for n in names], 4)
+        assert slowest == pytest.approx(exact.max_ms) and [n for s in stages for n in s] == names

@@ -233,7 +233,7 @@ def peer_fails_before_its_broadcast(topo, how: str, steps: int = 6) -> dict:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("how", ["exit", "hang"])
+@pytest.mark.parametrize("how", ["exit", pytest.param("hang", marks=pytest.mark.slow)])
 def test_a_slice_whose_peer_failed_is_an_error_within_the_collective_timeout(how):
     timeout_s = 4.0
     pool = DistPool(2, timeout_s=timeout_s)

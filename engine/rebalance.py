@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from engine.partition import Cluster, Layout, clusters_from, partition, stage_times, threshold_in_ms
+from engine.partition import Layout, clusters_from, partition, stage_times, threshold_in_ms
 from engine.profiler import _first_tensor
 
 MODES = ("auto", "manual", "off")

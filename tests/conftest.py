@@ -106,3 +106,19 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):
             return value
         time.sleep(interval)
     pytest.fail(f"timed out after {timeout}s waiting for {what}")
+
+
+def train_one_process(model, optim_cfg, batches) -> tuple[dict, list[float]]:
+    """The reference every parallel layout must equal: one process, one update per whole global batch.
+    Returns the final state_dict and each step's loss."""
+    from engine.ddp import cross_entropy
+    from engine.optim import make_optimizer
+    opt = make_optimizer(optim_cfg, model.parameters())
+    losses = []
+    for x, y in batches:
+        opt.zero_grad()
+        loss = cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses

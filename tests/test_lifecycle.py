@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.checkpoint import list_checkpoints, load_file, model_state, verify
+from engine.checkpoint import list_checkpoints, model_state, verify
 from tests.conftest import CLI, ROOT, pid_alive, read_jsonl, wait_for
 from tests.test_training import single_process_reference
 
@@ -166,9 +166,11 @@ def test_a_hung_peer_becomes_an_error_within_the_collective_timeout(cli):
     wait_for(lambda: steps_logged(log) >= 3, 40, "step 3")
     pids = [read_pid(run_dir, who) for who in ("rank0", "rank1")]
     os.kill(pids[1], signal.SIGSTOP)          # alive but silent: only a timeout can notice
+    # the collective times out after 3 s and rank 0 fails; then the peer wakes, and the agent's SIGTERM
+    # ends it (left stopped, it would get torch's fixed 30 s grace before SIGKILL: the same end, later)
+    wait_for(lambda: not pid_alive(pids[0]), 30, "rank 0 to fail on the timeout")
+    os.kill(pids[1], signal.SIGCONT)
     try:
-        # the collective times out after 3 s; the agent then gives the silent peer
-        # torch's fixed 30 s grace before SIGKILL
         out, err = proc.communicate(timeout=60)
     except subprocess.TimeoutExpired:
         pytest.fail("a hung peer hung the run")

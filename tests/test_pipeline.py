@@ -8,12 +8,11 @@ import torch
 
 from engine.config import Config, ModelConfig, OptimConfig
 from engine.data import batch_for, load_dataset
-from engine.ddp import cross_entropy
 from engine.devices import LedgerDevice
 from engine.models import Block, LayerList, build_model
-from engine.optim import make_optimizer
 from engine.pipeline import PipelineStage, check_stages, schedule_ops, split_micro
 from engine.procpool import DistPool
+from tests.conftest import train_one_process
 
 STEPS = 10
 BATCH = 32
@@ -72,16 +71,7 @@ def bad_batch_job(topo) -> str:
 # --- the reference: one process, no pipeline -------------------------------------------------
 
 def reference(optim: str) -> tuple[dict, list[float]]:
-    model = build_model(MODEL, META, seed=0)
-    opt = make_optimizer(_optim(optim), model.parameters())
-    losses = []
-    for x, y in _batches():
-        opt.zero_grad()
-        loss = cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
+    return train_one_process(build_model(MODEL, META, seed=0), _optim(optim), _batches())
 
 
 def check(results: list[list[dict]], variants: list) -> None:
@@ -206,9 +196,9 @@ def test_schedules():
 # --- the pipeline strategy through the CLI -------------------------------------------------------
 
 @pytest.mark.timeout(120)
-# world 2 / 1f1b runs through the CLI in tests/test_rebalance.py (with a migration)
-@pytest.mark.parametrize("world,schedule,optim", [pytest.param(2, "1f1b", "adamw", marks=pytest.mark.slow),
-                                                  (3, "gpipe", "sgd")])
+# the CLI path (parity, schema, stages, evaluation across stages) runs in CI in tests/test_rebalance.py
+@pytest.mark.slow
+@pytest.mark.parametrize("world,schedule,optim", [(2, "1f1b", "adamw"), (3, "gpipe", "sgd")])
 def test_a_pipeline_run_equals_one_process_and_reports_its_stages(cli, world, schedule, optim):
     from engine.checkpoint import list_checkpoints, model_state
     from tests.conftest import read_jsonl

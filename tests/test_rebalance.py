@@ -15,11 +15,10 @@ from engine.devices import LedgerDevice
 from engine.models import build_model
 from engine.pipeline import PipelineStage
 from engine.procpool import DistPool
+from tests.conftest import train_one_process
 from engine.rebalance import LayerClock, decide
 from engine.config import Config
 from engine.data import batch_for, load_dataset
-from engine.ddp import cross_entropy
-from engine.optim import make_optimizer
 from tests.test_pipeline import BATCH, META, _optim
 
 MODEL = ModelConfig(name="mlp", hidden=32, depth=3)
@@ -46,18 +45,7 @@ def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def reference(optim: str) -> tuple[dict, list[float]]:
-    """One process, the same global batches, one update per batch: what every layout must equal."""
-    model = build_model(MODEL, META, seed=0)
-    opt = make_optimizer(_optim(optim), model.parameters())
-    losses = []
-    for x, y in _batches():
-        opt.zero_grad()
-        loss = cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
-
+    return train_one_process(build_model(MODEL, META, seed=0), _optim(optim), _batches())
 
 def migrating_job(topo, variants) -> list[dict]:
     out = []
@@ -247,6 +235,17 @@ def test_auto_rebalancing_moves_layers_live_and_training_equals_one_process(cli)
     got = model_state(last)
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-5, msg=name)
+    # rank 0 evaluated the whole model with every stage's weights, after the layers moved
+    from engine.config import load_config
+    from engine.data import load_dataset
+    from engine.models import build_model
+    cfg = load_config(DEMO, SKEWED[1::2][2:])
+    ds = load_dataset(cfg.data, cfg.run.seed)
+    model = build_model(cfg.model, ds.meta, cfg.run.seed)
+    model.load_state_dict(want)
+    with torch.no_grad():
+        accuracy = float((model(ds.x_test).argmax(dim=-1) == ds.y_test).float().mean())
+    assert records[-1]["type"] == "summary" and records[-1]["test_accuracy"] == pytest.approx(accuracy, abs=1e-6)
 
     # resume: the run goes on in the checkpoint's layout, whatever the config's partition says
     log2 = cli.tmp_path / "run2.jsonl"

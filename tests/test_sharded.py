@@ -11,20 +11,16 @@ import os
 import time
 
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.checkpoint import list_checkpoints, model_state
 from engine.config import Config
 from engine.data import batch_for, load_dataset
 from engine.ddp import DDPStrategy
 from engine.devices import LedgerDevice
 from engine.models import build_model
 from engine.sharded import ShardedStrategy, assign_owners, cut, plan_slices
-from tests.conftest import read_jsonl
 from engine.procpool import DistPool
-from tests.test_training import DEMO, single_process_reference
 
 # --- the plan ---------------------------------------------------------------------------
 

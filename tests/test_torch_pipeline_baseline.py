@@ -9,9 +9,8 @@ import torch
 
 from engine.bench.torch_pipeline import _Stage, mlp, torch_1f1b_job
 from engine.config import OptimConfig
-from engine.ddp import cross_entropy
-from engine.optim import make_optimizer
 from engine.procpool import DistPool
+from tests.conftest import train_one_process
 
 STEPS, BATCH, MICRO = 5, 32, 4
 BUILD = "engine.bench.torch_pipeline:mlp"
@@ -30,16 +29,7 @@ def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def reference(optim: str) -> tuple[dict, list[float]]:
     """One process, no pipeline: one optimizer step per whole batch."""
-    model = mlp(**KWARGS)
-    opt = make_optimizer(OptimConfig(**OPTIMS[optim]), model.parameters())
-    losses = []
-    for x, y in _batches():
-        opt.zero_grad()
-        loss = cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
+    return train_one_process(mlp(**KWARGS), OptimConfig(**OPTIMS[optim]), _batches())
 
 
 def check(pool: DistPool, optim: str, schedule: str, warmup: int = 0) -> None:

@@ -177,6 +177,7 @@ class PipelineStage:
         self.clock = LayerClock(model.names)
         self.clock.armed = rebalance != "off"
         self._steps = 0   # steps run, for the clock's sampling
+        self._deferred = False   # an operator's check waits for one timed step
         self.rebalancer = Rebalancer(model, topo, rebalance, threshold, check_every)
         self.commands = ("pause", "resume", "stop", "checkpoint", "set-placement") + \
             (("rebalance",) if rebalance != "off" else ())
@@ -304,6 +305,8 @@ class PipelineStage:
             self.device.ledger.retrack(self.ledger_module)
             self.clock.take()   # the next check measures the new layout only
             self.migration, self._move = move, None
+        elif self._steps == 0:
+            self.clock.take()   # the first step pays one-off costs (allocations, lazy imports): not a cost
         else:
             self.clock.end_step()
         self._steps += 1
@@ -326,14 +329,17 @@ class PipelineStage:
         """Every rank, at every step boundary. A check when one is due (or `requested`): the Decision,
         whose layout (if changed) the next step migrates to; otherwise None."""
         decision = None
-        if self.pending is None and self.rebalancer.due(step, requested):
+        requested, self._deferred = requested or self._deferred, False
+        if requested and self.clock.steps == 0:   # nothing timed since the last change: time this step first
+            self._deferred = True
+        elif self.pending is None and self.rebalancer.due(step, requested):
             decision = self.rebalancer.check(step, self.clock, self.stage_layers, requested)
             self.threshold_ms = decision.threshold_ms
             if decision.changed:
                 self.pending = decision.stages
         # time every TIME_EVERY-th step, and always the step before an automatic check
         r = self.rebalancer
-        self.clock.armed = r.mode != "off" and (self._steps % TIME_EVERY == 0 or (
+        self.clock.armed = r.mode != "off" and (self._steps % TIME_EVERY == 0 or self._deferred or (
             r.mode == "auto" and (step + 1) % r.check_every == 0))
         return decision
 

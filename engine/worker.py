@@ -285,7 +285,7 @@ class Worker:
         elif name == "stop":
             self.stop_reason = "command"
         elif name == "rebalance" and hasattr(self.strategy, "boundary"):
-            if self.rebalance_requested or self.strategy.pending is not None:
+            if self.rebalance_requested or self.rebalance_command or self.strategy.pending is not None:
                 self.tel.reply(command, "rejected", reason="a rebalance is already in flight")
             else:   # answered once the check has run, or once the new layout has taken effect
                 self.rebalance_requested, self.rebalance_command = True, command

@@ -27,12 +27,13 @@ def _optim(name: str) -> OptimConfig:
     return OptimConfig(name=name, lr=0.05 if name == "sgd" else 0.01)
 
 
-def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    if "b" not in _DATA:
+def _batches(steps: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The first `steps` global batches of the default data (digits), computed once per count."""
+    if steps not in _DATA:
         cfg = Config()
         ds = load_dataset(cfg.data, cfg.run.seed)
-        _DATA["b"] = [batch_for(ds, step, BATCH, cfg.run.seed) for step in range(STEPS)]
-    return _DATA["b"]
+        _DATA[steps] = [batch_for(ds, step, BATCH, cfg.run.seed) for step in range(steps)]
+    return _DATA[steps]
 
 
 # --- jobs (run on every rank) ----------------------------------------------------------------

@@ -15,11 +15,10 @@ from engine.devices import LedgerDevice
 from engine.models import build_model
 from engine.pipeline import PipelineStage
 from engine.procpool import DistPool
-from tests.conftest import train_one_process
 from engine.rebalance import LayerClock, decide
-from engine.config import Config
-from engine.data import batch_for, load_dataset
-from tests.test_pipeline import BATCH, META, _optim
+from tests.conftest import train_one_process
+from tests.test_pipeline import META, _optim
+from tests.test_pipeline import _batches as pipeline_batches
 
 MODEL = ModelConfig(name="mlp", hidden=32, depth=3)
 NAMES = ["fc0", "act0", "fc1", "act1", "fc2", "act2", "head"]
@@ -33,19 +32,15 @@ LAYOUTS = {
 STATIC_4 = [NAMES[:2], NAMES[2:4], NAMES[4:6], NAMES[6:]]   # k = 4 without a migration, both schedules
 MIGRATE_BEFORE = 6   # the forced migration runs during step 7 (steps count from 1)
 STEPS = 20
-_DATA: dict = {}
 
 
 def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    if "b" not in _DATA:
-        cfg = Config()
-        ds = load_dataset(cfg.data, cfg.run.seed)
-        _DATA["b"] = [batch_for(ds, step, BATCH, cfg.run.seed) for step in range(STEPS)]
-    return _DATA["b"]
+    return pipeline_batches(STEPS)
 
 
 def reference(optim: str) -> tuple[dict, list[float]]:
     return train_one_process(build_model(MODEL, META, seed=0), _optim(optim), _batches())
+
 
 def migrating_job(topo, variants) -> list[dict]:
     out = []
@@ -197,8 +192,10 @@ def test_the_layer_clock_times_forward_and_backward_of_each_layer():
 
 # --- through the CLI ------------------------------------------------------------------------------
 
-SKEWED = ["--set", "parallel.strategy=pipeline", "--set", 'parallel.partition=[["fc0"], ["act0", "fc1", "act1", "head"]]',
-          "--set", "model.hidden=256"]
+# stage 1 holds two 512x512 layers, stage 0 one 64x512 layer: about 16 times the work, whatever the noise
+SKEWED = ["--set", "parallel.strategy=pipeline", "--set", "model.hidden=512", "--set", "model.depth=3", "--set",
+          'parallel.partition=[["fc0"], ["act0", "fc1", "act1", "fc2", "act2", "head"]]']
+MODEL_SETTINGS = ["model.hidden=512", "model.depth=3"]
 
 
 def _stages_of(step_record) -> list[list[str]]:
@@ -226,20 +223,19 @@ def test_auto_rebalancing_moves_layers_live_and_training_equals_one_process(cli)
         assert m["step"] == d["step"] + 1 and m["stages"] == d["stages"] and m["bytes"] > 0
         assert max(d["predicted_ms"]) < max(d["stage_ms"])
     steps = {rec["step"]: rec for rec in records if rec["type"] == "step"}
-    assert _stages_of(steps[1]) == [["fc0"], ["act0", "fc1", "act1", "head"]]
+    assert _stages_of(steps[1]) == [["fc0"], ["act0", "fc1", "act1", "fc2", "act2", "head"]]
     assert steps[moved[0]["step"]]["migrating"] and _stages_of(steps[moved[0]["step"]]) == moved[0]["stages"]
     assert _stages_of(steps[30]) == moved[-1]["stages"] and "threshold_ms" in steps[30]
     last = list_checkpoints(cli.tmp_path / "runs" / "auto")[-1]
     assert verify(last)["layout"]["stages"] == moved[-1]["stages"]
-    want = single_process_reference(SKEWED[1::2][2:], 30)
+    want = single_process_reference(MODEL_SETTINGS, 30)
     got = model_state(last)
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-5, msg=name)
     # rank 0 evaluated the whole model with every stage's weights, after the layers moved
     from engine.config import load_config
     from engine.data import load_dataset
-    from engine.models import build_model
-    cfg = load_config(DEMO, SKEWED[1::2][2:])
+    cfg = load_config(DEMO, MODEL_SETTINGS)
     ds = load_dataset(cfg.data, cfg.run.seed)
     model = build_model(cfg.model, ds.meta, cfg.run.seed)
     model.load_state_dict(want)
@@ -254,7 +250,7 @@ def test_auto_rebalancing_moves_layers_live_and_training_equals_one_process(cli)
     assert r.returncode == 0, r.stderr
     steps2 = [rec for rec in read_jsonl(log2) if rec["type"] == "step"]
     assert steps2[0]["step"] == 31 and all(_stages_of(s) == moved[-1]["stages"] for s in steps2)
-    want = single_process_reference(SKEWED[1::2][2:], 35)
+    want = single_process_reference(MODEL_SETTINGS, 35)
     got = model_state(list_checkpoints(cli.tmp_path / "runs" / "auto")[-1])
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-5, msg=name)
@@ -281,7 +277,7 @@ def test_the_rebalance_command_answers_with_the_step_the_new_layout_took_effect(
     [moved] = [e for e in records if e.get("kind") == "migration"]
     assert decided["reason"] == "command" and moved["step"] == took_effect == decided["step"] + 1
     steps = {rec["step"]: rec for rec in records if rec["type"] == "step"}
-    assert _stages_of(steps[took_effect - 1]) == [["fc0"], ["act0", "fc1", "act1", "head"]]
+    assert _stages_of(steps[took_effect - 1]) == [["fc0"], ["act0", "fc1", "act1", "fc2", "act2", "head"]]
     assert _stages_of(steps[took_effect + 1]) == moved["stages"] != _stages_of(steps[took_effect - 1])
     assert verify(list_checkpoints(cli.tmp_path / "runs" / "steer")[-1])["layout"]["stages"] == moved["stages"]
 
@@ -345,7 +341,7 @@ def test_a_worker_killed_around_a_migration_restarts_from_a_checkpoint_with_a_va
     first = next(r for r in after if r["type"] == "step")
     assert first["step"] == restart["step"] + 1 and _stages_of(first) == saved_layout
     got = model_state(list_checkpoints(run_dir)[-1])
-    want = single_process_reference(SKEWED[1::2][2:], 40)
+    want = single_process_reference(MODEL_SETTINGS, 40)
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-5, msg=name)
 

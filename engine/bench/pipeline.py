@@ -33,7 +33,7 @@ from torch import nn
 STAGES = 4
 BATCH, MICRO = 256, 8
 HIDDEN, DEPTH, WIDE, CLASSES = 256, 16, 2048, 10
-THRESHOLD, CHECK_AT = 0.2, 4
+THRESHOLD, CHECK_AT = 0.2, 8
 
 
 def bench_model(hidden: int = HIDDEN, depth: int = DEPTH, wide: int = WIDE, classes: int = CLASSES, seed: int = 0):

@@ -31,8 +31,10 @@ def read_pid(run_dir, who: str) -> int | None:
 
 
 @pytest.mark.timeout(150)
-# sharded: its resume parity runs in CI; the pipeline's restart is in tests/test_rebalance.py
-@pytest.mark.parametrize("strategy", ["ddp", pytest.param("sharded", marks=pytest.mark.slow)])
+# in CI the elastic restart is tested through a pipeline run (tests/test_rebalance.py: SIGKILL, restart from
+# the last checkpoint, parameters equal to one process); these two run with `pytest -m slow`
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "sharded"])
 def test_a_worker_killed_by_sigkill_is_restarted_and_the_run_completes(cli, strategy):
     log = cli.tmp_path / "run.jsonl"
     run_dir = cli.tmp_path / "runs" / "killed"

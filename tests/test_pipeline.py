@@ -122,6 +122,7 @@ def test_two_stages_match_single_process(pool2):
     check(results, VARIANTS_2)
 
 
+@pytest.mark.slow   # k = 2 here and k = 4 in tests/test_rebalance.py run in CI
 @pytest.mark.timeout(120)
 def test_three_stages_match_single_process(pool3):
     results = pool3.run(pipe_job, timeout=90, variants=VARIANTS_3)

@@ -129,7 +129,6 @@ class Migration:
                 self.outgoing.setdefault(dst, []).append(names.index(name))
             if dst == rank:
                 self.incoming.setdefault(src, []).append(names.index(name))
-        self.received = not self.incoming
         self.sent_bytes = 0
         self.duration_ms = 0.0
         self._works: list = []
@@ -178,7 +177,6 @@ class Migration:
                                     entry["params"] + entry["buffers"]):
                         t.copy_(v)
                 st.updater.add_layer(i, list(layer.parameters()), entry.get("state"), entry.get("side", "device"))
-        self.received = True
         self._wait()
 
     def _wait(self) -> None:

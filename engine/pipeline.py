@@ -239,8 +239,7 @@ class PipelineStage:
             during = (f" while layers migrate ({', '.join(n for n, _, _ in self._move.moves)})"
                       if self._move is not None else "")
             raise RuntimeError(f"pipeline stage {self.rank}: receiving {what} from stage "
-                               f"{src if self.group is None else dist.get_group_rank(self.group, src)} "
-                               f"failed{during}: {type(e).__name__}: {e}") from e
+                               f"{dist.get_group_rank(self.group, src)} failed{during}: {type(e).__name__}: {e}") from e
         self._recv_s += time.perf_counter() - t0   # waiting for a neighbour: the stage's idle time
         return out
 

@@ -228,16 +228,9 @@ def test_a_pipeline_run_equals_one_process_and_reports_its_stages(cli, world, sc
     table = next(rec["layers"] for rec in reversed(steps) if "layers" in rec)
     assert {e["stage"] for e in table} == {0}   # rank 0 times its own stage's layers
     # rank 0 evaluated with every stage's weights: the reference model's accuracy exactly
-    from engine.config import load_config
-    from engine.data import load_dataset
-    from engine.models import build_model
-    cfg = load_config(DEMO, overrides)
-    ds = load_dataset(cfg.data, cfg.run.seed)
-    model = build_model(cfg.model, ds.meta, cfg.run.seed)
-    model.load_state_dict(want)
-    with torch.no_grad():
-        accuracy = float((model(ds.x_test).argmax(dim=-1) == ds.y_test).float().mean())
-    assert records[-1]["type"] == "summary" and records[-1]["test_accuracy"] == pytest.approx(accuracy, abs=1e-6)
+    from tests.test_training import reference_accuracy
+    assert records[-1]["type"] == "summary"
+    assert records[-1]["test_accuracy"] == pytest.approx(reference_accuracy(overrides, want), abs=1e-6)
 
 
 @pytest.mark.timeout(60)

@@ -233,15 +233,9 @@ def test_auto_rebalancing_moves_layers_live_and_training_equals_one_process(cli)
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-5, msg=name)
     # rank 0 evaluated the whole model with every stage's weights, after the layers moved
-    from engine.config import load_config
-    from engine.data import load_dataset
-    cfg = load_config(DEMO, MODEL_SETTINGS)
-    ds = load_dataset(cfg.data, cfg.run.seed)
-    model = build_model(cfg.model, ds.meta, cfg.run.seed)
-    model.load_state_dict(want)
-    with torch.no_grad():
-        accuracy = float((model(ds.x_test).argmax(dim=-1) == ds.y_test).float().mean())
-    assert records[-1]["type"] == "summary" and records[-1]["test_accuracy"] == pytest.approx(accuracy, abs=1e-6)
+    from tests.test_training import reference_accuracy
+    assert records[-1]["type"] == "summary"
+    assert records[-1]["test_accuracy"] == pytest.approx(reference_accuracy(MODEL_SETTINGS, want), abs=1e-6)
 
     # resume: the run goes on in the checkpoint's layout, whatever the config's partition says
     log2 = cli.tmp_path / "run2.jsonl"

@@ -30,6 +30,16 @@ def single_process_reference(overrides: list[str], steps: int) -> dict:
     return model.state_dict()
 
 
+def reference_accuracy(overrides: list[str], state: dict) -> float:
+    """The test accuracy of the demo config's model (with `overrides`) holding `state`."""
+    cfg = load_config(DEMO, overrides)
+    ds = load_dataset(cfg.data, cfg.run.seed)
+    model = build_model(cfg.model, ds.meta, cfg.run.seed)
+    model.load_state_dict(state)
+    with torch.no_grad():
+        return float((model(ds.x_test).argmax(dim=-1) == ds.y_test).float().mean())
+
+
 def final_model(run_dir) -> dict:
     return model_state(list_checkpoints(run_dir)[-1])   # verified, whichever strategy wrote it
 

@@ -129,7 +129,7 @@ def _run(config: Path, overrides: list[str], steps: int | None, telemetry_log: P
         return 2
 
     from engine.checkpoint import CheckpointError
-    from engine.launch import RunFailed, RunInterrupted, RunSetupError, launch, prepare_run_dir
+    from engine.launch import RunFailed, RunInterrupted, RunRefused, RunSetupError, launch, prepare_run_dir
     from engine.worker import Job
 
     job = Job(config=cfg, resume=resume, telemetry_log=telemetry_log, headless=headless)
@@ -137,7 +137,7 @@ def _run(config: Path, overrides: list[str], steps: int | None, telemetry_log: P
         prepare_run_dir(job)
         launch(job)
     except (CheckpointError, RunSetupError, RunFailed) as e:
-        label = {CheckpointError: "checkpoint refused", RunSetupError: "cannot start",
+        label = {CheckpointError: "checkpoint refused", RunSetupError: "cannot start", RunRefused: "run refused",
                  RunFailed: "run failed"}[type(e)]
         err.print(f"[red]{label}:[/] {escape(str(e))}")
         return 1 if isinstance(e, RunFailed) else 2

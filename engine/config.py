@@ -219,6 +219,25 @@ class DeviceConfig:
 
 
 @dataclass
+class MemoryConfig:
+    """What happens to each layer's saved activations between its forward and its backward."""
+
+    policy: Any = setting("keep", "`keep` (on the device), `swap` (copied to host memory after the forward, "
+                                  "brought back before the backward), `recompute` (the forward runs again in "
+                                  "backward), `auto` (planned against `device.memory` after the first steps, and "
+                                  "again after layers migrate), or a table of layer names to one of the three "
+                                  "(layers not named: keep).", kind="policy")
+    host_link_gbps: float = setting(0.0, "Device-host copy rate in GB/s (gigabytes) the plan assumes; 0: measured "
+                                         "at start. On the CPU a swap is a memcpy, and a rate given here paces "
+                                         "it (an emulated link).", min=0.0)
+    planner: str = setting("ratio", "For `auto`: `ratio` (layers by swap/recompute cost, cheapest swap first: "
+                                    "swap while the link keeps up, then recompute until the stage fits), "
+                                    "`reverse` (the opposite order), `exhaustive` (every assignment, for stages "
+                                    "of up to 9 layers; larger ones fall back to ratio).",
+                           choices=("ratio", "reverse", "exhaustive"))
+
+
+@dataclass
 class CheckpointConfig:
     """When checkpoints are written and how many are kept."""
 
@@ -253,6 +272,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     update: UpdateConfig = field(default_factory=UpdateConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
 

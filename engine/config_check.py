@@ -67,6 +67,8 @@ def allowed_words(path: str, f: dataclasses.Field) -> str:
         return SIZE_WORDS
     if meta["kind"] == "placement":
         return PLACEMENT_WORDS
+    if meta["kind"] == "policy":
+        return POLICY_WORDS
     if meta["kind"] == "partition":
         return PARTITION_WORDS
     if meta["choices"]:
@@ -125,6 +127,8 @@ def check_value(path: str, f: dataclasses.Field, value: Any) -> Any:
         return _check_size(path, value)
     if meta["kind"] == "placement":
         return _check_placement(path, value)
+    if meta["kind"] == "policy":
+        return _check_policy(path, value)
     if meta["kind"] == "partition":
         return _check_partition(path, value)
     kind = f.type if isinstance(f.type, str) else f.type.__name__
@@ -170,6 +174,25 @@ def _check_placement(path: str, value: Any) -> str | dict:
     for layer, side in value.items():
         if side not in ("device", "host"):
             raise ConfigError(f"{path}.{layer} = {show(side)}: must be \"device\" or \"host\"")
+    return dict(value)
+
+
+POLICY_WORDS = '"keep", "swap", "recompute", "auto", or a table of layer names to "keep", "swap" or "recompute"'
+LAYER_POLICIES = ("keep", "swap", "recompute")
+
+
+def _check_policy(path: str, value: Any) -> str | dict:
+    if isinstance(value, str):
+        if value not in LAYER_POLICIES + ("auto",):
+            raise ConfigError(f"{path} = {show(value)}: expected {POLICY_WORDS}"
+                              f"{did_you_mean(value, LAYER_POLICIES + ('auto',))}")
+        return value
+    if not isinstance(value, dict) or not value:
+        raise ConfigError(f"{path} = {show(value)}: expected {POLICY_WORDS}")
+    for layer, policy in value.items():
+        if policy not in LAYER_POLICIES:
+            raise ConfigError(f"{path}.{layer} = {show(policy)}: must be \"keep\", \"swap\" or \"recompute\""
+                              f"{did_you_mean(policy, LAYER_POLICIES) if isinstance(policy, str) else ''}")
     return dict(value)
 
 

@@ -21,7 +21,8 @@ from engine.topology import Topology
 FIELDS = ("stop", "command_bytes", "loss", "step_ms", "fwd_ms", "bwd_ms", "optim_ms", "wait_ms", "gate_ms", "owned_bytes", "host_bytes", "host_busy_ms",
           "parameters_bytes", "gradients_bytes", "optimizer_state_bytes", "activations_bytes",
           "swapped_bytes", "used_bytes", "peak_bytes", "capacity_bytes", "over_capacity",
-          "rss_bytes", "cpu_percent", "migration_bytes", "migration_ms")
+          "rss_bytes", "cpu_percent", "migration_bytes", "migration_ms", "swap_layers", "recompute_layers",
+          "plan_made", "plan_estimate_bytes", "min_capacity_bytes", "swapped_out_bytes")
 COLUMN = {name: i for i, name in enumerate(FIELDS)}
 
 
@@ -54,11 +55,11 @@ def rank_rows(table: torch.Tensor) -> list[dict]:
     for rank, row in enumerate(table.tolist()):
         entry = {"rank": rank}
         for name, value in zip(FIELDS, row):
-            if name in ("stop", "command_bytes"):
+            if name in ("stop", "command_bytes", "plan_made", "plan_estimate_bytes", "min_capacity_bytes"):
                 continue
             if name == "over_capacity":
                 entry[name] = bool(value)
-            elif name.endswith("_bytes"):
+            elif name.endswith(("_bytes", "_layers")):
                 entry[name] = int(value)
             else:
                 entry[name] = round(value, 4) if name.endswith("_ms") else value

@@ -36,13 +36,15 @@ class MemoryLedger:
         self.bytes = dict.fromkeys(CATEGORIES, 0)
         self.peak_bytes = 0
         self.over_capacity = False
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()   # RLock: a handle freed by the GC inside a locked section
         self._modules: list[torch.nn.Module] = []
         self._optimizers: list[torch.optim.Optimizer] = []
         self._saved: dict[int, list] = {}   # storage pointer -> [bytes, references]
         self.extra: dict[str, int] = {}     # bytes a strategy holds outside parameters/.grad/state, by category
         self.current_layer: str | None = None          # set by the layer profiler during forward
         self.activations_by_layer: dict[str, int] = {}  # bytes first saved while that layer ran
+        self.swapper = None          # engine.memory.Swapper, once a layer may swap
+        self._param_ptrs: set | None = None   # inside saved_activations()
 
     # --- what the engine holds -------------------------------------------------
     def track_module(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
@@ -105,32 +107,53 @@ class MemoryLedger:
 
         Parameters saved for backward are not activations and are skipped; a storage
         saved twice (a ReLU output kept by the ReLU and the next Linear) counts once.
+        While a swap-policy layer runs (engine/memory.py), what it saves goes to the host.
         """
-        param_ptrs = {p.untyped_storage().data_ptr() for m in self._modules for p in m.parameters()}
-
-        def pack(t: torch.Tensor):
-            ptr = t.untyped_storage().data_ptr()
-            if ptr in param_ptrs or ptr == 0:
-                return t
-            with self._lock:
-                entry = self._saved.get(ptr)
-                if entry is None:
-                    nbytes = t.untyped_storage().nbytes()
-                    self._saved[ptr] = [nbytes, 1]
-                    self.bytes["activations"] += nbytes
-                    if self.current_layer is not None:
-                        layer = self.current_layer
-                        self.activations_by_layer[layer] = self.activations_by_layer.get(layer, 0) + nbytes
-                    self._note_peak()
-                else:
-                    entry[1] += 1
-            return _Saved(self, ptr, t)
+        self._param_ptrs = {p.untyped_storage().data_ptr() for m in self._modules for p in m.parameters()}
 
         def unpack(saved):
-            return saved.tensor if isinstance(saved, _Saved) else saved
+            return saved if torch.is_tensor(saved) else saved.unpack()   # _Saved, memory._SwapHandle
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-            yield
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self.pack_tensor, unpack):
+                yield
+        finally:
+            self._param_ptrs = None
+
+    def pack_tensor(self, t: torch.Tensor):
+        """Count `t` as a live activation until the returned handle is dropped (`t` itself outside
+        `saved_activations()`, or for a parameter)."""
+        if self._param_ptrs is None:
+            return t
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in self._param_ptrs or ptr == 0:
+            return t
+        nbytes = t.untyped_storage().nbytes()
+        swapper = self.swapper
+        if swapper is not None and ptr not in self._saved:
+            swapper.make_room(nbytes)
+        with self._lock:
+            entry = self._saved.get(ptr)
+            if entry is not None:
+                entry[1] += 1
+                return _Saved(self, ptr, t)
+            if self.current_layer is not None:
+                layer = self.current_layer
+                self.activations_by_layer[layer] = self.activations_by_layer.get(layer, 0) + nbytes
+            if swapper is None or swapper.group is None:
+                self._saved[ptr] = [nbytes, 1]
+                self.bytes["activations"] += nbytes
+                self._note_peak()
+                return _Saved(self, ptr, t)
+        return swapper.pack(t, ptr, nbytes)
+
+    def note_transient(self, nbytes: int) -> None:
+        """`nbytes` are on the device for a moment now (a recomputed layer's activations): peak only."""
+        with self._lock:
+            used = self.used_bytes + nbytes
+            self.peak_bytes = max(self.peak_bytes, used)
+            if used > self.capacity_bytes:
+                self.over_capacity = True
 
     def _release(self, ptr: int) -> None:
         with self._lock:
@@ -156,6 +179,9 @@ class _Saved:
 
     def __init__(self, ledger: MemoryLedger, ptr: int, tensor: torch.Tensor):
         self.ledger, self.ptr, self.tensor = ledger, ptr, tensor
+
+    def unpack(self) -> torch.Tensor:
+        return self.tensor
 
     def __del__(self):
         self.ledger._release(self.ptr)

@@ -31,6 +31,10 @@ class RunSetupError(RuntimeError):
     """The run cannot start as asked (run directory, checkpoint); exit status 2."""
 
 
+class RunRefused(RunSetupError):
+    """The workers refused the run once it had started (a memory plan that cannot fit); exit status 2."""
+
+
 class RunFailed(RuntimeError):
     """Workers failed more often than `parallel.max_restarts` allows."""
 
@@ -115,7 +119,10 @@ def launch(job: Job) -> dict | None:
         saved = ckpt.list_checkpoints(cfg.run_dir)
         where = f"latest checkpoint: {saved[-1]}" if saved else "no checkpoint was written"
         raise RunInterrupted(f"stopped by {signal.Signals(e.sigval).name}; {where}", int(e.sigval)) from None
-    return results.get(0)
+    summary = results.get(0)
+    if summary and summary.get("type") == "refused":
+        raise RunRefused(summary["error"])
+    return summary
 
 
 def _describe_failure(rank: int, failure, max_restarts: int) -> str:

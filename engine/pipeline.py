@@ -194,6 +194,17 @@ class PipelineStage:
         self.start, self.end = ranges[self.rank]
         self.ledger_module = torch.nn.ModuleList(self.model.layers[self.start:self.end])
 
+    def owned_layers(self) -> list[str]:
+        """The layers this stage runs now (engine/memory.py plans their activation policies)."""
+        return self.model.names[self.start:self.end]
+
+    def in_flight(self) -> int:
+        """Micro-batches whose activations this stage holds at once, at most: all of them under GPipe;
+        under 1F1B the warm-up forwards plus the one in progress."""
+        if self.schedule == "gpipe":
+            return self.micro_batches
+        return min(self.stages - self.rank, self.micro_batches)
+
     def _adopt(self, stage_layers: list[list[str]]) -> None:
         """Take a layout between steps (resume, the balanced start): nothing is in flight, the weights are
         every rank's own copy, and optimizer state starts fresh for layers this rank did not update."""

@@ -16,7 +16,8 @@ RANK_ENTRY = {
         **{k: {"type": "number", "minimum": 0} for k in ("step_ms", "fwd_ms", "bwd_ms", "optim_ms", "wait_ms")},
         **{k: _BYTES for k in ("parameters_bytes", "gradients_bytes", "optimizer_state_bytes",
                                "activations_bytes", "swapped_bytes", "used_bytes", "peak_bytes",
-                               "capacity_bytes", "rss_bytes")},
+                               "capacity_bytes", "rss_bytes", "swapped_out_bytes")},
+        **{k: {"type": "integer", "minimum": 0} for k in ("swap_layers", "recompute_layers")},
         "over_capacity": {"type": "boolean"}, "cpu_percent": {"type": "number", "minimum": 0},
     },
 }
@@ -68,7 +69,7 @@ STEP = {
 }
 
 EVENT_KINDS = ["checkpoint", "restart", "resume", "eval", "memory_over_capacity", "stop", "command", "update_plan",
-               "placement", "rebalance", "migration"]
+               "placement", "rebalance", "migration", "memory_plan", "policy"]
 EVENT = {
     "type": "object",
     "required": ["schema", "time", "type", "kind", "step"],
@@ -85,6 +86,9 @@ EVENT = {
         {"if": {"properties": {"kind": {"const": "update_plan"}}},
          "then": {"required": ["planner", "placement", "predicted_ms", "all_device_ms", "all_host_ms"]}},
         {"if": {"properties": {"kind": {"const": "placement"}}}, "then": {"required": ["layer", "placement"]}},
+        {"if": {"properties": {"kind": {"const": "policy"}}}, "then": {"required": ["layer", "policy"]}},
+        {"if": {"properties": {"kind": {"const": "memory_plan"}}},
+         "then": {"required": ["planner", "ranks", "policies", "capacity_bytes", "host_link_gbps"]}},
         {"if": {"properties": {"kind": {"const": "rebalance"}}},
          "then": {"required": ["reason", "stages", "stage_ms", "predicted_ms", "threshold_ms", "layer_ms"]}},
         {"if": {"properties": {"kind": {"const": "migration"}}},

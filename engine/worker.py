@@ -28,6 +28,7 @@ from engine.config import Config
 from engine.control import COLUMN, encode_commands, exchange, rank_rows, share_commands
 from engine.data import Dataset, batch_for, load_dataset
 from engine.ddp import DDPStrategy
+from engine.memory import ActivationPolicy
 from engine.devices import open_device
 from engine.models import LayerList, build_model
 from engine.pipeline import PipelineStage, uniform_stages
@@ -117,6 +118,10 @@ class Worker:
         self.strategy = make_strategy(cfg, self.model, topo, self.device)
         # a pipeline stage counts only its own layers (and follows them when they migrate)
         self.device.ledger.track_module(getattr(self.strategy, "ledger_module", self.model), self.strategy.optimizer)
+        # every layer's saved activations: keep, swap or recompute (a pipeline stage plans for its own layers)
+        self.memory = ActivationPolicy(self.model, self.device, cfg.memory,
+                                       owned=getattr(self.strategy, "owned_layers", None),
+                                       in_flight=getattr(self.strategy, "in_flight", None))
         self.resumed_from = None
         self.first_step = self._resume()
         if self.first_step == 0:   # dropout streams differ per rank, reproducible from the seed
@@ -138,7 +143,7 @@ class Worker:
                 "layers": list(getattr(self.model, "names", [])), "layout": self.strategy.layout(),
                 "updated_layers": [n for n, layer in zip(self.model.names, self.model.layers)
                                    if any(True for _ in layer.parameters())],
-                "capabilities": list(self.strategy.commands), "steps": cfg.run.steps, "config": cfg.to_dict()}
+                "capabilities": list(self.strategy.commands) + ["set-policy"], "steps": cfg.run.steps, "config": cfg.to_dict()}
 
     # --- resume -----------------------------------------------------------------
     def _resume(self) -> int:
@@ -177,16 +182,20 @@ class Worker:
         step, loss = self.first_step, None
         last = time.perf_counter()
         while True:
-            trained, local_loss, layers = False, 0.0, None
+            trained, local_loss, layers, memory_plan, swapped_out = False, 0.0, None, None, 0
             if not self.paused and step < cfg.run.steps:
                 share = (0, 1) if getattr(self.strategy, "global_batch", False) else (rank, world)
                 x, y = batch_for(self.data, step, cfg.data.batch_size, cfg.run.seed, *share)
                 profile = self._profile_due(step)
                 if profile:
                     self.profiler.arm()
+                self.memory.before_step(step)
+                out_before = self.memory.swapped_out_bytes()
                 t0 = time.perf_counter()
                 local_loss = self.strategy.train_step(x, y) or 0.0   # None: a pipeline stage before the last
                 step_ms = (time.perf_counter() - t0) * 1000
+                memory_plan = self.memory.after_step(step)
+                swapped_out = self.memory.swapped_out_bytes() - out_before
                 layers = self.profiler.finish() if profile else None
                 step, trained = step + 1, True
                 if self.strategy.updater.new_plan:
@@ -196,9 +205,13 @@ class Worker:
             table = exchange(self.topo, {"stop": float(self.stop.requested), "command_bytes": len(payload),
                                          "loss": local_loss, "step_ms": step_ms if trained else 0.0,
                                          "wait_ms": self.wait_ms, **self.strategy.timings,
+                                         **self.memory_fields(memory_plan, swapped_out),
                                          **self.device.stats()})
             commands = share_commands(self.topo, payload, table)
             self.wait_ms = (time.perf_counter() - t_wait) * 1000
+            refusal = self._check_memory(step, table) if trained else None
+            if refusal:
+                return self._refuse(step, refusal)
             if trained:
                 now = time.perf_counter()
                 losses = table[:, COLUMN["loss"]]
@@ -290,6 +303,9 @@ class Worker:
             else:   # answered once the check has run, or once the new layout has taken effect
                 self.rebalance_requested, self.rebalance_command = True, command
             return
+        elif name == "set-policy":
+            self.memory.set(*command["args"])
+            self.tel.event("policy", step, layer=command["args"][0], policy=command["args"][1], source="command")
         elif name == "set-placement":
             self.strategy.sync()
             self.strategy.updater.set_placement(*command["args"])
@@ -302,6 +318,50 @@ class Worker:
             self.tel.reply(command, "applied", step=step)
         else:
             self.stop_command = command
+
+    def memory_fields(self, plan, swapped_out: int) -> dict:
+        policies = self.memory.policies()
+        error = self.memory.last_error
+        return {"swap_layers": sum(p == "swap" for p in policies.values()),
+                "recompute_layers": sum(p == "recompute" for p in policies.values()),
+                "plan_made": float(plan is not None), "plan_estimate_bytes": plan.estimate_bytes if plan else 0,
+                "min_capacity_bytes": error.min_capacity_bytes if error else 0, "swapped_out_bytes": swapped_out}
+
+    def _check_memory(self, step: int, table: torch.Tensor) -> str | None:
+        """Every rank, after the exchange: the reason to refuse the run when a stage's plan cannot fit
+        (every rank sees it in the same step); rank 0 logs the plans made in this step."""
+        need = table[:, COLUMN["min_capacity_bytes"]]
+        if need.max() > 0:
+            worst = int(need.argmax())
+            error = self.memory.last_error if worst == self.topo.rank else None
+            return (f"memory.policy = \"auto\": rank {worst} cannot fit its device capacity "
+                    f"(device.memory = \"{self.cfg.device.memory}\"): "
+                    + (str(error) if error else f"the smallest capacity that fits is {int(need.max()) // 2**20}MiB "
+                       f"(device.memory = \"{int(need.max()) // 2**20}MiB\")"))
+        made = table[:, COLUMN["plan_made"]]
+        if not self.topo.is_first or made.max() == 0:
+            return
+        ranks = [{"rank": r, "swap_layers": int(table[r, COLUMN["swap_layers"]]),
+                  "recompute_layers": int(table[r, COLUMN["recompute_layers"]]),
+                  "estimate_bytes": int(table[r, COLUMN["plan_estimate_bytes"]])}
+                 for r in range(self.topo.world_size) if made[r] > 0]
+        plan = self.memory.plan
+        self.tel.event("memory_plan", step, planner=self.cfg.memory.planner, ranks=ranks,
+                       policies=self.memory.policies(), capacity_bytes=self.device.ledger.capacity_bytes,
+                       host_link_gbps=round(self.memory.link_gbps, 3), note=plan.note if plan else "")
+        self.tel.update_state(policies=self.memory.policies())
+        summary = ", ".join(f"rank {e['rank']}: {e['swap_layers']} swap, {e['recompute_layers']} recompute"
+                            for e in ranks)
+        self.tel.note(f"memory plan ({self.cfg.memory.planner}) at step {step}: {summary}")
+
+    def _refuse(self, step: int, reason: str) -> dict | None:
+        """End a run whose memory plan cannot fit: no checkpoint, no restart (it would fail the same way)."""
+        self.memory.close()
+        if not self.topo.is_first:
+            return None
+        self.tel.event("stop", step, reason=f"refused: {reason}")
+        self.tel.close(f"run refused ({reason})")
+        return {"type": "refused", "error": reason}
 
     def _report(self, step: int, loss: float, table: torch.Tensor, samples_per_s: float, layers) -> None:
         if not self.topo.is_first:
@@ -341,6 +401,7 @@ class Worker:
         rows = []
         for entry in layers:
             name, row = entry["name"], dict(entry)
+            row["policy"] = self.memory.policy[name]
             if stages and stages[name] != self.topo.rank:
                 continue   # rank 0 measures its own stage's layers only
             if name in stages:
@@ -437,6 +498,7 @@ class Worker:
             self.strategy.gather_weights()
 
     def _finish(self, step: int, loss: float | None) -> dict | None:
+        self.memory.close()
         stopped_early = step < self.cfg.run.steps
         if step > self.first_step or stopped_early:
             self._save(step)

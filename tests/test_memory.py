@@ -1,0 +1,304 @@
+"""Per-layer activation policy (engine/memory.py): keep, swap and recompute compute the same gradients,
+the ledger books where activations are, and an auto plan keeps the ledger's peak under the capacity."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from engine.config import Config, MemoryConfig, OptimConfig, load_config
+from engine.data import batch_for, load_dataset
+from engine.ddp import cross_entropy
+from engine.devices import LedgerDevice
+from engine.memory import (EXHAUSTIVE_MAX_LAYERS, ActivationPolicy, LayerCost, PlanError, estimate,
+                           order_by_ratio, plan, swap_ms)
+from engine.models import build_model
+from engine.optim import make_optimizer
+from engine.pipeline import PipelineStage
+from engine.procpool import DistPool
+
+ZOO = {  # every layer type of the model zoo, dropout on where the model has it
+    "mlp": ["model.name=mlp", "model.hidden=48", "model.depth=2", "model.dropout=0.2"],
+    "transformer": ["model.name=transformer", "data.name=text", "data.text_chars=20000", "data.seq_len=16",
+                    "model.d_model=32", "model.heads=4", "model.depth=2", "model.dropout=0.2"],
+    "branchy": ["model.name=branchy", "model.channels=8", "model.depth=2", "model.dropout=0.2"],
+}
+_DATA: dict = {}
+
+
+def setup(zoo: str, batch: int = 16):
+    cfg = load_config(None, ZOO[zoo] + [f"data.batch_size={batch}"])
+    key = (cfg.data.name, cfg.data.seq_len)
+    if key not in _DATA:
+        _DATA[key] = load_dataset(cfg.data, 0)
+    return cfg, _DATA[key]
+
+
+def one_step(zoo: str, policy, capacity: int = 1 << 30) -> dict:
+    """One forward+backward of the zoo model under `policy`; gradients and the ledger's figures."""
+    cfg, data = setup(zoo)
+    model = build_model(cfg.model, data.meta, 0)
+    device = LedgerDevice(capacity)
+    device.ledger.track_module(model)
+    policies = ActivationPolicy(model, device, MemoryConfig(policy=policy, host_link_gbps=5.0))
+    x, y = batch_for(data, 0, cfg.data.batch_size, 0)
+    torch.manual_seed(3)   # the dropout masks
+    with device.ledger.saved_activations():
+        loss = cross_entropy(model(x), y)
+        if policies.link is not None:
+            policies.link.flush()   # every copy out has landed
+        after_forward = dict(device.ledger.bytes)
+        loss.backward()
+    del loss
+    out = {"grads": {n: p.grad.clone() for n, p in model.named_parameters()}, "forward": after_forward,
+           "end": dict(device.ledger.bytes), "peak": device.ledger.peak_bytes, "names": model.names}
+    policies.close()
+    return out
+
+
+@pytest.mark.parametrize("zoo", sorted(ZOO))
+def test_gradients_are_identical_under_keep_swap_and_recompute(zoo):
+    keep = one_step(zoo, "keep")
+    names = keep["names"]
+    mixed = {n: ("swap", "recompute", "keep")[i % 3] for i, n in enumerate(names)}
+    for policy in ("swap", "recompute", mixed):
+        got = one_step(zoo, policy)
+        for name, g in keep["grads"].items():
+            assert torch.equal(got["grads"][name], g), (zoo, policy, name)
+        # nothing is left on the device or on the host once backward has run
+        assert got["end"]["activations"] == 0 and got["end"]["swapped"] == 0, (zoo, policy, got["end"])
+    swap = one_step(zoo, "swap")
+    kept = keep["forward"]["activations"]
+    assert swap["forward"]["activations"] < kept / 10 and swap["forward"]["swapped"] >= kept * 0.9
+
+
+def test_recompute_holds_only_layer_inputs_and_the_peak_counts_the_rerun():
+    # per-layer recompute pays off for layers of several operations (a transformer block's halves);
+    # a single Linear or ReLU saves its input, which is what recompute must hold anyway
+    keep, rec, swap = (one_step("transformer", p) for p in ("keep", "recompute", "swap"))
+    assert rec["forward"]["activations"] < keep["forward"]["activations"] / 4
+    assert rec["peak"] < keep["peak"] / 2 and swap["peak"] < keep["peak"]
+
+
+def test_swapped_bytes_leave_the_device_ledger_and_come_back():
+    cfg, data = setup("transformer")
+    model = build_model(cfg.model, data.meta, 0)
+    device = LedgerDevice(1 << 30)
+    device.ledger.track_module(model)
+    policies = ActivationPolicy(model, device, MemoryConfig(policy="swap", host_link_gbps=5.0))
+    x, y = batch_for(data, 0, cfg.data.batch_size, 0)
+    with device.ledger.saved_activations():
+        loss = cross_entropy(model(x), y)
+        policies.link.flush()   # every copy out has landed
+        on_host = device.ledger.bytes["swapped"]
+        assert on_host > 0 and policies.swapped_out_bytes() == on_host
+        loss.backward()
+    assert device.ledger.bytes["swapped"] == 0 and device.ledger.bytes["activations"] == 0
+    policies.close()
+
+
+# --- the plan ------------------------------------------------------------------------------------------
+LINK = 1e6   # bytes per ms (1 GB/s)
+COSTS = [LayerCost("a", 4_000_000, 1000, fwd_ms=10.0, bwd_ms=20.0),    # swap 4 ms, ratio 0.4
+         LayerCost("b", 2_000_000, 1000, fwd_ms=1.0, bwd_ms=2.0),      # swap 2 ms, ratio 2
+         LayerCost("c", 3_000_000, 1000, fwd_ms=6.0, bwd_ms=12.0),     # swap 3 ms, ratio 0.5
+         LayerCost("d", 1_000_000, 1000, fwd_ms=0.2, bwd_ms=0.4),      # swap 1 ms, ratio 5
+         LayerCost("e", 0, 0, fwd_ms=0.1, bwd_ms=0.1)]                 # saves nothing
+
+
+def modelled(policies, base=1_000_000, flight=1):
+    return estimate(COSTS, policies, base, flight, LINK)
+
+
+def follows_the_rule(costs, got, capacity, base, flight, link, reverse=False) -> None:
+    """The seed's rule: in ratio order, a prefix swaps (its summed swap time under the stage's time),
+    the layers right after it recompute, the rest keep; the plan fits, and one changed layer fewer
+    would not."""
+    assert got.estimate_bytes <= capacity
+    if got.note:   # the fallback: every layer changed did not fit
+        assert "recompute" in got.policies.values()
+        return
+    order = [c.name for c in order_by_ratio(costs, link, reverse)]
+    chosen = [got.policies[n] for n in order]
+    n_swap = len(list(itertools.takewhile(lambda p: p == "swap", chosen)))
+    n_rec = len(list(itertools.takewhile(lambda p: p == "recompute", chosen[n_swap:])))
+    assert all(p == "keep" for p in chosen[n_swap + n_rec:]), chosen
+    by_name = {c.name: c for c in costs}
+    swapped_ms = sum(swap_ms(by_name[n], link) for n in order[:n_swap])
+    assert swapped_ms <= got.budget_ms
+    if n_rec and n_swap + n_rec < len(order):   # swapping stopped: the next swap would not have fitted
+        assert swapped_ms + swap_ms(by_name[order[n_swap]], link) > got.budget_ms
+    assert got.estimate_bytes <= capacity
+    if n_swap + n_rec:
+        last = order[n_swap + n_rec - 1]
+        assert estimate(costs, {**got.policies, last: "keep"}, base, flight, link) > capacity
+
+
+def test_the_ratio_order_swaps_while_the_link_keeps_up_then_recomputes():
+    assert [c.name for c in order_by_ratio(COSTS, LINK)] == ["a", "c", "b", "d"]
+    keep_all = modelled(dict.fromkeys("abcde", "keep"))
+    # room for everything: all keep
+    assert set(plan(COSTS, capacity_bytes=keep_all, base_bytes=1_000_000, in_flight=1,
+                    link_bytes_per_ms=LINK).policies.values()) == {"keep"}
+    floor = modelled(dict.fromkeys("abcde", "recompute"))
+    seen = set()
+    for link in (LINK, LINK / 4, LINK / 12):
+        for flight in (1, 3):
+            base = 1_000_000
+            top = estimate(COSTS, dict.fromkeys("abcde", "keep"), base, flight, link)
+            bottom = estimate(COSTS, dict.fromkeys("abcde", "recompute"), base, flight, link)
+            for share in (0.2, 0.5, 0.8, 0.95):
+                cap = int(bottom + share * (top - bottom))
+                for reverse in (False, True):
+                    got = plan(COSTS, capacity_bytes=cap, base_bytes=base, in_flight=flight, link_bytes_per_ms=link,
+                               planner="reverse" if reverse else "ratio")
+                    follows_the_rule(COSTS, got, cap, base, flight, link, reverse)
+                    seen.add(tuple(sorted(set(got.policies.values()))))
+    assert floor < keep_all
+    # the cases above reach every kind of plan: swaps only, swaps and recomputes, recomputes only
+    assert {("keep", "swap"), ("keep", "recompute", "swap"), ("keep", "recompute")} <= seen
+
+
+def test_exhaustive_finds_the_cheapest_assignment_that_fits():
+    for cap_share in (0.5, 0.7, 0.9):
+        cap = int(modelled(dict.fromkeys("abcde", "keep")) * cap_share)
+        slow = LINK / 6
+        got = plan(COSTS, capacity_bytes=cap, base_bytes=1_000_000, in_flight=2, link_bytes_per_ms=slow,
+                   planner="exhaustive")
+        assert got.estimate_bytes <= cap
+
+        def cost(policies):
+            over = max(0.0, sum(swap_ms(c, slow) for c in COSTS if policies[c.name] == "swap") - got.budget_ms)
+            return sum(c.fwd_ms for c in COSTS if policies[c.name] == "recompute") + over
+        fitting = [dict(zip("abcde", ch)) for ch in itertools.product(("keep", "swap", "recompute"), repeat=5)
+                   if estimate(COSTS, dict(zip("abcde", ch)), 1_000_000, 2, slow) <= cap]
+        assert cost(got.policies) == pytest.approx(min(cost(p) for p in fitting))
+        greedy = plan(COSTS, capacity_bytes=cap, base_bytes=1_000_000, in_flight=2, link_bytes_per_ms=slow)
+        assert cost(got.policies) <= cost(greedy.policies) + 1e-9
+
+
+def test_an_infeasible_capacity_names_the_smallest_that_fits_and_pins_hold():
+    floor = modelled(dict.fromkeys("abcde", "recompute"))
+    with pytest.raises(PlanError, match=r"smallest capacity that fits is 5\.0 MiB \(device\.memory = \"5MiB\"\)") as e:
+        plan(COSTS, capacity_bytes=floor - 1, base_bytes=1_000_000, in_flight=1, link_bytes_per_ms=LINK)
+    assert e.value.min_capacity_bytes >= floor
+    pinned = plan(COSTS, capacity_bytes=modelled({"a": "keep", **dict.fromkeys("bcde", "recompute")}),
+                  base_bytes=1_000_000, in_flight=1, link_bytes_per_ms=LINK / 100, pinned={"a": "keep"})
+    assert pinned.policies["a"] == "keep"
+    with pytest.raises(PlanError, match="set-policy"):
+        plan(COSTS, capacity_bytes=floor, base_bytes=1_000_000, in_flight=1, link_bytes_per_ms=LINK,
+             pinned={"a": "keep"})
+    many = [LayerCost(f"l{i}", 1000, 10, 1.0, 2.0) for i in range(EXHAUSTIVE_MAX_LAYERS + 1)]
+    got = plan(many, capacity_bytes=estimate(many, {c.name: "recompute" for c in many}, 0, 1, LINK),
+               base_bytes=0, in_flight=1, link_bytes_per_ms=LINK, planner="exhaustive")
+    assert got.planner == "ratio" and "exhaustive" in got.note
+
+
+# --- auto, on a run ------------------------------------------------------------------------------------
+def train(zoo: str, steps: int, memory: MemoryConfig, capacity: int, switch: dict | None = None):
+    """`steps` single-process steps under an ActivationPolicy; `switch` = {step: (layer, policy)}: live
+    set-policy at that step's boundary. Returns the weights, each step's ledger peak and the policy."""
+    cfg, data = setup(zoo, batch=32)
+    model = build_model(cfg.model, data.meta, 0)
+    device = LedgerDevice(capacity)
+    opt = make_optimizer(OptimConfig(name="adamw", lr=0.01), model.parameters())
+    device.ledger.track_module(model, opt)
+    policies = ActivationPolicy(model, device, memory)
+    peaks, plans = [], []
+    torch.manual_seed(11)
+    for step in range(steps):
+        if switch and step in switch:
+            policies.set(*switch[step])
+        policies.before_step(step)
+        with device.ledger.saved_activations():
+            opt.zero_grad()
+            cross_entropy(model(*batch_for(data, step, 32, 0)[:1]), batch_for(data, step, 32, 0)[1]).backward()
+        opt.step()
+        device.ledger.refresh()
+        plans.append(policies.after_step(step))
+        peaks.append(device.ledger.peak_bytes)
+        device.ledger.reset_peak()
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    policies.close()
+    return state, peaks, plans, policies
+
+
+def test_auto_plans_fit_several_capacities_and_follow_the_rule():
+    _, peaks, _, _ = train("transformer", 2, MemoryConfig(policy="keep"), 1 << 30)
+    keep_peak = max(peaks)
+    for share in (0.5, 0.7, 0.9):
+        capacity = int(keep_peak * share)
+        _, peaks, plans, pol = train("transformer", 4, MemoryConfig(policy="auto", host_link_gbps=2.0), capacity)
+        made = plans[1]
+        assert made is not None and plans[0] is None            # measured on the second step
+        assert made.estimate_bytes <= capacity
+        assert max(peaks[2:]) <= capacity, (share, peaks, made.policies)
+        # the plan is the rule applied to what was measured
+        again = plan(pol.plan_costs, capacity_bytes=capacity, base_bytes=pol.plan_base, in_flight=1,
+                     link_bytes_per_ms=pol.link_bytes_per_ms)
+        assert again.policies == made.policies
+        follows_the_rule(pol.plan_costs, made, capacity, pol.plan_base, 1, pol.link_bytes_per_ms)
+        assert any(p != "keep" for p in made.policies.values())
+
+
+def test_a_capacity_below_every_plan_is_refused_with_the_smallest_that_fits():
+    _, _, _, pol = train("mlp", 2, MemoryConfig(policy="auto", host_link_gbps=2.0), 4096)
+    assert pol.last_error is not None and "smallest capacity that fits is" in str(pol.last_error)
+    assert pol.last_error.min_capacity_bytes > 4096
+
+
+def test_a_live_policy_change_keeps_training_equal_to_the_reference():
+    want, _, _, _ = train("transformer", 6, MemoryConfig(policy="keep"), 1 << 30)
+    switch = {2: ("block0.attn", "swap"), 3: ("block1.mlp", "recompute"), 4: ("block0.attn", "keep")}
+    got, _, _, pol = train("transformer", 6, MemoryConfig(policy="keep", host_link_gbps=5.0), 1 << 30, switch)
+    assert pol.policy["block1.mlp"] == "recompute" and pol.policy["block0.attn"] == "keep"
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
+def test_a_policy_table_is_checked_against_the_model():
+    cfg, data = setup("mlp")
+    model = build_model(cfg.model, data.meta, 0)
+    with pytest.raises(ValueError, match="memory.policy names unknown layer 'fc9'"):
+        ActivationPolicy(model, LedgerDevice(1 << 30), MemoryConfig(policy={"fc9": "swap"}))
+    with pytest.raises(Exception, match=r"memory\.policy\.fc0 = \"later\": must be \"keep\", \"swap\" or"):
+        load_config(None, ['memory.policy={fc0 = "later"}'])
+
+
+# --- a pipeline stage: several micro-batches in flight --------------------------------------------------
+def pipe_policy_job(topo, policy) -> dict:
+    cfg = Config()
+    cfg.model.hidden, cfg.model.depth = 32, 3
+    ds = load_dataset(cfg.data, 0)
+    model = build_model(cfg.model, ds.meta, 0)
+    device = LedgerDevice(1 << 30)
+    names = model.names
+    stage = PipelineStage(model, [names[:4], names[4:]], topo, device, OptimConfig(name="sgd", lr=0.05), 4, "1f1b")
+    device.ledger.track_module(stage.ledger_module, stage.optimizer)
+    pol = ActivationPolicy(model, device, MemoryConfig(policy=policy, host_link_gbps=5.0),
+                           owned=stage.owned_layers, in_flight=stage.in_flight)
+    for step in range(3):
+        pol.before_step(step)
+        stage.train_step(*batch_for(ds, step, 32, 0))
+        pol.after_step(step)
+    stage.sync()
+    out = {"state": {k: v.detach().clone() for k, v in stage.stage_state().items()},
+           "left": (device.ledger.bytes["activations"], device.ledger.bytes["swapped"]), "flight": stage.in_flight()}
+    pol.close()
+    stage.close()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_pipeline_stages_under_swap_and_recompute_equal_keep():
+    with DistPool(2) as pool:
+        keep = pool.run(pipe_policy_job, timeout=60, policy="keep")
+        mixed = {"fc0": "swap", "act0": "recompute", "fc1": "swap", "fc2": "recompute", "head": "swap"}
+        got = pool.run(pipe_policy_job, timeout=60, policy=mixed)
+    for rank in range(2):
+        assert got[rank]["left"] == (0, 0)
+        assert [keep[rank]["flight"], got[rank]["flight"]] == [2 - rank] * 2
+        for name, value in keep[rank]["state"].items():
+            assert torch.equal(got[rank]["state"][name], value), (rank, name)

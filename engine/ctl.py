@@ -2,7 +2,7 @@
 
     trainyard runs                           # name, mode, world size, step, socket
     trainyard ctl digits-ddp pause           # prints "applied at step 42", exit 0
-    trainyard ctl digits-ddp set-policy fc0 swap   # "rejected: ...", exit 1
+    trainyard ctl digits-ddp set-policy fc9 swap   # "rejected: unknown layer 'fc9'", exit 1
 
 Exit status of ctl: 0 applied, 1 rejected, 2 a bad command or no run to talk to.
 """

@@ -84,6 +84,11 @@ profile_steps = 6
 kind = "cpu"
 memory = "2GiB"
 
+[memory]
+policy = { fc0 = "swap", fc1 = "recompute" }
+host_link_gbps = 12.5
+planner = "exhaustive"
+
 [checkpoint]
 every = 5
 keep = 1

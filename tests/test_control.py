@@ -44,7 +44,8 @@ def test_a_client_gets_hello_snapshot_and_schema_valid_steps(cli):
     with protocol.connect("watch", client="test") as conn:
         assert conn.hello["run"] == "watch" and conn.hello["mode"] == "ddp" and conn.hello["world_size"] == 2
         assert conn.hello["protocol"] == protocol.VERSION
-        assert set(conn.hello["capabilities"]) == {"pause", "resume", "stop", "checkpoint", "set-placement"}
+        assert set(conn.hello["capabilities"]) == {"pause", "resume", "stop", "checkpoint", "set-placement",
+                                                       "set-policy"}
         snapshot = conn.read(timeout=5)
         assert snapshot["type"] == "snapshot" and snapshot["steps"] == 100000
         steps = []
@@ -80,8 +81,9 @@ def test_commands_pause_resume_reject_and_stop(cli):
 
     r = ctl(cli, "steer", "set-policy", "blocks.3", "recompute")
     assert r.returncode == 1 and "unknown layer 'blocks.3'" in r.stderr
-    r = ctl(cli, "steer", "set-policy", "fc0", "recompute")
-    assert r.returncode == 1 and "not available in mode ddp" in r.stderr
+    r = ctl(cli, "steer", "set-policy", "act1", "swap")   # act1's saved output goes to the host and back
+    assert r.returncode == 0 and "set-policy act1 swap: applied at step" in r.stdout
+    swapped_at = int(r.stdout.rsplit(" ", 1)[1])
     r = ctl(cli, "steer", "set-policy", "fc0", "sometimes")
     assert r.returncode == 2 and "keep, swap, recompute" in r.stderr
     r = ctl(cli, "steer", "set-placement", "act0", "host")
@@ -100,8 +102,14 @@ def test_commands_pause_resume_reject_and_stop(cli):
     records = read_jsonl(log)
     assert records[-1]["type"] == "summary" and records[-1]["stopped_early"]
     rejected = [r for r in records if r.get("kind") == "command" and r["status"] == "rejected"]
-    assert [r["reason"] for r in rejected] == ["unknown layer 'blocks.3'", "set-policy is not available in mode ddp",
+    assert [r["reason"] for r in rejected] == ["unknown layer 'blocks.3'",
                                                "layer 'act0' has no parameters: it has no optimizer update to place"]
+    policies = [r for r in records if r.get("kind") == "policy"]
+    assert [(p["step"], p["layer"], p["policy"]) for p in policies] == [(swapped_at, "act1", "swap")]
+    swapping = [r for r in records if r["type"] == "step" and r["step"] > swapped_at + 1]
+    assert swapping and all(e["swap_layers"] == 1 for r in swapping for e in r["ranks"])
+    # a copy still queued when backward frees its tensor is skipped, so not every step copies
+    assert sum(e["swapped_out_bytes"] for r in swapping for e in r["ranks"]) > 0
     moves = [r for r in records if r.get("kind") == "placement"]
     assert [(m["step"], m["layer"], m["placement"]) for m in moves] == [(moved_at, "fc1", "host")]
     # the step the reply named is where the update moved, and the result is the same computation

@@ -6,6 +6,7 @@ invocation and prints ratios; absolute times on a shared machine are noise, rati
     trainyard bench broadcast            # sharded + sliced multi-stream broadcast + gated forward vs DDP
     trainyard bench hybrid               # each layer's update on the device or the host: planners vs fixed
     trainyard bench pipeline             # a skewed 4-stage pipeline rebalanced live vs best static and torch's
+    trainyard bench memory               # per-layer keep/swap/recompute at 50% of keep's peak vs full recompute
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from __future__ import annotations
 import importlib
 
 BENCHES = {"telemetry": "engine.bench.telemetry", "console": "console.bench", "broadcast": "engine.bench.broadcast",
-           "hybrid": "engine.bench.hybrid", "pipeline": "engine.bench.pipeline"}
+           "hybrid": "engine.bench.hybrid", "pipeline": "engine.bench.pipeline",
+           "memory": "engine.bench.memory"}
 
 
 def run(name: str, argv: list[str]) -> int:

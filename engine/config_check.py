@@ -161,39 +161,31 @@ def check_value(path: str, f: dataclasses.Field, value: Any) -> Any:
 
 
 PLACEMENT_WORDS = '"auto", "device", "host", or a table of layer names to "device" or "host"'
+POLICY_WORDS = '"keep", "swap", "recompute", "auto", or a table of layer names to "keep", "swap" or "recompute"'
+
+
+def _check_per_layer(path: str, value: Any, per_layer: tuple[str, ...], words: str) -> str | dict:
+    """`auto`, one of `per_layer` for every layer, or a table of layer names to one of `per_layer`."""
+    if isinstance(value, str):
+        if value not in per_layer + ("auto",):
+            raise ConfigError(f"{path} = {show(value)}: expected {words}{did_you_mean(value, per_layer + ('auto',))}")
+        return value
+    if not isinstance(value, dict) or not value:
+        raise ConfigError(f"{path} = {show(value)}: expected {words}")
+    listed = ", ".join(f'"{c}"' for c in per_layer[:-1]) + f' or "{per_layer[-1]}"'
+    for layer, choice in value.items():
+        if choice not in per_layer:
+            hint = did_you_mean(choice, per_layer) if isinstance(choice, str) else ""
+            raise ConfigError(f"{path}.{layer} = {show(choice)}: must be {listed}{hint}")
+    return dict(value)
 
 
 def _check_placement(path: str, value: Any) -> str | dict:
-    if isinstance(value, str):
-        if value not in ("auto", "device", "host"):
-            raise ConfigError(f"{path} = {show(value)}: expected {PLACEMENT_WORDS}"
-                              f"{did_you_mean(value, ('auto', 'device', 'host'))}")
-        return value
-    if not isinstance(value, dict) or not value:
-        raise ConfigError(f"{path} = {show(value)}: expected {PLACEMENT_WORDS}")
-    for layer, side in value.items():
-        if side not in ("device", "host"):
-            raise ConfigError(f"{path}.{layer} = {show(side)}: must be \"device\" or \"host\"")
-    return dict(value)
-
-
-POLICY_WORDS = '"keep", "swap", "recompute", "auto", or a table of layer names to "keep", "swap" or "recompute"'
-LAYER_POLICIES = ("keep", "swap", "recompute")
+    return _check_per_layer(path, value, ("device", "host"), PLACEMENT_WORDS)
 
 
 def _check_policy(path: str, value: Any) -> str | dict:
-    if isinstance(value, str):
-        if value not in LAYER_POLICIES + ("auto",):
-            raise ConfigError(f"{path} = {show(value)}: expected {POLICY_WORDS}"
-                              f"{did_you_mean(value, LAYER_POLICIES + ('auto',))}")
-        return value
-    if not isinstance(value, dict) or not value:
-        raise ConfigError(f"{path} = {show(value)}: expected {POLICY_WORDS}")
-    for layer, policy in value.items():
-        if policy not in LAYER_POLICIES:
-            raise ConfigError(f"{path}.{layer} = {show(policy)}: must be \"keep\", \"swap\" or \"recompute\""
-                              f"{did_you_mean(policy, LAYER_POLICIES) if isinstance(policy, str) else ''}")
-    return dict(value)
+    return _check_per_layer(path, value, ("keep", "swap", "recompute"), POLICY_WORDS)
 
 
 PARTITION_WORDS = '"uniform", "balanced", or a list of stages, each a non-empty list of layer names'

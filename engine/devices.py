@@ -137,15 +137,18 @@ class MemoryLedger:
             if entry is not None:
                 entry[1] += 1
                 return _Saved(self, ptr, t)
-            if self.current_layer is not None:
-                layer = self.current_layer
-                self.activations_by_layer[layer] = self.activations_by_layer.get(layer, 0) + nbytes
             if swapper is None or swapper.group is None:
+                self.attribute(nbytes)
                 self._saved[ptr] = [nbytes, 1]
                 self.bytes["activations"] += nbytes
                 self._note_peak()
                 return _Saved(self, ptr, t)
         return swapper.pack(t, ptr, nbytes)
+
+    def attribute(self, nbytes: int) -> None:
+        """Book `nbytes` newly saved to the layer running now ("": outside any layer, e.g. the loss)."""
+        layer = self.current_layer or ""
+        self.activations_by_layer[layer] = self.activations_by_layer.get(layer, 0) + nbytes
 
     def note_transient(self, nbytes: int) -> None:
         """`nbytes` are on the device for a moment now (a recomputed layer's activations): peak only."""

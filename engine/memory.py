@@ -50,6 +50,7 @@ from functools import partial
 from typing import Callable
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import checkpoint
 
 from engine.config import format_size
@@ -262,13 +263,18 @@ class HostLink:
         """On a link thread: a copy of the uint8 buffer `src` on the other side, complete on return."""
         t0 = time.perf_counter()
         if self.cuda:
-            with torch.cuda.stream(self._streams[direction]):
+            stream, compute = self._streams[direction], torch.cuda.default_stream(self.device)
+            # the copy out must not read before the kernels that wrote `src` have run
+            stream.wait_stream(compute)
+            with torch.cuda.stream(stream):
                 if direction == "out":
                     dst = torch.empty(src.numel(), dtype=torch.uint8, pin_memory=True)
                 else:
                     dst = torch.empty(src.numel(), dtype=torch.uint8, device=self.device)
                 dst.copy_(src, non_blocking=True)
-                self._streams[direction].synchronize()
+            stream.synchronize()
+            if direction == "in":   # allocated on the side stream, used by backward on the compute stream
+                dst.record_stream(compute)
             return dst
         dst = src.clone()
         if self.pace_bytes_per_s:
@@ -315,7 +321,7 @@ class _SwapEntry:
     then (prefetched) back on the device until autograd frees every tensor saved from it."""
 
     __slots__ = ("swap", "nbytes", "device_buf", "host_buf", "restored", "state", "handles", "ready",
-                 "ptr", "wanted", "urgent")
+                 "ptr", "wanted", "urgent", "weak")
 
     def __init__(self, swap: "Swapper", buf: torch.Tensor):
         self.swap, self.nbytes, self.device_buf = swap, buf.numel(), buf
@@ -323,6 +329,7 @@ class _SwapEntry:
         self.state = "out"
         self.handles = 0
         self.ptr = 0
+        self.weak = None      # the device storage, weakly: is an address seen again the same storage?
         self.wanted = False   # prefetch asked for while still on its way out
         self.urgent = False   # backward is waiting for it
         self.ready = threading.Event()   # set when the storage is back on the device
@@ -361,29 +368,38 @@ class Swapper:
         self.ledger, self.link = ledger, link
         self.group: list[_SwapEntry] | None = None   # the running swap layer's entries
         self.out_bytes = 0                           # copied to the host, since the start
-        self._by_ptr: dict[int, _SwapEntry] = {}     # entries whose device copy is still held
+        self._by_ptr: dict[int, _SwapEntry] = {}     # live entries by the address of their device storage
         self.pending_out = 0                         # bytes queued or copying out (still on the device)
+        self.waited_s = 0.0                          # the compute thread's waits for the link, in total
         self._landed = threading.Condition(threading.Lock())
 
     def make_room(self, nbytes: int) -> None:
         """Backpressure, on the compute thread before `nbytes` more are held: while that would take the
         device over its capacity and swaps are still on their way out, wait for them to land."""
         ledger = self.ledger
+        if not (self.pending_out and ledger.used_bytes + nbytes > ledger.capacity_bytes):
+            return
+        t0 = time.perf_counter()
         deadline = time.monotonic() + FETCH_TIMEOUT_S
         with self._landed:
             while (self.pending_out and ledger.used_bytes + nbytes > ledger.capacity_bytes
                    and time.monotonic() < deadline):
                 self._landed.wait(timeout=0.05)
+        self.waited_s += time.perf_counter() - t0
 
     def pack(self, t: torch.Tensor, ptr: int, nbytes: int) -> _SwapHandle:
         ledger = self.ledger
         with ledger._lock:
             entry = self._by_ptr.get(ptr)
-            if entry is None:
-                buf = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+            if entry is not None and (entry.state == "dead" or entry.weak.expired()):
+                entry = None   # that storage is gone; its address now holds another
+            if entry is None:  # a storage not saved before (saved again, it shares the first one's copy)
+                storage = t.untyped_storage()
+                buf = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
                 entry = self._by_ptr[ptr] = _SwapEntry(self, buf)
-                entry.ptr = ptr
+                entry.ptr, entry.weak = ptr, StorageWeakRef(storage)
                 ledger.bytes["activations"] += nbytes
+                ledger.attribute(nbytes)
                 ledger._note_peak()
                 self.pending_out += nbytes
                 fresh = True
@@ -405,7 +421,6 @@ class Swapper:
             if entry.state != "out":   # freed while copying
                 return
             self.pending_out -= entry.nbytes
-            self._by_ptr.pop(entry.ptr, None)
             entry.host_buf, entry.device_buf, entry.state = host, None, "host"
             self.out_bytes += entry.nbytes
             ledger.bytes["activations"] -= entry.nbytes
@@ -453,8 +468,10 @@ class Swapper:
                 return entry.restored
         entry.urgent = True
         self.prefetch([entry])
+        t0 = time.perf_counter()
         if not entry.ready.wait(timeout=FETCH_TIMEOUT_S):
             raise RuntimeError(f"a swapped activation did not come back from the host within {FETCH_TIMEOUT_S} s")
+        self.waited_s += time.perf_counter() - t0
         return entry.restored
 
     def release(self, entry: _SwapEntry) -> None:
@@ -467,8 +484,8 @@ class Swapper:
                 self.pending_out -= entry.nbytes
             elif state in ("host", "in"):
                 ledger.bytes["swapped"] -= entry.nbytes
-            if state == "out":
-                self._by_ptr.pop(entry.ptr, None)
+            if self._by_ptr.get(entry.ptr) is entry:
+                del self._by_ptr[entry.ptr]
             entry.device_buf = entry.host_buf = entry.restored = None
 
 
@@ -507,14 +524,14 @@ class ActivationPolicy:
                 raise ValueError(f"memory.policy names unknown layer {unknown[0]!r}; layers are "
                                  f"{', '.join(self.names)}")
             self.policy = {n: cfg.policy.get(n, "keep") for n in self.names}
-        else:
-            self.policy = dict.fromkeys(self.names, "keep" if self.auto else cfg.policy)
+        else:   # auto starts by swapping everything: within the capacity (backpressure), and measurable
+            self.policy = dict.fromkeys(self.names, "swap" if self.auto else cfg.policy)
         self.pinned: dict[str, str] = {}
-        may_swap = self.auto or "swap" in self.policy.values()
-        self.link_gbps = cfg.host_link_gbps or (measure_link_gbps(device.torch_device) if may_swap else 0.0)
+        self.provisional = set(self.names) if self.auto else set()   # swapped until measured and planned
+        self.link_gbps = cfg.host_link_gbps
         self.link = None
         self.swapper = None
-        self._ensure_link("swap" in self.policy.values())
+        self._ensure_link("swap" in self.policy.values())   # measures the link when no rate is given
         self.known: dict[str, LayerCost] = {}     # measured costs, by layer
         self.plan: Plan | None = None
         self.plan_due = self.auto
@@ -523,8 +540,11 @@ class ActivationPolicy:
         self._last_owned = list(self.owned())
         self._pass = (-1, None)   # (index of the last layer run, the last swap group of this forward pass)
         self.last_error: PlanError | None = None
+        # a layer's own forward (an instance attribute of a user's layer is kept and restored on close)
+        self._replaced = {i: layer.__dict__.get("forward") for i, layer in enumerate(model.layers)}
         for i, layer in enumerate(model.layers):
-            layer.forward = partial(self._forward, i, self.names[i], type(layer).forward.__get__(layer))
+            forward = self._replaced[i] or type(layer).forward.__get__(layer)
+            layer.forward = partial(self._forward, i, self.names[i], forward)
 
     def _ensure_link(self, needed: bool) -> None:
         if needed and self.link is None:
@@ -544,6 +564,7 @@ class ActivationPolicy:
             return forward(*args, **kwargs)
         policy = self.policy[name]
         measure = self._measure
+        waited = self.swapper.waited_s if measure is not None and self.swapper is not None else 0.0
         last, prev_group = self._pass
         if index <= last:      # a new forward pass (the next micro-batch)
             prev_group = None
@@ -569,6 +590,8 @@ class ActivationPolicy:
         first = next(iter(_tensors(out)), None)
         if measure is not None:
             measure.calls[name] = measure.calls.get(name, 0) + 1
+            if self.swapper is not None:   # the layer's own time: not its waits for the link
+                t0 += self.swapper.waited_s - waited
             measure.fwd_ms[name] = measure.fwd_ms.get(name, 0.0) + (time.perf_counter() - t0) * 1000
             measure.in_bytes[name] = max(measure.in_bytes.get(name, 0),
                                          sum(t.numel() * t.element_size() for t in _tensors(args)))
@@ -607,12 +630,17 @@ class ActivationPolicy:
 
     def _time_backward(self, measure: _Measure, name: str, out: torch.Tensor, args) -> None:
         started = []
-        out.register_hook(lambda grad: started.append(time.perf_counter()))
+        swapper = self.swapper
+
+        def waited() -> float:
+            return swapper.waited_s if swapper is not None else 0.0
+        out.register_hook(lambda grad: started.append(time.perf_counter() - waited()))
         inputs = [t for t in _tensors(args) if t.requires_grad]
 
-        def ended(grad):
+        def ended(grad):   # minus any wait for a swapped storage to come back
             if started:
-                measure.bwd_ms[name] = measure.bwd_ms.get(name, 0.0) + (time.perf_counter() - started.pop()) * 1000
+                ms = (time.perf_counter() - waited() - started.pop()) * 1000
+                measure.bwd_ms[name] = measure.bwd_ms.get(name, 0.0) + ms
                 measure.bwd_seen[name] = measure.bwd_seen.get(name, 0) + 1
         if inputs:
             inputs[0].register_hook(ended)
@@ -627,6 +655,7 @@ class ActivationPolicy:
         self._ensure_link(policy == "swap")
         self.policy[layer] = policy
         self.pinned[layer] = policy
+        self.provisional.discard(layer)
         if self.auto:
             self.plan_due = True
 
@@ -636,7 +665,8 @@ class ActivationPolicy:
             self._last_owned = owned
             for name in owned:
                 if name not in self.known and name not in self.pinned and self.auto:
-                    self.policy[name] = "keep"   # measured under keep before it is planned
+                    self.policy[name] = "swap"   # swapped (so within the capacity) until measured and planned
+                    self.provisional.add(name)
             self.plan_due = self.plan_due or self.auto
         self._pass = (-1, None)
         if self.plan_due and self._warm:
@@ -653,16 +683,16 @@ class ActivationPolicy:
         self.plan_due = False
         costs = self._costs(measure)
         owned = self._last_owned
-        peak = self.ledger.peak_bytes
         flight = self.in_flight()
         current = {n: self.policy[n] for n in owned}
-        base = peak - activation_peak(costs, current, self.link_bytes_per_ms, flight)
-        base = max(base, self._static_bytes())
+        # what the stage holds besides its layers' saved activations: parameters, gradients, optimizer
+        # state, and what is saved outside any layer (the loss), for every micro-batch in flight
+        self.ledger.refresh()
+        base = self._static_bytes() + flight * self.ledger.activations_by_layer.get("", 0) // max(1, self._passes(measure))
         self.last_error = None
-        if self.link_gbps <= 0:
-            self.link_gbps = measure_link_gbps(self.device.torch_device)
         replan = estimate(costs, current, base, flight, self.link_bytes_per_ms) >= self.ledger.capacity_bytes \
-            or any(p == "recompute" and n not in self.pinned for n, p in current.items()) or self.plan is None
+            or any(p == "recompute" and n not in self.pinned for n, p in current.items()) \
+            or bool(self.provisional & set(owned)) or self.plan is None
         if not replan:
             return None
         try:
@@ -674,6 +704,7 @@ class ActivationPolicy:
             return None
         self._ensure_link("swap" in made.policies.values())
         self.policy.update(made.policies)
+        self.provisional -= set(made.policies)
         self.plan = made
         self.plan_costs, self.plan_base = costs, base
         self.ledger.reset_peak()
@@ -700,6 +731,10 @@ class ActivationPolicy:
             costs.append(cost)
         return costs
 
+    def _passes(self, measure: _Measure) -> int:
+        """Forward passes in the measured step (micro-batches): the most calls of any layer."""
+        return max(measure.calls.values(), default=1)
+
     def _static_bytes(self) -> int:
         b = self.ledger.bytes
         return b["parameters"] + b["gradients"] + b["optimizer_state"]
@@ -711,8 +746,11 @@ class ActivationPolicy:
         return self.swapper.out_bytes if self.swapper is not None else 0
 
     def close(self) -> None:
-        for layer in self.model.layers:
-            layer.__dict__.pop("forward", None)
+        for i, layer in enumerate(self.model.layers):
+            if self._replaced[i] is None:
+                layer.__dict__.pop("forward", None)
+            else:
+                layer.forward = self._replaced[i]
         self.ledger.swapper = None
         if self.link is not None:
             self.link.close()

@@ -135,6 +135,7 @@ class Worker:
         self.stop_reason: str | None = None
         self.wait_ms = 0.0
         self.rebalance_requested, self.rebalance_command = False, None
+        self.last_layers: list[dict] | None = None   # the last layer rows reported (rank 0)
 
     def _hello(self) -> dict:
         cfg = self.cfg
@@ -387,6 +388,12 @@ class Worker:
             record.update(self.strategy.stage_rows(ranks))
         if layers is not None:
             layers = self._layer_rows(layers)
+        elif self.last_layers and any(row.get("policy") != self.memory.policy[row["name"]]
+                                      for row in self.last_layers):
+            # a policy changed (set-policy, a plan): the last measured rows, with the policies now in force
+            layers = [{**row, "policy": self.memory.policy[row["name"]]} for row in self.last_layers]
+        if layers is not None:
+            self.last_layers = layers
             record["layers"] = layers
             self.tel.update_state(layers=layers)
         self.tel.update_state(step=step)

@@ -51,6 +51,11 @@ async def settle(pilot) -> None:
     table.shown = None      # rebuild: column widths then fit these rows, whatever came before
     table.refill()
     await pilot.pause(0.2)
+    # a loaded machine may not have had the idle moment in which the table measures its new columns
+    deadline = time.monotonic() + 5
+    while (table._require_update_dimensions or table._new_rows) and time.monotonic() < deadline:
+        await pilot.pause(0.05)
+    await pilot.pause(0.1)
 
 
 @pytest.mark.timeout(60)

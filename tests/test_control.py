@@ -107,6 +107,8 @@ def test_commands_pause_resume_reject_and_stop(cli):
     policies = [r for r in records if r.get("kind") == "policy"]
     assert [(p["step"], p["layer"], p["policy"]) for p in policies] == [(swapped_at, "act1", "swap")]
     swapping = [r for r in records if r["type"] == "step" and r["step"] > swapped_at + 1]
+    next_step = next(r for r in records if r["type"] == "step" and r["step"] == swapped_at + 1)
+    assert {row["name"]: row["policy"] for row in next_step["layers"]}["act1"] == "swap"   # the layer table follows
     assert swapping and all(e["swap_layers"] == 1 for r in swapping for e in r["ranks"])
     # a copy still queued when backward frees its tensor is skipped, so not every step copies
     assert sum(e["swapped_out_bytes"] for r in swapping for e in r["ranks"]) > 0

@@ -217,8 +217,8 @@ def train(zoo: str, steps: int, memory: MemoryConfig, capacity: int, switch: dic
             cross_entropy(model(*batch_for(data, step, 32, 0)[:1]), batch_for(data, step, 32, 0)[1]).backward()
         opt.step()
         device.ledger.refresh()
-        plans.append(policies.after_step(step))
         peaks.append(device.ledger.peak_bytes)
+        plans.append(policies.after_step(step))
         device.ledger.reset_peak()
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     policies.close()
@@ -228,18 +228,22 @@ def train(zoo: str, steps: int, memory: MemoryConfig, capacity: int, switch: dic
 def test_auto_plans_fit_several_capacities_and_follow_the_rule():
     _, peaks, _, _ = train("transformer", 2, MemoryConfig(policy="keep"), 1 << 30)
     keep_peak = max(peaks)
-    for share in (0.5, 0.7, 0.9):
+    for share, planner in ((0.5, "reverse"), (0.7, "ratio"), (0.9, "reverse"), (0.5, "exhaustive")):
         capacity = int(keep_peak * share)
-        _, peaks, plans, pol = train("transformer", 4, MemoryConfig(policy="auto", host_link_gbps=2.0), capacity)
+        _, peaks, plans, pol = train("transformer", 4, MemoryConfig(policy="auto", host_link_gbps=2.0,
+                                                                    planner=planner), capacity)
         made = plans[1]
         assert made is not None and plans[0] is None            # measured on the second step
         assert made.estimate_bytes <= capacity
-        assert max(peaks[2:]) <= capacity, (share, peaks, made.policies)
+        # every step stays within the capacity: the measured steps run with every layer swapped
+        assert max(peaks) <= capacity, (share, peaks, made.policies)
         # the plan is the rule applied to what was measured
         again = plan(pol.plan_costs, capacity_bytes=capacity, base_bytes=pol.plan_base, in_flight=1,
-                     link_bytes_per_ms=pol.link_bytes_per_ms)
+                     link_bytes_per_ms=pol.link_bytes_per_ms, planner=pol.cfg.planner)
         assert again.policies == made.policies
-        follows_the_rule(pol.plan_costs, made, capacity, pol.plan_base, 1, pol.link_bytes_per_ms)
+        if planner != "exhaustive":
+            follows_the_rule(pol.plan_costs, made, capacity, pol.plan_base, 1, pol.link_bytes_per_ms,
+                             reverse=planner == "reverse")
         assert any(p != "keep" for p in made.policies.values())
 
 
@@ -265,6 +269,8 @@ def test_a_policy_table_is_checked_against_the_model():
         ActivationPolicy(model, LedgerDevice(1 << 30), MemoryConfig(policy={"fc9": "swap"}))
     with pytest.raises(Exception, match=r"memory\.policy\.fc0 = \"later\": must be \"keep\", \"swap\" or"):
         load_config(None, ['memory.policy={fc0 = "later"}'])
+    with pytest.raises(Exception, match=r'memory\.policy = "swp": expected .* \(did you mean "swap"\?\)'):
+        load_config(None, ['memory.policy="swp"'])
 
 
 # --- a pipeline stage: several micro-batches in flight --------------------------------------------------

@@ -170,6 +170,11 @@ class DeviceCard(Widget):
                 ("nvml ", "dim"), human_bytes(entry.get("nvml_used_bytes")), " / ",
                 human_bytes(entry.get("nvml_total_bytes")),
                 ("  util ", "dim"), "—" if util is None else f"{util:.0f}%"))
+        if entry.get("swap_layers") or entry.get("recompute_layers"):   # the activation policy at work
+            lines.append(Text.assemble(("swap ", "dim"), f"{entry.get('swap_layers') or 0}",
+                                       ("  recompute ", "dim"), f"{entry.get('recompute_layers') or 0}",
+                                       (" layers  to host ", "dim"),
+                                       f"{human_bytes(entry.get('swapped_out_bytes') or 0)}/step"))
         if entry.get("owned_bytes"):   # sharded: this rank's shard, and its wait for others' broadcasts
             lines.append(Text.assemble(("owns ", "dim"), human_bytes(entry["owned_bytes"]),
                                        ("  gate ", "dim"), f"{entry.get('gate_ms') or 0.0:.1f} ms"))

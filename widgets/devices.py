@@ -161,6 +161,11 @@ class DeviceCard(Widget):
         if entry.get("swapped_bytes"):
             peak.append(f"  swap {human_bytes(entry['swapped_bytes'])}", "cyan")
         lines.append(peak)
+        if self.policy_line(entry):   # the activation policy at work
+            lines.append(Text.assemble(("swap ", "dim"), str(entry.get("swap_layers") or 0),
+                                       ("  recompute ", "dim"), str(entry.get("recompute_layers") or 0),
+                                       ("  to host ", "dim"),
+                                       (f"{human_bytes(entry.get('swapped_out_bytes') or 0)}/step", "cyan")))
         cpu = entry.get("cpu_percent")
         lines.append(Text.assemble(("rss ", "dim"), human_bytes(entry.get("rss_bytes")),
                                    ("  cpu ", "dim"), "—" if cpu is None else f"{cpu:.0f}%"))
@@ -170,11 +175,6 @@ class DeviceCard(Widget):
                 ("nvml ", "dim"), human_bytes(entry.get("nvml_used_bytes")), " / ",
                 human_bytes(entry.get("nvml_total_bytes")),
                 ("  util ", "dim"), "—" if util is None else f"{util:.0f}%"))
-        if entry.get("swap_layers") or entry.get("recompute_layers"):   # the activation policy at work
-            lines.append(Text.assemble(("swap ", "dim"), f"{entry.get('swap_layers') or 0}",
-                                       ("  recompute ", "dim"), f"{entry.get('recompute_layers') or 0}",
-                                       (" layers  to host ", "dim"),
-                                       f"{human_bytes(entry.get('swapped_out_bytes') or 0)}/step"))
         if entry.get("owned_bytes"):   # sharded: this rank's shard, and its wait for others' broadcasts
             lines.append(Text.assemble(("owns ", "dim"), human_bytes(entry["owned_bytes"]),
                                        ("  gate ", "dim"), f"{entry.get('gate_ms') or 0.0:.1f} ms"))
@@ -186,8 +186,13 @@ class DeviceCard(Widget):
         return Text("\n").join(lines)
 
     @staticmethod
-    def extra_lines(entry: dict) -> int:
-        return ("nvml_used_bytes" in entry) + bool(entry.get("owned_bytes")) + bool(entry.get("host_bytes"))
+    def policy_line(entry: dict) -> bool:
+        return bool(entry.get("swap_layers") or entry.get("recompute_layers"))
+
+    @classmethod
+    def extra_lines(cls, entry: dict) -> int:
+        return ("nvml_used_bytes" in entry) + bool(entry.get("owned_bytes")) + bool(entry.get("host_bytes")) \
+            + cls.policy_line(entry)
 
     def get_content_height(self, container, viewport, width: int) -> int:
         return 5 + self.extra_lines(self.entry)

@@ -77,7 +77,7 @@ class _Client:
 
 class Hub:
     def __init__(self, hello: dict, *, validate=None, listen: str | None = None, queue_len: int = 256,
-                 stall_timeout_s: float = 10.0, directory: Path | None = None):
+                 stall_timeout_s: float = 10.0, directory: Path | None = None, state: dict | None = None):
         self.hello = {**hello, "type": "hello", "protocol": protocol.VERSION}
         encode(self.hello)   # not JSON: fail here, not at every connection
         self.validate, self.queue_len, self.stall_timeout_s = validate, max(1, int(queue_len)), stall_timeout_s
@@ -94,7 +94,7 @@ class Hub:
         self._other: list[tuple[str, object]] = []     # state updates and replies: never shed
         self._lost, self._wake_pending, self._closed, self._commands = 0, False, False, []
         # the loop thread's alone
-        self._state, self._last_step = {}, None
+        self._state, self._last_step = dict(state or {}), None   # `state`: what the first snapshot holds
         self._events: collections.deque[dict] = collections.deque(maxlen=RECENT_EVENTS)
         self._clients: dict[int, _Client] = {}
         self._writers: set[asyncio.StreamWriter] = set()   # every connection, greeted or not

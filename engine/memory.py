@@ -16,7 +16,9 @@ layer's `forward`, so module hooks and state_dict keys are untouched):
   gradient of a layer's output is ready, the swapped storages of the nearest earlier
   swap layer of the same forward pass start coming back (prefetch), so they are on the
   device before that layer's backward needs them; a backward that finds its storage
-  still on the host fetches it and waits.
+  still on the host fetches it and waits. Backpressure: a forward that would take the
+  device over its capacity waits for copies still on their way out, and a prefetch lands
+  only when there is room (or when backward needs it now).
 - recompute: `torch.utils.checkpoint` (non-reentrant, RNG state preserved, so dropout
   draws the same mask): nothing the layer computes is saved, only its input, which
   the ledger counts until the layer's backward has run. While the forward is rerun in
@@ -27,14 +29,18 @@ On the CPU host and "device" are the same memory: a swap is a memcpy the ledger 
 as moved off the device. With `host_link_gbps` set, the CPU link paces its copies to
 that rate (an emulated PCIe link); unset, it is measured (and on the CPU not paced).
 
+`auto` starts with every layer on swap (measurable, and within the capacity from the first
+step), measures the second step and plans after it; a pipeline stage plans again after
+its layers change.
+
 The plan (`plan`, a pure function of measured per-layer costs; see docs/memory.md):
 swap costs a layer's activation bytes over the link rate, recompute costs its forward
 time. Layers are ordered by swap cost / recompute cost; the first ones swap while the
 summed swap time stays under the stage's forward+backward time, then, while the stage
 still does not fit its capacity, the next ones recompute; the rest keep. (Should every
-layer be changed and the stage still not fit, the last swapped layers recompute instead.) "reverse"
-takes the opposite order; "exhaustive" tries every assignment of up to
-EXHAUSTIVE_MAX_LAYERS layers and keeps the cheapest that fits.
+layer be changed and the stage still not fit, the last swapped layers recompute instead.)
+"reverse" (the default) takes the opposite order; "exhaustive" tries every assignment of
+up to EXHAUSTIVE_MAX_LAYERS layers and keeps the cheapest under the model that fits.
 """
 
 from __future__ import annotations

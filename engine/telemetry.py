@@ -52,13 +52,14 @@ class RankZeroTelemetry(Telemetry):
         self.current_step = first_step
         self.hub = None
         if cfg.telemetry.hub:
-            self.hub = self._start_hub(hello, cfg)
+            self.hub = self._start_hub(hello, cfg, first_step)
 
-    def _start_hub(self, hello: dict, cfg):
+    def _start_hub(self, hello: dict, cfg, first_step: int):
         from engine.hub import Hub
-        try:
+        try:   # a console that connects before the first step still gets the run's length in its snapshot
             hub = Hub(hello, validate=self._validate, listen=cfg.telemetry.listen or None,
-                      queue_len=cfg.telemetry.queue_len)
+                      queue_len=cfg.telemetry.queue_len,
+                      state={"step": first_step, "steps": cfg.run.steps, "paused": False})
             hub.start()
         except Exception as e:   # training goes on without consoles
             print(f"trainyard: the telemetry hub could not start ({e}); training goes on without it",

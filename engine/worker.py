@@ -28,8 +28,8 @@ from engine.config import Config
 from engine.control import COLUMN, encode_commands, exchange, rank_rows, share_commands
 from engine.data import Dataset, batch_for, load_dataset
 from engine.ddp import DDPStrategy
-from engine.memory import ActivationPolicy
 from engine.devices import open_device
+from engine.memory import ActivationPolicy
 from engine.models import LayerList, build_model
 from engine.pipeline import PipelineStage, uniform_stages
 from engine.profiler import LayerProfiler
@@ -206,7 +206,7 @@ class Worker:
             table = exchange(self.topo, {"stop": float(self.stop.requested), "command_bytes": len(payload),
                                          "loss": local_loss, "step_ms": step_ms if trained else 0.0,
                                          "wait_ms": self.wait_ms, **self.strategy.timings,
-                                         **self.memory_fields(memory_plan, swapped_out),
+                                         **self._memory_fields(memory_plan, swapped_out),
                                          **self.device.stats()})
             commands = share_commands(self.topo, payload, table)
             self.wait_ms = (time.perf_counter() - t_wait) * 1000
@@ -320,7 +320,8 @@ class Worker:
         else:
             self.stop_command = command
 
-    def memory_fields(self, plan, swapped_out: int) -> dict:
+    def _memory_fields(self, plan, swapped_out: int) -> dict:
+        """This rank's policy figures for the step's exchange."""
         policies = self.memory.policies()
         error = self.memory.last_error
         return {"swap_layers": sum(p == "swap" for p in policies.values()),
@@ -341,7 +342,7 @@ class Worker:
                        f"(device.memory = \"{int(need.max()) // 2**20}MiB\")"))
         made = table[:, COLUMN["plan_made"]]
         if not self.topo.is_first or made.max() == 0:
-            return
+            return None
         ranks = [{"rank": r, "swap_layers": int(table[r, COLUMN["swap_layers"]]),
                   "recompute_layers": int(table[r, COLUMN["recompute_layers"]]),
                   "estimate_bytes": int(table[r, COLUMN["plan_estimate_bytes"]])}
@@ -354,6 +355,7 @@ class Worker:
         summary = ", ".join(f"rank {e['rank']}: {e['swap_layers']} swap, {e['recompute_layers']} recompute"
                             for e in ranks)
         self.tel.note(f"memory plan ({self.cfg.memory.planner}) at step {step}: {summary}")
+        return None
 
     def _refuse(self, step: int, reason: str) -> dict | None:
         """End a run whose memory plan cannot fit: no checkpoint, no restart (it would fail the same way)."""

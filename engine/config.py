@@ -230,12 +230,12 @@ class MemoryConfig:
     host_link_gbps: float = setting(0.0, "Device-host copy rate in GB/s (gigabytes) the plan assumes; 0: measured "
                                          "at start. On the CPU a swap is a memcpy, and a rate given here paces "
                                          "it (an emulated link).", min=0.0)
-    planner: str = setting("reverse", "For `auto`: `ratio` (layers by swap/recompute cost, cheapest swap "
-                                      "first: swap while the link keeps up, then recompute until the stage "
-                                      "fits), `reverse` (the same rule in the opposite order: the default, as it "
-                                      "had the best throughput in `trainyard bench memory`), `exhaustive` "
-                                      "(every assignment, for stages of up to 9 layers; larger ones fall back to "
-                                      "ratio).",
+    planner: str = setting("ratio", "For `auto`: `ratio` (the default: layers by swap/recompute cost, cheapest "
+                                    "swap first; swap while the link keeps up, then recompute until the stage "
+                                    "fits), `reverse` (the same rule in the opposite order), `exhaustive` (every "
+                                    "assignment, for stages of up to 9 layers; larger ones fall back to ratio). "
+                                    "`ratio` had the best throughput across link rates in `trainyard bench "
+                                    "memory` (docs/memory.md).",
                            choices=("ratio", "reverse", "exhaustive"))
 
 

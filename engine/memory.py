@@ -39,8 +39,9 @@ time. Layers are ordered by swap cost / recompute cost; the first ones swap whil
 summed swap time stays under the stage's forward+backward time, then, while the stage
 still does not fit its capacity, the next ones recompute; the rest keep. (Should every
 layer be changed and the stage still not fit, the last swapped layers recompute instead.)
-"reverse" (the default) takes the opposite order; "exhaustive" tries every assignment of
-up to EXHAUSTIVE_MAX_LAYERS layers and keeps the cheapest under the model that fits.
+"reverse" takes the opposite order; "exhaustive" tries every assignment of up to
+EXHAUSTIVE_MAX_LAYERS layers and keeps the cheapest under the model that fits. "ratio" is
+the default (the best across link rates in `trainyard bench memory`).
 """
 
 from __future__ import annotations
@@ -109,15 +110,12 @@ def activation_peak(costs: list[LayerCost], policies: dict[str, str], link_bytes
                     in_flight: int) -> int:
     """Modelled peak of the stage's activation bytes, walking one micro-batch's backward while the other
     `in_flight - 1` hold everything they keep. At the turn from forward to backward every layer's
-    resident bytes are held, plus the swap copies the link has not finished (when the swaps take longer
-    than the forward). During layer j's backward the layers before it still hold theirs, and j's own
+    resident bytes are held, plus the swap copies the link has not finished (`swaps_pending`). During layer j's backward the layers before it still hold theirs, and j's own
     activations are back: rerun (recompute) or fetched (swap), with the nearest earlier swap layer's
     prefetched beside them."""
     res = [resident_bytes(c, policies[c.name]) for c in costs]
     total = sum(res)
-    swap_time = sum(c.act_bytes for c in costs if policies[c.name] == "swap") / link_bytes_per_ms
-    lag_ms = max(0.0, swap_time - sum(c.fwd_ms for c in costs))
-    peak = total + lag_ms * link_bytes_per_ms
+    peak = total + swaps_pending(costs, policies, link_bytes_per_ms)
     held, earlier_swap = 0, None
     for c, r in zip(costs, res):
         held += r
@@ -127,6 +125,19 @@ def activation_peak(costs: list[LayerCost], policies: dict[str, str], link_bytes
         if policies[c.name] == "swap":
             earlier_swap = c
     return int((in_flight - 1) * total + peak)
+
+
+def swaps_pending(costs: list[LayerCost], policies: dict[str, str], link_bytes_per_ms: float) -> int:
+    """Bytes still on their way to the host when the forward ends: the link copies in order, each swap
+    layer's storages from the end of that layer's forward."""
+    now = link_free = 0.0
+    landed_at = []
+    for c in costs:
+        now += c.fwd_ms
+        if policies[c.name] == "swap" and c.act_bytes:
+            link_free = max(link_free, now) + c.act_bytes / link_bytes_per_ms
+            landed_at.append((link_free, c.act_bytes))
+    return sum(nbytes for t, nbytes in landed_at if t > now)
 
 
 def estimate(costs: list[LayerCost], policies: dict[str, str], base_bytes: int, in_flight: int,
@@ -220,7 +231,7 @@ def _greedy(free, keep, est, capacity, budget, link, reverse: bool) -> tuple[dic
 
 def _exhaustive(costs, free, keep, est, capacity, budget, link) -> dict[str, str]:
     """The assignment with the least modelled extra time (recomputed forwards plus swap time beyond the
-    stage's own time) that fits; ties go to fewer changed layers."""
+    stage's own time) that fits; ties go to fewer bytes swapped, then to fewer changed layers."""
     best, best_key = None, None
     for choice in itertools.product(POLICIES, repeat=len(free)):
         policies = {**keep, **{c.name: p for c, p in zip(free, choice)}}
@@ -228,7 +239,8 @@ def _exhaustive(costs, free, keep, est, capacity, budget, link) -> dict[str, str
             continue
         rec = sum(c.fwd_ms for c, p in zip(free, choice) if p == "recompute")
         over = max(0.0, sum(swap_ms(c, link) for c in costs if policies[c.name] == "swap") - budget)
-        key = (rec + over, sum(p != "keep" for p in choice))
+        swapped = sum(c.act_bytes for c, p in zip(free, choice) if p == "swap")
+        key = (rec + over, swapped, sum(p != "keep" for p in choice))
         if best_key is None or key < best_key:
             best, best_key = policies, key
     return best

@@ -19,7 +19,7 @@ against the capacity, and the bytes copied to the host per step.
 On the CPU a "device" is this process, counted by the ledger; a swap is a memcpy on the
 link thread (paced to --host-link-gbps when given, an emulated PCIe link).
 
-    trainyard bench memory [--json] [--rounds 3] [--steps 6] [--host-link-gbps G]
+    trainyard bench memory [--json] [--rounds 8] [--steps 3] [--host-link-gbps G]
 """
 
 from __future__ import annotations
@@ -133,8 +133,8 @@ def measure(rounds: int, steps: int, link_gbps: float, d_model: int, depth: int,
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="trainyard bench memory", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds of every variant (default 3)")
-    parser.add_argument("--steps", type=int, default=6, help="timed steps per variant per round (default 6)")
+    parser.add_argument("--rounds", type=int, default=8, help="rounds of every variant (default 8)")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per variant per round (default 3)")
     parser.add_argument("--host-link-gbps", type=float, default=0.0,
                         help="pace the CPU's host link to this many GB/s (default: unpaced memcpy, measured)")
     parser.add_argument("--d-model", type=int, default=128)

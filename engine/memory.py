@@ -29,7 +29,7 @@ On the CPU host and "device" are the same memory: a swap is a memcpy the ledger 
 as moved off the device. With `host_link_gbps` set, the CPU link paces its copies to
 that rate (an emulated PCIe link); unset, it is measured (and on the CPU not paced).
 
-`auto` starts with every layer on swap (measurable, and within the capacity from the first
+`auto` starts with every layer on swap (measurable, and far under keep's peak from the first
 step), measures the second step and plans after it; a pipeline stage plans again after
 its layers change.
 
@@ -542,7 +542,7 @@ class ActivationPolicy:
                 raise ValueError(f"memory.policy names unknown layer {unknown[0]!r}; layers are "
                                  f"{', '.join(self.names)}")
             self.policy = {n: cfg.policy.get(n, "keep") for n in self.names}
-        else:   # auto starts by swapping everything: within the capacity (backpressure), and measurable
+        else:   # auto starts by swapping everything: far under keep's peak (backpressure), and measurable
             self.policy = dict.fromkeys(self.names, "swap" if self.auto else cfg.policy)
         self.pinned: dict[str, str] = {}
         self.provisional = set(self.names) if self.auto else set()   # swapped until measured and planned

@@ -43,6 +43,7 @@ class MemoryLedger:
         self.extra: dict[str, int] = {}     # bytes a strategy holds outside parameters/.grad/state, by category
         self.current_layer: str | None = None          # set by the layer profiler during forward
         self.activations_by_layer: dict[str, int] = {}  # bytes first saved while that layer ran
+        self.shared_bytes: dict[tuple[str, str], int] = {}  # (first saver, later saver) -> bytes of both
         self.swapper = None          # engine.memory.Swapper, once a layer may swap
         self._param_ptrs: set | None = None   # inside saved_activations()
 
@@ -136,14 +137,22 @@ class MemoryLedger:
             entry = self._saved.get(ptr)
             if entry is not None:
                 entry[1] += 1
+                self.note_shared(entry[2], nbytes)
                 return _Saved(self, ptr, t)
             if swapper is None or swapper.group is None:
                 self.attribute(nbytes)
-                self._saved[ptr] = [nbytes, 1]
+                self._saved[ptr] = [nbytes, 1, self.current_layer or ""]
                 self.bytes["activations"] += nbytes
                 self._note_peak()
                 return _Saved(self, ptr, t)
         return swapper.pack(t, ptr, nbytes)
+
+    def note_shared(self, first: str, nbytes: int) -> None:
+        """A storage `first` saved is saved again by the layer running now: it leaves the device only
+        when neither keeps it (engine/memory.py plans with these)."""
+        layer = self.current_layer or ""
+        if first and layer and layer != first:
+            self.shared_bytes[(first, layer)] = self.shared_bytes.get((first, layer), 0) + nbytes
 
     def attribute(self, nbytes: int) -> None:
         """Book `nbytes` newly saved to the layer running now ("": outside any layer, e.g. the loss)."""

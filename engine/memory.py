@@ -87,6 +87,7 @@ class LayerCost:
     in_bytes: int
     fwd_ms: float
     bwd_ms: float
+    shared_next: int = 0   # of act_bytes, what the next layer saves too (a ReLU's output, the next Linear's input)
 
 
 @dataclass
@@ -101,9 +102,16 @@ class Plan:
     note: str = ""
 
 
-def resident_bytes(cost: LayerCost, policy: str) -> int:
-    """What a layer holds on the device per micro-batch between its forward and its backward."""
-    return {"keep": cost.act_bytes, "swap": 0, "recompute": cost.in_bytes}[policy]
+def resident_bytes(cost: LayerCost, policy: str, next_policy: str = "keep") -> int:
+    """What a layer holds on the device per micro-batch between its forward and its backward. Storage
+    it shares with the next layer stays on the device while either of the two keeps it."""
+    shared = cost.shared_next if next_policy == "keep" else 0
+    return {"keep": cost.act_bytes, "swap": shared, "recompute": cost.in_bytes + shared}[policy]
+
+
+def _residents(costs: list[LayerCost], policies: dict[str, str]) -> list[int]:
+    following = [policies[c.name] for c in costs[1:]] + ["keep"]
+    return [resident_bytes(c, policies[c.name], nxt) for c, nxt in zip(costs, following)]
 
 
 def activation_peak(costs: list[LayerCost], policies: dict[str, str], link_bytes_per_ms: float,
@@ -113,7 +121,7 @@ def activation_peak(costs: list[LayerCost], policies: dict[str, str], link_bytes
     resident bytes are held, plus the swap copies the link has not finished (`swaps_pending`). During layer j's backward the layers before it still hold theirs, and j's own
     activations are back: rerun (recompute) or fetched (swap), with the nearest earlier swap layer's
     prefetched beside them."""
-    res = [resident_bytes(c, policies[c.name]) for c in costs]
+    res = _residents(costs, policies)
     total = sum(res)
     peak = total + swaps_pending(costs, policies, link_bytes_per_ms)
     held, earlier_swap = 0, None
@@ -173,13 +181,15 @@ def plan(costs: list[LayerCost], *, capacity_bytes: int, base_bytes: int, in_fli
                     note=note)
 
     keep = {c.name: pinned.get(c.name, "keep") for c in costs}
-    floor = {**keep, **{c.name: "recompute" for c in free}}
-    if est(floor) > capacity_bytes:
-        need = est(floor)
+    # the least a stage can hold: every free layer recomputed (it holds only inputs), or every one
+    # swapped (it holds nothing between forward and backward, but two layers come back at a time)
+    floors = [{**keep, **{c.name: "recompute" for c in free}}, {**keep, **{c.name: "swap" for c in free}}]
+    need = min(est(f) for f in floors)
+    if need > capacity_bytes:
         why = " with the operator's set-policy choices" if pinned else ""
         raise PlanError(f"the layers {costs[0].name}..{costs[-1].name} need {format_size(need)} ({need} bytes) even "
-                        f"with every layer recomputed{why}, more than the capacity of {format_size(capacity_bytes)} "
-                        f"({capacity_bytes} bytes): the "
+                        f"with every layer recomputed or every layer swapped{why}, more than the capacity of "
+                        f"{format_size(capacity_bytes)} ({capacity_bytes} bytes): the "
                         f"smallest capacity that fits is {format_size(_round_up_mib(need))} "
                         f"(device.memory = \"{_round_up_mib(need) // 2**20}MiB\")", _round_up_mib(need))
     if est(keep) <= capacity_bytes:
@@ -187,23 +197,26 @@ def plan(costs: list[LayerCost], *, capacity_bytes: int, base_bytes: int, in_fli
     if planner == "exhaustive":
         if len(free) <= EXHAUSTIVE_MAX_LAYERS:
             return made(_exhaustive(costs, free, keep, est, capacity_bytes, budget, link_bytes_per_ms), planner)
-        policies, note = _greedy(free, keep, est, capacity_bytes, budget, link_bytes_per_ms, reverse=False)
+        policies, note = _greedy(free, keep, floors, est, capacity_bytes, budget, link_bytes_per_ms, reverse=False)
         return made(policies, "ratio", f"{len(free)} layers: more than {EXHAUSTIVE_MAX_LAYERS} for an exhaustive "
                                        f"search, planned by ratio" + (f"; {note}" if note else ""))
-    policies, note = _greedy(free, keep, est, capacity_bytes, budget, link_bytes_per_ms,
+    policies, note = _greedy(free, keep, floors, est, capacity_bytes, budget, link_bytes_per_ms,
                              reverse=planner == "reverse")
     return made(policies, planner, note)
 
 
 def order_by_ratio(free: list[LayerCost], link_bytes_per_ms: float, reverse: bool = False) -> list[LayerCost]:
-    """Layers by swap cost over recompute cost, cheapest swap (relative to its recompute) first; layers
-    that save nothing are left out (no policy changes what they hold)."""
-    useful = [c for c in free if c.act_bytes > 0]
+    """Layers by swap cost over recompute cost, cheapest swap (relative to its recompute) first. Left out:
+    layers that save nothing of their own and share nothing with the layer before (no policy changes
+    what they hold); a layer that only saves what the one before saved (a Linear after a ReLU) is in,
+    at no swap cost: the storage leaves the device only when neither of the two keeps it."""
+    sharing = {b.name for a, b in zip(free, free[1:]) if a.shared_next}
+    useful = [c for c in free if c.act_bytes > 0 or c.name in sharing]
     return sorted(useful, key=lambda c: (swap_ms(c, link_bytes_per_ms) / max(c.fwd_ms, 1e-6), c.name),
                   reverse=reverse)
 
 
-def _greedy(free, keep, est, capacity, budget, link, reverse: bool) -> tuple[dict[str, str], str]:
+def _greedy(free, keep, floors, est, capacity, budget, link, reverse: bool) -> tuple[dict[str, str], str]:
     policies = dict(keep)
     order = order_by_ratio(free, link, reverse)
     used = sum(swap_ms(c, link) for c in free if policies[c.name] == "swap")
@@ -218,15 +231,20 @@ def _greedy(free, keep, est, capacity, budget, link, reverse: bool) -> tuple[dic
     if est(policies) <= capacity:
         return policies, ""
     # every layer changed and still too big (swapped layers come back for their backward): the last
-    # swapped ones recompute instead until it fits (all recomputed fits: plan() checked), then layers
-    # that need not change any more go back to keep
+    # swapped ones recompute instead until it fits; where even that does not fit (layers whose
+    # recompute holds as much as they save), everything swaps (plan() checked that one of the two
+    # fits). Then layers that need not change any more go back to keep.
     while est(policies) > capacity and any(policies[c.name] == "swap" for c in order):
         last = max(k for k, c in enumerate(order) if policies[c.name] == "swap")
         policies[order[last].name] = "recompute"
+    note = "every layer changed did not fit: swapped layers moved to recompute"
+    if est(policies) > capacity:
+        policies = dict(floors[1])
+        note = "every layer changed did not fit: every layer swapped"
     for c in reversed(order):
         if policies[c.name] != "keep" and est({**policies, c.name: "keep"}) <= capacity:
             policies[c.name] = "keep"
-    return policies, "every layer changed did not fit: swapped layers moved to recompute"
+    return policies, note
 
 
 def _exhaustive(costs, free, keep, est, capacity, budget, link) -> dict[str, str]:
@@ -339,7 +357,7 @@ class _SwapEntry:
     then (prefetched) back on the device until autograd frees every tensor saved from it."""
 
     __slots__ = ("swap", "nbytes", "device_buf", "host_buf", "restored", "state", "handles", "ready",
-                 "ptr", "wanted", "urgent", "weak")
+                 "ptr", "wanted", "urgent", "weak", "layer")
 
     def __init__(self, swap: "Swapper", buf: torch.Tensor):
         self.swap, self.nbytes, self.device_buf = swap, buf.numel(), buf
@@ -348,6 +366,7 @@ class _SwapEntry:
         self.handles = 0
         self.ptr = 0
         self.weak = None      # the device storage, weakly: is an address seen again the same storage?
+        self.layer = ""       # the layer that saved it first
         self.wanted = False   # prefetch asked for while still on its way out
         self.urgent = False   # backward is waiting for it
         self.ready = threading.Event()   # set when the storage is back on the device
@@ -415,7 +434,7 @@ class Swapper:
                 storage = t.untyped_storage()
                 buf = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
                 entry = self._by_ptr[ptr] = _SwapEntry(self, buf)
-                entry.ptr, entry.weak = ptr, StorageWeakRef(storage)
+                entry.ptr, entry.weak, entry.layer = ptr, StorageWeakRef(storage), ledger.current_layer or ""
                 ledger.bytes["activations"] += nbytes
                 ledger.attribute(nbytes)
                 ledger._note_peak()
@@ -423,6 +442,7 @@ class Swapper:
                 fresh = True
             else:
                 fresh = False
+                ledger.note_shared(entry.layer, nbytes)
             handle = _SwapHandle(entry, t)
         if fresh:
             if self.group is not None:
@@ -690,6 +710,7 @@ class ActivationPolicy:
         if self.plan_due and self._warm:
             self._measure = _Measure()
             self.ledger.activations_by_layer = {}
+            self.ledger.shared_bytes = {}
             self.ledger.reset_peak()
 
     def after_step(self, step: int) -> Plan | None:
@@ -713,6 +734,7 @@ class ActivationPolicy:
             or bool(self.provisional & set(owned)) or self.plan is None
         if not replan:
             return None
+        self.plan_costs, self.plan_base = costs, base   # what the last plan (or refusal) was made from
         try:
             made = plan(costs, capacity_bytes=self.ledger.capacity_bytes, base_bytes=base, in_flight=flight,
                         link_bytes_per_ms=self.link_bytes_per_ms, planner=self.cfg.planner,
@@ -724,14 +746,14 @@ class ActivationPolicy:
         self.policy.update(made.policies)
         self.provisional -= set(made.policies)
         self.plan = made
-        self.plan_costs, self.plan_base = costs, base
         self.ledger.reset_peak()
         return made
 
     def _costs(self, measure: _Measure) -> list[LayerCost]:
-        by_layer = self.ledger.activations_by_layer
+        by_layer, shared = self.ledger.activations_by_layer, self.ledger.shared_bytes
+        owned = self._last_owned
         costs = []
-        for name in self._last_owned:
+        for k, name in enumerate(owned):
             calls = measure.calls.get(name, 0)
             if not calls:
                 continue
@@ -744,7 +766,11 @@ class ActivationPolicy:
                 fwd = min(fwd, known.fwd_ms) if known.fwd_ms else fwd
             else:
                 act = by_layer.get(name, 0) // calls
-            cost = LayerCost(name, act, measure.in_bytes.get(name, 0), fwd, bwd)
+            if self.policy[name] == "recompute" and known is not None:
+                shared_next = known.shared_next
+            else:
+                shared_next = shared.get((name, owned[k + 1]), 0) // calls if k + 1 < len(owned) else 0
+            cost = LayerCost(name, act, measure.in_bytes.get(name, 0), fwd, bwd, min(shared_next, act))
             self.known[name] = cost
             costs.append(cost)
         return costs

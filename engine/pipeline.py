@@ -286,7 +286,8 @@ class PipelineStage:
                 new_layout = move is not None and move.use_new(i)
                 if op == "F":
                     if self.is_first:
-                        inp = x[i * size:(i + 1) * size].to(dev)
+                        # its own copy, as on a GPU: a view would keep (and swap) the whole batch's storage
+                        inp = x[i * size:(i + 1) * size].to(dev, copy=True)
                     else:
                         inp = self._recv(self.prev, FWD_TAG, new_layout).requires_grad_(True)
                     start, end = ranges[1] if new_layout else ranges[0]

@@ -310,3 +310,72 @@ def test_pipeline_stages_under_swap_and_recompute_equal_keep():
         assert [keep[rank]["flight"], got[rank]["flight"]] == [2 - rank] * 2
         for name, value in keep[rank]["state"].items():
             assert torch.equal(got[rank]["state"][name], value), (rank, name)
+
+
+def pipe_migration_job(topo, policy: str, capacity: int) -> dict:
+    """A 2-stage pipeline whose layout changes before step 5 (act1 and fc2 move from stage 1 to 0),
+    under `policy`; this rank's weights, each step's plan and peak, and its layers at the end."""
+    cfg = Config()
+    cfg.model.hidden, cfg.model.depth = 64, 3
+    ds = load_dataset(cfg.data, 0)
+    model = build_model(cfg.model, ds.meta, 0)
+    device = LedgerDevice(capacity)
+    names = model.names   # fc0 act0 fc1 act1 fc2 act2 head
+    stage = PipelineStage(model, [names[:3], names[3:]], topo, device, OptimConfig(name="sgd", lr=0.05), 4, "1f1b")
+    device.ledger.track_module(stage.ledger_module, stage.optimizer)
+    pol = ActivationPolicy(model, device, MemoryConfig(policy=policy, host_link_gbps=5.0),
+                           owned=stage.owned_layers, in_flight=stage.in_flight)
+    plans, peaks = [], []
+    for step in range(10):
+        if step == 5:
+            stage.migrate([names[:5], names[5:]])
+        pol.before_step(step)
+        stage.train_step(*batch_for(ds, step, 256, 0))
+        stage.take_migration()
+        peaks.append(device.ledger.peak_bytes)
+        made = pol.after_step(step)
+        plans.append(dict(made.policies) if made else None)
+        device.ledger.reset_peak()
+    stage.sync()
+    out = {"state": {k: v.detach().clone() for k, v in stage.stage_state().items()}, "plans": plans,
+           "peaks": peaks, "owned": stage.owned_layers(), "error": str(pol.last_error or "")}
+    pol.close()
+    stage.close()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_auto_plans_again_after_layers_migrate_and_training_is_unchanged():
+    with DistPool(2) as pool:
+        keep = pool.run(pipe_migration_job, timeout=60, policy="keep", capacity=1 << 30)
+        # stage 0 after the move holds five layers: a capacity between its all-swap need and keep's peak
+        tight = int(max(keep[0]["peaks"][6:]) * 0.75)
+        auto = pool.run(pipe_migration_job, timeout=60, policy="auto", capacity=tight)
+    stage0 = auto[0]
+    assert stage0["error"] == "" and stage0["owned"] == ["fc0", "act0", "fc1", "act1", "fc2"]
+    assert stage0["plans"][1] is not None and set(stage0["plans"][1]) == {"fc0", "act0", "fc1"}
+    # the step after the migration is measured (the new layers swapped) and a plan covers them
+    assert stage0["plans"][6] is not None and set(stage0["plans"][6]) == set(stage0["owned"])
+    assert all(p is None for k, p in enumerate(stage0["plans"]) if k not in (1, 6))
+    assert max(stage0["peaks"][7:]) <= tight
+    for rank in range(2):
+        for name, value in keep[rank]["state"].items():
+            assert torch.equal(auto[rank]["state"][name], value), (rank, name)
+
+
+def test_a_storage_two_layers_save_leaves_the_device_only_when_neither_keeps_it():
+    # a ReLU's output, saved by the ReLU and again by the Linear after it (attributed to the ReLU)
+    relu = LayerCost("act", 4096, 4096, fwd_ms=0.1, bwd_ms=0.1, shared_next=4096)
+    linear = LayerCost("fc", 0, 4096, fwd_ms=0.5, bwd_ms=1.0)
+    costs = [relu, linear]
+
+    def held(policies):
+        return estimate(costs, policies, 0, 3, LINK) - estimate(costs, policies, 0, 1, LINK)   # 2 in flight
+    assert held({"act": "keep", "fc": "keep"}) == 2 * 4096
+    assert held({"act": "swap", "fc": "keep"}) == 2 * 4096      # the Linear still keeps it
+    assert held({"act": "swap", "fc": "swap"}) == 0
+    assert held({"act": "keep", "fc": "swap"}) == 2 * 4096      # the ReLU keeps it
+    assert [c.name for c in order_by_ratio(costs, LINK)] == ["fc", "act"]   # the Linear is in, at no cost
+    got = plan(costs, capacity_bytes=estimate(costs, {"act": "swap", "fc": "swap"}, 0, 3, LINK), base_bytes=0,
+               in_flight=3, link_bytes_per_ms=LINK)
+    assert got.policies == {"act": "swap", "fc": "swap"}

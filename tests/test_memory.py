@@ -276,27 +276,38 @@ def test_a_policy_table_is_checked_against_the_model():
 
 
 # --- a pipeline stage: several micro-batches in flight --------------------------------------------------
-def pipe_policy_job(topo, policy) -> dict:
+def _stage(topo, policy, capacity: int, hidden: int, split: int):
+    """A 2-stage 1F1B pipeline (4 micro-batches) of the digits MLP under an ActivationPolicy."""
     cfg = Config()
-    cfg.model.hidden, cfg.model.depth = 32, 3
+    cfg.model.hidden, cfg.model.depth = hidden, 3
     ds = load_dataset(cfg.data, 0)
     model = build_model(cfg.model, ds.meta, 0)
-    device = LedgerDevice(1 << 30)
-    names = model.names
-    stage = PipelineStage(model, [names[:4], names[4:]], topo, device, OptimConfig(name="sgd", lr=0.05), 4, "1f1b")
+    device = LedgerDevice(capacity)
+    names = model.names   # fc0 act0 fc1 act1 fc2 act2 head
+    stage = PipelineStage(model, [names[:split], names[split:]], topo, device, OptimConfig(name="sgd", lr=0.05),
+                          4, "1f1b")
     device.ledger.track_module(stage.ledger_module, stage.optimizer)
     pol = ActivationPolicy(model, device, MemoryConfig(policy=policy, host_link_gbps=5.0),
                            owned=stage.owned_layers, in_flight=stage.in_flight)
+    return ds, names, device, stage, pol
+
+
+def _finish(stage, pol, **out) -> dict:
+    stage.sync()
+    out["state"] = {k: v.detach().clone() for k, v in stage.stage_state().items()}
+    pol.close()
+    stage.close()
+    return out
+
+
+def pipe_policy_job(topo, policy) -> dict:
+    ds, _, device, stage, pol = _stage(topo, policy, 1 << 30, hidden=32, split=4)
     for step in range(3):
         pol.before_step(step)
         stage.train_step(*batch_for(ds, step, 32, 0))
         pol.after_step(step)
-    stage.sync()
-    out = {"state": {k: v.detach().clone() for k, v in stage.stage_state().items()},
-           "left": (device.ledger.bytes["activations"], device.ledger.bytes["swapped"]), "flight": stage.in_flight()}
-    pol.close()
-    stage.close()
-    return out
+    return _finish(stage, pol, left=(device.ledger.bytes["activations"], device.ledger.bytes["swapped"]),
+                   flight=stage.in_flight())
 
 
 @pytest.mark.timeout(120)
@@ -313,18 +324,9 @@ def test_pipeline_stages_under_swap_and_recompute_equal_keep():
 
 
 def pipe_migration_job(topo, policy: str, capacity: int) -> dict:
-    """A 2-stage pipeline whose layout changes before step 5 (act1 and fc2 move from stage 1 to 0),
-    under `policy`; this rank's weights, each step's plan and peak, and its layers at the end."""
-    cfg = Config()
-    cfg.model.hidden, cfg.model.depth = 64, 3
-    ds = load_dataset(cfg.data, 0)
-    model = build_model(cfg.model, ds.meta, 0)
-    device = LedgerDevice(capacity)
-    names = model.names   # fc0 act0 fc1 act1 fc2 act2 head
-    stage = PipelineStage(model, [names[:3], names[3:]], topo, device, OptimConfig(name="sgd", lr=0.05), 4, "1f1b")
-    device.ledger.track_module(stage.ledger_module, stage.optimizer)
-    pol = ActivationPolicy(model, device, MemoryConfig(policy=policy, host_link_gbps=5.0),
-                           owned=stage.owned_layers, in_flight=stage.in_flight)
+    """The pipeline's layout changes before step 5 (act1 and fc2 move from stage 1 to 0), under `policy`;
+    this rank's weights, each step's plan and peak, and its layers at the end."""
+    ds, names, device, stage, pol = _stage(topo, policy, capacity, hidden=64, split=3)
     plans, peaks = [], []
     for step in range(10):
         if step == 5:
@@ -336,12 +338,8 @@ def pipe_migration_job(topo, policy: str, capacity: int) -> dict:
         made = pol.after_step(step)
         plans.append(dict(made.policies) if made else None)
         device.ledger.reset_peak()
-    stage.sync()
-    out = {"state": {k: v.detach().clone() for k, v in stage.stage_state().items()}, "plans": plans,
-           "peaks": peaks, "owned": stage.owned_layers(), "error": str(pol.last_error or "")}
-    pol.close()
-    stage.close()
-    return out
+    return _finish(stage, pol, plans=plans, peaks=peaks, owned=stage.owned_layers(),
+                   error=str(pol.last_error or ""))
 
 
 @pytest.mark.timeout(120)

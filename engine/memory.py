@@ -70,7 +70,7 @@ PREFETCH_WAIT_S = 0.5        # a prefetch waits at most this long for room on th
 
 
 class PlanError(RuntimeError):
-    """The stage does not fit its capacity even with every layer recomputed."""
+    """The stage does not fit its capacity even with every layer recomputed, nor with every one swapped."""
 
     def __init__(self, message: str, min_capacity_bytes: int):
         super().__init__(message)
@@ -96,9 +96,7 @@ class Plan:
     estimate_bytes: int          # modelled peak under these policies
     capacity_bytes: int
     planner: str
-    swap_ms: float               # summed swap time per micro-batch
     budget_ms: float             # the stage's forward+backward time per micro-batch
-    recompute_ms: float          # summed forward time rerun per micro-batch
     note: str = ""
 
 
@@ -118,9 +116,9 @@ def activation_peak(costs: list[LayerCost], policies: dict[str, str], link_bytes
                     in_flight: int) -> int:
     """Modelled peak of the stage's activation bytes, walking one micro-batch's backward while the other
     `in_flight - 1` hold everything they keep. At the turn from forward to backward every layer's
-    resident bytes are held, plus the swap copies the link has not finished (`swaps_pending`). During layer j's backward the layers before it still hold theirs, and j's own
-    activations are back: rerun (recompute) or fetched (swap), with the nearest earlier swap layer's
-    prefetched beside them."""
+    resident bytes are held, plus the swap copies the link has not finished (`swaps_pending`). During
+    layer j's backward the layers before it still hold theirs, and j's own activations are back: rerun
+    (recompute) or fetched (swap), with the nearest earlier swap layer's prefetched beside them."""
     res = _residents(costs, policies)
     total = sum(res)
     peak = total + swaps_pending(costs, policies, link_bytes_per_ms)
@@ -175,10 +173,7 @@ def plan(costs: list[LayerCost], *, capacity_bytes: int, base_bytes: int, in_fli
 
     def made(policies: dict[str, str], how: str, note: str = "") -> Plan:
         return Plan(policies=policies, estimate_bytes=est(policies), capacity_bytes=capacity_bytes,
-                    planner=how, swap_ms=sum(swap_ms(c, link_bytes_per_ms) for c in costs
-                                             if policies[c.name] == "swap"),
-                    budget_ms=budget, recompute_ms=sum(c.fwd_ms for c in costs if policies[c.name] == "recompute"),
-                    note=note)
+                    planner=how, budget_ms=budget, note=note)
 
     keep = {c.name: pinned.get(c.name, "keep") for c in costs}
     # the least a stage can hold: every free layer recomputed (it holds only inputs), or every one
@@ -282,6 +277,7 @@ class HostLink:
         self._threads = [threading.Thread(target=self._loop, args=(q,), name=f"trainyard-host-link-{d}", daemon=True)
                          for d, q in self._queues.items()]
         self._streams = {d: torch.cuda.Stream(device) for d in self._queues} if self.cuda else {}
+        self.error: Exception | None = None   # the last copy that failed on a link thread
         for t in self._threads:
             t.start()
 
@@ -324,7 +320,10 @@ class HostLink:
             fn = q.get()
             if fn is None:
                 return
-            fn()
+            try:
+                fn()
+            except Exception as e:   # a copy that failed: said by the backward that waits for it
+                self.error = e
 
     def close(self) -> None:
         for q in self._queues.values():
@@ -508,7 +507,9 @@ class Swapper:
         self.prefetch([entry])
         t0 = time.perf_counter()
         if not entry.ready.wait(timeout=FETCH_TIMEOUT_S):
-            raise RuntimeError(f"a swapped activation did not come back from the host within {FETCH_TIMEOUT_S} s")
+            why = f" (the host link failed: {self.link.error!r})" if self.link.error else ""
+            raise RuntimeError(f"a swapped activation did not come back from the host within "
+                               f"{FETCH_TIMEOUT_S} s{why}")
         self.waited_s += time.perf_counter() - t0
         return entry.restored
 
@@ -625,6 +626,8 @@ class ActivationPolicy:
         finally:
             ledger.current_layer = None
         self._pass = (index, group if group else prev_group)
+        if measure is None and not prev_group:   # the common case: nothing to time, nothing to prefetch
+            return out
         first = next(iter(_tensors(out)), None)
         if measure is not None:
             measure.calls[name] = measure.calls.get(name, 0) + 1

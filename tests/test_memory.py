@@ -214,7 +214,8 @@ def train(zoo: str, steps: int, memory: MemoryConfig, capacity: int, switch: dic
         policies.before_step(step)
         with device.ledger.saved_activations():
             opt.zero_grad()
-            cross_entropy(model(*batch_for(data, step, 32, 0)[:1]), batch_for(data, step, 32, 0)[1]).backward()
+            x, y = batch_for(data, step, 32, 0)
+            cross_entropy(model(x), y).backward()
         opt.step()
         device.ledger.refresh()
         peaks.append(device.ledger.peak_bytes)

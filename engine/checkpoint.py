@@ -165,9 +165,10 @@ def model_state(path: Path) -> dict:
     files = manifest["files"]
     if "model.pt" in files:
         return load_file(path, "model.pt")
-    shards = sorted((n for n in files if re.fullmatch(r"(shard|stage)\d+\.pt", n)), key=lambda n: int(n[5:-3]))
+    shards = sorted((n for n in files if re.fullmatch(r"(shard|stage|server)\d+\.pt", n)),
+                    key=lambda n: int(re.search(r"\d+", n).group()))
     if not shards:
-        raise CheckpointError(f"{path}: holds neither model.pt nor shard or stage files")
+        raise CheckpointError(f"{path}: holds neither model.pt nor shard, stage or server files")
     state = {}
     for name in shards:
         shard = load_file(path, name)

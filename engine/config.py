@@ -66,7 +66,7 @@ def format_size(n: float) -> str:
 
 # Values of a `choices` key that belong to the design but are not built yet: they get
 # "not available yet" instead of "must be one of".
-PLANNED_CHOICES = {"parallel.strategy": ("param_server",)}
+PLANNED_CHOICES: dict[str, tuple] = {}
 # A `pattern` key's rule in words, for messages and docs (the regex is the rule itself).
 PATTERN_WORDS = {"run.name": "1 to 64 letters, digits, '.', '_' or '-', starting with a letter or digit"}
 
@@ -139,9 +139,11 @@ class ParallelConfig:
                                    "`sharded`: every parameter has one owner rank that alone keeps its "
                                    "optimizer state and broadcasts its update in slices over several streams "
                                    "(docs/sharded.md). `pipeline`: one stage of consecutive layers per "
-                                   "worker, micro-batches in flight (docs/pipeline.md). `param_server` is "
-                                   "planned.",
-                            choices=("ddp", "sharded", "pipeline"))
+                                   "worker, micro-batches in flight (docs/pipeline.md). `param_server`: "
+                                   "`servers` ranks own the layers, `workers` ranks push each layer's "
+                                   "gradient and pull its weights, synchronised per layer by `sync` "
+                                   "(docs/param_server.md).",
+                            choices=("ddp", "sharded", "pipeline", "param_server"))
     world_size: int = setting(2, "Worker processes on this machine.", min=1, max=256)
     streams: int = setting(2, "sharded: communication streams (one process group each) that carry the "
                               "broadcast of updated parameters.", min=1, max=64)
@@ -179,6 +181,26 @@ class ParallelConfig:
                                          max=1_000_000)
     main_stream_communicates: bool = setting(False, "sharded: the compute group is one of the `streams` "
                                                     "(false: every stream is a group of its own).")
+    servers: int = setting(1, "param_server: server ranks (0 to servers-1); each owns whole layers, balanced "
+                              "by parameter bytes, with their optimizer state.", min=1, max=256)
+    workers: int = setting(1, "param_server: worker ranks (servers to world_size-1), each training on its "
+                              "share of every global batch; servers + workers = world_size.", min=1, max=256)
+    sync: str = setting("soft", "param_server: how a layer's server combines the workers' gradients. `soft`: "
+                                "a window from the earliest arrival, as long as that worker's profiled "
+                                "forward+backward time of the layers before this one, then one update from "
+                                "what arrived; `bsp`: wait for every worker (synchronous data parallel); "
+                                "`asp`: apply each gradient on arrival; `ssp`: on arrival, with no worker more "
+                                "than `staleness_bound` iterations ahead of the slowest. Live: `set-sync`.",
+                        choices=("soft", "bsp", "asp", "ssp"))
+    staleness_bound: int = setting(2, "param_server, `sync = \"ssp\"`: iterations the fastest worker may run "
+                                      "ahead of the slowest.", min=0, max=1_000_000)
+    staleness_scaling: bool = setting(True, "param_server: a gradient computed on weights s versions old counts "
+                                            "1/(1+s) (false: every gradient counts fully).")
+    slow_workers: Any = setting({}, "param_server: emulate a heterogeneous cluster, e.g. `{5 = 3.0}`: worker "
+                                    "rank 5 sleeps 2x each layer's forward and backward time after it, so its "
+                                    "compute takes 3x as long.", kind="slow_workers")
+    sync_profile_steps: int = setting(3, "param_server: iterations every worker measures before `sync` starts "
+                                         "(run as `bsp`; the first is not counted).", min=2, max=1000)
     backend: str = setting("auto", "Collective backend: `auto` picks nccl when every worker has its own "
                                    "CUDA GPU, otherwise gloo on the CPU.", choices=("auto", "gloo", "nccl"))
     collective_timeout_s: float = setting(60.0, "Timeout of every collective: a dead peer becomes an "

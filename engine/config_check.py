@@ -71,6 +71,8 @@ def allowed_words(path: str, f: dataclasses.Field) -> str:
         return POLICY_WORDS
     if meta["kind"] == "partition":
         return PARTITION_WORDS
+    if meta["kind"] == "slow_workers":
+        return SLOW_WORDS
     if meta["choices"]:
         return "one of " + ", ".join(show(c) for c in meta["choices"])
     if meta["pattern"]:
@@ -131,6 +133,8 @@ def check_value(path: str, f: dataclasses.Field, value: Any) -> Any:
         return _check_policy(path, value)
     if meta["kind"] == "partition":
         return _check_partition(path, value)
+    if meta["kind"] == "slow_workers":
+        return _check_slow_workers(path, value)
     kind = f.type if isinstance(f.type, str) else f.type.__name__
     ok = {"int": isinstance(value, int) and not isinstance(value, bool),
           "float": isinstance(value, (int, float)) and not isinstance(value, bool),
@@ -201,6 +205,24 @@ def _check_partition(path: str, value: Any) -> str | list:
             isinstance(stage, list) and stage and all(isinstance(n, str) for n in stage) for stage in value):
         raise ConfigError(f"{path} = {show(value)}: expected {PARTITION_WORDS}")
     return [list(stage) for stage in value]
+
+
+SLOW_WORDS = "a table of worker ranks to slow-down factors >= 1, e.g. {5 = 3.0}"
+
+
+def _check_slow_workers(path: str, value: Any) -> dict:
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path} = {show(value)}: expected {SLOW_WORDS}")
+    out = {}
+    for rank, factor in value.items():
+        if not str(rank).isdigit():
+            raise ConfigError(f"{path}.{rank}: expected a worker rank (a whole number), e.g. {path}.5 = 3.0")
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) \
+                or factor < 1:
+            raise ConfigError(f"{path}.{rank} = {show(factor)}: expected a slow-down factor >= 1 (3.0: three "
+                              f"times slower)")
+        out[str(int(rank))] = float(factor)
+    return out
 
 
 def _check_size(path: str, value: Any) -> str:
@@ -294,9 +316,37 @@ def batch_splits_over_ranks(cfg: Config) -> str | None:
             return (f"parallel.partition lists {len(p.partition)} stages but parallel.world_size = {world} "
                     f"(one stage per worker)")
         return None
+    if p.strategy == "param_server":
+        if batch % p.workers:
+            return (f"data.batch_size = {batch}: must be divisible by parallel.workers = {p.workers} "
+                    f"(e.g. {_near_multiples(batch, p.workers)})")
+        return None
     if batch % world:
         return (f"data.batch_size = {batch}: must be divisible by parallel.world_size = {world} "
                 f"(e.g. {_near_multiples(batch, world)})")
+    return None
+
+
+def param_server_ranks(cfg: Config) -> str | None:
+    """param_server: `parallel.servers + parallel.workers = parallel.world_size`; `slow_workers` names
+    worker ranks only; `memory.policy = "keep"` and `update.placement = "device"` (the servers update;
+    the workers keep their activations)."""
+    p = cfg.parallel
+    if p.strategy != "param_server":
+        return None
+    if p.servers + p.workers != p.world_size:
+        return (f"parallel.servers = {p.servers} + parallel.workers = {p.workers} must equal parallel.world_size "
+                f"= {p.world_size} (set world_size = {p.servers + p.workers})")
+    for rank in p.slow_workers:
+        if not p.servers <= int(rank) < p.world_size:
+            return (f"parallel.slow_workers.{rank}: rank {rank} is not a worker; worker ranks are "
+                    f"{p.servers} to {p.world_size - 1}")
+    if cfg.memory.policy != "keep":
+        return (f'memory.policy = {show(cfg.memory.policy)}: not available with parallel.strategy = '
+                f'"param_server" (use "keep")')
+    if cfg.update.placement != "device":
+        return (f'update.placement = {show(cfg.update.placement)}: not available with parallel.strategy = '
+                f'"param_server" (its servers run the updates; use "device")')
     return None
 
 
@@ -337,4 +387,5 @@ def slices_cover_streams(cfg: Config) -> str | None:
     return None
 
 
-CROSS_CHECKS = [listen_is_loopback, slices_cover_streams, model_matches_data, branchy_has_square_images, batch_splits_over_ranks, heads_split_width]
+CROSS_CHECKS = [listen_is_loopback, slices_cover_streams, model_matches_data, branchy_has_square_images, batch_splits_over_ranks, heads_split_width,
+                param_server_ranks]

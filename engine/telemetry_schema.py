@@ -4,6 +4,8 @@ Tests validate every record a run writes against RECORD_SCHEMA, so the documenta
 the schema and the writer cannot drift apart.
 """
 
+from engine.protocol import SYNC_MODES
+
 _BYTES = {"type": "integer", "minimum": 0}
 
 RANK_ENTRY = {
@@ -57,6 +59,26 @@ RUN_START = {
                    "config": {"type": "object"}},
 }
 
+PS = {   # param_server: the sync mode, every worker, every layer with parameters
+    "type": "object",
+    "required": ["mode", "workers_live", "workers_lost", "workers", "layers"],
+    "properties": {
+        "mode": {"enum": SYNC_MODES}, "workers_live": {"type": "integer", "minimum": 0},
+        "workers_lost": {"type": "array", "items": {"type": "integer"}},
+        "workers": {"type": "array", "items": {
+            "type": "object", "required": ["rank", "iterations", "steps_per_s", "wait_ms", "slow_factor", "alive"],
+            "properties": {"rank": {"type": "integer"}, "iterations": {"type": "integer", "minimum": 0},
+                           "steps_per_s": {"type": "number", "minimum": 0}, "wait_ms": {"type": "number", "minimum": 0},
+                           "slow_factor": {"type": "number", "minimum": 1}, "alive": {"type": "boolean"}}}},
+        "layers": {"type": "array", "items": {
+            "type": "object", "required": ["name", "server", "version", "window_workers", "mean_staleness", "window_ms"],
+            "properties": {"name": {"type": "string"}, "server": {"type": "integer", "minimum": 0},
+                           "version": {"type": "integer", "minimum": 0},
+                           "window_workers": {"type": "integer", "minimum": 0},
+                           "mean_staleness": {"type": "number", "minimum": 0},
+                           "window_ms": {"type": "number", "minimum": 0}}}}},
+}
+
 STEP = {
     "type": "object",
     "required": ["schema", "time", "type", "step", "loss", "samples_per_s", "step_ms", "ranks"],
@@ -65,11 +87,12 @@ STEP = {
                    "step_ms": {"type": "number", "minimum": 0},
                    "ranks": {"type": "array", "minItems": 1, "items": RANK_ENTRY},
                    "time_split": TIME_SPLIT, "streams": {"type": "array", "items": STREAM},
-                   "layers": {"type": "array", "items": LAYER}},
+                   "layers": {"type": "array", "items": LAYER}, "ps": PS},
 }
 
 EVENT_KINDS = ["checkpoint", "restart", "resume", "eval", "memory_over_capacity", "stop", "command", "update_plan",
-               "placement", "rebalance", "migration", "memory_plan", "policy"]
+               "placement", "rebalance", "migration", "memory_plan", "policy", "sync_mode", "worker_lost",
+               "ps_profile"]
 EVENT = {
     "type": "object",
     "required": ["schema", "time", "type", "kind", "step"],
@@ -94,6 +117,10 @@ EVENT = {
         {"if": {"properties": {"kind": {"const": "migration"}}},
          "then": {"required": ["moves", "stages", "bytes", "duration_ms", "cutover_micro_batch"],
                   "properties": {"bytes": _BYTES, "duration_ms": {"type": "number", "minimum": 0}}}},
+        {"if": {"properties": {"kind": {"const": "sync_mode"}}},
+         "then": {"required": ["mode", "previous", "source"], "properties": {"mode": {"enum": SYNC_MODES}}}},
+        {"if": {"properties": {"kind": {"const": "worker_lost"}}}, "then": {"required": ["rank", "reason"]}},
+        {"if": {"properties": {"kind": {"const": "ps_profile"}}}, "then": {"required": ["layers", "mode"]}},
         {"if": {"properties": {"kind": {"const": "command"}}},
          "then": {"required": ["name", "args", "status"],
                   "properties": {"status": {"enum": ["applied", "rejected"]}}}},

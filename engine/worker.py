@@ -76,11 +76,18 @@ class StopRequest:
 
 def worker_main(job: Job) -> dict | None:
     torch.set_num_threads(1)   # one thread per worker: on a few cores the pools would thrash
-    stop = StopRequest()
     cfg = job.config
+    param_server = cfg.parallel.strategy == "param_server"
+    if param_server and int(os.environ["RANK"]) >= cfg.parallel.servers:
+        from engine.param_server import supervise
+        return supervise(job)   # a parameter-server worker: its death does not end the run
+    stop = StopRequest()
     topo = Topology.from_env(cfg.parallel.backend, cfg.device.kind, cfg.parallel.collective_timeout_s)
     worker = None
     try:
+        if param_server:
+            from engine.param_server import run_server
+            return run_server(job, topo, stop)
         worker = Worker(job, topo, stop)
         return worker.run()
     except Exception as e:
@@ -449,22 +456,8 @@ class Worker:
 
     def _announce(self) -> None:
         self.tel.update_state(step=self.first_step, steps=self.cfg.run.steps, paused=False)
-        if not self.topo.is_first:
-            return
-        cfg = self.cfg
-        self.tel._write({"type": "run_start", "name": cfg.run.name, "strategy": cfg.parallel.strategy,
-                         "world_size": self.topo.world_size, "backend": self.topo.backend,
-                         "device": self.device.name, "simulated": self.device.simulated,
-                         "layers": list(getattr(self.model, "names", [])), "first_step": self.first_step,
-                         "restart": self.restart, "config": cfg.to_dict()})
-        if self.restart:
-            self.tel.event("restart", self.first_step, restart=self.restart, max_restarts=cfg.parallel.max_restarts)
-            self.tel.note(f"[yellow]restart {self.restart} of {cfg.parallel.max_restarts}:[/] a worker failed; "
-                          f"resumed from step {self.first_step}")
-        if self.first_step:
-            self.tel.event("resume", self.first_step, checkpoint=str(self.resumed_from))
-            if not self.restart:
-                self.tel.note(f"resumed from {self.resumed_from} at step {self.first_step}")
+        announce(self.tel, self.cfg, self.topo, self.device, self.model.names, self.first_step, self.restart,
+                 self.resumed_from)
 
     # --- checkpoints, evaluation, the end ----------------------------------------
     def _save(self, step: int) -> None:
@@ -525,6 +518,28 @@ class Worker:
         self.tel.summary(summary)
         self.tel.close("run stopped" if stopped_early else "run finished")
         return {"type": "summary", **summary}
+
+
+def announce(tel: Telemetry, cfg: Config, topo: Topology, device, names, first_step: int, restart: int,
+             resumed_from, layout: dict | None = None) -> None:
+    """Rank 0: the run_start record, and the restart and resume events."""
+    if not topo.is_first:
+        return
+    start = {"type": "run_start", "name": cfg.run.name, "strategy": cfg.parallel.strategy,
+             "world_size": topo.world_size, "backend": topo.backend, "device": device.name,
+             "simulated": device.simulated, "layers": list(names), "first_step": first_step,
+             "restart": restart, "config": cfg.to_dict()}
+    if layout is not None:
+        start["layout"] = layout
+    tel._write(start)
+    if restart:
+        tel.event("restart", first_step, restart=restart, max_restarts=cfg.parallel.max_restarts)
+        tel.note(f"[yellow]restart {restart} of {cfg.parallel.max_restarts}:[/] a worker failed; "
+                 f"resumed from step {first_step}")
+    if first_step:
+        tel.event("resume", first_step, checkpoint=str(resumed_from))
+        if not restart:
+            tel.note(f"resumed from {resumed_from} at step {first_step}")
 
 
 def make_strategy(cfg: Config, model: LayerList, topo: Topology, device):

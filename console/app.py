@@ -8,6 +8,8 @@
 A thread worker reads the socket (or plays the log back) and posts Feed and Link messages
 (console/client.py); they only update a RunState, and the panels are redrawn from it ten
 times a second. Wide terminals show every panel; narrow ones show a page at a time (1 2 3).
+A parameter-server run adds the sync figures to the layers and devices, its sync mode to the
+header, and `m` to change that mode (set-sync) when the run offers it.
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ from textual.widgets import Footer, Static, Tab, Tabs
 from textual.worker import get_current_worker
 
 from console.client import Feed, Link, ReplaySource, SocketSource
-from console.screens import ConfirmStopScreen, FilterScreen, HelpScreen, QuitScreen, RunPicker
+from console.screens import ConfirmStopScreen, FilterScreen, HelpScreen, QuitScreen, RunPicker, SyncScreen
 from console.state import RunState, headline, link_label, replay_label
+from engine.protocol import SYNC_MODES
 from widgets.curves import Curves
 from widgets.devices import DevicesPanel
 from widgets.events import EventLog
@@ -64,8 +67,11 @@ class ConsoleApp(App[str]):
                 tooltip="selected layer: set-policy LAYER recompute"),
         Binding("u", "placement", "Placement", show=False,
                 tooltip="selected layer: move its optimizer update device <-> host (set-placement)"),
+        Binding("m", "sync", "Sync mode", tooltip="parameter server: choose the sync mode, soft / bsp / asp / ssp "
+                                                   "(set-sync; only where the run offers it)"),
         Binding("slash", "filter", "Filter", tooltip="filter the layers by name"),
-        Binding("o", "sort", "Sort", show=False, tooltip="sort the layers: name, fwd, bwd, activations"),
+        Binding("o", "sort", "Sort", show=False,
+                tooltip="sort the layers: name, fwd, bwd, activations (parameter server: staleness, window)"),
         Binding("1", "page('devices')", "Devices", show=False, tooltip="narrow screens: devices, streams, stages"),
         Binding("2", "page('layers')", "Layers", show=False, tooltip="narrow screens: layers and events"),
         Binding("3", "page('curves')", "Curves", show=False, tooltip="narrow screens: curves and events"),
@@ -140,6 +146,8 @@ class ConsoleApp(App[str]):
             self.on_reply(msg)
         else:
             self.state.apply(msg)
+            if msg.get("type") == "hello":   # its capabilities decide which keys are on offer
+                self.refresh_bindings()
             if msg.get("type") == "bye" and self.stopping:
                 self.exit("stop")
 
@@ -182,20 +190,22 @@ class ConsoleApp(App[str]):
     def refresh_panels(self, force: bool = False) -> None:
         """Draw the latest state: called on a timer, cheap when nothing changed. `force`: every
         panel now, off its schedule (tests, snapshots)."""
+        if not self.is_running:   # shutting down: the panels' children are being taken away
+            return
         state, hello = self.state, self.state.hello
         if state.new_run:
             self.curves.clear()
             state.new_run = False
         step, now = state.last_step or {}, float("inf") if force else time.monotonic()
         if self.due(self.devices, state.version, now):
-            self.devices.update_ranks(step.get("ranks"), bool(hello.get("simulated", True)))
+            self.devices.update_ranks(step.get("ranks"), bool(hello.get("simulated", True)), state.ps)
         if self.due(self.streams, state.version, now):
             self.streams.update_streams(step.get("streams"), state.mode)
         if self.due(self.stages, state.version, now):
             self.stages.update_stages(step.get("stages"), state.mode, step.get("imbalance_ms"),
                                       step.get("threshold_ms"), bool(step.get("migrating")))
         if self.due(self.table, state.layers_version, now):
-            self.table.update_layers(state.layers)
+            self.table.update_layers(state.layers, state.ps)
         points, events, notes = state.take()
         self._points.extend(points)
         if self._points and self.due(self.curves, state.version, now):
@@ -240,14 +250,18 @@ class ConsoleApp(App[str]):
         self.event_log.add_text(text, style)
         self.notify(text, severity=severity, timeout=4 if severity == "information" else 6)
 
+    def refusal(self, name: str, label: str) -> str | None:
+        """Why this console will not send `name` now, or None."""
+        state = self.state
+        return ("replay: commands are disabled" if isinstance(self.source, ReplaySource) else
+                "read-only: commands are disabled" if self.read_only else
+                f"{label}: not available in mode {state.mode}" if state.hello and name not in state.capabilities
+                else None)
+
     def send_command(self, name: str, *args: str) -> str | None:
         """Send at once (the reply comes as a Feed message); None when refused here."""
-        label, state = " ".join((name, *args)), self.state
-        refusal = ("replay: commands are disabled" if isinstance(self.source, ReplaySource) else
-                   "read-only: commands are disabled" if self.read_only else
-                   f"{label}: not available in mode {state.mode}" if state.hello and name not in state.capabilities
-                   else None)
-        if refusal:
+        label = " ".join((name, *args))
+        if refusal := self.refusal(name, label):
             self.say(refusal, "warning")
             return None
         try:
@@ -294,6 +308,17 @@ class ConsoleApp(App[str]):
         if layer := self.selected_layer("set-placement"):
             now = self.state.layer(layer).get("placement", "device")
             self.send_command("set-placement", layer, "device" if now == "host" else "host")
+
+    def action_sync(self) -> None:
+        """A chooser of the sync modes, the current one marked; the choice goes out as set-sync."""
+        if refusal := self.refusal("set-sync", "set-sync"):
+            self.say(refusal, "warning")
+            return
+
+        def chosen(mode: str | None) -> None:
+            if mode is not None:
+                self.send_command("set-sync", mode)
+        self.push_screen(SyncScreen(SYNC_MODES, self.state.sync_mode), chosen)
 
     # --- everything else -----------------------------------------------------------------
 
@@ -344,7 +369,11 @@ class ConsoleApp(App[str]):
             self.notify(f"replay speed {self.source.change_speed(1 if what == 'faster' else -1):g}×", timeout=2)
 
     def check_action(self, action: str, parameters: tuple) -> bool | None:
-        return isinstance(self.source, ReplaySource) if action == "replay" else True
+        if action == "replay":
+            return isinstance(self.source, ReplaySource)
+        if action == "sync":   # only runs that can change it (param_server) offer the key
+            return "set-sync" in self.state.capabilities
+        return True
 
     def get_system_commands(self, screen):
         """Every key's action in the command palette (ctrl+p), named as in the footer."""

@@ -139,10 +139,11 @@ def replay_messages(records: list[dict]) -> list[dict]:
         if record.get("type") == "run_start" and not hello_sent:
             config = record.get("config", {})
             msg = {"v": protocol.VERSION, "type": "hello", "protocol": protocol.VERSION,
-                   "run": record.get("name"), "mode": record.get("strategy"),
+                   "run": record.get("name"), "mode": record.get("mode") or record.get("strategy"),
                    "world_size": record.get("world_size"), "backend": record.get("backend"),
                    "device": record.get("device"), "simulated": record.get("simulated", True),
-                   "layers": record.get("layers", []), "capabilities": [],
+                   "layers": record.get("layers", []), "capabilities": [],   # a replay takes no commands
+                   **({"layout": record["layout"]} if "layout" in record else {}),
                    "steps": config.get("run", {}).get("steps"), "config": config,
                    "started": record.get("time"), "first_step": record.get("first_step", 0)}
             hello_sent = True

@@ -1,4 +1,5 @@
-"""The console's dialogs: help, quit (detach or stop), stop confirmation, run picker, layer filter.
+"""The console's dialogs: help, quit (detach or stop), stop confirmation, run picker, layer filter,
+sync mode chooser.
 
 Each is a ModalScreen that dismisses with its answer; the app decides what the answer does.
 Their styles live in app.tcss with the rest.
@@ -114,6 +115,45 @@ class FilterScreen(ModalScreen[str | None]):
     @on(Input.Submitted)
     def submitted(self, event: Input.Submitted) -> None:
         self.dismiss(event.value.strip())
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)
+
+
+SYNC_HINTS = {
+    "soft": "per-layer windows: fast workers never wait long for slow ones",
+    "bsp": "bulk-synchronous: every update waits for every worker",
+    "asp": "asynchronous: every gradient applied on arrival, no waiting",
+    "ssp": "stale-synchronous: no worker more than the staleness bound ahead",
+}
+
+
+class SyncScreen(ModalScreen[str | None]):
+    """The parameter server's sync modes, the current one marked; enter picks, esc cancels."""
+
+    BINDINGS = [Binding("escape", "cancel", "Cancel")]
+
+    def __init__(self, modes: tuple[str, ...], current: str | None) -> None:
+        super().__init__()
+        self.modes, self.current = modes, current
+
+    def compose(self) -> ComposeResult:
+        options = [Option(Text.assemble(("● " if mode == self.current else "  ", "bold #ffb000"),
+                                        (f"{mode:<5}", "bold"), (SYNC_HINTS.get(mode, ""), "dim"),
+                                        ("  (current)" if mode == self.current else "", "#ffb000")), id=mode)
+                   for mode in self.modes]
+        with Vertical(id="sync-box", classes="dialog"):
+            yield Label("Sync mode (set-sync)", classes="dialog-title")
+            yield OptionList(*options, id="sync-modes")
+            yield Label("↑↓ choose · enter sends set-sync · esc cancels", classes="dialog-hint")
+
+    def on_mount(self) -> None:
+        if self.current in self.modes:
+            self.query_one(OptionList).highlighted = self.modes.index(self.current)
+
+    @on(OptionList.OptionSelected)
+    def chosen(self, event: OptionList.OptionSelected) -> None:
+        self.dismiss(event.option.id)
 
     def action_cancel(self) -> None:
         self.dismiss(None)

@@ -4,6 +4,7 @@
     state.apply(msg)                 # hello, snapshot, step, event, summary, dropped, error, ...
     points, events, notes = state.take()      # what arrived since the last redraw
     headline(state, wide=True, live=True)     # `digits-ddp  ddp×2  step 41/60  loss 1.0792  ...`
+    state.sync_mode                           # parameter server: soft, bsp, asp or ssp
 
 Applying a message only stores it; the screen reads the latest state on its own timer,
 so 20 steps a second cost 20 dict updates, not 20 redraws.
@@ -27,6 +28,8 @@ class RunState:
         self.last_step: dict | None = None
         self.layers: list[dict] | None = None
         self.summary: dict | None = None
+        self.sync_mode: str | None = None   # parameter server: hello's layout, then sync_mode events and steps
+        self._sync_step = -1                # the step the sync mode was last reported at
         self.version = self.layers_version = self.messages = 0
         self.new_run = False             # a different run: the curves start afresh
         self.points: list[tuple] = []    # (step, loss, samples/s) not yet drawn
@@ -43,6 +46,11 @@ class RunState:
     def capabilities(self) -> set[str]:
         return set(self.hello.get("capabilities") or [])
 
+    @property
+    def ps(self) -> dict | None:
+        """The latest step's parameter-server figures (None in other modes)."""
+        return (self.last_step or {}).get("ps")
+
     def layer(self, name: str) -> dict:
         return next((row for row in self.layers or [] if row.get("name") == name), {})
 
@@ -54,6 +62,9 @@ class RunState:
             fresh = self.hello.get("run") != msg.get("run") or self.summary is not None
             if fresh:
                 self.last_step, self.layers, self.step, self.summary, self._rate = None, None, None, None, []
+                self.sync_mode, self._sync_step = None, -1
+            if self.sync_mode is None:   # a reconnect's hello has the configured mode, maybe changed since
+                self.sync_mode = (msg.get("layout") or {}).get("sync")
             self.new_run = self.new_run or fresh
             self.hello, self.steps = msg, msg.get("steps", self.steps)
             self.step = self.step if self.step is not None else msg.get("first_step")
@@ -96,6 +107,9 @@ class RunState:
         if msg.get("layers"):
             self.layers = msg["layers"]
             self.layers_version += 1
+        if isinstance(msg.get("ps"), dict):   # the layer table shows each step's sync windows
+            self._sync(msg["ps"].get("mode"), step, latest=True)
+            self.layers_version += 1
         if isinstance(msg.get("time"), (int, float)):
             self._rate = [*self._rate[-49:], (msg["time"], step)]
         self.version += 1
@@ -106,9 +120,18 @@ class RunState:
             return
         self._seen.add(key)
         self.events.append(event)
+        if event.get("kind") == "sync_mode":
+            self._sync(event.get("mode"), event.get("step"))
         if event.get("kind") == "command" and event.get("status") == "applied" \
                 and event.get("name") in ("pause", "resume"):   # another console's, say
             self.paused = event["name"] == "pause"
+
+    def _sync(self, mode, step, latest: bool = False) -> None:
+        """A step's report is the run's state now (after a restart too); an event counts unless it is
+        older than that: a snapshot repeats its recent events after its last step."""
+        step = step if isinstance(step, int) else self._sync_step
+        if isinstance(mode, str) and mode and (latest or step >= self._sync_step):
+            self.sync_mode, self._sync_step = mode, step
 
     def take(self) -> tuple[list, list, list]:
         """(points, events, notes) not yet drawn; the caller draws them."""
@@ -139,6 +162,8 @@ def headline(state: RunState, wide: bool, live: bool) -> Text:
     hello, step = state.hello, state.last_step or {}
     parts = [(hello.get("run") or "no run yet", "bold #ffb000"),
              (f"{state.mode}×{hello.get('world_size', '?')}", "bold"),
+             *([(f"sync {state.sync_mode}", "bold cyan")] if state.mode == "param_server" and state.sync_mode
+               else []),
              (f"step {state.step if state.step is not None else '—'}"
               + (f"/{state.steps}" if state.steps else ""), "")]
     if state.paused:

@@ -17,7 +17,8 @@ from textual.widgets import OptionList
 
 from console.app import ConsoleApp
 from console.client import ReplaySource, SocketSource, replay_messages
-from console.screens import ConfirmStopScreen, HelpScreen, QuitScreen, RunPicker
+from console.screens import ConfirmStopScreen, HelpScreen, QuitScreen, RunPicker, SyncScreen
+from console.state import RunState, headline
 from engine.hub import Hub
 from engine.protocol import COMMANDS
 from tests.conftest import read_jsonl
@@ -26,6 +27,7 @@ from widgets.layers import LayerTable
 
 FIXTURES = Path(__file__).parent / "fixtures"
 DDP_FEED, PIPELINE_FEED = FIXTURES / "ddp_feed.jsonl", FIXTURES / "pipeline_feed.jsonl"
+PS_FEED = FIXTURES / "ps_run.jsonl"   # param_server: 2 servers, 4 workers (rank 5 slow, then lost)
 SIZE = (120, 40)
 
 
@@ -135,6 +137,49 @@ def test_each_key_sends_its_command_and_the_reply_shows(engines):
         assert f"set-policy blocks.3 swap: applied at step {engine.step}" in text
         assert f"checkpoint: applied at step {engine.step}" in text
     run(scenario())
+
+
+@pytest.mark.timeout(60)
+def test_m_chooses_the_sync_mode_and_sends_set_sync(engines):
+    engine = engines("ps", PS_FEED, capabilities=("pause", "resume", "stop", "checkpoint", "set-sync"))
+
+    async def scenario():
+        app = ConsoleApp(SocketSource("ps"))
+        async with app.run_test(size=SIZE) as pilot:
+            await attached(pilot, app)
+            assert app.check_action("sync", ()) and app.state.sync_mode == "soft"
+            assert "sync soft" in str(app.query_one("#status").render())
+            await pilot.press("m")
+            assert isinstance(app.screen, SyncScreen)
+            options = app.screen.query_one(OptionList)
+            assert options.highlighted == 0 and "(current)" in str(options.get_option_at_index(0).prompt)
+            await pilot.press("down", "enter")           # soft -> bsp
+            await until(pilot, lambda: "set-sync bsp: applied" in events_text(app), what="the set-sync reply")
+            await pilot.press("m", "escape")              # changed its mind: nothing sent
+            await pilot.pause(0.1)
+            text = events_text(app)
+        assert engine.commands == [("set-sync", ["bsp"])]
+        assert "set-sync bsp: pending" in text and f"set-sync bsp: applied at step {engine.step}" in text
+    run(scenario())
+
+
+def test_the_sync_mode_follows_hello_events_and_steps():
+    hello = {"type": "hello", "run": "ps", "mode": "param_server", "world_size": 6,
+             "layout": {"strategy": "param_server", "sync": "soft"}}
+    state = RunState()
+    state.apply(hello)
+    assert "sync soft" in headline(state, wide=True, live=False).plain
+    state.apply({"type": "event", "kind": "sync_mode", "step": 12, "mode": "bsp", "previous": "soft",
+                 "source": "command"})
+    assert state.sync_mode == "bsp"
+    state.apply({"type": "step", "step": 14, "loss": 1.0, "ps": {"mode": "asp", "layers": []}})
+    assert state.sync_mode == "asp" and state.ps == {"mode": "asp", "layers": []}
+    # a reconnect: the hello holds the configured mode, the snapshot repeats an older event
+    state.apply(hello)
+    state.apply({"type": "snapshot", "step": 15, "last_step": {"step": 15, "loss": 1.0, "ps": {"mode": "asp"}},
+                 "events": [{"type": "event", "kind": "sync_mode", "step": 13, "mode": "ssp", "time": 1.0}]})
+    assert state.sync_mode == "asp"
+    assert "sync" not in headline(RunState(), wide=True, live=False).plain   # other modes say nothing
 
 
 @pytest.mark.timeout(60)
@@ -255,13 +300,17 @@ def test_help_lists_every_key_and_the_palette_has_every_action():
             await pilot.press("question_mark")
             assert isinstance(app.screen, HelpScreen)
             keys = [key for key, _ in app.screen.keys]
-            for key in ("r", "k", "s", "c", "u", "p", "x", "/", "?", "q", "space", "n", "+", "-"):
+            for key in ("r", "k", "s", "c", "u", "m", "p", "x", "/", "?", "q", "space", "n", "+", "-"):
                 assert key in keys
             await pilot.press("escape")
             titles = " ".join(c.title for c in app.get_system_commands(app.screen))
             for title in ("Pause (p)", "Rebalance (r)", "Keep (k)", "Swap (s)", "Recompute (c)",
                           "Placement (u)", "Checkpoint (x)", "Filter (/)", "Quit (q)"):
                 assert title in titles
+            # set-sync is no capability of a replay (nor of a ddp run): m is not on offer
+            assert "Sync mode (m)" not in titles and not app.check_action("sync", ())
+            await pilot.press("m")
+            assert not isinstance(app.screen, SyncScreen)
     run(scenario())
 
 

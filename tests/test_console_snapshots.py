@@ -1,4 +1,5 @@
-"""The console's main screen, wide and narrow, for a data-parallel and a pipeline run.
+"""The console's main screen, wide and narrow, for a data-parallel and a pipeline run, and wide
+for a parameter-server run.
 
 Replayed feeds, preloaded and paused, so every picture is the same: times come from the
 records, not the clock. Refresh the SVGs after a deliberate change with
@@ -15,7 +16,7 @@ import pytest
 from console.app import ConsoleApp
 from console.client import ReplaySource
 from widgets.curves import Curves
-from widgets.devices import Throttle
+from widgets.devices import DevicesPanel, Throttle
 from widgets.layers import LayerTable
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -70,3 +71,16 @@ def test_ddp_main_screen(snap_compare, size, press):
 def test_pipeline_main_screen(snap_compare, size, press):
     app = ConsoleApp(ReplaySource(FIXTURES / "pipeline_feed.jsonl", paused=True, preload=26))
     assert snap_compare(app, press=press, terminal_size=size, run_before=settle)
+
+
+async def settle_at_the_last_workers(pilot) -> None:
+    await settle(pilot)
+    pilot.app.query_one(DevicesPanel).scroll_end(animate=False, immediate=True)   # the slow worker, now lost
+    await pilot.pause(0.1)
+
+
+@pytest.mark.timeout(60)
+def test_param_server_main_screen(snap_compare):
+    # every record but the summary: sync back to soft, rank 5 lost at step 26
+    source = ReplaySource(FIXTURES / "ps_run.jsonl", paused=True, preload=39)
+    assert snap_compare(ConsoleApp(source), terminal_size=(120, 40), run_before=settle_at_the_last_workers)

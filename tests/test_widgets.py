@@ -288,3 +288,100 @@ def test_event_log_formats_commands_and_events():
         assert red and all(s.style.color.name == "red" for s in red)
 
     mounted(EventLog(), test)
+
+
+# --- parameter server --------------------------------------------------------------
+
+def ps_record(lost: tuple[int, ...] = ()) -> dict:
+    """A param_server step's `ps`: servers 0 and 1, workers on ranks 2-5, rank 5 emulated 3x slower."""
+    workers = [{"rank": rank, "iterations": 120 if rank < 5 else 40, "steps_per_s": 10.5 if rank < 5 else 3.5,
+                "wait_ms": 3.2, "compute_ms": 20.1, "slow_factor": 1.0 if rank < 5 else 3.0,
+                "alive": rank not in lost} for rank in (2, 3, 4, 5)]
+    live = 4 - len(lost)
+    return {"mode": "soft", "staleness_bound": 2, "workers_live": live, "workers_lost": list(lost),
+            "workers": workers,
+            "layers": [{"name": "fc0", "server": 0, "version": 118, "window_workers": 3, "mean_staleness": 0.25,
+                        "window_ms": 4.2},
+                       {"name": "fc1", "server": 1, "version": 117, "window_workers": live, "mean_staleness": 2.5,
+                        "window_ms": 3.1},
+                       {"name": "head", "server": 0, "version": 118, "window_workers": live, "mean_staleness": 0.0,
+                        "window_ms": 1.3}]}
+
+
+@pytest.mark.timeout(60)
+def test_layer_table_shows_each_layers_sync_window_in_param_server_mode():
+    rows = [layer("fc0", 1.0), layer("act0", 0.1), layer("fc1", 2.0), layer("head", 0.5)]
+
+    async def test(pilot, table: LayerTable) -> None:
+        table.update_layers(rows, ps=ps_record())
+        await pilot.pause()
+        titles = [str(column.label) for column in table.columns.values()]
+        assert titles == ["layer ▲", "server", "fwd ms", "bwd ms", "version", "workers", "stale", "win ms"]
+        cell = table.get_cell
+        assert [cell("fc0", key).plain for key in ("server", "version", "workers", "staleness", "window")] == \
+            ["0", "118", "3/4", "0.25", "4.20"]
+        assert cell("fc0", "workers").style == "#ffb000"      # a worker missed the window
+        assert cell("fc1", "staleness").style == "bold red"   # staler than the bound on average
+        assert [cell("act0", key).plain for key in ("server", "version", "workers", "staleness", "window")] == \
+            [""] * 5                                          # no parameters: nothing to synchronise
+        assert "3/4" in screen_text(pilot) and "policy" not in screen_text(pilot)
+        assert table.cycle_sort() == "fwd" and table.cycle_sort() == "bwd" and table.cycle_sort() == "staleness"
+        assert table.shown[0] == "fc1"
+        # another mode again: the policy columns come back
+        table.update_layers(rows)
+        await pilot.pause(REPAINT_WAIT_S)
+        assert "policy" in [str(column.label) for column in table.columns.values()]
+        # before the first timed step the layers come from `ps` alone
+        table.update_layers(None, ps=ps_record(lost=(5,)))
+        await pilot.pause(REPAINT_WAIT_S)
+        assert sorted(table.shown) == ["fc0", "fc1", "head"] and table.get_cell("fc1", "workers").plain == "3/3"
+
+    mounted(LayerTable(), test)
+
+
+@pytest.mark.timeout(60)
+def test_device_cards_by_role_with_worker_pace_and_a_lost_worker():
+    roles = ["server", "server", "worker", "worker", "worker", "worker"]
+    ranks = [rank_entry(rank, role=role) for rank, role in enumerate(roles)]
+
+    async def test(pilot, panel: DevicesPanel) -> None:
+        panel.update_ranks(ranks, simulated=True, ps=ps_record())
+        await pilot.pause()
+        cards, text = list(panel.query(DeviceCard)), screen_text(pilot)
+        for rank, label in enumerate(["server 0", "server 1", "worker 0", "worker 1", "worker 2", "worker 3"]):
+            assert f"{label} rank {rank} simulated" in text   # the CPU device says what it is
+        assert "GPU" not in text
+        assert str(cards[0].render()).startswith("serves fc0, head") and "serves fc1" in str(cards[1].render())
+        fast, slow = str(cards[2].render()), str(cards[5].render())
+        assert fast.startswith("10.5 steps/s  wait 3.2 ms") and "slower" not in fast
+        assert slow.startswith("3.5 steps/s  wait 3.2 ms\n3.0x slower (emulated)")
+        assert "used 20.0 MiB / cap 64.0 MiB" in slow      # the ledger's lines stay
+        # rank 5 is lost and sends no ledger row any more: its card stays and says so
+        panel.update_ranks(ranks[:5], simulated=True, ps=ps_record(lost=(5,)))
+        await pilot.pause(REPAINT_WAIT_S)
+        cards = list(panel.query(DeviceCard))
+        assert len(cards) == 6 and cards[5].has_class("-lost") and "LOST" in str(cards[5].border_subtitle)
+        assert str(cards[5].render()) == "lost after 40 iterations\n3.0x slower (emulated)"
+        assert "lost after 40 iterations" in screen_text(pilot)
+
+    mounted(DevicesPanel(), test, size=(80, 80))
+
+
+@pytest.mark.timeout(60)
+def test_event_log_formats_param_server_events():
+    async def test(pilot, log: EventLog) -> None:
+        log.add_event({"type": "event", "kind": "sync_mode", "step": 0, "mode": "soft", "previous": None,
+                       "source": "config"})
+        log.add_event({"type": "event", "kind": "sync_mode", "step": 12, "mode": "bsp", "previous": "soft",
+                       "source": "command"})
+        log.add_event({"type": "event", "kind": "worker_lost", "step": 26, "rank": 5, "reason": "process exited"})
+        log.add_event({"type": "event", "kind": "ps_profile", "step": 5,
+                       "layers": [{"name": "fc0", "window_ms": [0.0, 0.0]}, {"name": "fc1", "window_ms": [1.6, 4.9]}]})
+        await pilot.pause()
+        lines = ["".join(segment.text for segment in strip) for strip in log.lines]
+        assert "sync       sync mode soft (from config)" in lines[0]
+        assert "sync mode soft -> bsp (from command)" in lines[1]
+        assert "lost       worker rank 5 lost: process exited" in lines[2]
+        assert "sync windows per worker: fc0 0.0 ms, fc1 1.6–4.9 ms" in lines[3]
+
+    mounted(EventLog(), test)

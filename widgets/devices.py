@@ -1,7 +1,10 @@
 """Per-rank memory cards: the ledger's categories against the device's capacity.
 
 Try it: `python -m console.demo` (or mount `DevicesPanel` in any App) and call
-`update_ranks(step["ranks"], simulated)` with a step message's `ranks`.
+`update_ranks(step["ranks"], simulated)` with a step message's `ranks`. A parameter-server
+run also passes the step's `ps` (`update_ranks(ranks, simulated, ps=step["ps"])`): cards are
+then named by role (`server 0`, `worker 1`), a worker's card shows its step rate, its wait
+and its emulated slowness, and a lost worker's card says so.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ CATEGORIES = [
     ("activations_bytes", "act", "#e879a6"),
 ]
 WARN_FRACTION, CRIT_FRACTION = 0.80, 0.95
+LEDGER_FIELDS = ("used_bytes", "capacity_bytes")   # a card without them has no memory to draw
 LEGEND = Text(" ").join(Text.assemble(("■", colour), label) for _, label, colour in CATEGORIES)
 
 
@@ -107,6 +111,7 @@ class DeviceCard(Widget):
     }
     DeviceCard.-warn { border: round $warning; }
     DeviceCard.-crit { border: round $error; border-subtitle-color: $error; }
+    DeviceCard.-lost { border: round $error 50%; border-subtitle-color: $error; }
     """
 
     def __init__(self, rank: int, **kwargs) -> None:
@@ -114,24 +119,35 @@ class DeviceCard(Widget):
         self.rank = rank
         self.entry: dict = {}
         self.simulated = True
+        self.role: dict = {}   # parameter server: label ("worker 1"), and `worker` or `serves`
         self.border_title = f"rank {rank}"
 
-    def update_data(self, entry: dict, simulated: bool) -> None:
-        if entry == self.entry and simulated == self.simulated:
+    def update_data(self, entry: dict, simulated: bool, role: dict | None = None) -> None:
+        """`role` (parameter server only): {"label": "worker 1", "worker": ps worker entry} or
+        {"label": "server 0", "serves": [layer names]}."""
+        role = role or {}
+        if entry == self.entry and simulated == self.simulated and role == self.role:
             return
-        relayout = self.extra_lines(entry) != self.extra_lines(self.entry)
-        self.entry, self.simulated = dict(entry), simulated
+        relayout = self.height_for(entry, role) != self.height_for(self.entry, self.role)
+        self.entry, self.simulated, self.role = dict(entry), simulated, dict(role)
         tag = "[dim italic]simulated[/]" if simulated else "[b $success]GPU[/]"
-        title = f"[b]rank {self.rank}[/] {tag}"
+        name = f"[b]{role['label']}[/] [dim]rank {self.rank}[/]" if role.get("label") else f"[b]rank {self.rank}[/]"
+        title = f"{name} {tag}"
         if self.border_title != title:
             self.border_title = title
-        level = self.level()
-        self.set_class(level == "warn", "-warn")
-        self.set_class(level == "crit", "-crit")
-        subtitle = "[b reverse red] OVER [/]" if entry.get("over_capacity") else ""
+        level, lost = self.level(), self.lost()
+        self.set_class(level == "warn" and not lost, "-warn")
+        self.set_class(level == "crit" and not lost, "-crit")
+        self.set_class(lost, "-lost")
+        subtitle = ("[b reverse red] LOST [/]" if lost else
+                    "[b reverse red] OVER [/]" if entry.get("over_capacity") else "")
         if self.border_subtitle != subtitle:
             self.border_subtitle = subtitle
         self.refresh(layout=relayout)
+
+    def lost(self) -> bool:
+        worker = self.role.get("worker")
+        return worker is not None and not worker.get("alive", True)
 
     def fraction(self) -> float:
         entry = self.entry
@@ -147,12 +163,16 @@ class DeviceCard(Widget):
 
     def render(self) -> RenderResult:
         entry, width = self.entry, max(10, self.size.width)
-        if not entry:
-            return Text("waiting for data", style="dim")
+        lines = self.role_lines(self.role)
+        if not self.has_ledger(entry):
+            lines = lines or [Text("waiting for data", style="dim")]
+            for line in lines:
+                line.truncate(width, overflow="ellipsis")
+            return Text("\n").join(lines)
         capacity = entry.get("capacity_bytes") or 0
         parts = [(entry.get(field) or 0, colour) for field, _, colour in CATEGORIES]
         level_style = {"ok": "", "warn": "bold #ffb000", "crit": "bold red"}[self.level()]
-        lines = [segment_bar(parts, capacity, width, entry.get("peak_bytes")), LEGEND.copy()]
+        lines += [segment_bar(parts, capacity, width, entry.get("peak_bytes")), LEGEND.copy()]
         used = Text.assemble("used ", (human_bytes(entry.get("used_bytes")), "bold"),
                              " / cap ", human_bytes(capacity))
         lines.append(used)
@@ -186,6 +206,28 @@ class DeviceCard(Widget):
         return Text("\n").join(lines)
 
     @staticmethod
+    def role_lines(role: dict) -> list[Text]:
+        """Parameter server: what a server serves; a worker's pace, its emulated slowness, or that it is lost."""
+        if "serves" in role:
+            return [Text.assemble(("serves ", "dim"), ", ".join(role["serves"]) or "no layers")]
+        worker = role.get("worker")
+        if worker is None:
+            return []
+        if not worker.get("alive", True):
+            lines = [Text.assemble(("lost", "bold red"), (f" after {worker.get('iterations', '?')} iterations", "dim"))]
+        else:
+            lines = [Text.assemble((f"{worker.get('steps_per_s') or 0.0:.1f}", "bold"), (" steps/s  wait ", "dim"),
+                                   f"{worker.get('wait_ms') or 0.0:.1f} ms")]
+        slow = worker.get("slow_factor")
+        if slow is not None and slow != 1.0:
+            lines.append(Text(f"{slow:.1f}x slower (emulated)", "#ffb000"))
+        return lines
+
+    @staticmethod
+    def has_ledger(entry: dict) -> bool:
+        return any(field in entry for field in LEDGER_FIELDS)
+
+    @staticmethod
     def policy_line(entry: dict) -> bool:
         return bool(entry.get("swap_layers") or entry.get("recompute_layers"))
 
@@ -194,8 +236,15 @@ class DeviceCard(Widget):
         return ("nvml_used_bytes" in entry) + bool(entry.get("owned_bytes")) + bool(entry.get("host_bytes")) \
             + cls.policy_line(entry)
 
+    @classmethod
+    def height_for(cls, entry: dict, role: dict) -> int:
+        role_lines = len(cls.role_lines(role))
+        if role_lines and not cls.has_ledger(entry):   # a lost worker without a ledger row
+            return role_lines
+        return 5 + cls.extra_lines(entry) + role_lines
+
     def get_content_height(self, container, viewport, width: int) -> int:
-        return 5 + self.extra_lines(self.entry)
+        return self.height_for(self.entry, self.role)
 
 
 class DevicesPanel(VerticalScroll):
@@ -212,7 +261,7 @@ class DevicesPanel(VerticalScroll):
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
         self.cards: dict[int, DeviceCard] = {}
-        self.latest: tuple[list[dict], bool] = ([], True)
+        self.latest: tuple[list[dict], bool, dict | None] = ([], True, None)
         self.ready = False   # composed and mounted: before that, updates wait for on_mount
         self.repaint = Throttle(self, self.REPAINT_S, self.apply)
 
@@ -232,14 +281,19 @@ class DevicesPanel(VerticalScroll):
         fit = max(1, (self.size.width + 1) // (CARD_WIDTH + 1))
         self.query_one(Grid).styles.grid_size_columns = max(1, min(fit, len(self.cards)))
 
-    def update_ranks(self, ranks: list[dict] | None, simulated: bool) -> None:
-        self.latest = (list(ranks or []), simulated)
+    def update_ranks(self, ranks: list[dict] | None, simulated: bool, ps: dict | None = None) -> None:
+        """`ranks`: a step's `ranks`; `ps`: a parameter-server step's `ps` (None in other modes)."""
+        self.latest = (list(ranks or []), simulated, ps)
         self.repaint()
 
     def apply(self) -> None:
         if not self.ready:
             return
-        ranks, simulated = self.latest
+        ranks, simulated, ps = self.latest
+        roles = ps_roles(ranks, ps or {}) if ps is not None or any("role" in entry for entry in ranks) else {}
+        missing = set(roles) - {entry["rank"] for entry in ranks}
+        if missing:   # a lost worker may send no ledger row any more: its card stays, saying it is lost
+            ranks = sorted([*ranks, *({"rank": rank} for rank in missing)], key=lambda entry: entry["rank"])
         grid, empty = self.query_one(Grid), self.query_one("#devices-empty")
         empty.display, grid.display = not ranks, bool(ranks)
         if not ranks:
@@ -251,4 +305,32 @@ class DevicesPanel(VerticalScroll):
             grid.mount_all(self.cards.values())
             self.fit_columns()
         for entry in ranks:
-            self.cards[entry["rank"]].update_data(entry, simulated)
+            self.cards[entry["rank"]].update_data(entry, simulated, roles.get(entry["rank"]))
+
+
+def ps_roles(ranks: list[dict], ps: dict) -> dict[int, dict]:
+    """rank -> {"label": "server 0", "serves": [...]} or {"label": "worker 1", "worker": {...}}.
+
+    Roles come from the rank rows' `role`; a rank in `ps.workers` is a worker whatever its row says.
+    Servers and workers are numbered apart, in rank order; a server's number is the `server` of the
+    layers it holds."""
+    workers = {w["rank"]: w for w in ps.get("workers") or [] if isinstance(w.get("rank"), int)}
+    lost = set(ps.get("workers_lost") or [])
+    role_of = {entry["rank"]: entry.get("role") for entry in ranks}
+    role_of.update({rank: "worker" for rank in [*workers, *lost] if isinstance(rank, int)})
+    roles, counts = {}, {"server": 0, "worker": 0}
+    for rank in sorted(role_of):
+        role = role_of[rank]
+        if role not in counts:
+            continue
+        label = f"{role} {counts[role]}"
+        if role == "server":
+            serves = [str(layer.get("name")) for layer in ps.get("layers") or [] if layer.get("server") == counts[role]]
+            roles[rank] = {"label": label, **({"serves": serves} if ps.get("layers") else {})}
+        else:
+            worker = workers.get(rank)
+            if rank in lost:
+                worker = {**(worker or {"rank": rank}), "alive": False}
+            roles[rank] = {"label": label, "worker": worker}
+        counts[role] += 1
+    return roles

@@ -1,4 +1,4 @@
-"""The run's events, one line each: checkpoints, restarts, evals, commands, and console notes.
+"""The run's events, one line each: checkpoints, restarts, evals, commands, sync changes, and console notes.
 
 `add_event(record)` takes a telemetry `event` record (docs/telemetry.md);
 `add_text("connection lost", "red")` is for lines the console itself has to say.
@@ -18,9 +18,10 @@ TAG_WIDTH = 10
 KIND_STYLES = {
     "checkpoint": "bold cyan", "restart": "bold #ffb000", "resume": "bold blue", "eval": "bold magenta",
     "memory_over_capacity": "bold red", "stop": "bold #ffb000", "command": "bold green",
-    "rebalance": "bold #ffb000", "migration": "bold #ffb000",
+    "rebalance": "bold #ffb000", "migration": "bold #ffb000", "sync_mode": "bold cyan",
+    "worker_lost": "bold red", "ps_profile": "bold blue",
 }
-TAGS = {"memory_over_capacity": "memory"}
+TAGS = {"memory_over_capacity": "memory", "sync_mode": "sync", "worker_lost": "lost", "ps_profile": "profile"}
 
 
 def describe(event: dict) -> tuple[str, str]:
@@ -56,8 +57,25 @@ def describe(event: dict) -> tuple[str, str]:
         more = f" +{len(moves) - 6} more" if len(moves) > 6 else ""
         return style, (f"{len(moves)} layer(s) moved ({moved}{more}), {human_bytes(event.get('bytes'))} "
                        f"in {event.get('duration_ms', 0):.0f} ms; stages {_sizes(event.get('stages'))}")
+    if kind == "sync_mode":
+        change = f"{event['previous']} -> {event.get('mode')}" if event.get("previous") else str(event.get("mode"))
+        return style, f"sync mode {change} (from {event.get('source', '?')})"
+    if kind == "worker_lost":
+        return style, f"worker rank {event.get('rank')} lost: {event.get('reason', 'no reason given')}"
+    if kind == "ps_profile":
+        return style, "sync windows per worker: " + ", ".join(
+            f"{layer.get('name')} {_spread(layer.get('window_ms'))} ms" for layer in event.get("layers") or [])
     extra = {k: v for k, v in event.items() if k not in ("schema", "time", "type", "kind", "step", "v")}
     return style, " ".join(f"{k}={v}" for k, v in extra.items())
+
+
+def _spread(values) -> str:
+    """`1.2–3.6` (least to most of the workers), or one figure when they agree."""
+    values = [v for v in values or [] if isinstance(v, (int, float))]
+    if not values:
+        return "—"
+    low, high = min(values), max(values)
+    return f"{low:.1f}" if f"{low:.1f}" == f"{high:.1f}" else f"{low:.1f}–{high:.1f}"
 
 
 def _sizes(stages) -> str:

@@ -64,9 +64,6 @@ def format_size(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
-# Values of a `choices` key that belong to the design but are not built yet: they get
-# "not available yet" instead of "must be one of".
-PLANNED_CHOICES: dict[str, tuple] = {}
 # A `pattern` key's rule in words, for messages and docs (the regex is the rule itself).
 PATTERN_WORDS = {"run.name": "1 to 64 letters, digits, '.', '_' or '-', starting with a letter or digit"}
 
@@ -367,8 +364,6 @@ def markdown_reference() -> str:
         for f in dataclasses.fields(cls):
             path = f"{section.name}.{f.name}"
             allowed = allowed_words(path, f) or {"bool": "true or false"}.get(str(f.type), "any text")
-            if path in PLANNED_CHOICES:
-                allowed += " (planned: " + ", ".join(show(c) for c in PLANNED_CHOICES[path]) + ")"
             default = getattr(cls(), f.name)
             row = [f"`{f.name}`", f.metadata["kind"] or str(f.type), f"`{show(default)}`", allowed,
                    f.metadata["doc"]]

@@ -25,7 +25,7 @@ import re
 import tomllib
 from typing import Any, Callable
 
-from engine.config import PATTERN_WORDS, PLANNED_CHOICES, Config, ConfigError, parse_size
+from engine.config import PATTERN_WORDS, Config, ConfigError, parse_size
 
 SECTIONS = {f.name: f.default_factory for f in dataclasses.fields(Config)}
 SIZE_WORDS = 'a positive size like "512MiB", "2GiB" or a number of bytes'
@@ -156,8 +156,6 @@ def check_value(path: str, f: dataclasses.Field, value: Any) -> Any:
     choices = meta["choices"]
     if choices and value not in choices:
         listed = ", ".join(show(c) for c in choices)
-        if value in PLANNED_CHOICES.get(path, ()):
-            raise ConfigError(f"{path} = {show(value)}: not available yet in this version; available: {listed}")
         raise ConfigError(f"{path} = {show(value)}: must be one of {listed}{did_you_mean(value, choices)}")
     if meta["pattern"] and not re.fullmatch(meta["pattern"], value):
         raise ConfigError(f"{path} = {show(value)}: must be {allowed_words(path, f)}")
@@ -387,5 +385,5 @@ def slices_cover_streams(cfg: Config) -> str | None:
     return None
 
 
-CROSS_CHECKS = [listen_is_loopback, slices_cover_streams, model_matches_data, branchy_has_square_images, batch_splits_over_ranks, heads_split_width,
-                param_server_ranks]
+CROSS_CHECKS = [listen_is_loopback, slices_cover_streams, model_matches_data, branchy_has_square_images, param_server_ranks,
+                batch_splits_over_ranks, heads_split_width]

@@ -47,13 +47,15 @@ from engine.optim import make_optimizer
 from engine.ps_sync import MODES, Arrival, LayerSync
 
 # message kinds (a header's first number)
-GRAD, PULL, STATS, PROFILE, PING, BYE, CONTROL, SERVER_STATS, CKPT, ACK, GATHER, WEIGHTS, FINISH, LOST = range(1, 15)
+GRAD, PULL, PROFILE, PING, BYE, CONTROL, SERVER_STATS, CKPT, ACK, GATHER, WEIGHTS, FINISH, LOST = range(1, 14)
+ALL_LAYERS = -1            # a pull for every layer the server owns
 HEADER = 8                 # kind, layer, version, iteration, a, b, dtype (0: float32, 1: float64), numel
 TAG_HEADER, TAG_PAYLOAD, TAG_PING = 0, 1, 2
 TAG_WEIGHTS = 100          # + layer index: a pull's reply
 STOP, PAUSED = 1, 2        # flags in every reply to a worker
 PAUSED_POLL_S = 0.25       # a paused worker asks the servers this often whether to go on
 CONTROL_EVERY_S = 0.25     # the coordinator tells the servers the state at least this often
+KEEP_SENDS = 16           # sends of one link not yet waited on, at most
 LAYER_STATS = 5            # per owned layer in a server's stats: index, version, window workers, staleness, ms
 
 
@@ -151,8 +153,14 @@ class Link:
     def _post(self, tensor: torch.Tensor, tag: int) -> None:
         work = dist.isend(tensor, dst=self.peer, group=self.group, tag=tag)
         with self._lock:
-            self._works = [(w, t) for w, t in self._works if not w.is_completed()]
             self._works.append((work, tensor))
+            # a gloo send counts as completed only once waited on; the oldest are long delivered
+            old, self._works = self._works[:-KEEP_SENDS], self._works[-KEEP_SENDS:]
+        for done, _ in old:
+            try:
+                done.wait()
+            except RuntimeError:
+                pass   # the peer has gone; its receiver thread reports it
 
     def expect(self, tensor: torch.Tensor, tag: int):
         return dist.irecv(tensor, src=self.peer, group=self.group, tag=tag)
@@ -220,9 +228,10 @@ def mode_code(mode: str) -> int:
 # --- the slow-worker emulation and the layer profile -----------------------------------------
 
 class LayerClock:
-    """A worker's per-layer forward times and backward segments (each layer with parameters ends one:
-    its gradients are complete), stretched by `factor` to emulate a slower machine: after each
-    layer's forward and each backward segment the worker sleeps (factor - 1) times what it took."""
+    """Stretches a worker's own work by `factor` to emulate a slower machine: after each layer's forward
+    and each backward segment (each layer with parameters ends one: its gradients are complete) the
+    worker sleeps (factor - 1) times what it took, and at the iteration's end as much again for the
+    rest of its own work (all but waiting for weights), so gradients leave at a slow machine's pace."""
 
     def __init__(self, model, param_layers: list[int], factor: float):
         self.factor = factor
@@ -257,21 +266,20 @@ class LayerClock:
         self.bwd_ms[j] = ms * self.factor
         self.mark = time.perf_counter()
 
+    def stretch_rest(self, own_ms: float) -> None:
+        """The iteration's end: stretch the rest of its own work (data, messages, bookkeeping) too, so
+        all of it, not only the layers, takes `factor` times as long. `own_ms`: the iteration's time
+        without waiting for weights, sleeps included."""
+        if self.factor > 1.0:
+            raw = own_ms - self.slept_ms
+            time.sleep(max((self.factor - 1.0) * raw - self.slept_ms, 0.0) / 1000)
+        self.slept_ms = 0.0
+
     def _stretch(self, ms: float) -> None:
         if self.factor > 1.0:
             extra = (self.factor - 1.0) * ms
             time.sleep(extra / 1000)
             self.slept_ms += extra
-
-    def slack_ms(self) -> list[float]:
-        """Per layer j with parameters: forward + backward time of every layer before it, the time
-        between this worker sending layer j's gradient and needing its weights again."""
-        out = []
-        for j in self.param_layers:
-            fwd = sum(self.fwd_ms[:j])
-            bwd = sum(ms for layer, ms in self.bwd_ms.items() if layer < j)
-            out.append(fwd + bwd)
-        return out
 
 
 # --- a worker ----------------------------------------------------------------------------
@@ -296,6 +304,9 @@ class PSWorker:
                 p.register_post_accumulate_grad_hook(self._grad_hook(j))
         self.iteration = setup.first_step
         self.profile: list[list[float]] = []
+        self.pushed_at: dict[int, float] = {}   # layer -> when its last gradient left
+        self.slack: dict[int, float] = {}       # layer -> ms from that push to needing the layer again
+        self.stats: torch.Tensor | None = None  # the last iteration's figures, sent with the next pull
 
     def _grad_hook(self, j: int):
         def hook(p):
@@ -306,19 +317,22 @@ class PSWorker:
                 self.s.links[self.s.owner[j]].send(GRAD, j, self.version[j], self.iteration, payload=grad)
                 for q in self.params[j]:
                     q.grad = None
+                self.pushed_at[j] = time.perf_counter()
         return hook
 
     def run(self) -> None:
         s, cfg = self.s, self.s.cfg
         model, device = s.model, s.device
-        flags = 0
+        flags, t_idle = 0, 0.0
         try:
             while not s.stop.requested:
                 t_start = time.perf_counter()
+                idle_s = t_start - t_idle if flags & PAUSED or cfg.run.step_pause_ms else 0.0
                 buffers = {j: torch.empty(self.sizes[j] + 2) for j in self.layers}
                 works = {j: s.links[s.owner[j]].expect(buffers[j], TAG_WEIGHTS + j) for j in self.layers}
-                for j in self.layers:
-                    s.links[s.owner[j]].send(PULL, j, self.version[j], self.iteration)
+                for server in range(s.servers):   # every server owns a layer; server 0 gets the figures
+                    s.links[server].send(PULL, ALL_LAYERS, iteration=self.iteration, a=self.factor,
+                                         payload=self.stats if server == 0 else None)
                 x, y = s.batch(self.iteration, self.index)
                 x, y = x.to(device.torch_device), y.to(device.torch_device)
                 wait_ms, flags = 0.0, 0
@@ -327,6 +341,8 @@ class PSWorker:
                     for j, layer in enumerate(model.layers):
                         if j in works:
                             t0 = time.perf_counter()
+                            if j in self.pushed_at:   # the time this worker had for layer j: no waiting
+                                self.slack[j] = (t0 - self.pushed_at[j] - idle_s) * 1000 - wait_ms
                             works[j].wait()
                             wait_ms += (time.perf_counter() - t0) * 1000
                             reply = buffers[j]
@@ -349,9 +365,10 @@ class PSWorker:
                 self.iteration += 1
                 row = {"loss": loss.item(), "step_ms": step_ms, "fwd_ms": (t_fwd - t_start) * 1000 - wait_ms,
                        "bwd_ms": (t_end - t_fwd) * 1000, "wait_ms": wait_ms, **device.stats()}
-                s.links[0].send(STATS, iteration=self.iteration, a=self.factor,
-                                payload=torch.tensor([float(row.get(k, 0.0)) for k in FIELDS], dtype=torch.float64))
+                self.stats = torch.tensor([float(row.get(k, 0.0)) for k in FIELDS], dtype=torch.float64)
                 self._profile()
+                self.clock.stretch_rest((time.perf_counter() - t_start) * 1000 - wait_ms)
+                t_idle = time.perf_counter()
                 if cfg.run.step_pause_ms:
                     time.sleep(cfg.run.step_pause_ms / 1000)
                 if flags & PAUSED:
@@ -359,9 +376,10 @@ class PSWorker:
                     if flags & STOP:
                         break
         finally:
-            for link in s.links.values():
+            for server, link in s.links.items():
                 try:
-                    link.send(BYE, iteration=self.iteration)
+                    link.send(BYE, iteration=self.iteration, a=self.factor,
+                              payload=self.stats if server == 0 else None)
                 except RuntimeError:
                     pass
             for link in s.links.values():
@@ -375,7 +393,7 @@ class PSWorker:
         if done > steps:
             return
         if done > 1:
-            self.profile.append(self.clock.slack_ms())
+            self.profile.append([self.slack.get(j, 0.0) for j in self.layers])
         if done == steps:
             mean = torch.tensor(self.profile, dtype=torch.float64).mean(dim=0)
             for server in range(self.s.servers):
@@ -454,8 +472,11 @@ class PSServer:
                 self.count[m.layer] += 1
                 self.apply(m.layer, self.sync[m.layer].offer(Arrival(m.peer, m.version, m.t, m.payload)))
         elif m.kind == PULL:
-            self.held[m.layer].append((m.peer, m.iteration))
-            self.serve(m.layer)
+            if m.payload is not None:
+                self.worker_stats(m)
+            for j in (self.mine if m.layer == ALL_LAYERS else [m.layer]):
+                self.held[j].append((m.peer, m.iteration))
+                self.serve(j)
         elif m.kind == PROFILE:
             self.profiles[m.peer] = m.payload.tolist()
             order = sorted(self.s.params)
@@ -465,6 +486,8 @@ class PSServer:
         elif m.kind == PING:
             self._reply_flags(m.peer)
         elif m.kind == BYE:
+            if m.payload is not None:
+                self.worker_stats(m)
             if m.peer in self.workers:
                 self.done.add(m.peer)
                 self.lose(m.peer, "", m.t)
@@ -495,6 +518,9 @@ class PSServer:
 
     def coordinate(self, m: Message) -> None:
         """Messages only server 0 gets; a plain server has none."""
+
+    def worker_stats(self, m: Message) -> None:
+        """A worker's figures of its last iteration (server 0 keeps them)."""
 
     # --- updates and pulls -------------------------------------------------------------------
     def apply(self, j: int, updates) -> None:
@@ -646,19 +672,19 @@ class Coordinator(PSServer):
         self.peak_bytes = [0] * setup.topo.world_size
 
     # --- messages ------------------------------------------------------------------------------
+    def worker_stats(self, m: Message) -> None:
+        row = m.payload.tolist()
+        self.rows[m.peer] = row
+        self.losses.append(row[FIELDS.index("loss")])
+        info, now = self.info[m.peer], time.monotonic()
+        if info["_t"] is not None and m.iteration > info["iterations"]:
+            rate = (m.iteration - info["iterations"]) / max(now - info["_t"], 1e-6)
+            info["steps_per_s"] = rate if not info["steps_per_s"] else 0.8 * info["steps_per_s"] + 0.2 * rate
+        info.update(iterations=m.iteration, _t=now, wait_ms=row[FIELDS.index("wait_ms")],
+                    compute_ms=row[FIELDS.index("fwd_ms")] + row[FIELDS.index("bwd_ms")])
+
     def coordinate(self, m: Message) -> None:
-        if m.kind == STATS:
-            row = m.payload.tolist()
-            self.rows[m.peer] = row
-            loss = row[FIELDS.index("loss")]
-            self.losses.append(loss)
-            info, now = self.info[m.peer], time.monotonic()
-            if info["_t"] is not None and m.iteration > info["iterations"]:
-                rate = (m.iteration - info["iterations"]) / max(now - info["_t"], 1e-6)
-                info["steps_per_s"] = rate if not info["steps_per_s"] else 0.8 * info["steps_per_s"] + 0.2 * rate
-            info.update(iterations=m.iteration, _t=now, wait_ms=row[FIELDS.index("wait_ms")],
-                        compute_ms=row[FIELDS.index("fwd_ms")] + row[FIELDS.index("bwd_ms")])
-        elif m.kind == SERVER_STATS:
+        if m.kind == SERVER_STATS:
             self.server_rows[m.peer] = m.payload
         elif m.kind == ACK:
             self.acks.add((m.peer, m.iteration))

@@ -54,3 +54,17 @@ def test_bench_hybrid_reports_every_placement_at_both_capacities(cli):
     for rows in (tight, roomy):   # the exact plan is the brute-force optimum of the cost model
         assert rows["auto-global"]["modelled_ms"] == rows["brute-force"]["modelled_ms"]
         assert rows["all-host"]["ratio_to_all_host"] == 1.0 and rows["auto-local"]["measured_ms"] > 0
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.slow   # two parameter-server runs of 6 processes
+def test_bench_ps_reports_time_to_target_and_accuracy_per_mode(cli):
+    r = cli.run("bench", "ps", "--json", "--seconds", "4", "--modes", "bsp,soft", "--eval-every", "2", timeout=230)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert list(report["modes"]) == ["bsp", "soft"] and report["slow_worker"] == {"rank": 5, "factor": 3.0}
+    bsp, soft = report["modes"]["bsp"], report["modes"]["soft"]
+    assert bsp["time_vs_bsp"] in (1.0, None) and bsp["accuracy_minus_bsp"] == 0.0
+    for row in (bsp, soft):
+        assert 0 <= row["final_accuracy"] <= 1 and row["steps"] > 0 and row["evals"]
+        assert set(row["iterations"]) == {"2", "3", "4", "5"}

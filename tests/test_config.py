@@ -70,6 +70,13 @@ rebalance_check_every = 3
 slice_assignment = "random"
 overlap_forward = false
 main_stream_communicates = true
+servers = 2
+workers = 2
+sync = "asp"
+staleness_bound = 5
+staleness_scaling = false
+slow_workers = {3 = 2.0}
+sync_profile_steps = 4
 backend = "gloo"
 collective_timeout_s = 30
 max_restarts = 0
@@ -217,16 +224,10 @@ def test_out_of_range(data, expected):
 
 def test_choices_with_and_without_suggestion():
     assert error_of({"parallel": {"strategy": "zero"}}) == \
-        'parallel.strategy = "zero": must be one of "ddp", "sharded", "pipeline"'
+        'parallel.strategy = "zero": must be one of "ddp", "sharded", "pipeline", "param_server"'
     assert error_of({"optim": {"name": "adamm"}}) == \
         'optim.name = "adamm": must be one of "sgd", "adamw" (did you mean "adamw"?)'
     assert error_of({"device": {"kind": "CUDA"}}).endswith('(did you mean "cuda"?)')
-
-
-@pytest.mark.parametrize("strategy", ["param_server"])
-def test_planned_strategy_is_not_available_yet(strategy):
-    assert error_of({"parallel": {"strategy": strategy}}) == \
-        f'parallel.strategy = "{strategy}": not available yet in this version; available: "ddp", "sharded", "pipeline"'
 
 
 def test_slices_fewer_than_streams_names_both():
@@ -367,3 +368,24 @@ def test_pipeline_settings_are_checked_against_each_other():
 def test_every_demo_config_loads(path):
     cfg = load_config(path)
     assert cfg.run.name and cfg.parallel.world_size >= 1
+
+
+def test_param_server_settings_are_checked_together():
+    ps = {"strategy": "param_server", "world_size": 6, "servers": 2, "workers": 4}
+    assert config_from_dict({"parallel": {**ps, "slow_workers": {"5": 3}}}).parallel.slow_workers == {"5": 3.0}
+    assert error_of({"parallel": {**ps, "workers": 3}}) == (
+        "parallel.servers = 2 + parallel.workers = 3 must equal parallel.world_size = 6 (set world_size = 5)")
+    assert error_of({"parallel": {**ps, "slow_workers": {"1": 3.0}}}) == (
+        "parallel.slow_workers.1: rank 1 is not a worker; worker ranks are 2 to 5")
+    assert error_of({"parallel": {**ps, "slow_workers": {"5": 0.5}}}).startswith(
+        "parallel.slow_workers.5 = 0.5: expected a slow-down factor >= 1")
+    assert error_of({"parallel": {**ps, "slow_workers": {"x": 2}}}).startswith(
+        "parallel.slow_workers.x: expected a worker rank")
+    assert error_of({"parallel": {**ps, "sync": "fast"}}).startswith(
+        'parallel.sync = "fast": must be one of "soft", "bsp", "asp", "ssp"')
+    assert error_of({"parallel": ps, "data": {"batch_size": 66}}).startswith(
+        "data.batch_size = 66: must be divisible by parallel.workers = 4")
+    assert error_of({"parallel": ps, "memory": {"policy": "swap"}}) == (
+        'memory.policy = "swap": not available with parallel.strategy = "param_server" (use "keep")')
+    assert error_of({"parallel": ps, "update": {"placement": "host"}}).startswith(
+        'update.placement = "host": not available with parallel.strategy = "param_server"')

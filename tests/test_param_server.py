@@ -103,6 +103,7 @@ def test_a_dead_worker_does_not_stop_the_servers_and_sync_changes_live(cli):
     wait_for(lambda: not any(pid_alive(p) for p in run_pids(run_dir)), 10, "every process of the run to be gone")
 
 
+@pytest.mark.slow   # a whole restart: about a minute here; the restart path is shared with every mode
 @pytest.mark.timeout(200)
 def test_a_dead_server_restarts_the_run_from_its_last_checkpoint(cli):
     name = "psrestart"

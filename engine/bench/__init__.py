@@ -7,6 +7,7 @@ invocation and prints ratios; absolute times on a shared machine are noise, rati
     trainyard bench hybrid               # each layer's update on the device or the host: planners vs fixed
     trainyard bench pipeline             # a skewed 4-stage pipeline rebalanced live vs best static and torch's
     trainyard bench memory               # per-layer keep/swap/recompute at 50% of keep's peak vs full recompute
+    trainyard bench ps                   # parameter server: soft sync vs bsp, asp, ssp with a 3x slower worker
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import importlib
 
 BENCHES = {"telemetry": "engine.bench.telemetry", "console": "console.bench", "broadcast": "engine.bench.broadcast",
            "hybrid": "engine.bench.hybrid", "pipeline": "engine.bench.pipeline",
-           "memory": "engine.bench.memory"}
+           "memory": "engine.bench.memory", "ps": "engine.bench.ps"}
 
 
 def run(name: str, argv: list[str]) -> int:

@@ -1,0 +1,144 @@
+"""`trainyard bench ps`: a parameter server's sync modes on a cluster with one slow worker.
+
+Digits, 2 servers and 4 workers, worker rank 5 three times slower (emulated: it sleeps
+twice each layer's forward and backward time after it). One run per mode, one after
+another in this invocation, each for the same wall time after its first step:
+
+    bsp    every layer waits for every worker (synchronous data parallel)
+    asp    every gradient applied on arrival, staleness-scaled
+    ssp    on arrival, no worker more than 2 iterations ahead of the slowest
+    soft   per-layer windows from the profile (engine/ps_sync.py)
+
+The run evaluates the test split every few steps; the figures are each mode's time from
+its first step to 0.90 test accuracy, its accuracy when the wall time is up, its steps,
+and the ratios to bsp. A run is ended by the `stop` command through its socket, as an
+operator would.
+
+    trainyard bench ps [--json] [--seconds 30] [--modes bsp,asp,ssp,soft] [--slow 3.0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+MODES = ("bsp", "asp", "ssp", "soft")
+TARGET = 0.90
+CONFIG = Path(__file__).resolve().parents[2] / "demo" / "configs" / "digits_ps.toml"
+
+
+def _records(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass   # a line still being written
+    return out
+
+
+def run_mode(mode: str, seconds: float, slow: float, eval_every: int, workdir: Path, extra: list[str]) -> dict:
+    """One run in `mode` for `seconds` after its first step; what its log says."""
+    from engine import protocol
+    name = f"bench-ps-{mode}-{os.getpid()}"
+    log = workdir / f"{mode}.jsonl"
+    cmd = [sys.executable, "-m", "engine.cli", "run", str(CONFIG), "--headless", "--telemetry-log", str(log),
+           "--set", f"run.dir={workdir / 'runs'}", "--set", f"run.name={name}", "--set", "run.steps=1000000",
+           "--set", f"run.eval_every={eval_every}", "--set", "checkpoint.every=0", "--set", f"parallel.sync={mode}",
+           "--set", f"parallel.slow_workers={{5 = {slow}}}", *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    try:
+        first = None
+        deadline = time.monotonic() + 120 + seconds
+        while time.monotonic() < deadline and proc.poll() is None:
+            steps = [r for r in _records(log) if r.get("type") == "step"]
+            if steps and first is None:
+                first = time.monotonic() - (time.time() - steps[0]["time"])
+            if first is not None and time.monotonic() - first >= seconds:
+                with protocol.connect(name, client="bench ps") as conn:
+                    conn.command("stop")
+                break
+            time.sleep(0.2)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+    records = _records(log)
+    if proc.returncode != 0 or not records or records[-1].get("type") != "summary":
+        raise RuntimeError(f"bench ps: the {mode} run failed (exit {proc.returncode}): {err.strip()[-600:]}")
+    steps = [r for r in records if r.get("type") == "step"]
+    t0 = steps[0]["time"]
+    evals = [(r["time"] - t0, r["test_accuracy"]) for r in records if r.get("kind") == "eval"]
+    reached = next((t for t, acc in evals if acc >= TARGET), None)
+    last = steps[-1]
+    return {"mode": mode, "time_to_target_s": round(reached, 3) if reached is not None else None,
+            "final_accuracy": records[-1]["test_accuracy"], "steps": records[-1]["steps"],
+            "trained_s": round(last["time"] - t0, 3), "evals": [(round(t, 3), round(a, 4)) for t, a in evals],
+            "iterations": {w["rank"]: w["iterations"] for w in last["ps"]["workers"]},
+            "window_workers": {layer["name"]: layer["window_workers"] for layer in last["ps"]["layers"]},
+            "mean_staleness": {layer["name"]: layer["mean_staleness"] for layer in last["ps"]["layers"]}}
+
+
+def measure(modes, seconds: float, slow: float, eval_every: int, hidden: int, batch: int) -> dict:
+    extra = ["--set", f"model.hidden={hidden}", "--set", f"data.batch_size={batch}"]
+    with tempfile.TemporaryDirectory(prefix="trainyard-bench-ps-") as tmp:
+        results = {mode: run_mode(mode, seconds, slow, eval_every, Path(tmp), extra) for mode in modes}
+    bsp = results.get("bsp")
+    for row in results.values():
+        row["time_vs_bsp"] = (round(row["time_to_target_s"] / bsp["time_to_target_s"], 3)
+                              if bsp and bsp["time_to_target_s"] and row["time_to_target_s"] is not None else None)
+        row["accuracy_minus_bsp"] = round(row["final_accuracy"] - bsp["final_accuracy"], 4) if bsp else None
+    return {"servers": 2, "workers": 4, "slow_worker": {"rank": 5, "factor": slow}, "seconds": seconds,
+            "hidden": hidden, "batch_size": batch,
+            "target_accuracy": TARGET, "modes": results}
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="trainyard bench ps", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", action="store_true", help="print the figures as JSON")
+    parser.add_argument("--seconds", type=float, default=30.0, help="training wall time per mode (default 30)")
+    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated modes (default: all four)")
+    parser.add_argument("--slow", type=float, default=3.0, help="worker rank 5's slow-down factor (default 3)")
+    parser.add_argument("--eval-every", type=int, default=5, help="steps between test evaluations (default 5)")
+    parser.add_argument("--hidden", type=int, default=128, help="the MLP's hidden width (default 128)")
+    parser.add_argument("--batch", type=int, default=64, help="the global batch, split over 4 workers (default 64)")
+    args = parser.parse_args(argv)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        parser.error(f"--modes: {', '.join(bad) or 'none given'}; choose from {', '.join(MODES)}")
+    if args.seconds <= 0 or args.slow < 1 or args.eval_every < 1 or args.hidden < 1 or args.batch % 4:
+        parser.error("--seconds must be positive, --slow at least 1, --eval-every and --hidden at least 1, "
+                     "--batch a multiple of 4")
+    out = measure(modes, args.seconds, args.slow, args.eval_every, args.hidden, args.batch)
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+    table = Table(title=f"bench ps: digits, 2 servers, 4 workers, worker 5 {args.slow:g}x slower (emulated); "
+                        f"{args.seconds:g} s of training per mode; CPU ledger (simulated devices)")
+    for col in ("mode", f"time to {TARGET:.2f}", "x bsp", f"accuracy at {args.seconds:g} s", "- bsp", "steps",
+                "worker iterations", "window workers", "staleness"):
+        table.add_column(col, justify="left" if col == "mode" else "right")
+    for mode, row in out["modes"].items():
+        reached = f"{row['time_to_target_s']:.1f} s" if row["time_to_target_s"] is not None else "not reached"
+        table.add_row(mode, reached, f"{row['time_vs_bsp']:.2f}" if row["time_vs_bsp"] is not None else "-",
+                      f"{row['final_accuracy']:.4f}",
+                      f"{row['accuracy_minus_bsp']:+.4f}" if row["accuracy_minus_bsp"] is not None else "-",
+                      str(row["steps"]), " ".join(str(n) for n in row["iterations"].values()),
+                      " ".join(str(n) for n in row["window_workers"].values()),
+                      " ".join(f"{s:.2f}" for s in row["mean_staleness"].values()))
+    Console().print(table)
+    return 0

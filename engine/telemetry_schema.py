@@ -63,7 +63,7 @@ PS = {   # param_server: the sync mode, every worker, every layer with parameter
     "type": "object",
     "required": ["mode", "workers_live", "workers_lost", "workers", "layers"],
     "properties": {
-        "mode": {"enum": SYNC_MODES}, "workers_live": {"type": "integer", "minimum": 0},
+        "mode": {"enum": list(SYNC_MODES)}, "workers_live": {"type": "integer", "minimum": 0},
         "workers_lost": {"type": "array", "items": {"type": "integer"}},
         "workers": {"type": "array", "items": {
             "type": "object", "required": ["rank", "iterations", "steps_per_s", "wait_ms", "slow_factor", "alive"],
@@ -118,7 +118,7 @@ EVENT = {
          "then": {"required": ["moves", "stages", "bytes", "duration_ms", "cutover_micro_batch"],
                   "properties": {"bytes": _BYTES, "duration_ms": {"type": "number", "minimum": 0}}}},
         {"if": {"properties": {"kind": {"const": "sync_mode"}}},
-         "then": {"required": ["mode", "previous", "source"], "properties": {"mode": {"enum": SYNC_MODES}}}},
+         "then": {"required": ["mode", "previous", "source"], "properties": {"mode": {"enum": list(SYNC_MODES)}}}},
         {"if": {"properties": {"kind": {"const": "worker_lost"}}}, "then": {"required": ["rank", "reason"]}},
         {"if": {"properties": {"kind": {"const": "ps_profile"}}}, "then": {"required": ["layers", "mode"]}},
         {"if": {"properties": {"kind": {"const": "command"}}},

@@ -78,7 +78,7 @@ def test_soft_converges_with_a_worker_three_times_slower(cli):
 def test_a_dead_worker_does_not_stop_the_servers_and_sync_changes_live(cli):
     name = "pskill"
     log = cli.tmp_path / "kill.jsonl"
-    proc = cli.start("run", DEMO, "--headless", *cli.base_args(name), *ps_args(1, 2), "--set", "run.steps=150",
+    proc = cli.start("run", DEMO, "--headless", *cli.base_args(name), *ps_args(1, 2), "--set", "run.steps=80",
                      "--set", "run.step_pause_ms=20", "--set", "checkpoint.every=0", "--set", "run.eval_every=0",
                      "--telemetry-log", str(log))
     run_dir = cli.tmp_path / "runs" / name
@@ -97,9 +97,9 @@ def test_a_dead_worker_does_not_stop_the_servers_and_sync_changes_live(cli):
     changed = next(r for r in records if r.get("kind") == "sync_mode")
     assert changed["mode"] == "asp" and changed["previous"] == "soft" and changed["source"] == "command"
     steps = [r for r in records if r["type"] == "step"]
-    assert steps[-1]["ps"]["mode"] == "asp" and steps[-1]["ps"]["workers_lost"] == [2], str([(r.get("kind"), r.get("step"), r.get("ps", {}).get("mode")) for r in records if r.get("kind") or r["step"] % 10 == 0])
+    assert steps[-1]["ps"]["mode"] == "asp" and steps[-1]["ps"]["workers_lost"] == [2]
     summary = records[-1]
-    assert summary["steps"] == 150 and summary["workers_lost"] == [2] and not summary["stopped_early"]
+    assert summary["steps"] == 80 and summary["workers_lost"] == [2] and not summary["stopped_early"]
     wait_for(lambda: not any(pid_alive(p) for p in run_pids(run_dir)), 10, "every process of the run to be gone")
 
 

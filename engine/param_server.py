@@ -926,22 +926,13 @@ class Setup:
     layers' owners, the links, and where it resumes."""
 
     def __init__(self, job, topo, stop):
-        from engine.data import batch_for, load_dataset
-        from engine.devices import open_device
-        from engine.models import build_model
+        from engine.data import batch_for
+        from engine.worker import build_rank
         cfg = self.cfg = job.config
         self.job, self.topo, self.stop = job, topo, stop
         self.servers, self.workers = cfg.parallel.servers, topo.world_size - cfg.parallel.servers
-        self.restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        pid_dir = cfg.run_dir / "pids"
-        pid_dir.mkdir(parents=True, exist_ok=True)
-        (pid_dir / f"rank{topo.rank}.pid").write_text(str(os.getpid()))
-        self.device = open_device(cfg.device.kind, cfg.capacity_bytes, topo.local_rank, topo.local_world_size)
-        self.data = job.data if job.data is not None else load_dataset(cfg.data, cfg.run.seed)
+        self.restart, self.device, self.data, self.model = build_rank(job, topo)
         self._batch_for = batch_for
-        torch.manual_seed(cfg.run.seed)
-        model = job.model if job.model is not None else build_model(cfg.model, self.data.meta, cfg.run.seed)
-        self.model = model.to(self.device.torch_device)
         self.params = layer_params(self.model)
         self.owner = assign_layers({j: sum(p.numel() * p.element_size() for p in ps)
                                     for j, ps in self.params.items()}, self.servers)

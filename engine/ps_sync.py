@@ -97,12 +97,7 @@ class LayerSync:
         if self.mode not in WINDOWED:
             return [self._apply([arrival], 0.0)]
         updates = self.due(arrival.t)          # a window whose time ended before this arrival
-        if self.window is None:
-            self._open(arrival)
-        elif self.window.has(arrival.worker):
-            self.pending.append(arrival)
-        else:
-            self.window.entries.append(arrival)
+        self._place(arrival)
         if self._complete():
             updates += self._close(arrival.t)
         return updates
@@ -173,13 +168,17 @@ class LayerSync:
         updates = [self._apply(accepted, min(now, window.deadline) - window.opened)] if accepted else []
         queued, self.pending = sorted(late + self.pending, key=lambda a: a.t), []
         for arrival in queued:                 # the next window opens at the earliest of them
-            if self.window is None:
-                self._open(arrival)
-            elif self.window.has(arrival.worker):
-                self.pending.append(arrival)
-            else:
-                self.window.entries.append(arrival)
+            self._place(arrival)
         return updates
+
+    def _place(self, arrival: Arrival) -> None:
+        """Into the open window, or open one; a worker already in it waits for the next."""
+        if self.window is None:
+            self._open(arrival)
+        elif self.window.has(arrival.worker):
+            self.pending.append(arrival)
+        else:
+            self.window.entries.append(arrival)
 
     def _apply(self, arrivals: list[Arrival], window_s: float) -> Update:
         n = max(len(self.live), 1) if self.mode in WINDOWED else 1

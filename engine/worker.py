@@ -107,21 +107,26 @@ def worker_main(job: Job) -> dict | None:
         topo.shutdown()
 
 
+def build_rank(job: Job, topo: Topology):
+    """What every rank builds alike: its pid file, device, data and model (the same weights on every
+    rank, from the seed). Returns (restart count, device, data, model)."""
+    cfg = job.config
+    pid_dir = cfg.run_dir / "pids"
+    pid_dir.mkdir(parents=True, exist_ok=True)
+    (pid_dir / f"rank{topo.rank}.pid").write_text(str(os.getpid()))
+    device = open_device(cfg.device.kind, cfg.capacity_bytes, topo.local_rank, topo.local_world_size)
+    data = job.data if job.data is not None else load_dataset(cfg.data, cfg.run.seed)
+    torch.manual_seed(cfg.run.seed)
+    model = job.model if job.model is not None else build_model(cfg.model, data.meta, cfg.run.seed)
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), device, data, model.to(device.torch_device)
+
+
 class Worker:
     def __init__(self, job: Job, topo: Topology, stop: StopRequest):
         cfg = self.cfg = job.config
         self.job, self.topo, self.stop = job, topo, stop
         self.run_dir = cfg.run_dir
-        self.restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        pid_dir = self.run_dir / "pids"
-        pid_dir.mkdir(parents=True, exist_ok=True)
-        (pid_dir / f"rank{topo.rank}.pid").write_text(str(os.getpid()))
-
-        self.device = open_device(cfg.device.kind, cfg.capacity_bytes, topo.local_rank, topo.local_world_size)
-        self.data = job.data if job.data is not None else load_dataset(cfg.data, cfg.run.seed)
-        torch.manual_seed(cfg.run.seed)
-        model = job.model if job.model is not None else build_model(cfg.model, self.data.meta, cfg.run.seed)
-        self.model = model.to(self.device.torch_device)
+        self.restart, self.device, self.data, self.model = build_rank(job, topo)
         self.strategy = make_strategy(cfg, self.model, topo, self.device)
         # a pipeline stage counts only its own layers (and follows them when they migrate)
         self.device.ledger.track_module(getattr(self.strategy, "ledger_module", self.model), self.strategy.optimizer)

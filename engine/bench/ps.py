@@ -127,18 +127,18 @@ def main(argv: list[str]) -> int:
         return 0
     from rich.console import Console
     from rich.table import Table
-    table = Table(title=f"bench ps: digits, 2 servers, 4 workers, worker 5 {args.slow:g}x slower (emulated); "
-                        f"{args.seconds:g} s of training per mode; CPU ledger (simulated devices)")
-    for col in ("mode", f"time to {TARGET:.2f}", "x bsp", f"accuracy at {args.seconds:g} s", "- bsp", "steps",
-                "worker iterations", "window workers", "staleness"):
-        table.add_column(col, justify="left" if col == "mode" else "right")
+    table = Table(title=f"bench ps: digits, 2 servers, 4 workers, worker 5 {args.slow:g}x slower (emulated), "
+                        f"{args.seconds:g} s per mode; CPU ledger (simulated devices)")
+    for col in ("mode", f"to {TARGET:.2f}", "x bsp", f"acc at {args.seconds:g}s", "vs bsp", "steps",
+                "iterations per worker", "window workers", "staleness"):
+        table.add_column(col, justify="left" if col == "mode" else "right", no_wrap=True)
     for mode, row in out["modes"].items():
         reached = f"{row['time_to_target_s']:.1f} s" if row["time_to_target_s"] is not None else "not reached"
         table.add_row(mode, reached, f"{row['time_vs_bsp']:.2f}" if row["time_vs_bsp"] is not None else "-",
                       f"{row['final_accuracy']:.4f}",
                       f"{row['accuracy_minus_bsp']:+.4f}" if row["accuracy_minus_bsp"] is not None else "-",
-                      str(row["steps"]), " ".join(str(n) for n in row["iterations"].values()),
-                      " ".join(str(n) for n in row["window_workers"].values()),
-                      " ".join(f"{s:.2f}" for s in row["mean_staleness"].values()))
-    Console().print(table)
+                      str(row["steps"]), "/".join(str(n) for n in row["iterations"].values()),
+                      "/".join(str(n) for n in row["window_workers"].values()),
+                      "/".join(f"{x:g}" for x in row["mean_staleness"].values()))
+    Console(width=max(Console().width, 130)).print(table)
     return 0

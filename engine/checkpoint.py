@@ -21,6 +21,7 @@ import json
 import os
 import re
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -149,6 +150,25 @@ def load_file(path: Path, name: str):
         return torch.load(file, map_location="cpu", weights_only=True)
     except Exception as e:   # verified already; this catches a file the manifest never described
         raise CheckpointError(f"{file}: cannot be read ({type(e).__name__}: {e})") from None
+
+
+def resume_source(run_dir: Path, requested: Path | None, restart: int) -> Path | None:
+    """Where a worker resumes: after an elastic restart, the newest checkpoint that verifies (a damaged
+    one is skipped with a line on stderr); otherwise, or if none does, the one asked for (or None)."""
+    if restart > 0:
+        for candidate in reversed(list_checkpoints(run_dir)):
+            try:
+                verify(candidate)
+                return candidate
+            except CheckpointError as e:
+                print(f"trainyard: skipping a damaged checkpoint: {e}", file=sys.stderr, flush=True)
+    return requested
+
+
+def check_world_size(source: Path, manifest: dict, world_size: int) -> None:
+    if manifest["world_size"] != world_size:
+        raise CheckpointError(f"{source}: written by {manifest['world_size']} workers; this run has "
+                              f"{world_size} (parallel.world_size must match to resume)")
 
 
 def check_strategy(source: Path, manifest: dict, name: str) -> None:

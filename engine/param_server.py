@@ -197,14 +197,21 @@ class Link:
         return thread
 
 
-def link_error(e: Exception) -> str:
-    """A transport error in a few words (gloo's own text carries a source path and advice)."""
+def transport_failure(e: Exception) -> str | None:
+    """A gloo transport failure in a few words (its own text carries a source path and advice), or
+    None when `e` is not one."""
     text = str(e)
     if "Connection closed by peer" in text:
         return "connection closed by peer"
     if "Application timeout" in text or "Timed out" in text:
         return "timed out (parallel.collective_timeout_s)"
-    return text.splitlines()[0][:160] if text else type(e).__name__
+    return None
+
+
+def link_error(e: Exception) -> str:
+    """What to say about a link's error: the transport failure, or the error's first line."""
+    text = str(e)
+    return transport_failure(e) or (text.splitlines()[0][:160] if text else type(e).__name__)
 
 
 def make_links(topo, servers: int, timeout_s: float) -> dict[int, Link]:
@@ -227,43 +234,35 @@ def mode_code(mode: str) -> int:
 
 # --- the slow-worker emulation and the layer profile -----------------------------------------
 
-class LayerClock:
+class SlowMachine:
     """Stretches a worker's own work by `factor` to emulate a slower machine: after each layer's forward
     and each backward segment (each layer with parameters ends one: its gradients are complete) the
     worker sleeps (factor - 1) times what it took, and at the iteration's end as much again for the
-    rest of its own work (all but waiting for weights), so gradients leave at a slow machine's pace."""
+    rest of its own work (all but waiting for weights), so gradients leave at a slow machine's pace.
+    At factor 1 it does nothing."""
 
-    def __init__(self, model, param_layers: list[int], factor: float):
+    def __init__(self, model, factor: float):
         self.factor = factor
-        self.n = len(model.layers)
-        self.param_layers = param_layers
-        self.fwd_ms = [0.0] * self.n
-        self.bwd_ms = {j: 0.0 for j in param_layers}
         self._t0 = 0.0
         self.mark = 0.0
         self.slept_ms = 0.0
-        for j, layer in enumerate(model.layers):
-            layer.register_forward_pre_hook(self._before)
-            layer.register_forward_hook(self._after(j))
+        if factor > 1.0:
+            for layer in model.layers:
+                layer.register_forward_pre_hook(self._before)
+                layer.register_forward_hook(self._after)
 
     def _before(self, module, args):
         self._t0 = time.perf_counter()
 
-    def _after(self, j: int):
-        def hook(module, args, output):
-            self.fwd_ms[j] = (time.perf_counter() - self._t0) * 1000
-            self._stretch(self.fwd_ms[j])
-            self.fwd_ms[j] *= self.factor
-        return hook
+    def _after(self, module, args, output):
+        self._stretch((time.perf_counter() - self._t0) * 1000)
 
     def backward_started(self) -> None:
         self.mark = time.perf_counter()
 
-    def segment_done(self, j: int) -> None:
-        """Layer j's gradients are complete: the segment since the last mark is its backward."""
-        ms = (time.perf_counter() - self.mark) * 1000
-        self._stretch(ms)
-        self.bwd_ms[j] = ms * self.factor
+    def segment_done(self) -> None:
+        """A layer's gradients are complete: the segment since the last mark was its backward."""
+        self._stretch((time.perf_counter() - self.mark) * 1000)
         self.mark = time.perf_counter()
 
     def stretch_rest(self, own_ms: float) -> None:
@@ -297,7 +296,7 @@ class PSWorker:
         self.layers = sorted(self.params)
         self.sizes = {j: sum(p.numel() for p in ps) for j, ps in self.params.items()}
         self.version = {j: 0 for j in self.layers}
-        self.clock = LayerClock(setup.model, self.layers, self.factor)
+        self.clock = SlowMachine(setup.model, self.factor)
         self._left = {}
         for j, ps in self.params.items():
             for p in ps:
@@ -312,7 +311,7 @@ class PSWorker:
         def hook(p):
             self._left[j] -= 1
             if self._left[j] == 0:
-                self.clock.segment_done(j)
+                self.clock.segment_done()
                 grad = flatten([q.grad for q in self.params[j]])
                 self.s.links[self.s.owner[j]].send(GRAD, j, self.version[j], self.iteration, payload=grad)
                 for q in self.params[j]:
@@ -942,30 +941,18 @@ class Setup:
         else:
             self.device.ledger.track_module(self.model)
         self.links = make_links(topo, self.servers, cfg.parallel.collective_timeout_s)
-        self.source = self._checkpoint_to_resume()
-        self.first_step = int(ckpt.verify(self.source)["step"]) if self.source else 0
+        self.source = ckpt.resume_source(cfg.run_dir, job.resume, self.restart)
+        self.resumed = ckpt.verify(self.source) if self.source else None   # its manifest
+        self.first_step = int(self.resumed["step"]) if self.resumed else 0
 
     def batch(self, iteration: int, index: int):
         return self._batch_for(self.data, iteration, self.cfg.data.batch_size, self.cfg.run.seed, index, self.workers)
 
-    def _checkpoint_to_resume(self):
-        source = self.job.resume
-        if self.restart > 0:
-            for candidate in reversed(ckpt.list_checkpoints(self.cfg.run_dir)):
-                try:
-                    ckpt.verify(candidate)
-                    return candidate
-                except ckpt.CheckpointError as e:
-                    print(f"trainyard: skipping a damaged checkpoint: {e}", file=sys.stderr, flush=True)
-        return source
-
     def restore(self, server: PSServer) -> None:
         if self.source is None:
             return
-        manifest = ckpt.verify(self.source)
-        if manifest["world_size"] != self.topo.world_size:
-            raise ckpt.CheckpointError(
-                f"{self.source}: written by {manifest['world_size']} ranks; this run has {self.topo.world_size}")
+        manifest = self.resumed
+        ckpt.check_world_size(self.source, manifest, self.topo.world_size)
         ckpt.check_strategy(self.source, manifest, "param_server")
         saved = manifest["layout"].get("server_layers")
         if saved != self.layout()["server_layers"]:
@@ -1051,8 +1038,9 @@ def supervise(job) -> None:
             finally:
                 topo.shutdown()
         except BaseException as e:
-            if isinstance(e, RuntimeError) and link_error(e) != str(e).splitlines()[0][:160]:
-                print(f"trainyard: worker rank {rank} lost a server ({link_error(e)})", file=sys.stderr, flush=True)
+            if isinstance(e, RuntimeError) and transport_failure(e):
+                print(f"trainyard: worker rank {rank} lost a server ({transport_failure(e)})", file=sys.stderr,
+                      flush=True)
             else:
                 import traceback
                 traceback.print_exc()

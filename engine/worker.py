@@ -160,16 +160,11 @@ class Worker:
 
     # --- resume -----------------------------------------------------------------
     def _resume(self) -> int:
-        source = self.job.resume
-        if self.restart > 0:
-            source = self._latest_valid_checkpoint() or self.job.resume
+        source = ckpt.resume_source(self.run_dir, self.job.resume, self.restart)
         if source is None:
             return 0
         manifest = ckpt.verify(source)
-        if manifest["world_size"] != self.topo.world_size:
-            raise ckpt.CheckpointError(
-                f"{source}: written by {manifest['world_size']} workers; this run has "
-                f"{self.topo.world_size} (parallel.world_size must match to resume)")
+        ckpt.check_world_size(source, manifest, self.topo.world_size)
         self.strategy.load(source, manifest)
         rng = ckpt.load_file(source, f"rank{self.topo.rank}.pt")
         torch.set_rng_state(rng["torch"])
@@ -178,15 +173,6 @@ class Worker:
         self.device.ledger.refresh()
         self.resumed_from = source
         return int(manifest["step"])
-
-    def _latest_valid_checkpoint(self) -> Path | None:
-        for candidate in reversed(ckpt.list_checkpoints(self.run_dir)):
-            try:
-                ckpt.verify(candidate)
-                return candidate
-            except ckpt.CheckpointError as e:
-                print(f"trainyard: skipping a damaged checkpoint: {e}", file=sys.stderr, flush=True)
-        return None
 
     # --- the loop ---------------------------------------------------------------
     def run(self) -> dict | None:

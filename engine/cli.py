@@ -2,11 +2,13 @@
 
     trainyard run CONFIG.toml [--headless] [--steps N] [--set section.key=value ...]
                   [--telemetry-log PATH] [--resume CHECKPOINT_OR_RUN_DIR]
+                  [--nnodes N --node-rank R --rdzv-endpoint HOST:PORT] [--interface IFNAME]
     trainyard demo [NAME] [--steps N] [--headless]
     trainyard console [RUN] [--read-only] [--replay LOG] [--token-file F]
     trainyard runs
     trainyard ctl RUN COMMAND [ARGS ...]
     trainyard bench NAME [--json]
+    trainyard cluster up --hosts 2 --link 1gbit | exec HOST -- COMMAND | status | down
 
 Exit status: 0 done; 1 the run failed (workers died more often than
 parallel.max_restarts allows); 2 a bad config, command line or checkpoint
@@ -45,6 +47,12 @@ def _parser() -> argparse.ArgumentParser:
                      help="a checkpoint folder, or a run directory (its latest checkpoint)")
     run.add_argument("--listen", metavar="tcp://127.0.0.1:PORT",
                      help="also serve consoles on loopback TCP (token in the run's token file)")
+    hosts = run.add_argument_group("several hosts (docs/cluster.md): one `trainyard run` per host")
+    hosts.add_argument("--nnodes", type=int, metavar="N", help="hosts in the run (cluster.nnodes)")
+    hosts.add_argument("--node-rank", type=int, metavar="R", help="this host's number, 0 to N-1 (cluster.node_rank)")
+    hosts.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
+                       help="host 0's address and a free port, the same on every host (cluster.rdzv_endpoint)")
+    hosts.add_argument("--interface", metavar="IFNAME", help="network interface for collectives (cluster.interface)")
 
     demo = sub.add_parser("demo", help="run a ready-made demo")
     demo.add_argument("name", nargs="?", default=DEMOS[0], choices=DEMOS)
@@ -60,6 +68,10 @@ def _parser() -> argparse.ArgumentParser:
     console.add_argument("--token-file", type=Path, help="token file of a TCP hub")
 
     sub.add_parser("runs", help="list the live runs on this machine")
+
+    cluster = sub.add_parser("cluster", help="an emulated cluster on this machine: network namespaces, shaped links "
+                                             "(root)", add_help=False)
+    cluster.add_argument("cluster_args", nargs=argparse.REMAINDER, help="up | exec | status | down (see --help)")
 
     bench = sub.add_parser("bench", help="run a benchmark (its variants side by side, ratios printed)")
     bench.add_argument("name", choices=_benches())
@@ -90,6 +102,10 @@ def demo_config(name: str) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["cluster"]:   # its own parser, `--help` included
+        from engine import cluster
+        return cluster.main(argv[1:])
     args = _parser().parse_args(argv)
     if args.command == "bench":
         from engine import bench
@@ -112,6 +128,10 @@ def main(argv: list[str] | None = None) -> int:
     if not args.headless:
         err.print("note: running headless; watch the run live with `trainyard console` in another terminal")
     overrides = args.overrides + ([f"telemetry.listen={args.listen}"] if args.listen else [])
+    for flag, key in (("nnodes", "nnodes"), ("node_rank", "node_rank"), ("rdzv_endpoint", "rdzv_endpoint"),
+                      ("interface", "interface")):
+        if getattr(args, flag) is not None:
+            overrides.append(f"cluster.{key}={getattr(args, flag)}")
     return _run(Path(args.config), overrides, args.steps, args.telemetry_log, args.resume, headless=True)
 
 

@@ -65,7 +65,9 @@ def format_size(n: float) -> str:
 
 
 # A `pattern` key's rule in words, for messages and docs (the regex is the rule itself).
-PATTERN_WORDS = {"run.name": "1 to 64 letters, digits, '.', '_' or '-', starting with a letter or digit"}
+PATTERN_WORDS = {"run.name": "1 to 64 letters, digits, '.', '_' or '-', starting with a letter or digit",
+                 "cluster.interface": "a network interface name (up to 15 letters, digits, '_', '.', ':', '@' "
+                                      "or '-'), or empty"}
 
 
 @dataclass
@@ -285,6 +287,25 @@ class TelemetryConfig:
 
 
 @dataclass
+class ClusterConfig:
+    """Several hosts: how this host joins the run (docs/cluster.md). `trainyard run --nnodes N --node-rank R
+    --rdzv-endpoint HOST:PORT` sets the first three."""
+
+    nnodes: int = setting(1, "Hosts in the run; each runs `parallel.world_size / nnodes` workers, whose global "
+                             "ranks are contiguous per host.", min=1, max=1024)
+    node_rank: int = setting(0, "This host's number, 0 to nnodes-1. Host 0 serves the rendezvous at "
+                                "`rdzv_endpoint` and prepares the run directory.", min=0)
+    rdzv_endpoint: str = setting("", "`HOST:PORT` of host 0's c10d rendezvous (torch elastic), the same on "
+                                     "every host; required when nnodes > 1.")
+    rdzv_timeout_s: float = setting(120.0, "How long a host waits for the others at the rendezvous, at the "
+                                           "start and after a failure, before the run fails.", min=1.0)
+    interface: str = setting("", "Network interface for the workers' traffic (sets GLOO_SOCKET_IFNAME and "
+                                 "NCCL_SOCKET_IFNAME), e.g. `eth1`; empty: torch's choice (the host name's "
+                                 "address). It must exist on every host.",
+                             pattern=r"[A-Za-z0-9_.:@-]{1,15}|")
+
+
+@dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -296,6 +317,7 @@ class Config:
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     @property
     def run_dir(self) -> Path:

@@ -385,5 +385,23 @@ def slices_cover_streams(cfg: Config) -> str | None:
     return None
 
 
-CROSS_CHECKS = [listen_is_loopback, slices_cover_streams, model_matches_data, branchy_has_square_images, param_server_ranks,
+def hosts_split_workers(cfg: Config) -> str | None:
+    """`cluster.nnodes` divides `parallel.world_size` (the same number of workers on every host);
+    `cluster.node_rank < nnodes`; `cluster.rdzv_endpoint` is `HOST:PORT` when nnodes > 1."""
+    c, world = cfg.cluster, cfg.parallel.world_size
+    if world % c.nnodes:
+        return (f"parallel.world_size = {world}: must be divisible by cluster.nnodes = {c.nnodes} (every host "
+                f"runs the same number of workers)")
+    if c.node_rank >= c.nnodes:
+        return f"cluster.node_rank = {c.node_rank}: must be below cluster.nnodes = {c.nnodes} (0 to {c.nnodes - 1})"
+    if c.nnodes > 1 or c.rdzv_endpoint:
+        m = re.fullmatch(r"(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.-]+):(\d{1,5})", c.rdzv_endpoint)
+        if not m or not 0 < int(m.group(2)) <= 65535:
+            what = "is required when cluster.nnodes > 1" if not c.rdzv_endpoint else "is not HOST:PORT"
+            return (f"cluster.rdzv_endpoint = {show(c.rdzv_endpoint)}: {what} (host 0's address and a free "
+                    f"port, the same on every host, e.g. \"10.0.0.1:29400\")")
+    return None
+
+
+CROSS_CHECKS = [hosts_split_workers, listen_is_loopback, slices_cover_streams, model_matches_data, branchy_has_square_images, param_server_ranks,
                 batch_splits_over_ranks, heads_split_width]

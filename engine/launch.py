@@ -6,6 +6,12 @@ The agent restarts the whole worker group when a worker dies (up to
 `parallel.max_restarts`; workers resume from the last checkpoint), and on
 SIGINT/SIGTERM signals every worker, waits `parallel.shutdown_timeout_s` for the
 final checkpoint, then kills what is left: no child outlives the launcher.
+
+Several hosts (`[cluster] nnodes > 1`, docs/cluster.md): one launcher per host, all meeting
+at host 0's c10d rendezvous (`cluster.rdzv_endpoint`). Host R runs global ranks
+R*k .. R*k+k-1 (k = world_size / nnodes), whatever order the rendezvous lists the hosts
+in, so rank 0 (the hub), the parameter servers and neighbouring pipeline stages are
+where the user put them; the workers' store is on host 0, at the rendezvous port + 1.
 """
 
 from __future__ import annotations
@@ -16,9 +22,11 @@ import re
 import shutil
 import signal
 import socket
+import sys
 import time
 
 from torch.distributed.elastic.multiprocessing import SignalException
+from torch.distributed.elastic.rendezvous import RendezvousError
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -48,9 +56,18 @@ class RunInterrupted(RuntimeError):
 
 
 def prepare_run_dir(job: Job) -> None:
-    """Check the run directory and the checkpoint to resume before any process starts."""
+    """Check the run directory and the checkpoint to resume before any process starts. With several
+    hosts, host 0 prepares the (shared) run directory; the others only check what they would resume."""
     cfg = job.config
     run_dir = cfg.run_dir
+    node = cfg.cluster.node_rank
+    if node:
+        if job.resume is not None:
+            job.resume = ckpt.resolve(job.resume)
+            ckpt.verify(job.resume)
+        (run_dir / "pids").mkdir(parents=True, exist_ok=True)
+        (run_dir / "pids" / f"launcher-node{node}.pid").write_text(str(os.getpid()))
+        return
     if job.resume is not None:
         job.resume = ckpt.resolve(job.resume)
         manifest = ckpt.verify(job.resume)   # CheckpointError names the damaged file
@@ -76,7 +93,8 @@ def prepare_run_dir(job: Job) -> None:
     (run_dir / "config.toml").write_text(config_to_toml(cfg))
     (run_dir / "pids").mkdir(exist_ok=True)
     for stale in (run_dir / "pids").glob("*.pid"):
-        stale.unlink()
+        if not stale.name.startswith("launcher-node"):   # another host's launcher may be up already
+            stale.unlink()
     (run_dir / "pids" / "launcher.pid").write_text(str(os.getpid()))
 
 
@@ -96,6 +114,72 @@ def _quiet_torch_elastic() -> None:
             logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
+def interface_address(name: str) -> str:
+    """The IPv4 address of network interface `name` on this host; RunSetupError names the ones there are."""
+    import psutil
+    addrs = psutil.net_if_addrs()
+    if name not in addrs:
+        raise RunSetupError(f"cluster.interface = {name!r}: this host has no such interface "
+                            f"(it has: {', '.join(sorted(addrs))})")
+    for a in addrs[name]:
+        if a.family == socket.AF_INET:
+            return a.address
+    raise RunSetupError(f"cluster.interface = {name!r}: the interface has no IPv4 address")
+
+
+def _launch_config(job: Job) -> LaunchConfig:
+    cfg, c = job.config, job.config.cluster
+    local_addr = None
+    if c.interface:
+        local_addr = interface_address(c.interface)
+        os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = c.interface
+    common = dict(max_restarts=cfg.parallel.max_restarts, monitor_interval=0.1, start_method="spawn",
+                  shutdown_timeout=cfg.parallel.shutdown_timeout_s, rdzv_backend="c10d", local_addr=local_addr)
+    if c.nnodes == 1:
+        return LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=cfg.parallel.world_size,
+                            run_id=f"{cfg.run.name}-{os.getpid()}",
+                            rdzv_endpoint=c.rdzv_endpoint or f"127.0.0.1:{_free_port()}",
+                            rdzv_configs={"timeout": c.rdzv_timeout_s}, **common)
+    host, port = c.rdzv_endpoint.rsplit(":", 1)
+    per_host = cfg.parallel.world_size // c.nnodes
+    job.placement = (c.node_rank * per_host, host.strip("[]"), int(port) + 1)
+    if c.node_rank == 0:
+        _check_port_free(int(port) + 1, "the workers' store (the rendezvous port + 1)")
+    return LaunchConfig(min_nodes=c.nnodes, max_nodes=c.nnodes, nproc_per_node=per_host, run_id=cfg.run.name,
+                        rdzv_endpoint=c.rdzv_endpoint,
+                        rdzv_configs={"timeout": c.rdzv_timeout_s, "is_host": c.node_rank == 0}, **common)
+
+
+def _check_port_free(port: int, what: str) -> None:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("", port))
+        except OSError as e:
+            raise RunSetupError(f"port {port} on this host is taken ({e.strerror}); it serves {what}: "
+                                f"choose another cluster.rdzv_endpoint port") from None
+
+
+class _RestartReporter(logging.Handler):
+    """Prints the agent's decision to restart the worker group, in one line (its own log is quietened)."""
+
+    def __init__(self, node: int, nnodes: int):
+        super().__init__(logging.INFO)
+        self.where = f"host {node}: " if nnodes > 1 else ""
+        self.nnodes = nnodes
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = record.getMessage()
+        if "will restart worker group" not in text:
+            return
+        m = re.search(r"(\d+)/(\d+) attempts left", text)
+        left = f" ({m.group(1)} of {m.group(2)} restarts left)" if m else ""
+        why = "a worker failed" if "FAILED" in text or "attempts left" in text else "a host is waiting to join"
+        wait = f"; waiting for all {self.nnodes} hosts at the rendezvous" if self.nnodes > 1 else ""
+        print(f"trainyard: {self.where}{why}; restarting the worker group from the last checkpoint{left}{wait}",
+              file=sys.stderr, flush=True)
+
+
 def launch(job: Job) -> dict | None:
     cfg = job.config
     job.launched_at = job.launched_at or time.time()
@@ -104,22 +188,29 @@ def launch(job: Job) -> dict | None:
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     _quiet_torch_elastic()
-    launch_cfg = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=cfg.parallel.world_size,
-        run_id=f"{cfg.run.name}-{os.getpid()}", rdzv_backend="c10d",
-        rdzv_endpoint=f"127.0.0.1:{_free_port()}", rdzv_configs={"timeout": 120},
-        max_restarts=cfg.parallel.max_restarts, monitor_interval=0.1, start_method="spawn",
-        shutdown_timeout=cfg.parallel.shutdown_timeout_s)
+    launch_cfg = _launch_config(job)
+    agent_log = logging.getLogger("torch.distributed.elastic.agent.server.api")
+    reporter = _RestartReporter(cfg.cluster.node_rank, cfg.cluster.nnodes)
+    agent_log.addHandler(reporter)
+    agent_log.setLevel(logging.INFO)
+    agent_log.propagate = False
     try:
         results = elastic_launch(launch_cfg, worker_main)(job)
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         raise RunFailed(_describe_failure(rank, failure, cfg.parallel.max_restarts)) from None
+    except RendezvousError as e:
+        c = cfg.cluster
+        raise RunFailed(f"the rendezvous at {launch_cfg.rdzv_endpoint} failed ({type(e).__name__}: {e}); "
+                        f"{c.nnodes} hosts must join within cluster.rdzv_timeout_s = {c.rdzv_timeout_s:g} s"
+                        ) from None
     except SignalException as e:
         saved = ckpt.list_checkpoints(cfg.run_dir)
         where = f"latest checkpoint: {saved[-1]}" if saved else "no checkpoint was written"
         raise RunInterrupted(f"stopped by {signal.Signals(e.sigval).name}; {where}", int(e.sigval)) from None
-    summary = results.get(0)
+    finally:
+        agent_log.removeHandler(reporter)
+    summary = next((v for _, v in sorted(results.items()) if v), None)   # rank 0's, or a refusal
     if summary and summary.get("type") == "refused":
         raise RunRefused(summary["error"])
     return summary

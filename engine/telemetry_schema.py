@@ -53,6 +53,7 @@ RUN_START = {
                  "layers", "first_step", "restart", "config"],
     "properties": {**_COMMON, "type": {"const": "run_start"}, "name": {"type": "string"},
                    "strategy": {"type": "string"}, "world_size": {"type": "integer", "minimum": 1},
+                   "hosts": {"type": "array", "items": {"type": "integer", "minimum": 0}},
                    "backend": {"enum": ["gloo", "nccl"]}, "device": {"type": "string"},
                    "simulated": {"type": "boolean"}, "layers": {"type": "array", "items": {"type": "string"}},
                    "first_step": {"type": "integer", "minimum": 0}, "restart": {"type": "integer", "minimum": 0},

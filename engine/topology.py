@@ -65,6 +65,10 @@ class Topology:
             if group is not self.compute and group is not self.side:
                 dist.destroy_process_group(group)
 
+    def hosts(self) -> list[int]:
+        """The host (node) of every rank: an agent gives each host `local_world_size` consecutive ranks."""
+        return [r // self.local_world_size for r in range(self.world_size)]
+
     @property
     def is_first(self) -> bool:
         return self.rank == 0

@@ -50,6 +50,8 @@ class Job:
     telemetry_log: Path | None = None
     headless: bool = True
     launched_at: float = 0.0
+    # several hosts, our launcher: (this host's first global rank, the workers' store host, its port)
+    placement: tuple[int, str, int] | None = None
 
     def log_path(self) -> Path:
         if self.telemetry_log:
@@ -74,9 +76,23 @@ class StopRequest:
         return self.signal is not None
 
 
+def place_on_host(job: Job) -> None:
+    """Before the process group starts: the network interface, and (several hosts under our launcher)
+    global ranks by host number instead of the rendezvous's order of hosts, with the store on host 0."""
+    interface = job.config.cluster.interface
+    if interface:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)
+    if job.placement is not None:
+        first, host, port = job.placement
+        os.environ.update(RANK=str(first + int(os.environ["LOCAL_RANK"])), MASTER_ADDR=host, MASTER_PORT=str(port),
+                          GROUP_RANK=str(job.config.cluster.node_rank))
+
+
 def worker_main(job: Job) -> dict | None:
     torch.set_num_threads(1)   # one thread per worker: on a few cores the pools would thrash
     cfg = job.config
+    place_on_host(job)
     param_server = cfg.parallel.strategy == "param_server"
     if param_server and int(os.environ["RANK"]) >= cfg.parallel.servers:
         from engine.param_server import supervise
@@ -118,7 +134,15 @@ def build_rank(job: Job, topo: Topology):
     data = job.data if job.data is not None else load_dataset(cfg.data, cfg.run.seed)
     torch.manual_seed(cfg.run.seed)
     model = job.model if job.model is not None else build_model(cfg.model, data.meta, cfg.run.seed)
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), device, data, model.to(device.torch_device)
+    return restart_count(topo), device, data, model.to(device.torch_device)
+
+
+def restart_count(topo: Topology) -> int:
+    """How many times the group has restarted: the largest count of any host's agent. A host that was lost
+    and started again has a fresh agent (count 0) while the others count on; its ranks must resume too."""
+    count = torch.tensor([int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))])
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=topo.side)
+    return int(count.item())
 
 
 class Worker:
@@ -517,7 +541,7 @@ def announce(tel: Telemetry, cfg: Config, topo: Topology, device, names, first_s
     if not topo.is_first:
         return
     start = {"type": "run_start", "name": cfg.run.name, "strategy": cfg.parallel.strategy,
-             "world_size": topo.world_size, "backend": topo.backend, "device": device.name,
+             "world_size": topo.world_size, "hosts": topo.hosts(), "backend": topo.backend, "device": device.name,
              "simulated": device.simulated, "layers": list(names), "first_step": first_step,
              "restart": restart, "config": cfg.to_dict()}
     if layout is not None:

@@ -44,10 +44,11 @@ class CLI:
     def base_args(self, name: str) -> list[str]:
         return ["--set", f"run.dir={self.tmp_path / 'runs'}", "--set", f"run.name={name}"]
 
-    def start(self, *args: str) -> subprocess.Popen:
+    def start(self, *args: str, prefix: tuple[str, ...] = ()) -> subprocess.Popen:
+        """`trainyard ARGS` in a new session; `prefix`: a command that runs it (e.g. `ip netns exec NS`)."""
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "COLUMNS": "120",
                "TRAINYARD_RUNTIME_DIR": str(self.runtime_dir)}
-        proc = subprocess.Popen([sys.executable, "-m", "engine.cli", *args], cwd=ROOT, env=env,
+        proc = subprocess.Popen([*prefix, sys.executable, "-m", "engine.cli", *args], cwd=ROOT, env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 start_new_session=True)
         self.procs.append(proc)

@@ -107,6 +107,13 @@ listen = "tcp://127.0.0.1:7077"
 queue_len = 32
 live_hz = 5.0
 layer_every = 0
+
+[cluster]
+nnodes = 2
+node_rank = 1
+rdzv_endpoint = "10.0.0.1:29400"
+rdzv_timeout_s = 30.0
+interface = "eth1"
 """
 
 

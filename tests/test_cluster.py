@@ -1,0 +1,179 @@
+"""Runs across hosts (engine/launch.py, engine/cluster.py): two emulated hosts, each a network namespace
+with a 1 Gbit/s tbf-shaped link, one `trainyard run --nnodes 2 --node-rank R` per host.
+
+These need root and `ip netns` (CI runs as root); elsewhere they skip, saying why.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+
+import pytest
+import torch
+
+from engine import cluster, protocol
+from engine.checkpoint import list_checkpoints, model_state
+from tests.conftest import pid_alive, read_jsonl, wait_for
+from tests.test_lifecycle import read_pid, steps_logged
+from tests.test_training import DEMO, single_process_reference
+
+REASON = cluster.available()
+needs_cluster = pytest.mark.skipif(REASON is not None, reason=REASON or "")
+PORTS = iter(range(29400, 29600, 7))   # a fresh rendezvous port per run (the store takes port + 1)
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    if REASON:
+        pytest.skip(REASON)
+    with cluster.emulated_cluster(hosts=2, link="1gbit") as c:
+        yield c
+
+
+def start_hosts(cli, hosts, name: str, *args: str, only: tuple[int, ...] = (0, 1), port: int | None = None):
+    """One `trainyard run` per host, joined at host 0's rendezvous; returns (procs by host, port)."""
+    port = port or next(PORTS)
+    procs = {}
+    for r in only:
+        procs[r] = cli.start("run", DEMO, "--headless", *cli.base_args(name), "--nnodes", str(len(hosts.hosts)),
+                             "--node-rank", str(r), "--rdzv-endpoint", f"{hosts.hosts[0].address}:{port}",
+                             "--interface", hosts.interface, *args, prefix=tuple(hosts.command(r, [])))
+    return procs, port
+
+
+def finish(procs: dict, timeout: float = 100) -> dict:
+    outs = {}
+    for r, proc in procs.items():
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"host {r} did not finish in {timeout} s")
+        outs[r] = (proc.returncode, out, err)
+    return outs
+
+
+def host_of(pid: int, hosts) -> int:
+    """Which emulated host's network a process is in."""
+    named = subprocess.run(["ip", "netns", "identify", str(pid)], capture_output=True, text=True).stdout.strip()
+    return next(h.index for h in hosts.hosts if h.netns == named)
+
+
+def assert_equal_to_reference(run_dir, overrides: list[str], steps: int) -> None:
+    got = model_state(list_checkpoints(run_dir)[-1])
+    want = single_process_reference(overrides, steps)
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-5, msg=name)
+
+
+@pytest.mark.timeout(150)
+def test_ddp_across_two_hosts_equals_one_process_and_its_hub_answers_runs_and_ctl(cli, hosts):
+    """2 hosts x 2 workers: ranks 0-1 on host 0 (with the hub), 2-3 on host 1; `runs` and `ctl` reach the hub
+    from outside both hosts; the result equals one process on the whole batch."""
+    overrides = ["optim.name=sgd", "optim.lr=0.01"]
+    procs, _ = start_hosts(cli, hosts, "ddp2", "--steps", "40", "--set", "parallel.world_size=4",
+                           "--set", "run.step_pause_ms=60", *[f"--set={o}" for o in overrides])
+    run_dir = cli.tmp_path / "runs" / "ddp2"
+    wait_for(lambda: any(r["name"] == "ddp2" for r in protocol.list_runs()), 60, "the run's hub")
+    listed = cli.run("runs")
+    assert listed.returncode == 0 and "ddp2" in listed.stdout
+    reply = cli.run("ctl", "ddp2", "checkpoint", timeout=60)
+    assert reply.returncode == 0, reply.stdout + reply.stderr
+    outs = finish(procs)
+    for r, (code, out, err) in outs.items():
+        assert code == 0, f"host {r}: {err}"
+    placement = {rank: read_pid(run_dir, f"rank{rank}") for rank in range(4)}
+    assert all(not pid_alive(pid) for pid in placement.values())
+    # pids of finished processes cannot be placed any more; the run_start record names where ranks ran
+    start = next(r for r in read_jsonl(run_dir / "telemetry.jsonl") if r["type"] == "run_start")
+    assert start["hosts"] == [0, 0, 1, 1]
+    assert_equal_to_reference(run_dir, overrides, 40)
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("strategy,world", [("sharded", 4), ("pipeline", 2)])
+def test_sharded_and_a_pipeline_across_two_hosts_equal_one_process(cli, hosts, strategy, world):
+    """sharded: 2 x 2 workers, owners on both hosts; pipeline: stage 0 on host 0, stage 1 on host 1."""
+    overrides = ["optim.name=adamw", "optim.lr=0.01", f"parallel.strategy={strategy}"]
+    procs, _ = start_hosts(cli, hosts, strategy, "--steps", "20", "--set", f"parallel.world_size={world}",
+                           *[f"--set={o}" for o in overrides])
+    for r, (code, out, err) in finish(procs).items():
+        assert code == 0, f"host {r}: {err}"
+    run_dir = cli.tmp_path / "runs" / strategy
+    start = next(r for r in read_jsonl(run_dir / "telemetry.jsonl") if r["type"] == "run_start")
+    assert start["hosts"] == [r * 2 // world for r in range(world)]
+    assert_equal_to_reference(run_dir, overrides, 20)
+
+
+@pytest.mark.timeout(240)
+def test_a_host_killed_mid_run_is_reported_and_the_run_resumes_when_it_is_back(cli, hosts):
+    """Every process of host 1 SIGKILLed: host 0's launcher reports the failure and waits at the rendezvous;
+    host 1 started again, the group restarts from the last checkpoint and finishes equal to one process."""
+    paced = ["--steps", "50", "--set", "parallel.world_size=4", "--set", "run.step_pause_ms=40",
+             "--set", "checkpoint.every=10", "--set", "parallel.max_restarts=2"]
+    procs, port = start_hosts(cli, hosts, "lost", *paced)
+    run_dir = cli.tmp_path / "runs" / "lost"
+    log = run_dir / "telemetry.jsonl"
+    wait_for(lambda: steps_logged(log) >= 15, 90, "step 15")
+    victims = [int(p) for p in subprocess.run(["ip", "netns", "pids", hosts.hosts[1].netns], capture_output=True,
+                                              text=True).stdout.split()]
+    assert procs[1].pid in victims and read_pid(run_dir, "rank3") in victims
+    assert host_of(read_pid(run_dir, "rank0"), hosts) == 0
+    for pid in victims:
+        os.kill(pid, signal.SIGKILL)
+    procs[1].wait(timeout=10)
+    wait_for(lambda: not any(pid_alive(p) for p in victims), 5, "host 1's processes to be gone")
+    # host 0's agent reports it (its own launcher's stderr) while it waits for host 1 to rejoin
+    host0 = procs[0]
+    again, _ = start_hosts(cli, hosts, "lost", *paced, only=(1,), port=port)
+    outs = finish({0: host0, 1: again[1]}, timeout=180)
+    for r, (code, out, err) in outs.items():
+        assert code == 0, f"host {r}: {err}"
+    assert "host 0: a worker failed; restarting the worker group from the last checkpoint" in outs[0][2]
+    records = read_jsonl(log)
+    restarts = [r for r in records if r.get("kind") == "restart"]
+    assert restarts and restarts[0]["step"] in (10, 20)      # resumed from a checkpoint, not from scratch
+    assert records[-1]["type"] == "summary" and records[-1]["steps"] == 50 and records[-1]["restarts"] == 1
+    assert_equal_to_reference(run_dir, [], 50)
+
+
+def test_bad_cluster_settings_are_refused_before_anything_starts(cli):
+    config_errors = {
+        ("--nnodes", "2"): "cluster.rdzv_endpoint = \"\": is required when cluster.nnodes > 1",
+        ("--nnodes", "3", "--rdzv-endpoint", "10.0.0.1:29400"): "parallel.world_size = 2: must be divisible by "
+                                                                 "cluster.nnodes = 3",
+        ("--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "x:1"): "cluster.node_rank = 2: must be below",
+        ("--nnodes", "2", "--rdzv-endpoint", "10.0.0.1"): "cluster.rdzv_endpoint = \"10.0.0.1\": is not HOST:PORT",
+    }
+    for args, message in config_errors.items():
+        r = cli.run("run", DEMO, "--headless", *cli.base_args("bad"), *args, timeout=30)
+        assert r.returncode == 2 and message in r.stderr, r.stderr
+    r = cli.run("run", DEMO, "--headless", *cli.base_args("bad"), "--interface", "nosuch0", timeout=60)
+    assert r.returncode == 2 and "cluster.interface = 'nosuch0': this host has no such interface" in r.stderr
+
+
+@needs_cluster
+def test_the_emulated_cluster_refuses_bad_settings_and_leaves_nothing_behind():
+    with pytest.raises(cluster.ClusterError, match="not a rate like"):
+        cluster.up(2, "1gbot", name="bad")
+    with pytest.raises(cluster.ClusterError, match="between 2 and"):
+        cluster.up(1, "1gbit", name="bad")
+    with pytest.raises(cluster.ClusterError, match="1 to 8 lowercase"):
+        cluster.up(2, "1gbit", name="Bad_Name!")
+    with cluster.emulated_cluster(hosts=2, link="100mbit", name="tleak") as c:
+        sleeper = subprocess.Popen(c.command(1, ["sleep", "60"]))
+        wait_for(lambda: sleeper.pid in [int(p) for p in subprocess.run(
+            ["ip", "netns", "pids", c.hosts[1].netns], capture_output=True, text=True).stdout.split()], 5, "sleep")
+        shaped = subprocess.run(c.command(1, ["tc", "qdisc", "show", "dev", c.interface]), capture_output=True,
+                                text=True).stdout
+        assert "tbf" in shaped and "rate 100Mbit" in shaped
+        addr = subprocess.run(c.command(1, ["ip", "-br", "addr", "show", c.interface]), capture_output=True,
+                              text=True).stdout
+        assert f"{c.hosts[1].address}/24" in addr
+    sleeper.wait(timeout=5)   # killed by `down`, not left running
+    assert sleeper.returncode == -signal.SIGKILL
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert "trainyard-tleak" not in listed
+    assert not any(name.startswith("tytleak") for name in os.listdir("/sys/class/net"))

@@ -6,6 +6,9 @@ variants side by side in one process tree.
     with DistPool(world=2) as pool:
         results = pool.run(some_module.job, steps=20)   # job(topo, steps=20) on every rank
 
+With `cluster` (engine/cluster.py), the ranks are spread over its emulated hosts, consecutive
+ranks per host as an elastic agent places them, and talk over its shaped links.
+
 `job` must be a module-level function (spawned children import it by name). Every
 collective has the pool's timeout; `run` has its own deadline; a job that raised on
 any rank raises here with that rank's traceback, and the pool is then closed (its
@@ -28,11 +31,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _serve(rank: int, world: int, port: int, timeout_s: float, inbox, outbox) -> None:
+def _serve(rank: int, world: int, port: int, timeout_s: float, inbox, outbox, place=None) -> None:
     import torch
     torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    addr, local, per_host = "127.0.0.1", rank, world
+    if place is not None:   # (netns, interface, first host's address, ranks per host)
+        from engine.cluster import enter_host
+        netns, interface, addr, per_host = place
+        enter_host(netns)
+        os.environ["GLOO_SOCKET_IFNAME"] = interface
+        local = rank % per_host
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local), LOCAL_WORLD_SIZE=str(per_host),
+                      MASTER_ADDR=addr, MASTER_PORT=str(port))
     from engine.topology import Topology
     topo = Topology.from_env("gloo", "cpu", timeout_s)
     try:
@@ -54,14 +64,23 @@ class PoolError(AssertionError):
 
 
 class DistPool:
-    def __init__(self, world: int, timeout_s: float = 20.0):
+    def __init__(self, world: int, timeout_s: float = 20.0, cluster=None):
         ctx = mp.get_context("spawn")
         self.world, self.timeout_s = world, timeout_s
         self.inboxes = [ctx.Queue() for _ in range(world)]
         self.outbox = ctx.Queue()
         port = free_port()
-        self.procs = [ctx.Process(target=_serve, args=(r, world, port, timeout_s, self.inboxes[r], self.outbox),
-                                  daemon=True, name=f"pool-rank{r}") for r in range(world)]
+        places = [None] * world
+        if cluster is not None:
+            n = len(cluster.hosts)
+            if world % n:
+                raise ValueError(f"world {world} does not split evenly over {n} hosts")
+            per_host = world // n
+            places = [(cluster.hosts[r // per_host].netns, cluster.interface, cluster.hosts[0].address, per_host)
+                      for r in range(world)]
+        self.procs = [ctx.Process(target=_serve, args=(r, world, port, timeout_s, self.inboxes[r], self.outbox,
+                                                       places[r]), daemon=True, name=f"pool-rank{r}")
+                      for r in range(world)]
         for proc in self.procs:
             proc.start()
         self.broken = False

@@ -180,6 +180,10 @@ class ParallelConfig:
                                          max=1_000_000)
     main_stream_communicates: bool = setting(False, "sharded: the compute group is one of the `streams` "
                                                     "(false: every stream is a group of its own).")
+    hierarchical: bool = setting(True, "sharded, on several hosts of several workers each: gradients are summed "
+                                       "and slices broadcast through one rank per host, so each byte crosses "
+                                       "between hosts once (false: every rank sends to every other directly; "
+                                       "docs/cluster.md).")
     servers: int = setting(1, "param_server: server ranks (0 to servers-1); each owns whole layers, balanced "
                               "by parameter bytes, with their optimizer state.", min=1, max=256)
     workers: int = setting(1, "param_server: worker ranks (servers to world_size-1), each training on its "

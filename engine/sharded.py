@@ -26,6 +26,16 @@ a GPU each NCCL group has its own communicator and CUDA stream). Stream i of eve
 rank pairs with stream i of the others because every rank issues the same slices on
 the same groups in the same order: forward-use order.
 
+Across hosts (`hierarchical`, with several hosts of several ranks each): every byte crosses
+between hosts once. Gradients for an owner on another host are first sent to the rank of
+this host with the owner's local index (its relay), which adds them to its own and sends one
+sum across; a slice goes from its owner to its peers on the other hosts (the ranks with its
+local index), and each of them broadcasts it within its host. gloo's broadcast sends the
+root's buffer to every other rank, so without this a slice crossed the link once per remote
+rank (2 x 2 ranks on a 1 Gbit/s link: 490 ms where one crossing takes 200 ms). The second
+level of a slice is issued by one thread per stream, in plan order on every rank (a
+relay waits there for the slice to arrive), so the calls on each host group pair up.
+
 The gate. With `overlap_forward`, the next step starts at once; a forward pre-hook on
 each layer waits only for the broadcasts that carry that layer's parameters, so the
 broadcast of later layers overlaps the forward of earlier ones. Without it, the step
@@ -34,6 +44,7 @@ waits for every broadcast before it returns.
 
 from __future__ import annotations
 
+import queue
 import random
 import threading
 import time
@@ -139,6 +150,84 @@ class StreamMeter:
         return out
 
 
+# --- across hosts: two levels -----------------------------------------------------------
+
+class Tiers:
+    """The two-level sum and broadcast of a run on several hosts of `k` ranks each (host h holds ranks
+    h*k .. h*k+k-1). `within[s]` is this host's group on stream s; `across[s]` the group of the ranks
+    with this rank's local index on every host."""
+
+    def __init__(self, rank: int, k: int, within: list, across: list, timeout_s: float):
+        self.rank, self.k, self.timeout_s = rank, k, timeout_s
+        self.host, self.local = divmod(rank, k)
+        self.within, self.across = within, across
+        self.queues = [queue.Queue() for _ in within]
+        self.threads = [threading.Thread(target=self._issue, args=(st,), daemon=True, name=f"tier-stream{st}")
+                        for st in range(len(within))]
+        for thread in self.threads:
+            thread.start()
+
+    def same_host(self, rank: int) -> bool:
+        return rank // self.k == self.host
+
+    def relay_on(self, host: int, owner: int) -> int:
+        """The rank on `host` that stands for `owner` there: the one with the owner's local index."""
+        return host * self.k + owner % self.k
+
+    def host_ranks(self) -> range:
+        return range(self.host * self.k, self.host * self.k + self.k)
+
+    def relayed(self, world: int) -> list[int]:
+        """The owners on other hosts this rank relays for."""
+        return [o for o in range(world) if not self.same_host(o) and o % self.k == self.local]
+
+    def send(self, index: int, s: "Slice", buffer: torch.Tensor, meter) -> "TierSlot":
+        """Start slice `index` across hosts (on this rank's peer group, when it carries the slice), and queue
+        its broadcast within the host on the stream's thread."""
+        slot = TierSlot(index, self.timeout_s)
+        if s.owner % self.k == self.local:
+            slot.works.append(dist.broadcast(buffer, src=s.owner, group=self.across[s.stream], async_op=True))
+        self.queues[s.stream].put((slot, s, buffer, meter))
+        return slot
+
+    def _issue(self, stream: int) -> None:
+        while (item := self.queues[stream].get()) is not None:
+            slot, s, buffer, meter = item
+            try:
+                src = self.relay_on(self.host, s.owner)
+                if src == self.rank and s.owner != self.rank:
+                    slot.works[0].wait()   # a relay passes the slice on once it has arrived
+                t0 = meter.started(tensor_bytes(buffer))
+                work = dist.broadcast(buffer, src=src, group=self.within[stream], async_op=True)
+                work.get_future().then(lambda _fut, m=meter, t=t0: m.finished(t))
+                slot.works.append(work)
+            except BaseException as e:   # the main thread raises it where it waits for the slice
+                slot.error = e
+            slot.ready.set()
+
+    def close(self) -> None:
+        for q in self.queues:
+            q.put(None)
+        for thread in self.threads:
+            thread.join(timeout=5)
+
+
+class TierSlot:
+    """A slice in flight on two levels: what `wait()` waits for, as a gloo work would."""
+
+    def __init__(self, index: int, timeout_s: float):
+        self.index, self.timeout_s, self.works, self.error = index, timeout_s, [], None
+        self.ready = threading.Event()
+
+    def wait(self) -> None:
+        if not self.ready.wait(timeout=self.timeout_s):
+            raise RuntimeError(f"slice {self.index} was not passed on within its host in {self.timeout_s:g} s")
+        if self.error is not None:
+            raise RuntimeError(str(self.error)) from self.error
+        for work in self.works:
+            work.wait()
+
+
 # --- the strategy -----------------------------------------------------------------------
 
 class ShardedStrategy:
@@ -148,7 +237,7 @@ class ShardedStrategy:
     def __init__(self, model, optim_cfg: OptimConfig, topo: Topology, device: LedgerDevice, *,
                  streams: int = 2, slices: int = 4, assignment: str = "balanced", overlap_forward: bool = True,
                  main_stream_communicates: bool = False, seed: int = 0, update_cfg: UpdateConfig | None = None,
-                 loss_fn=cross_entropy):
+                 loss_fn=cross_entropy, hierarchical: bool = True):
         if slices < streams:
             raise ValueError(f"parallel.slices = {slices} is smaller than parallel.streams = {streams}; "
                              f"every stream needs at least one slice")
@@ -209,15 +298,24 @@ class ShardedStrategy:
         self.optimizer = self.updater   # what the ledger counts: device-side optimizer state
 
         # gradient sums: each rank sends an owner's gradient buffer to it point-to-point once that
-        # buffer is complete in backward; the owner receives the others' into buffers of its own
+        # buffer is complete in backward (across hosts: to the owner's relay on this host); the owner,
+        # and a relay for the owners it stands for, receive the others' into buffers of their own
+        k = topo.local_world_size
+        self.tiers = None
+        if hierarchical and 1 < k < self.world and self.world % k == 0:
+            self.tiers = Tiers(self.rank, k, *topo.host_stream_groups(streams), timeout_s=topo.timeout_s)
         self._remaining = [0] * self.world
         self._expected = [self.owners.count(r) for r in range(self.world)]
         self._sent: set[int] = set()
         self._sends: list = []
-        self._recvs: list = []
-        peers = [q for q in range(self.world) if q != self.rank]
-        self.recv_flat = {q: torch.empty_like(self.flat[self.rank]) for q in peers} if totals[self.rank] else {}
-        device.ledger.extra["gradients"] = sum(tensor_bytes(b) for b in self.recv_flat.values())
+        self._recvs: dict[int, list] = {}
+        self.relayed = self.tiers.relayed(self.world) if self.tiers else []
+        # owner -> {sender: buffer}: this rank's own shard, then the owners it relays
+        self.incoming = {o: {q: torch.empty_like(self.flat[o]) for q in self._senders(o)}
+                         for o in [self.rank, *self.relayed] if totals[o]}
+        self.recv_flat = self.incoming.get(self.rank, {})
+        device.ledger.extra["gradients"] = sum(tensor_bytes(b) for bufs in self.incoming.values()
+                                               for b in bufs.values())
         for p, owner in zip(order, self.owners):
             p.register_post_accumulate_grad_hook(self._grad_ready(owner))
         self._works: list = []                  # slice index -> work of the broadcast in flight
@@ -239,31 +337,50 @@ class ShardedStrategy:
                 self._reduce(owner)
         return hook
 
+    def _senders(self, owner: int) -> list[int]:
+        """Who sends `owner`'s gradients to this rank (this rank being the owner or its relay)."""
+        if self.tiers is None:
+            return [q for q in range(self.world) if q != self.rank]
+        t = self.tiers
+        local = [q for q in t.host_ranks() if q != self.rank]
+        return local + ([t.relay_on(h, owner) for h in range(self.world // t.k) if h != t.host]
+                        if owner == self.rank else [])
+
     def _reduce(self, owner: int) -> None:
         self._sent.add(owner)
         buffer = self.grad_flat[owner]
         buffer.div_(self.world)   # the mean, as DDP's hook divides before it sums
-        if owner != self.rank and buffer.numel():
-            self._sends.append(dist.isend(buffer, dst=owner, group=self.topo.compute))
+        if owner == self.rank or not buffer.numel() or owner in self.relayed:
+            return   # a relay sends its host's sum after backward (_sum_onto_owner)
+        dst = owner if self.tiers is None or self.tiers.same_host(owner) else self.tiers.relay_on(self.tiers.host,
+                                                                                                 owner)
+        self._sends.append(dist.isend(buffer, dst=dst, group=self.topo.compute, tag=owner))
 
     def _sum_onto_owner(self) -> None:
-        """Wait for the others' parts of this rank's shard and add them (in rank order), and for
-        this rank's sends to the other owners."""
-        for work in self._recvs:
-            work.wait()
-        mine = self.grad_flat[self.rank]
-        for q in sorted(self.recv_flat):
-            mine.add_(self.recv_flat[q])
+        """Relays first: add this host's parts of each relayed owner's shard and send the sum across.
+        Then wait for the others' parts of this rank's shard and add them (in sender order), and for
+        this rank's sends."""
+        for owner in [*self.relayed, self.rank]:
+            for work in self._recvs.get(owner, ()):
+                work.wait()
+            total = self.grad_flat[owner]
+            for q in sorted(self.incoming.get(owner, {})):
+                total.add_(self.incoming[owner][q])
+            if owner != self.rank and total.numel():
+                self._sends.append(dist.isend(total, dst=owner, group=self.topo.compute, tag=owner))
         for work in self._sends:
             work.wait()
-        self._sends, self._recvs = [], []
+        self._sends, self._recvs = [], {}
 
     # --- the broadcast and its gates ------------------------------------------------------
     def _broadcast(self) -> None:
         self._works, self._pending = [], {layer: list(ids) for layer, ids in self.gates.items()}
-        for s in self.plan:
+        for i, s in enumerate(self.plan):
             meter = self.meters[s.stream]
             buffer = self.flat[s.owner][s.start:s.stop]
+            if self.tiers is not None:   # across hosts to the owner's peers; the stream's thread does the rest
+                self._works.append(self.tiers.send(i, s, buffer, meter))
+                continue
             t0 = meter.started(tensor_bytes(buffer))
             work = dist.broadcast(buffer, src=s.owner, group=self.groups[s.stream], async_op=True)
             work.get_future().then(lambda _fut, m=meter, t=t0: m.finished(t))
@@ -304,7 +421,8 @@ class ShardedStrategy:
                 buffer.zero_()
         self.updater.begin_step()
         self._remaining, self._sent, self._gate_s = list(self._expected), set(), 0.0
-        self._recvs = [dist.irecv(buffer, src=q, group=self.topo.compute) for q, buffer in self.recv_flat.items()]
+        self._recvs = {o: [dist.irecv(buffer, src=q, group=self.topo.compute, tag=o) for q, buffer in bufs.items()]
+                       for o, bufs in self.incoming.items()}
         t0 = time.perf_counter()
         with self.device.ledger.saved_activations():
             loss = self.loss_fn(self.model(x), y)
@@ -349,6 +467,7 @@ class ShardedStrategy:
 
     def layout(self) -> dict:
         return {"strategy": self.name, "world_size": self.world, "streams": len(self.groups),
+                "two_level": self.tiers is not None,
                 "slices": len(self.plan), "owners": dict(zip(self.param_names, self.owners))}
 
     # --- checkpoints: every owner writes its shard ------------------------------------------
@@ -382,3 +501,6 @@ class ShardedStrategy:
         self.sync()
         self.updater.close()
         self.topo.release(self.groups)
+        if self.tiers is not None:
+            self.tiers.close()
+            self.topo.release(self.tiers.within + self.tiers.across)

@@ -5,6 +5,8 @@
     topo.compute   # gradients, activations, parameters (gloo on CPU, nccl on GPU)
     topo.side      # telemetry gather and command broadcast (always gloo, never the training groups)
     topo.stream_groups(n, include_compute=False)   # n communicators for the sliced broadcast
+    topo.host_stream_groups(n)   # several hosts: per stream, this host's group and its peers' across hosts
+    topo.hosts()   # the host of every rank (an agent places local_world_size consecutive ranks per host)
 
 Workers read RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and
 MASTER_PORT from the environment that torch's elastic agent (ours or torchrun's)
@@ -58,6 +60,25 @@ class Topology:
         while len(groups) < n:
             groups.append(dist.new_group(backend=self.backend, timeout=timedelta(seconds=self.timeout_s)))
         return groups
+
+    def host_stream_groups(self, n: int) -> tuple[list, list]:
+        """Across hosts: for each of `n` streams, the group of this rank's host and the group of the ranks
+        with this rank's local index on every host (its peers on the other hosts). Every rank must call this
+        at the same point."""
+        k, timeout = self.local_world_size, timedelta(seconds=self.timeout_s)
+        host, local = divmod(self.rank, k)
+        within, across = [], []
+        for _ in range(n):
+            for h in range(self.world_size // k):
+                group = dist.new_group(ranks=list(range(h * k, h * k + k)), backend=self.backend, timeout=timeout)
+                if h == host:
+                    within.append(group)
+            for j in range(k):
+                group = dist.new_group(ranks=list(range(j, self.world_size, k)), backend=self.backend,
+                                       timeout=timeout)
+                if j == local:
+                    across.append(group)
+        return within, across
 
     def release(self, groups: list) -> None:
         """Destroy groups made by stream_groups (the compute and side groups stay)."""

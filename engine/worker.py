@@ -568,7 +568,7 @@ def make_strategy(cfg: Config, model: LayerList, topo: Topology, device):
         return ShardedStrategy(model, cfg.optim, topo, device, streams=p.streams, slices=p.slices,
                                assignment=p.slice_assignment, overlap_forward=p.overlap_forward,
                                main_stream_communicates=p.main_stream_communicates, seed=cfg.run.seed,
-                               update_cfg=cfg.update)
+                               update_cfg=cfg.update, hierarchical=p.hierarchical)
     return DDPStrategy(model, cfg.optim, topo, device, update_cfg=cfg.update)
 
 

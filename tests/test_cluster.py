@@ -104,6 +104,8 @@ def test_sharded_and_a_pipeline_across_two_hosts_equal_one_process(cli, hosts, s
     run_dir = cli.tmp_path / "runs" / strategy
     start = next(r for r in read_jsonl(run_dir / "telemetry.jsonl") if r["type"] == "run_start")
     assert start["hosts"] == [r * 2 // world for r in range(world)]
+    if strategy == "sharded":   # two hosts of two: gradients and slices cross between hosts once
+        assert start["layout"]["two_level"] is True
     assert_equal_to_reference(run_dir, overrides, 20)
 
 

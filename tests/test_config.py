@@ -70,6 +70,7 @@ rebalance_check_every = 3
 slice_assignment = "random"
 overlap_forward = false
 main_stream_communicates = true
+hierarchical = false
 servers = 2
 workers = 2
 sync = "asp"

@@ -9,6 +9,8 @@ One pool of `--world` worker processes (gloo on this machine) trains the same ML
     sharded-1        1 stream, the step waits for the whole broadcast
     sharded-n        n streams, the step waits for the whole broadcast
     sharded-n-gated  n streams, the next forward gated per layer on its own slices
+    (--hosts only) sharded-1-gated, and sharded-n-gated-flat: without the two-level exchange across
+                     hosts (every rank sends to every other directly; engine/sharded.py)
 
 Figures: each variant's median step time over the rounds and its ratio to DDP, the
 optimizer-state bytes per rank (largest rank), and the overlap efficiency
@@ -87,8 +89,9 @@ def measure(topo, variant: str, hidden: int, depth: int, features: int, batch: i
     if variant == "ddp":
         runner = TorchDDP(model, optim, topo, device)
     else:
-        runner = ShardedStrategy(model, optim, topo, device, streams=1 if variant == "sharded-1" else streams,
-                                 slices=slices, overlap_forward=variant.endswith("gated"))
+        runner = ShardedStrategy(model, optim, topo, device, streams=1 if variant.startswith("sharded-1") else streams,
+                                 slices=slices, overlap_forward="gated" in variant,
+                                 hierarchical=not variant.endswith("flat"))
     device.ledger.track_module(model, runner.optimizer)
     per_rank = batch // topo.world_size
     gen = torch.Generator().manual_seed(topo.rank)
@@ -136,8 +139,9 @@ def _run_variants(world: int, rounds: int, streams: int, slices: int, hidden: in
                   batch: int, steps: int, warmup: int, cluster) -> dict:
     from engine.procpool import DistPool
     variants = ["ddp", "sharded-1", f"sharded-{streams}", f"sharded-{streams}-gated"]
-    if cluster is not None:
+    if cluster is not None:   # the stream count's effect on overlap, and the two-level exchange's effect
         variants.insert(2, "sharded-1-gated")
+        variants.append(f"sharded-{streams}-gated-flat")
     runs: dict[str, list[dict]] = {v: [] for v in variants}
     with DistPool(world, timeout_s=120, cluster=cluster) as pool:
         for _ in range(rounds):
@@ -164,7 +168,7 @@ def _run_variants(world: int, rounds: int, streams: int, slices: int, hidden: in
                      "optimizer_state_bytes_per_rank": state, "state_fraction_of_ddp": round(state / ddp_state, 4),
                      **{k: round(med[v][k], 2) for k in ("fwd_ms", "bwd_ms", "reduce_ms", "optim_ms",
                                                          "broadcast_wait_ms", "gate_ms")}})
-    gated_row = rows[-1]
+    gated_row = next(r for r in rows if r["variant"] == f"sharded-{streams}-gated")
     return {"bench": "broadcast", "world": world, "streams": streams, "slices": slices, "rounds": rounds,
             "steps_per_round": steps, "parameters": int(med["ddp"]["parameters"]), "batch": batch,
             "variants": rows, "t_broadcast_ms": round(t_broadcast, 2), "t_forward_ms": round(t_forward, 2),

@@ -133,13 +133,15 @@ def _launch_config(job: Job) -> LaunchConfig:
     if c.interface:
         local_addr = interface_address(c.interface)
         os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = c.interface
+    wait = max(1, round(c.rdzv_timeout_s))   # torch reads these as whole seconds
+    rdzv = {"timeout": wait, "join_timeout": wait}
     common = dict(max_restarts=cfg.parallel.max_restarts, monitor_interval=0.1, start_method="spawn",
                   shutdown_timeout=cfg.parallel.shutdown_timeout_s, rdzv_backend="c10d", local_addr=local_addr)
     if c.nnodes == 1:
         return LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=cfg.parallel.world_size,
                             run_id=f"{cfg.run.name}-{os.getpid()}",
                             rdzv_endpoint=c.rdzv_endpoint or f"127.0.0.1:{_free_port()}",
-                            rdzv_configs={"timeout": c.rdzv_timeout_s}, **common)
+                            rdzv_configs=rdzv, **common)
     host, port = c.rdzv_endpoint.rsplit(":", 1)
     per_host = cfg.parallel.world_size // c.nnodes
     job.placement = (c.node_rank * per_host, host.strip("[]"), int(port) + 1)
@@ -147,7 +149,7 @@ def _launch_config(job: Job) -> LaunchConfig:
         _check_port_free(int(port) + 1, "the workers' store (the rendezvous port + 1)")
     return LaunchConfig(min_nodes=c.nnodes, max_nodes=c.nnodes, nproc_per_node=per_host, run_id=cfg.run.name,
                         rdzv_endpoint=c.rdzv_endpoint,
-                        rdzv_configs={"timeout": c.rdzv_timeout_s, "is_host": c.node_rank == 0}, **common)
+                        rdzv_configs={**rdzv, "is_host": c.node_rank == 0}, **common)
 
 
 def _check_port_free(port: int, what: str) -> None:

@@ -38,8 +38,9 @@ def _serve(rank: int, world: int, port: int, timeout_s: float, inbox, outbox, pl
     if place is not None:   # (netns, interface, first host's address, ranks per host)
         from engine.cluster import enter_host
         netns, interface, addr, per_host = place
-        enter_host(netns)
-        os.environ["GLOO_SOCKET_IFNAME"] = interface
+        if netns is not None:
+            enter_host(netns)
+            os.environ["GLOO_SOCKET_IFNAME"] = interface
         local = rank % per_host
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local), LOCAL_WORLD_SIZE=str(per_host),
                       MASTER_ADDR=addr, MASTER_PORT=str(port))
@@ -64,13 +65,17 @@ class PoolError(AssertionError):
 
 
 class DistPool:
-    def __init__(self, world: int, timeout_s: float = 20.0, cluster=None):
+    def __init__(self, world: int, timeout_s: float = 20.0, cluster=None, per_host: int | None = None):
+        """`per_host`: without a cluster, tell the ranks they sit on hosts of that many (LOCAL_WORLD_SIZE),
+        all on this machine's loopback: the code paths of several hosts, without the links."""
         ctx = mp.get_context("spawn")
         self.world, self.timeout_s = world, timeout_s
         self.inboxes = [ctx.Queue() for _ in range(world)]
         self.outbox = ctx.Queue()
         port = free_port()
         places = [None] * world
+        if per_host is not None:
+            places = [(None, None, "127.0.0.1", per_host)] * world
         if cluster is not None:
             n = len(cluster.hosts)
             if world % n:

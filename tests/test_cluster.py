@@ -28,8 +28,15 @@ PORTS = iter(range(29400, 29600, 7))   # a fresh rendezvous port per run (the st
 def hosts():
     if REASON:
         pytest.skip(REASON)
-    with cluster.emulated_cluster(hosts=2, link="1gbit") as c:
-        yield c
+
+    def interrupted(signum, frame):   # SIGTERM too unwinds through `down`
+        raise KeyboardInterrupt(f"signal {signum}")
+    previous = signal.signal(signal.SIGTERM, interrupted)
+    try:
+        with cluster.emulated_cluster(hosts=2, link="1gbit") as c:
+            yield c
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def start_hosts(cli, hosts, name: str, *args: str, only: tuple[int, ...] = (0, 1), port: int | None = None):
@@ -179,3 +186,24 @@ def test_the_emulated_cluster_refuses_bad_settings_and_leaves_nothing_behind():
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert "trainyard-tleak" not in listed
     assert not any(name.startswith("tytleak") for name in os.listdir("/sys/class/net"))
+    # a cluster whose owner died without `down` (a killed test run) is swept by the next `up`
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    cluster.up(2, "10mbit", name="torphan", owner_pid=gone.pid)
+    with cluster.emulated_cluster(hosts=2, link="10mbit", name="tnext"):
+        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert "trainyard-torphan" not in listed and "trainyard-tnext-h1" in listed
+
+
+@pytest.mark.timeout(60)
+def test_a_host_that_never_joins_ends_the_run_after_the_rendezvous_timeout(cli):
+    """Host 0 alone (on loopback, no namespaces needed): after cluster.rdzv_timeout_s it fails, saying so, and
+    leaves nothing running."""
+    from engine.procpool import free_port
+    r = cli.run("run", DEMO, "--headless", *cli.base_args("alone"), "--nnodes", "2", "--node-rank", "0",
+                "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--set", "cluster.rdzv_timeout_s=3", timeout=50)
+    assert r.returncode == 1, r.stderr
+    assert "run failed: the rendezvous at 127.0.0.1:" in r.stderr
+    assert "2 hosts must join within cluster.rdzv_timeout_s = 3 s" in r.stderr
+    launcher = read_pid(cli.tmp_path / "runs" / "alone", "launcher")
+    assert launcher and not pid_alive(launcher)

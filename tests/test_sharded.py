@@ -120,7 +120,8 @@ def _train(topo, strategy: str, optim: str, depth: int, steps: int, **options) -
     return {"state": {k: v.detach().clone() for k, v in model.state_dict().items()},
             "optimizer_state_bytes": device.ledger.bytes["optimizer_state"],
             "largest_param_bytes": max(p.numel() * p.element_size() for p in model.parameters()),
-            "gate_ms": getattr(runner, "timings", {}).get("gate_ms", 0.0)}
+            "gate_ms": getattr(runner, "timings", {}).get("gate_ms", 0.0),
+            "two_level": getattr(runner, "tiers", None) is not None}
 
 
 def sharded_vs_ddp(topo, optim: str = "sgd", depth: int = 2, steps: int = STEPS, **options) -> dict:
@@ -131,7 +132,7 @@ def sharded_vs_ddp(topo, optim: str = "sgd", depth: int = 2, steps: int = STEPS,
     got = _train(topo, "sharded", optim, depth, steps, **options)
     assert got["state"].keys() == want["state"].keys()
     diff = max(float((got["state"][k] - want["state"][k]).abs().max()) for k in want["state"])
-    return {"max_diff": diff, "ddp_state_bytes": want["optimizer_state_bytes"],
+    return {"max_diff": diff, "two_level": got["two_level"], "ddp_state_bytes": want["optimizer_state_bytes"],
             "sharded_state_bytes": got["optimizer_state_bytes"], "largest_param_bytes": got["largest_param_bytes"]}
 
 
@@ -184,6 +185,19 @@ def test_parameters_equal_ddp_after_20_steps(pools, case):
 @pytest.mark.parametrize("case", [c for c in FULL if c not in QUICK], ids=grid_id)
 def test_parameters_equal_ddp_full_grid(pools, case):
     check_against_ddp(pools, case)
+
+
+@pytest.mark.timeout(180)
+def test_two_levels_across_hosts_equal_ddp():
+    """4 ranks told they sit on 2 hosts of 2 (on loopback: tests/test_cluster.py runs real namespaces): gradients
+    through a relay per host, slices across then within hosts, with waits and gates, equal DDP."""
+    with DistPool(4, per_host=2) as pool:
+        for streams, slices, overlap, optim in [(2, 4, True, "sgd"), (1, 16, False, "adamw")]:
+            results = pool.run(sharded_vs_ddp, optim=optim, steps=8, streams=streams, slices=slices,
+                               overlap_forward=overlap)
+            for rank, result in enumerate(results):
+                assert result["two_level"], f"rank {rank} did not take the two-level path"
+                assert result["max_diff"] <= 1e-5, f"rank {rank}: differs from DDP by {result['max_diff']}"
 
 
 @pytest.mark.timeout(180)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from engine import cluster, protocol
-from engine.checkpoint import list_checkpoints, model_state
+from engine.checkpoint import list_checkpoints, model_state, verify
 from tests.conftest import pid_alive, read_jsonl, wait_for
 from tests.test_lifecycle import read_pid, steps_logged
 from tests.test_training import DEMO, single_process_reference
@@ -75,28 +75,44 @@ def assert_equal_to_reference(run_dir, overrides: list[str], steps: int) -> None
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-5, msg=name)
 
 
-@pytest.mark.timeout(150)
-def test_ddp_across_two_hosts_equals_one_process_and_its_hub_answers_runs_and_ctl(cli, hosts):
-    """2 hosts x 2 workers: ranks 0-1 on host 0 (with the hub), 2-3 on host 1; `runs` and `ctl` reach the hub
-    from outside both hosts; the result equals one process on the whole batch."""
-    overrides = ["optim.name=sgd", "optim.lr=0.01"]
-    procs, _ = start_hosts(cli, hosts, "ddp2", "--steps", "40", "--set", "parallel.world_size=4",
-                           "--set", "run.step_pause_ms=60", *[f"--set={o}" for o in overrides])
-    run_dir = cli.tmp_path / "runs" / "ddp2"
-    wait_for(lambda: any(r["name"] == "ddp2" for r in protocol.list_runs()), 60, "the run's hub")
+@pytest.mark.timeout(240)
+def test_ddp_on_two_hosts_answers_runs_and_ctl_survives_a_lost_host_and_equals_one_process(cli, hosts):
+    """2 hosts x 2 workers, ranks 0-1 (and the hub) on host 0. `runs` and `ctl` reach the hub from outside both
+    hosts. Every process of host 1 SIGKILLed: host 0's launcher reports it and waits at the rendezvous; host 1
+    started again, the group restarts from the last checkpoint, and the result equals one process on the whole
+    batch. (One run for all three: each multi-host start costs CI about 10 s.)"""
+    paced = ["--steps", "50", "--set", "parallel.world_size=4", "--set", "run.step_pause_ms=40",
+             "--set", "checkpoint.every=10", "--set", "parallel.max_restarts=2"]
+    procs, port = start_hosts(cli, hosts, "lost", *paced)
+    run_dir = cli.tmp_path / "runs" / "lost"
+    log = run_dir / "telemetry.jsonl"
+    wait_for(lambda: any(r["name"] == "lost" for r in protocol.list_runs()), 60, "the run's hub")
     listed = cli.run("runs")
-    assert listed.returncode == 0 and "ddp2" in listed.stdout
-    reply = cli.run("ctl", "ddp2", "checkpoint", timeout=60)
+    assert listed.returncode == 0 and "lost" in listed.stdout
+    reply = cli.run("ctl", "lost", "checkpoint", timeout=60)
     assert reply.returncode == 0, reply.stdout + reply.stderr
-    outs = finish(procs)
+    wait_for(lambda: steps_logged(log) >= 15, 90, "step 15")
+    assert [host_of(read_pid(run_dir, f"rank{r}"), hosts) for r in range(4)] == [0, 0, 1, 1]
+    victims = [int(p) for p in subprocess.run(["ip", "netns", "pids", hosts.hosts[1].netns], capture_output=True,
+                                              text=True).stdout.split()]
+    assert procs[1].pid in victims and read_pid(run_dir, "rank3") in victims
+    for pid in victims:
+        os.kill(pid, signal.SIGKILL)
+    procs[1].wait(timeout=10)
+    wait_for(lambda: not any(pid_alive(p) for p in victims), 5, "host 1's processes to be gone")
+    again, _ = start_hosts(cli, hosts, "lost", *paced, only=(1,), port=port)
+    outs = finish({0: procs[0], 1: again[1]}, timeout=180)
     for r, (code, out, err) in outs.items():
         assert code == 0, f"host {r}: {err}"
-    placement = {rank: read_pid(run_dir, f"rank{rank}") for rank in range(4)}
-    assert all(not pid_alive(pid) for pid in placement.values())
-    # pids of finished processes cannot be placed any more; the run_start record names where ranks ran
-    start = next(r for r in read_jsonl(run_dir / "telemetry.jsonl") if r["type"] == "run_start")
+    # host 0's agent reported it (its launcher's stderr) while it waited for host 1 to rejoin
+    assert "host 0: a worker failed; restarting the worker group from the last checkpoint" in outs[0][2]
+    records = read_jsonl(log)
+    start = next(r for r in records if r["type"] == "run_start")
     assert start["hosts"] == [0, 0, 1, 1]
-    assert_equal_to_reference(run_dir, overrides, 40)
+    restarts = [r for r in records if r.get("kind") == "restart"]
+    assert restarts and restarts[0]["step"] in (10, 20)      # resumed from a checkpoint, not from scratch
+    assert records[-1]["type"] == "summary" and records[-1]["steps"] == 50 and records[-1]["restarts"] == 1
+    assert_equal_to_reference(run_dir, [], 50)
 
 
 @pytest.mark.timeout(150)
@@ -112,40 +128,8 @@ def test_sharded_and_a_pipeline_across_two_hosts_equal_one_process(cli, hosts, s
     start = next(r for r in read_jsonl(run_dir / "telemetry.jsonl") if r["type"] == "run_start")
     assert start["hosts"] == [r * 2 // world for r in range(world)]
     if strategy == "sharded":   # two hosts of two: gradients and slices cross between hosts once
-        assert start["layout"]["two_level"] is True
+        assert verify(list_checkpoints(run_dir)[-1])["layout"]["two_level"] is True
     assert_equal_to_reference(run_dir, overrides, 20)
-
-
-@pytest.mark.timeout(240)
-def test_a_host_killed_mid_run_is_reported_and_the_run_resumes_when_it_is_back(cli, hosts):
-    """Every process of host 1 SIGKILLed: host 0's launcher reports the failure and waits at the rendezvous;
-    host 1 started again, the group restarts from the last checkpoint and finishes equal to one process."""
-    paced = ["--steps", "50", "--set", "parallel.world_size=4", "--set", "run.step_pause_ms=40",
-             "--set", "checkpoint.every=10", "--set", "parallel.max_restarts=2"]
-    procs, port = start_hosts(cli, hosts, "lost", *paced)
-    run_dir = cli.tmp_path / "runs" / "lost"
-    log = run_dir / "telemetry.jsonl"
-    wait_for(lambda: steps_logged(log) >= 15, 90, "step 15")
-    victims = [int(p) for p in subprocess.run(["ip", "netns", "pids", hosts.hosts[1].netns], capture_output=True,
-                                              text=True).stdout.split()]
-    assert procs[1].pid in victims and read_pid(run_dir, "rank3") in victims
-    assert host_of(read_pid(run_dir, "rank0"), hosts) == 0
-    for pid in victims:
-        os.kill(pid, signal.SIGKILL)
-    procs[1].wait(timeout=10)
-    wait_for(lambda: not any(pid_alive(p) for p in victims), 5, "host 1's processes to be gone")
-    # host 0's agent reports it (its own launcher's stderr) while it waits for host 1 to rejoin
-    host0 = procs[0]
-    again, _ = start_hosts(cli, hosts, "lost", *paced, only=(1,), port=port)
-    outs = finish({0: host0, 1: again[1]}, timeout=180)
-    for r, (code, out, err) in outs.items():
-        assert code == 0, f"host {r}: {err}"
-    assert "host 0: a worker failed; restarting the worker group from the last checkpoint" in outs[0][2]
-    records = read_jsonl(log)
-    restarts = [r for r in records if r.get("kind") == "restart"]
-    assert restarts and restarts[0]["step"] in (10, 20)      # resumed from a checkpoint, not from scratch
-    assert records[-1]["type"] == "summary" and records[-1]["steps"] == 50 and records[-1]["restarts"] == 1
-    assert_equal_to_reference(run_dir, [], 50)
 
 
 def test_bad_cluster_settings_are_refused_before_anything_starts(cli):
@@ -201,9 +185,9 @@ def test_a_host_that_never_joins_ends_the_run_after_the_rendezvous_timeout(cli):
     leaves nothing running."""
     from engine.procpool import free_port
     r = cli.run("run", DEMO, "--headless", *cli.base_args("alone"), "--nnodes", "2", "--node-rank", "0",
-                "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--set", "cluster.rdzv_timeout_s=3", timeout=50)
+                "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--set", "cluster.rdzv_timeout_s=2", timeout=50)
     assert r.returncode == 1, r.stderr
     assert "run failed: the rendezvous at 127.0.0.1:" in r.stderr
-    assert "2 hosts must join within cluster.rdzv_timeout_s = 3 s" in r.stderr
+    assert "2 hosts must join within cluster.rdzv_timeout_s = 2 s" in r.stderr
     launcher = read_pid(cli.tmp_path / "runs" / "alone", "launcher")
     assert launcher and not pid_alive(launcher)

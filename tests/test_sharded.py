@@ -156,14 +156,15 @@ def grid_id(case) -> str:
 
 
 # (world, streams, slices, assignment, overlap_forward, main_stream_communicates, optim): every value of
-# every dimension appears at both world sizes; the slow test below runs the whole grid.
+# every dimension appears at both world sizes, but main_stream_communicates = true at world 2 only (world 4's
+# case is in the slow grid, which runs the whole grid).
 QUICK = [(2, 1, 1, "balanced", True, False, "sgd"), (2, 2, 16, "random", True, True, "adamw"),
          (2, 4, 4, "balanced", False, False, "sgd"), (2, 1, 4, "random", False, False, "sgd"),
-         (4, 1, 16, "balanced", False, True, "sgd"), (4, 2, 4, "random", True, False, "sgd"),
+         (4, 2, 4, "random", True, False, "sgd"),
          (4, 4, 16, "random", False, False, "adamw"), (4, 4, 4, "balanced", True, False, "sgd")]
 PAIRS = [(1, 1), (1, 4), (1, 16), (2, 4), (2, 16), (4, 4), (4, 16)]
 FULL = [(w, st_, sl, a, ov, False, opt) for w in (2, 4) for st_, sl in PAIRS for a in ("balanced", "random")
-        for ov in (True, False) for opt in ("sgd", "adamw")]
+        for ov in (True, False) for opt in ("sgd", "adamw")] + [(4, 1, 16, "balanced", False, True, "sgd")]
 
 
 def check_against_ddp(pools, case) -> None:
@@ -192,7 +193,7 @@ def test_two_levels_across_hosts_equal_ddp():
     """4 ranks told they sit on 2 hosts of 2 (on loopback: tests/test_cluster.py runs real namespaces): gradients
     through a relay per host, slices across then within hosts, with waits and gates, equal DDP."""
     with DistPool(4, per_host=2) as pool:
-        for streams, slices, overlap, optim in [(2, 4, True, "sgd"), (1, 16, False, "adamw")]:
+        for streams, slices, overlap, optim in [(2, 4, True, "adamw")]:
             results = pool.run(sharded_vs_ddp, optim=optim, steps=8, streams=streams, slices=slices,
                                overlap_forward=overlap)
             for rank, result in enumerate(results):

@@ -303,6 +303,9 @@ class ClusterConfig:
                                      "every host; required when nnodes > 1.")
     rdzv_timeout_s: float = setting(120.0, "How long a host waits for the others at the rendezvous, at the "
                                            "start and after a failure, before the run fails.", min=1.0)
+    host_timeout_s: float = setting(15.0, "A host whose agent is silent this long is dead to the rendezvous "
+                                          "(heartbeats go every second), so the others restart without it and "
+                                          "it can rejoin.", min=2.0, max=3600.0)
     interface: str = setting("", "Network interface for the workers' traffic (sets GLOO_SOCKET_IFNAME and "
                                  "NCCL_SOCKET_IFNAME), e.g. `eth1`; empty: torch's choice (the host name's "
                                  "address). It must exist on every host.",

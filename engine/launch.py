@@ -134,7 +134,9 @@ def _launch_config(job: Job) -> LaunchConfig:
         local_addr = interface_address(c.interface)
         os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = c.interface
     wait = max(1, round(c.rdzv_timeout_s))   # torch reads these as whole seconds
-    rdzv = {"timeout": wait, "join_timeout": wait}
+    # a heartbeat every second; a host silent for cluster.host_timeout_s is dead to the rendezvous
+    rdzv = {"timeout": wait, "join_timeout": wait, "keep_alive_interval": 1,
+            "keep_alive_max_attempt": max(2, round(c.host_timeout_s))}
     common = dict(max_restarts=cfg.parallel.max_restarts, monitor_interval=0.1, start_method="spawn",
                   shutdown_timeout=cfg.parallel.shutdown_timeout_s, rdzv_backend="c10d", local_addr=local_addr)
     if c.nnodes == 1:

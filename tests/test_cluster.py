@@ -82,7 +82,7 @@ def test_ddp_on_two_hosts_answers_runs_and_ctl_survives_a_lost_host_and_equals_o
     started again, the group restarts from the last checkpoint, and the result equals one process on the whole
     batch. (One run for all three: each multi-host start costs CI about 10 s.)"""
     paced = ["--steps", "50", "--set", "parallel.world_size=4", "--set", "run.step_pause_ms=40",
-             "--set", "checkpoint.every=10", "--set", "parallel.max_restarts=2"]
+             "--set", "checkpoint.every=10", "--set", "parallel.max_restarts=2", "--set", "cluster.host_timeout_s=5"]
     procs, port = start_hosts(cli, hosts, "lost", *paced)
     run_dir = cli.tmp_path / "runs" / "lost"
     log = run_dir / "telemetry.jsonl"

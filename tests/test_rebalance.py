@@ -258,10 +258,15 @@ def test_the_rebalance_command_answers_with_the_step_the_new_layout_took_effect(
     log = cli.tmp_path / "run.jsonl"
     proc = start_live(cli, "steer", *SKEWED, "--set", "parallel.rebalance=manual", "--telemetry-log", str(log))
     wait_for(lambda: current_step("steer") >= 5, 30, "step 5")
-    r = ctl(cli, "steer", "rebalance")
-    assert r.returncode == 0 and "rebalance: applied at step" in r.stdout, r.stdout + r.stderr
+    for attempt in range(3):   # on a loaded machine one window of timings can hide the skew: ask again later
+        r = ctl(cli, "steer", "rebalance")
+        assert r.returncode == 0 and "rebalance: applied at step" in r.stdout, r.stdout + r.stderr
+        if "layout kept" not in r.stdout:
+            break
+        at = current_step("steer")
+        wait_for(lambda: current_step("steer") >= at + 3, 20, "three more timed steps")
     took_effect = int(r.stdout.split("applied at step ")[1].split()[0])
-    assert "new layout took effect in step" in r.stdout
+    assert "new layout took effect in step" in r.stdout, r.stdout
     wait_for(lambda: current_step("steer") > took_effect + 2, 20, "steps after the migration")
     r = ctl(cli, "steer", "stop")
     assert r.returncode == 0

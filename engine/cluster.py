@@ -67,7 +67,7 @@ class Cluster:
 
     @property
     def bridge(self) -> str:
-        return f"tyb{self.name}"
+        return _bridge(self.name)
 
     def command(self, host: int, argv: list[str]) -> list[str]:
         """argv that runs `argv` on host `host` (in its network namespace)."""
@@ -115,6 +115,10 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 
 def _hosts(name: str, n: int) -> tuple[Host, ...]:
     return tuple(Host(i, f"trainyard-{name}-h{i}", f"{SUBNET}.{i + 1}", f"ty{name}h{i}") for i in range(n))
+
+
+def _bridge(name: str) -> str:
+    return f"tyb{name}"
 
 
 def _state_file(name: str) -> Path:
@@ -203,9 +207,8 @@ def down(name: str = "ty") -> list[str]:
         _kill_inside(netns)
         _ip("ip", "netns", "del", netns, check=False)
         removed.append(netns)
-    for dev in (f"tyb{name}",):
-        if Path(f"/sys/class/net/{dev}").exists():
-            _ip("ip", "link", "del", dev, check=False)
+    if Path(f"/sys/class/net/{_bridge(name)}").exists():
+        _ip("ip", "link", "del", _bridge(name), check=False)
     for stale in Path("/sys/class/net").glob(f"ty{name}h*"):   # a half-made cluster's loose ends
         _ip("ip", "link", "del", stale.name, check=False)
     _state_file(name).unlink(missing_ok=True)

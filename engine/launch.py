@@ -178,7 +178,7 @@ class _RestartReporter(logging.Handler):
             return
         m = re.search(r"(\d+)/(\d+) attempts left", text)
         left = f" ({m.group(1)} of {m.group(2)} restarts left)" if m else ""
-        why = "a worker failed" if "FAILED" in text or "attempts left" in text else "a host is waiting to join"
+        why = "a worker failed" if m else "a host is waiting to join"   # only a failure counts attempts
         wait = f"; waiting for all {self.nnodes} hosts at the rendezvous" if self.nnodes > 1 else ""
         print(f"trainyard: {self.where}{why}; restarting the worker group from the last checkpoint{left}{wait}",
               file=sys.stderr, flush=True)

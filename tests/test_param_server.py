@@ -74,13 +74,17 @@ def test_soft_converges_with_a_worker_three_times_slower(cli):
     assert workers[2]["slow_factor"] == 3.0 and workers[2]["iterations"] < workers[1]["iterations"]
 
 
+def start_paced(cli, name: str, log, *args: str):
+    """An 80-step parameter-server run in the background, paced so a test can act on it mid-run."""
+    return cli.start("run", DEMO, "--headless", *cli.base_args(name), *args, "--set", "run.steps=80",
+                     "--set", "run.step_pause_ms=20", "--set", "run.eval_every=0", "--telemetry-log", str(log))
+
+
 @pytest.mark.timeout(150)
 def test_a_dead_worker_does_not_stop_the_servers_and_sync_changes_live(cli):
     name = "pskill"
     log = cli.tmp_path / "kill.jsonl"
-    proc = cli.start("run", DEMO, "--headless", *cli.base_args(name), *ps_args(1, 2), "--set", "run.steps=80",
-                     "--set", "run.step_pause_ms=20", "--set", "checkpoint.every=0", "--set", "run.eval_every=0",
-                     "--telemetry-log", str(log))
+    proc = start_paced(cli, name, log, *ps_args(1, 2), "--set", "checkpoint.every=0")
     run_dir = cli.tmp_path / "runs" / name
     wait_for(lambda: any(r["name"] == name for r in protocol.list_runs()), 60, "the run on its socket")
     result = cli.run("ctl", name, "set-sync", "asp", timeout=30)
@@ -108,9 +112,8 @@ def test_a_dead_worker_does_not_stop_the_servers_and_sync_changes_live(cli):
 def test_a_dead_server_restarts_the_run_from_its_last_checkpoint(cli):
     name = "psrestart"
     log = cli.tmp_path / "restart.jsonl"
-    proc = cli.start("run", DEMO, "--headless", *cli.base_args(name), *ps_args(2, 1), "--set", "run.steps=80",
-                     "--set", "run.step_pause_ms=20", "--set", "checkpoint.every=10", "--set", "run.eval_every=0",
-                     "--set", "parallel.max_restarts=1", "--telemetry-log", str(log))
+    proc = start_paced(cli, name, log, *ps_args(2, 1), "--set", "checkpoint.every=10",
+                       "--set", "parallel.max_restarts=1")
     run_dir = cli.tmp_path / "runs" / name
     wait_for(lambda: any(r.get("kind") == "checkpoint" for r in read_jsonl(log)) if log.exists() else False,
              90, "a first checkpoint")

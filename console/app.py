@@ -198,7 +198,8 @@ class ConsoleApp(App[str]):
             state.new_run = False
         step, now = state.last_step or {}, float("inf") if force else time.monotonic()
         if self.due(self.devices, state.version, now):
-            self.devices.update_ranks(step.get("ranks"), bool(hello.get("simulated", True)), state.ps)
+            self.devices.update_ranks(step.get("ranks"), bool(hello.get("simulated", True)), state.ps,
+                                      names=state.device_names)
         if self.due(self.streams, state.version, now):
             self.streams.update_streams(step.get("streams"), state.mode)
         if self.due(self.stages, state.version, now):
@@ -212,13 +213,22 @@ class ConsoleApp(App[str]):
             for point in self._points:
                 self.curves.add_point(*point)
             self._points.clear()
-        for event in events:
-            self.event_log.add_event(event)
-        for text, style in notes:
-            self.event_log.add_text(text, style)
+        self.log_lines(events, notes)
         live = not isinstance(self.source, ReplaySource) and self.link_state == "connected"
         self.show(self.status, headline(self.state, self.size.width >= 120, live))
         self.show(self.link, self.link_text())
+
+    def log_lines(self, events: list[dict], notes: list[tuple]) -> None:
+        """A note with a time (the device the run chose, stamped with its start) goes before the
+        events that came with it; the console's own notes, stamped now, after them."""
+        for text, style, seconds in notes:
+            if seconds is not None:
+                self.event_log.add_line(EventLog.stamp(seconds).append(text, style))
+        for event in events:
+            self.event_log.add_event(event)
+        for text, style, seconds in notes:
+            if seconds is None:
+                self.event_log.add_text(text, style)
 
     def due(self, panel, version: int, now: float) -> bool:
         """Whether `panel` should be given data of `version` now (see PANEL_SCHEDULE_S)."""

@@ -5,6 +5,7 @@
     points, events, notes = state.take()      # what arrived since the last redraw
     headline(state, wide=True, live=True)     # `digits-ddp  ddp×2  step 41/60  loss 1.0792  ...`
     state.sync_mode                           # parameter server: soft, bsp, asp or ssp
+    state.device_names                        # each rank's device (hello's `devices`), or None
 
 Applying a message only stores it; the screen reads the latest state on its own timer,
 so 20 steps a second cost 20 dict updates, not 20 redraws.
@@ -34,7 +35,7 @@ class RunState:
         self.new_run = False             # a different run: the curves start afresh
         self.points: list[tuple] = []    # (step, loss, samples/s) not yet drawn
         self.events: list[dict] = []     # events not yet shown
-        self.notes: list[tuple[str, str]] = []   # (text, style) the console has to say
+        self.notes: list[tuple[str, str, float | None]] = []   # (text, style, time or None: now) to say
         self._seen: set = set()          # events already shown (a reconnect's snapshot repeats them)
         self._rate: list[tuple[float, int]] = []   # (time, step) of recent steps, for the ETA
 
@@ -51,6 +52,12 @@ class RunState:
         """The latest step's parameter-server figures (None in other modes)."""
         return (self.last_step or {}).get("ps")
 
+    @property
+    def device_names(self) -> list[str] | None:
+        """Each rank's device by rank, e.g. "NVIDIA H100 80GB HBM3" (None in logs from before hello had them)."""
+        names = self.hello.get("devices")
+        return names if isinstance(names, list) else None
+
     def layer(self, name: str) -> dict:
         return next((row for row in self.layers or [] if row.get("name") == name), {})
 
@@ -66,6 +73,9 @@ class RunState:
             if self.sync_mode is None:   # a reconnect's hello has the configured mode, maybe changed since
                 self.sync_mode = (msg.get("layout") or {}).get("sync")
             self.new_run = self.new_run or fresh
+            note = msg.get("device_note")
+            if note and (fresh or note != self.hello.get("device_note")):   # once a run, not per reconnect
+                self.notes.append((f"device {note}", "cyan", msg.get("started")))
             self.hello, self.steps = msg, msg.get("steps", self.steps)
             self.step = self.step if self.step is not None else msg.get("first_step")
             self.version += 1
@@ -86,16 +96,16 @@ class RunState:
             self._event(msg)
         elif kind == "run_start" and msg.get("restart"):
             self.notes.append((f"worker group restarted ({msg['restart']}), from step {msg.get('first_step')}",
-                               "bold #ffb000"))
+                               "bold #ffb000", None))
         elif kind == "summary":
             self.summary = msg
             accuracy = msg.get("test_accuracy")
             self.notes.append((f"run finished: {msg.get('steps')} steps, final loss {msg.get('final_loss', 0):.4f}"
-                               + (f", test accuracy {accuracy:.2%}" if accuracy is not None else ""), "bold"))
+                               + (f", test accuracy {accuracy:.2%}" if accuracy is not None else ""), "bold", None))
         elif kind == "dropped":
-            self.notes.append((f"{msg.get('count')} messages dropped (the console fell behind)", "dim"))
+            self.notes.append((f"{msg.get('count')} messages dropped (the console fell behind)", "dim", None))
         elif kind == "error":
-            self.notes.append((f"hub: {msg.get('reason')}", "red"))
+            self.notes.append((f"hub: {msg.get('reason')}", "red", None))
 
     def _step(self, msg: dict) -> None:
         step = msg.get("step")

@@ -211,7 +211,8 @@ class ParallelConfig:
     max_restarts: int = setting(3, "Times the launcher restarts the worker group from the last "
                                    "checkpoint after a worker dies.", min=0)
     shutdown_timeout_s: int = setting(5, "On Ctrl-C or SIGTERM, seconds workers get to write the final "
-                                         "checkpoint before they are killed.", min=1)
+                                         "checkpoint before they are killed (torch 2.12 and later; before, torch waits "
+                                         "its own 30 s and the run says so).", min=1)
 
 
 @dataclass
@@ -238,8 +239,9 @@ class DeviceConfig:
     kind: str = setting("auto", "Worker device: `cuda` (one GPU per worker), `cpu` (a process whose memory "
                                 "is counted by the ledger against `memory`), or `auto`.",
                         choices=("auto", "cpu", "cuda"))
-    memory: str = setting("512MiB", "Capacity per worker, e.g. `512MiB`, `2GiB`. On the CPU this is the "
-                                    "ledger's simulated device memory; exceeding it is reported, not hidden.",
+    memory: str = setting("auto", "Capacity per worker, e.g. `512MiB`, `2GiB`, or `auto`: on a GPU its own "
+                                  "memory (a size caps it below that); on the CPU 512 MiB of the ledger's "
+                                  "simulated device memory. Exceeding it is reported, not hidden.",
                           kind="size")
 
 
@@ -331,8 +333,9 @@ class Config:
         return Path(self.run.dir) / self.run.name
 
     @property
-    def capacity_bytes(self) -> int:
-        return parse_size(self.device.memory)
+    def capacity_bytes(self) -> int | None:
+        """`device.memory` in bytes; None for `auto` (the device's own: engine/devices.py)."""
+        return None if self.device.memory == "auto" else parse_size(self.device.memory)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

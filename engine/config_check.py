@@ -28,7 +28,7 @@ from typing import Any, Callable
 from engine.config import PATTERN_WORDS, Config, ConfigError, parse_size
 
 SECTIONS = {f.name: f.default_factory for f in dataclasses.fields(Config)}
-SIZE_WORDS = 'a positive size like "512MiB", "2GiB" or a number of bytes'
+SIZE_WORDS = '"auto" or a positive size like "512MiB", "2GiB" or a number of bytes'
 _TYPE_WORDS = {"int": "an integer (int)", "float": "a number (float)",
                "bool": "true or false (bool)", "str": "a string (str)"}
 
@@ -227,7 +227,8 @@ def _check_size(path: str, value: Any) -> str:
     try:
         if isinstance(value, bool) or not isinstance(value, (int, str)):
             raise ValueError
-        parse_size(value)
+        if value != "auto":
+            parse_size(value)
     except ValueError:
         raise ConfigError(f"{path} = {show(value)}: expected {SIZE_WORDS}") from None
     return str(value)

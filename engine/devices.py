@@ -1,15 +1,16 @@
 """Worker devices and the memory ledger.
 
-    device = open_device(cfg.device, local_rank)       # CudaDevice or LedgerDevice
+    device = open_device("auto", None, local_rank, local_world_size)   # CudaDevice or LedgerDevice
     device.ledger.track_module(model, optimizer)        # parameters, gradients, optimizer state
     with device.ledger.saved_activations():             # live saved activations
         loss = model(x).sum(); loss.backward()
-    device.stats()                                      # one dict, same keys on both kinds
+    device.stats()                                      # the ledger's keys on both kinds, plus the GPU's own
 
 On the CPU a "device" is the worker process: its memory is the engine's ledger,
-counted against the configured capacity (`[device] memory`). It is a simulation
-and says so (`simulated: True`). On CUDA the same ledger runs beside the
-allocator's own figures and NVML's.
+counted against the configured capacity (`[device] memory`, 512 MiB by default). It is a
+simulation and says so (`simulated: True`). On CUDA the same ledger runs beside the
+allocator's own figures and NVML's (a CudaProbe), and the capacity is the GPU's memory
+unless `[device] memory` caps it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from contextlib import contextmanager
 
 import psutil
 import torch
+
+from engine.refusal import Refused
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "swapped")
 
@@ -199,38 +202,48 @@ class _Saved:
         self.ledger._release(self.ptr)
 
 
+SIMULATED_CAPACITY_BYTES = 512 * 2**20   # device.memory = "auto" on the CPU: the simulated device's size
+
+
 class LedgerDevice:
-    """The CPU as a device: a worker process, its memory counted by the ledger."""
+    """The CPU as a device: a worker process, its memory counted by the ledger.
+
+    `probe` (optional) adds a GPU's own figures to `stats()`: CudaDevice gives a CudaProbe; tests give a
+    stub with the same methods, so the CUDA telemetry path runs on the CPU."""
 
     kind = "cpu"
     simulated = True
 
-    def __init__(self, capacity_bytes: int):
+    def __init__(self, capacity_bytes: int | None = None, probe=None):
         self.torch_device = torch.device("cpu")
+        self.probe = probe
+        if capacity_bytes is None:   # device.memory = "auto": the GPU's own memory, or the simulated default
+            capacity_bytes = probe.total_bytes() if probe is not None else SIMULATED_CAPACITY_BYTES
         self.ledger = MemoryLedger(capacity_bytes)
+        self.note = ""   # which device and why (open_device sets it; run_start carries it)
         self._proc = psutil.Process(os.getpid())
         self._proc.cpu_percent(None)  # the first call only starts the measurement
 
     @property
     def name(self) -> str:
+        if self.probe is not None:
+            return self.probe.name()
         return "cpu (simulated device: memory from the engine's ledger)"
 
     def stats(self) -> dict:
-        return {"kind": self.kind, "simulated": self.simulated, **self.ledger.breakdown(),
-                "rss_bytes": self._proc.memory_info().rss, "cpu_percent": self._proc.cpu_percent(None)}
+        out = {"kind": self.kind, "simulated": self.simulated, **self.ledger.breakdown(),
+               "rss_bytes": self._proc.memory_info().rss, "cpu_percent": self._proc.cpu_percent(None)}
+        if self.probe is not None:
+            out.update(self.probe.figures())
+        return out
 
 
-class CudaDevice(LedgerDevice):
-    """One CUDA GPU per worker: the ledger plus the allocator's figures and NVML's."""
+class CudaProbe:
+    """One CUDA GPU's own figures: torch's caching allocator, and NVML where the driver has it."""
 
-    kind = "cuda"
-    simulated = False
-
-    def __init__(self, capacity_bytes: int, index: int):
-        super().__init__(capacity_bytes)
+    def __init__(self, index: int):
         torch.cuda.set_device(index)
         self.index = index
-        self.torch_device = torch.device("cuda", index)
         self._nvml = None
         try:
             import pynvml
@@ -239,15 +252,17 @@ class CudaDevice(LedgerDevice):
         except Exception:   # no NVML (driver without it, container): allocator figures only
             self._nvml = None
 
-    @property
     def name(self) -> str:
         return torch.cuda.get_device_name(self.index)
 
-    def stats(self) -> dict:
-        out = super().stats()
-        out["allocated_bytes"] = torch.cuda.memory_allocated(self.index)
-        out["allocator_peak_bytes"] = torch.cuda.max_memory_allocated(self.index)
-        out["reserved_bytes"] = torch.cuda.memory_reserved(self.index)
+    def total_bytes(self) -> int:
+        return int(torch.cuda.get_device_properties(self.index).total_memory)
+
+    def figures(self) -> dict:
+        """GPU_FIELDS (engine/control.py): allocator now, reserved, peak; NVML used, total, utilisation."""
+        out = {"allocated_bytes": torch.cuda.memory_allocated(self.index),
+               "allocator_peak_bytes": torch.cuda.max_memory_allocated(self.index),
+               "reserved_bytes": torch.cuda.memory_reserved(self.index)}
         if self._nvml is not None:
             import pynvml
             mem = pynvml.nvmlDeviceGetMemoryInfo(self._nvml)
@@ -257,15 +272,54 @@ class CudaDevice(LedgerDevice):
         return out
 
 
+class CudaDevice(LedgerDevice):
+    """One CUDA GPU per worker: the ledger plus the allocator's figures and NVML's."""
+
+    kind = "cuda"
+    simulated = False
+
+    def __init__(self, capacity_bytes: int | None, index: int):
+        super().__init__(capacity_bytes, probe=CudaProbe(index))
+        self.index = index
+        self.torch_device = torch.device("cuda", index)
+
+
+def cuda_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def cuda_usable(local_world_size: int) -> bool:
-    return torch.cuda.is_available() and torch.cuda.device_count() >= local_world_size
+    return cuda_count() >= local_world_size
 
 
-def open_device(kind: str, capacity_bytes: int, local_rank: int, local_world_size: int) -> LedgerDevice:
-    """`kind` is the config's device.kind: auto picks CUDA when every local worker has a GPU."""
-    if kind == "cuda" and not cuda_usable(local_world_size):
-        raise RuntimeError(f"device.kind = \"cuda\" but {torch.cuda.device_count()} CUDA devices are visible "
-                           f"for {local_world_size} workers on this host")
-    if kind == "cuda" or (kind == "auto" and cuda_usable(local_world_size)):
-        return CudaDevice(capacity_bytes, local_rank)
-    return LedgerDevice(capacity_bytes)
+def choose_device(kind: str, local_world_size: int) -> tuple[str, str]:
+    """(`cuda` or `cpu`, why): `kind` is the config's device.kind; auto picks CUDA when every worker on
+    this host has a GPU of its own. Raises Refused for `cuda` without enough GPUs."""
+    count = cuda_count()
+    plural = "device is" if count == 1 else "devices are"
+    if kind == "cuda" and count < local_world_size:
+        if count == 0:
+            raise Refused(f'device.kind = "cuda" but no CUDA device is visible on this host '
+                               f'(torch {torch.__version__}): set device.kind = "cpu" or "auto"')
+        raise Refused(f'device.kind = "cuda" but {count} CUDA {plural} visible for {local_world_size} '
+                           f"workers on this host (one GPU per worker): set parallel.world_size to at most "
+                           f'{count} per host, or device.kind = "cpu"')
+    if kind == "cpu":
+        return "cpu", 'cpu: device.kind = "cpu" (simulated devices: memory from the engine\'s ledger)'
+    if count >= local_world_size:
+        return "cuda", f"cuda: one GPU per worker ({count} visible for {local_world_size} workers on this host)"
+    if count == 0:
+        return "cpu", ('cpu: device.kind = "auto" and no CUDA device is visible '
+                       "(simulated devices: memory from the engine's ledger)")
+    return "cpu", (f'cpu: device.kind = "auto" but {count} CUDA {plural} visible for {local_world_size} '
+                   f"workers on this host, so every worker trains on the CPU (simulated devices); "
+                   f"parallel.world_size = {count} per host would train on the GPUs")
+
+
+def open_device(kind: str, capacity_bytes: int | None, local_rank: int, local_world_size: int) -> LedgerDevice:
+    """`kind` is the config's device.kind; `capacity_bytes` None (device.memory = "auto") is the GPU's own
+    memory on CUDA and SIMULATED_CAPACITY_BYTES on the CPU."""
+    chosen, note = choose_device(kind, local_world_size)
+    device = CudaDevice(capacity_bytes, local_rank) if chosen == "cuda" else LedgerDevice(capacity_bytes)
+    device.note = note
+    return device

@@ -40,10 +40,12 @@ class HeadlessProgress:
         acc = summary.get("test_accuracy")
         table.add_row("test accuracy", f"{acc:.4f}" if acc is not None else "n/a")
         table.add_row("wall time", f"{summary['wall_s']:.1f} s")
-        device = "simulated: CPU ledger" if summary.get("simulated") else "GPU"
+        device = "simulated: CPU ledger" if summary.get("simulated") else "ledger"
+        allocator = summary.get("allocator_peak_bytes_per_rank")
         for rank, peak in enumerate(summary["peak_bytes_per_rank"]):
+            gpu = f"; GPU allocator peak {format_size(allocator[rank])}" if allocator and allocator[rank] else ""
             table.add_row(f"peak memory rank {rank}",
-                          f"{format_size(peak)} of {format_size(summary['capacity_bytes'])} ({device})")
+                          f"{format_size(peak)} of {format_size(summary['capacity_bytes'])} ({device}{gpu})")
         if summary.get("restarts"):
             table.add_row("restarts", str(summary["restarts"]))
         if summary.get("stopped_early"):

@@ -23,7 +23,11 @@ import shutil
 import signal
 import socket
 import sys
+import tempfile
+import threading
 import time
+from contextlib import contextmanager
+from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.rendezvous import RendezvousError
@@ -31,7 +35,11 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from engine import checkpoint as ckpt
-from engine.config import config_to_toml
+from engine import compat
+from engine.config import config_to_toml, format_size
+from engine.devices import choose_device, cuda_count
+from engine.pipeline import uniform_stages
+from engine.refusal import REFUSAL_SIGNAL, Refused
 from engine.worker import Job, worker_main
 
 
@@ -40,7 +48,8 @@ class RunSetupError(RuntimeError):
 
 
 class RunRefused(RunSetupError):
-    """The workers refused the run once it had started (a memory plan that cannot fit); exit status 2."""
+    """The workers refused the run once it had started (a plan that cannot fit, a setting only a worker can
+    check: engine/refusal.py); exit status 2, no restart."""
 
 
 class RunFailed(RuntimeError):
@@ -56,9 +65,10 @@ class RunInterrupted(RuntimeError):
 
 
 def prepare_run_dir(job: Job) -> None:
-    """Check the run directory and the checkpoint to resume before any process starts. With several
-    hosts, host 0 prepares the (shared) run directory; the others only check what they would resume."""
+    """Check this host (check_machine), the run directory and the checkpoint to resume before any process
+    starts. With several hosts, host 0 prepares the (shared) run directory; the others only check what they would resume."""
     cfg = job.config
+    check_machine(job)
     run_dir = cfg.run_dir
     node = cfg.cluster.node_rank
     if node:
@@ -96,6 +106,63 @@ def prepare_run_dir(job: Job) -> None:
         if not stale.name.startswith("launcher-node"):   # another host's launcher may be up already
             stale.unlink()
     (run_dir / "pids" / "launcher.pid").write_text(str(os.getpid()))
+
+
+def check_machine(job: Job) -> None:
+    """Refuse, before any worker starts, what this host cannot run (RunSetupError, exit status 2): too few
+    GPUs for device.kind = "cuda", or a device.memory below what a rank holds whatever the plans choose
+    (where the capacity binds: a GPU, or an `auto` memory or update plan).
+    Says in one line when device.kind = "auto" leaves GPUs unused."""
+    cfg = job.config
+    old_torch = compat.below_floor()
+    if old_torch:
+        compat.say_once("floor", old_torch)
+    local_world = cfg.parallel.world_size // cfg.cluster.nnodes
+    try:
+        kind, note = choose_device(cfg.device.kind, local_world)
+    except Refused as e:
+        raise RunSetupError(str(e)) from None
+    if kind == "cpu" and cfg.device.kind == "auto" and cuda_count():
+        print(f"trainyard: {note}", file=sys.stderr, flush=True)
+    # On the CPU the capacity is a simulated figure: going over it is reported, not refused, unless a
+    # plan must fit it. On a GPU it is the GPU's memory: going over it is an out-of-memory error.
+    binding = ("on a GPU it is a hard limit" if kind == "cuda" else
+               'memory.policy = "auto" plans against it' if cfg.memory.policy == "auto" else
+               'update.placement = "auto" plans against it' if cfg.update.placement == "auto" else None)
+    if cfg.capacity_bytes is not None and binding:
+        _check_capacity(job, cfg.capacity_bytes, binding)
+
+
+def _check_capacity(job: Job, capacity: int, binding: str) -> None:
+    """Every rank holds its layers' parameters and their gradients at once, whatever the memory policy
+    (activations) and the update placement (optimizer state) decide: a capacity below that never fits."""
+    import torch
+    from engine.data import load_dataset
+    from engine.models import build_model
+    cfg = job.config
+    if job.model is not None:
+        model = job.model
+    else:
+        data = job.data if job.data is not None else load_dataset(cfg.data, cfg.run.seed)
+        with torch.device("meta"):   # sizes only, no memory
+            model = build_model(cfg.model, data.meta, cfg.run.seed)
+    layer_bytes = [sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in model.layers]
+    if cfg.parallel.strategy == "pipeline":
+        stages = uniform_stages(model, cfg.parallel.world_size) if cfg.parallel.partition == "uniform" \
+            else cfg.parallel.partition
+        index = {name: i for i, name in enumerate(model.names)}
+        # a stage naming unknown layers is the worker's to refuse, with the layers it has
+        held = max(sum(layer_bytes[index[n]] for n in stage if n in index) for stage in stages)
+        who = "the largest pipeline stage holds"
+    else:
+        held = sum(layer_bytes)
+        who = "every rank holds" if cfg.parallel.strategy != "param_server" else "every worker holds"
+    need = 2 * held   # parameters and their gradients
+    if need > capacity:
+        raise RunSetupError(
+            f"device.memory = \"{cfg.device.memory}\" ({format_size(capacity)}; {binding}) is below the smallest "
+            f"capacity this run fits: {who} {format_size(held)} of parameters and as much of gradients, whatever the "
+            f"memory and update plans; set device.memory to at least {format_size(need)} ({need} bytes)")
 
 
 def _free_port() -> int:
@@ -140,18 +207,18 @@ def _launch_config(job: Job) -> LaunchConfig:
     common = dict(max_restarts=cfg.parallel.max_restarts, monitor_interval=0.1, start_method="spawn",
                   shutdown_timeout=cfg.parallel.shutdown_timeout_s, rdzv_backend="c10d", local_addr=local_addr)
     if c.nnodes == 1:
-        return LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=cfg.parallel.world_size,
-                            run_id=f"{cfg.run.name}-{os.getpid()}",
-                            rdzv_endpoint=c.rdzv_endpoint or f"127.0.0.1:{_free_port()}",
-                            rdzv_configs=rdzv, **common)
+        return compat.launch_config(min_nodes=1, max_nodes=1, nproc_per_node=cfg.parallel.world_size,
+                                    run_id=f"{cfg.run.name}-{os.getpid()}",
+                                    rdzv_endpoint=c.rdzv_endpoint or f"127.0.0.1:{_free_port()}",
+                                    rdzv_configs=rdzv, **common)
     host, port = c.rdzv_endpoint.rsplit(":", 1)
     per_host = cfg.parallel.world_size // c.nnodes
     job.placement = (c.node_rank * per_host, host.strip("[]"), int(port) + 1)
     if c.node_rank == 0:
         _check_port_free(int(port) + 1, "the workers' store (the rendezvous port + 1)")
-    return LaunchConfig(min_nodes=c.nnodes, max_nodes=c.nnodes, nproc_per_node=per_host, run_id=cfg.run.name,
-                        rdzv_endpoint=c.rdzv_endpoint,
-                        rdzv_configs={**rdzv, "is_host": c.node_rank == 0}, **common)
+    return compat.launch_config(min_nodes=c.nnodes, max_nodes=c.nnodes, nproc_per_node=per_host,
+                                run_id=cfg.run.name, rdzv_endpoint=c.rdzv_endpoint,
+                                rdzv_configs={**rdzv, "is_host": c.node_rank == 0}, **common)
 
 
 def _check_port_free(port: int, what: str) -> None:
@@ -199,7 +266,8 @@ def launch(job: Job) -> dict | None:
     agent_log.setLevel(logging.INFO)
     agent_log.propagate = False
     try:
-        results = elastic_launch(launch_cfg, worker_main)(job)
+        with _refusals(job):
+            results = elastic_launch(launch_cfg, worker_main)(job)
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         raise RunFailed(_describe_failure(rank, failure, cfg.parallel.max_restarts)) from None
@@ -218,6 +286,37 @@ def launch(job: Job) -> dict | None:
     if summary and summary.get("type") == "refused":
         raise RunRefused(summary["error"])
     return summary
+
+
+@contextmanager
+def _refusals(job: Job):
+    """A worker's refusal (engine/refusal.py) arrives as REFUSAL_SIGNAL: the handler raises RunRefused in
+    the agent's loop, whose run() then stops every worker at once; nothing is restarted. Only the first
+    signal raises (several ranks may refuse alike; a second raise would cut the agent's shutdown short).
+    Signals reach the main thread only: from another thread a refusal is restarted like any failure."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    path = Path(tempfile.gettempdir()) / f"trainyard-refusal-{os.getpid()}-{time.monotonic_ns()}"
+    job.launcher_pid, job.refusal_path = os.getpid(), str(path)
+    raised = []
+
+    def handler(signum, frame):
+        if raised:
+            return
+        raised.append(signum)
+        try:
+            text = path.read_text()
+        except OSError:
+            text = "a worker refused the run without saying why"
+        raise RunRefused(text)
+
+    previous = signal.signal(REFUSAL_SIGNAL, handler)
+    try:
+        yield
+    finally:
+        signal.signal(REFUSAL_SIGNAL, previous)
+        path.unlink(missing_ok=True)
 
 
 def _describe_failure(rank: int, failure, max_restarts: int) -> str:

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from rich.markup import escape
 
 from engine import checkpoint as ckpt
-from engine.control import FIELDS, rank_rows
+from engine.control import FIELDS, Peaks, rank_rows, row_values
 from engine.ddp import cross_entropy
 from engine.optim import make_optimizer
 from engine.ps_sync import MODES, Arrival, LayerSync
@@ -364,7 +364,7 @@ class PSWorker:
                 self.iteration += 1
                 row = {"loss": loss.item(), "step_ms": step_ms, "fwd_ms": (t_fwd - t_start) * 1000 - wait_ms,
                        "bwd_ms": (t_end - t_fwd) * 1000, "wait_ms": wait_ms, **device.stats()}
-                self.stats = torch.tensor([float(row.get(k, 0.0)) for k in FIELDS], dtype=torch.float64)
+                self.stats = torch.tensor(row_values(row), dtype=torch.float64)
                 self._profile()
                 self.clock.stretch_rest((time.perf_counter() - t_start) * 1000 - wait_ms)
                 t_idle = time.perf_counter()
@@ -608,7 +608,7 @@ class PSServer:
         """This server's figures: one row of control.FIELDS, then LAYER_STATS numbers per owned layer."""
         self.s.device.ledger.refresh()
         ledger = self.s.device.stats()
-        row = [float(ledger.get(k, 0.0)) for k in FIELDS]
+        row = row_values(ledger)
         for j in self.mine:
             u = self.last.get(j)
             row += [j, self.sync[j].version, len(u.workers) if u else 0, u.mean_staleness if u else 0.0,
@@ -668,7 +668,7 @@ class Coordinator(PSServer):
         self.last_control = 0.0
         self.t_report = time.perf_counter()
         self.summary: dict | None = None
-        self.peak_bytes = [0] * setup.topo.world_size
+        self.peaks = Peaks(setup.topo.world_size)
 
     # --- messages ------------------------------------------------------------------------------
     def worker_stats(self, m: Message) -> None:
@@ -791,7 +791,7 @@ class Coordinator(PSServer):
             entry["role"] = "server" if r < self.s.servers else "worker"
             if r >= self.s.servers:
                 entry["alive"] = self.info[r]["alive"]
-            self.peak_bytes[r] = max(self.peak_bytes[r], entry["peak_bytes"])
+        self.peaks.note(ranks)
         workers = [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in info.items() if k != "_t"}
                    for info in self.info.values()]
         alive = [w for w in workers if w["alive"]]
@@ -823,9 +823,9 @@ class Coordinator(PSServer):
             if r == self.rank:
                 row = self.stats()[:len(FIELDS)].tolist()
             elif r < self.s.servers:
-                row = self.server_rows[r][:len(FIELDS)].tolist() if r in self.server_rows else [0.0] * len(FIELDS)
+                row = self.server_rows[r][:len(FIELDS)].tolist() if r in self.server_rows else row_values({})
             else:
-                row = self.rows.get(r, [0.0] * len(FIELDS))
+                row = self.rows.get(r) or row_values({})
             rows.append(row)
         return torch.tensor(rows, dtype=torch.float64)
 
@@ -909,7 +909,7 @@ class Coordinator(PSServer):
             self.tel.reply(self.stop_command, "applied", step=step)
         self.summary = {"name": cfg.run.name, "final_loss": self.last_loss, "test_accuracy": self.evaluate(),
                         "steps": step, "wall_s": time.time() - (self.s.job.launched_at or time.time()),
-                        "peak_bytes_per_rank": self.peak_bytes, "capacity_bytes": cfg.capacity_bytes,
+                        **self.peaks.summary(), "capacity_bytes": self.s.device.ledger.capacity_bytes,
                         "simulated": self.s.device.simulated, "restarts": self.s.restart,
                         "stopped_early": stopped_early, "sync": self.mode,
                         "workers_lost": sorted(self.lost)}
@@ -978,9 +978,10 @@ class Setup:
                 "layout": self.layout(), "config": cfg.to_dict()}
 
     def hello(self) -> dict:
+        from engine.worker import device_fields
         cfg = self.cfg
         return {"run": cfg.run.name, "mode": "param_server", "world_size": self.topo.world_size,
-                "backend": self.topo.backend, "device": self.device.name, "simulated": self.device.simulated,
+                "backend": self.topo.backend, **device_fields(self.device),
                 "layers": list(self.model.names), "layout": self.layout(),
                 "updated_layers": [self.model.names[j] for j in sorted(self.params)],
                 "capabilities": ["pause", "resume", "stop", "checkpoint", "set-sync"], "steps": cfg.run.steps,

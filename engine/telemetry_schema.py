@@ -21,6 +21,10 @@ RANK_ENTRY = {
                                "capacity_bytes", "rss_bytes", "swapped_out_bytes")},
         **{k: {"type": "integer", "minimum": 0} for k in ("swap_layers", "recompute_layers")},
         "over_capacity": {"type": "boolean"}, "cpu_percent": {"type": "number", "minimum": 0},
+        # a CUDA rank's own figures (absent on the CPU): the allocator's, and NVML's where the driver has it
+        **{k: _BYTES for k in ("allocated_bytes", "reserved_bytes", "allocator_peak_bytes", "nvml_used_bytes",
+                               "nvml_total_bytes")},
+        "gpu_util_percent": {"type": "number", "minimum": 0, "maximum": 100},
     },
 }
 
@@ -50,13 +54,14 @@ _COMMON = {"schema": {"const": 1}, "time": {"type": "number"}}
 RUN_START = {
     "type": "object",
     "required": ["schema", "time", "type", "name", "strategy", "world_size", "backend", "device", "simulated",
-                 "layers", "first_step", "restart", "config"],
+                 "devices", "device_note", "layers", "first_step", "restart", "config"],
     "properties": {**_COMMON, "type": {"const": "run_start"}, "name": {"type": "string"},
                    "strategy": {"type": "string"}, "world_size": {"type": "integer", "minimum": 1},
                    "hosts": {"type": "array", "items": {"type": "integer", "minimum": 0}},
                    "backend": {"enum": ["gloo", "nccl"]}, "device": {"type": "string"},
-                   "simulated": {"type": "boolean"}, "layers": {"type": "array", "items": {"type": "string"}},
-                   "first_step": {"type": "integer", "minimum": 0}, "restart": {"type": "integer", "minimum": 0},
+                   "simulated": {"type": "boolean"}, "devices": {"type": "array", "items": {"type": "string"}},
+                   "device_note": {"type": "string"},
+                   "layers": {"type": "array", "items": {"type": "string"}}, "first_step": {"type": "integer", "minimum": 0}, "restart": {"type": "integer", "minimum": 0},
                    "config": {"type": "object"}},
 }
 
@@ -136,7 +141,8 @@ SUMMARY = {
                    "final_loss": {"type": ["number", "null"]},
                    "test_accuracy": {"type": ["number", "null"], "minimum": 0, "maximum": 1},
                    "steps": {"type": "integer", "minimum": 0}, "wall_s": {"type": "number", "minimum": 0},
-                   "peak_bytes_per_rank": {"type": "array", "items": _BYTES}, "capacity_bytes": _BYTES,
+                   "peak_bytes_per_rank": {"type": "array", "items": _BYTES},
+                   "allocator_peak_bytes_per_rank": {"type": "array", "items": _BYTES}, "capacity_bytes": _BYTES,
                    "simulated": {"type": "boolean"}, "restarts": {"type": "integer", "minimum": 0},
                    "stopped_early": {"type": "boolean"}},
 }

@@ -19,13 +19,14 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from engine import checkpoint as ckpt
 from engine.config import Config
-from engine.control import COLUMN, encode_commands, exchange, rank_rows, share_commands
+from engine.control import COLUMN, Peaks, encode_commands, exchange, rank_rows, share_commands
 from engine.data import Dataset, batch_for, load_dataset
 from engine.ddp import DDPStrategy
 from engine.devices import open_device
@@ -33,6 +34,7 @@ from engine.memory import ActivationPolicy
 from engine.models import LayerList, build_model
 from engine.pipeline import PipelineStage, uniform_stages
 from engine.profiler import LayerProfiler
+from engine.refusal import is_refusal, refuse
 from engine.sharded import ShardedStrategy
 from engine.telemetry import Telemetry
 from engine.topology import Topology
@@ -52,6 +54,12 @@ class Job:
     launched_at: float = 0.0
     # several hosts, our launcher: (this host's first global rank, the workers' store host, its port)
     placement: tuple[int, str, int] | None = None
+    # our launcher: its pid and the file a worker writes a refusal to before signalling it (engine/refusal.py)
+    launcher_pid: int | None = None
+    refusal_path: str | None = None
+    # (kind, capacity_bytes, local_rank, local_world_size) -> device; None: engine.devices.open_device.
+    # Tests give one whose probe returns a GPU's figures, so the CUDA telemetry path runs on the CPU.
+    open_device: Callable | None = None
 
     def log_path(self) -> Path:
         if self.telemetry_log:
@@ -107,8 +115,11 @@ def worker_main(job: Job) -> dict | None:
         worker = Worker(job, topo, stop)
         return worker.run()
     except Exception as e:
+        refused = is_refusal(e) and job.launcher_pid is not None and not stop.requested
         if worker is not None:   # consoles hear why, and the socket and registry entry go away
-            worker.tel.close(f"run failed ({type(e).__name__}: {e})")
+            worker.tel.close(f"run {'refused' if refused else 'failed'} ({type(e).__name__}: {e})")
+        if refused:   # a restart would fail the same way: the launcher ends the run (exit 2)
+            refuse(job.refusal_path, job.launcher_pid, topo.rank, e, lambda: stop.requested)
         if stop.requested:   # being shut down and a peer already left: nothing more to save
             print(f"trainyard: rank {topo.rank} stopped ({type(e).__name__} after a peer left)",
                   file=sys.stderr, flush=True)
@@ -130,19 +141,23 @@ def build_rank(job: Job, topo: Topology):
     pid_dir = cfg.run_dir / "pids"
     pid_dir.mkdir(parents=True, exist_ok=True)
     (pid_dir / f"rank{topo.rank}.pid").write_text(str(os.getpid()))
-    device = open_device(cfg.device.kind, cfg.capacity_bytes, topo.local_rank, topo.local_world_size)
+    device = (job.open_device or open_device)(cfg.device.kind, cfg.capacity_bytes, topo.local_rank,
+                                              topo.local_world_size)
     data = job.data if job.data is not None else load_dataset(cfg.data, cfg.run.seed)
     torch.manual_seed(cfg.run.seed)
     model = job.model if job.model is not None else build_model(cfg.model, data.meta, cfg.run.seed)
-    return restart_count(topo), device, data, model.to(device.torch_device)
+    restart, device.rank_names = meet(topo, device.name)
+    return restart, device, data, model.to(device.torch_device)
 
 
-def restart_count(topo: Topology) -> int:
-    """How many times the group has restarted: the largest count of any host's agent. A host that was lost
-    and started again has a fresh agent (count 0) while the others count on; its ranks must resume too."""
-    count = torch.tensor([int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))])
-    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=topo.side)
-    return int(count.item())
+def meet(topo: Topology, device_name: str) -> tuple[int, list[str]]:
+    """Every rank's word at start: how many times the group has restarted (the largest count of any
+    host's agent: a host that was lost and started again has a fresh agent, count 0, while the others
+    count on, and its ranks must resume too), and every rank's device name (run_start's `devices`)."""
+    mine = (int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), device_name)
+    everyone: list = [None] * topo.world_size
+    dist.all_gather_object(everyone, mine, group=topo.side)
+    return max(count for count, _ in everyone), [name for _, name in everyone]
 
 
 class Worker:
@@ -165,7 +180,7 @@ class Worker:
         self.profiler = LayerProfiler(self.model, self.device.ledger) if cfg.telemetry.layer_every else None
 
         self.tel = Telemetry.open(job, self._hello(), topo.is_first, self.first_step)
-        self.peak_bytes = [0] * topo.world_size
+        self.peaks = Peaks(topo.world_size)
         self.over_reported: set[int] = set()
         self.paused = False
         self.stop_reason: str | None = None
@@ -176,7 +191,7 @@ class Worker:
     def _hello(self) -> dict:
         cfg = self.cfg
         return {"run": cfg.run.name, "mode": cfg.parallel.strategy, "world_size": self.topo.world_size,
-                "backend": self.topo.backend, "device": self.device.name, "simulated": self.device.simulated,
+                "backend": self.topo.backend, **device_fields(self.device),
                 "layers": list(getattr(self.model, "names", [])), "layout": self.strategy.layout(),
                 "updated_layers": [n for n, layer in zip(self.model.names, self.model.layers)
                                    if any(True for _ in layer.parameters())],
@@ -392,9 +407,9 @@ class Worker:
         if not self.topo.is_first:
             return
         ranks = rank_rows(table)
+        self.peaks.note(ranks)
         for entry in ranks:
             r = entry["rank"]
-            self.peak_bytes[r] = max(self.peak_bytes[r], entry["peak_bytes"])
             if entry["over_capacity"] and r not in self.over_reported:
                 self.over_reported.add(r)
                 self.tel.event("memory_over_capacity", step, rank=r, peak_bytes=entry["peak_bytes"],
@@ -528,7 +543,7 @@ class Worker:
             self.tel.reply(self.stop_command, "applied", step=step)
         summary = {"name": self.cfg.run.name, "final_loss": loss, "test_accuracy": self.evaluate(), "steps": step,
                    "wall_s": time.time() - (self.job.launched_at or time.time()),
-                   "peak_bytes_per_rank": self.peak_bytes, "capacity_bytes": self.cfg.capacity_bytes,
+                   **self.peaks.summary(), "capacity_bytes": self.device.ledger.capacity_bytes,
                    "simulated": self.device.simulated, "restarts": self.restart, "stopped_early": stopped_early}
         self.tel.summary(summary)
         self.tel.close("run stopped" if stopped_early else "run finished")
@@ -541,8 +556,8 @@ def announce(tel: Telemetry, cfg: Config, topo: Topology, device, names, first_s
     if not topo.is_first:
         return
     start = {"type": "run_start", "name": cfg.run.name, "strategy": cfg.parallel.strategy,
-             "world_size": topo.world_size, "hosts": topo.hosts(), "backend": topo.backend, "device": device.name,
-             "simulated": device.simulated, "layers": list(names), "first_step": first_step,
+             "world_size": topo.world_size, "hosts": topo.hosts(), "backend": topo.backend, **device_fields(device),
+             "layers": list(names), "first_step": first_step,
              "restart": restart, "config": cfg.to_dict()}
     if layout is not None:
         start["layout"] = layout
@@ -555,6 +570,13 @@ def announce(tel: Telemetry, cfg: Config, topo: Topology, device, names, first_s
         tel.event("resume", first_step, checkpoint=str(resumed_from))
         if not restart:
             tel.note(f"resumed from {resumed_from} at step {first_step}")
+
+
+def device_fields(device) -> dict:
+    """What hello and run_start say of the devices: rank 0's name, whether simulated, every rank's
+    name, and which device the run uses and why."""
+    return {"device": device.name, "simulated": device.simulated,
+            "devices": list(getattr(device, "rank_names", [device.name])), "device_note": device.note}
 
 
 def make_strategy(cfg: Config, model: LayerList, topo: Topology, device):

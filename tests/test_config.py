@@ -138,7 +138,8 @@ def error_of(data: dict) -> str:
 def test_defaults_load():
     assert load_config(None) == Config()
     assert config_from_dict({}) == Config()
-    assert Config().capacity_bytes == 512 * 2**20
+    # device.memory = "auto": the device's own (a GPU's memory; 512 MiB of the CPU's simulated ledger)
+    assert Config().device.memory == "auto" and Config().capacity_bytes is None
 
 
 def test_full_file_loads_every_key(tmp_path):

@@ -182,6 +182,23 @@ def test_the_sync_mode_follows_hello_events_and_steps():
     assert "sync" not in headline(RunState(), wide=True, live=False).plain   # other modes say nothing
 
 
+def test_a_gpu_runs_devices_and_device_note_reach_the_state_once_a_run():
+    hello, *rest = replay_messages(read_jsonl(FIXTURES / "gpu_feed.jsonl"))
+    assert hello["type"] == "hello" and hello["simulated"] is False
+    assert hello["devices"] == ["NVIDIA H100 80GB HBM3"] * 2
+    assert hello["device_note"].startswith("cuda: one GPU per worker")
+    old = replay_messages(read_jsonl(DDP_FEED))[0]   # a log from before: neither key, not empty ones
+    assert "devices" not in old and "device_note" not in old
+    state = RunState()
+    state.apply(hello)
+    assert state.device_names == hello["devices"]
+    assert state.take()[2] == [(f"device {hello['device_note']}", "cyan", hello["started"])]
+    state.apply(hello)   # a reconnect says nothing again
+    assert state.take()[2] == []
+    state.apply(old)
+    assert state.device_names is None and state.take()[2] == []
+
+
 @pytest.mark.timeout(60)
 def test_rejected_commands_show_their_reason(engines):
     engine = engines("picky", PIPELINE_FEED, refuse={"rebalance": "a rebalance is already in flight"},

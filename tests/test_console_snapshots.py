@@ -1,5 +1,5 @@
 """The console's main screen, wide and narrow, for a data-parallel and a pipeline run, and wide
-for a parameter-server run.
+for a parameter-server run and a data-parallel run on two GPUs.
 
 Replayed feeds, preloaded and paused, so every picture is the same: times come from the
 records, not the clock. Refresh the SVGs after a deliberate change with
@@ -71,6 +71,14 @@ def test_ddp_main_screen(snap_compare, size, press):
 def test_pipeline_main_screen(snap_compare, size, press):
     app = ConsoleApp(ReplaySource(FIXTURES / "pipeline_feed.jsonl", paused=True, preload=26))
     assert snap_compare(app, press=press, terminal_size=size, run_before=settle)
+
+
+@pytest.mark.timeout(60)
+def test_gpu_main_screen(snap_compare):
+    # every record but the summary: the cards show each GPU's name, allocator, NVML and the ledger's gap;
+    # the events panel says which device the run chose and why
+    app = ConsoleApp(ReplaySource(FIXTURES / "gpu_feed.jsonl", paused=True, preload=33))
+    assert snap_compare(app, terminal_size=(120, 40), run_before=settle)
 
 
 async def settle_at_the_last_workers(pilot) -> None:

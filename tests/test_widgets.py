@@ -15,7 +15,7 @@ from textual.widget import Widget
 from widgets import (Curves, DeviceCard, DevicesPanel, EventLog, LayerTable, StagesPanel,
                      StreamsPanel, human_bytes, segment_bar)
 
-MIB = 2**20
+MIB, GIB = 2**20, 2**30
 REPAINT_WAIT_S = 0.35   # panels repaint at most 4 times a second
 
 
@@ -157,9 +157,52 @@ def test_device_card_on_a_gpu_shows_nvml():
         await pilot.pause()
         text = screen_text(pilot)
         assert "GPU" in text and "simulated" not in text
-        assert "nvml 3.0 GiB / 80.0 GiB" in text and "util 45%" in text
+        assert "nvml 3.0 / 80.0 GiB" in text and "util 45%" in text
 
     mounted(DeviceCard(3), test)
+
+
+def cuda_entry(rank: int, **extra) -> dict:
+    """A CUDA rank as the engine sends it: the ledger's keys, then the allocator's and NVML's."""
+    gpu = {"allocated_bytes": 3 * GIB, "reserved_bytes": 4 * GIB, "allocator_peak_bytes": 3584 * MIB,
+           "nvml_used_bytes": 4608 * MIB, "nvml_total_bytes": 80 * GIB, "gpu_util_percent": 87.0}
+    return rank_entry(rank, used=2560 * MIB, capacity=80 * GIB, **{**gpu, **extra})
+
+
+@pytest.mark.timeout(60)
+def test_device_card_on_a_gpu_shows_its_name_the_allocator_and_what_the_ledger_does_not_explain():
+    async def test(pilot, panel: DevicesPanel) -> None:
+        names = ["NVIDIA H100 80GB HBM3", "cpu (simulated device: memory from the engine's ledger)"]
+        panel.update_ranks([cuda_entry(0), rank_entry(1)], simulated=False, names=names)
+        await pilot.pause(REPAINT_WAIT_S)
+        gpu, cpu = list(panel.query(DeviceCard))
+        gpu_text, cpu_text = (card.render().plain for card in (gpu, cpu))
+        assert gpu_text.splitlines()[0] == "NVIDIA H100 80GB HBM3"
+        assert "ledger 2.5 GiB / cap 80.0 GiB" in gpu_text
+        assert "alloc 3.0 GiB  peak 3.5 GiB" in gpu_text and "reserved 4.0 GiB" in gpu_text
+        assert "unexplained +512 MiB" in gpu_text          # allocated 3 GiB - ledger 2.5 GiB
+        assert "nvml 4.5 / 80.0 GiB  util 87%" in gpu_text
+        assert "rss 400 MiB  cpu 50%" in gpu_text
+        # a CPU rank's card is today's: no name, no allocator, no NVML, no gap
+        assert cpu_text.splitlines()[2] == "used 20.0 MiB / cap 64.0 MiB"
+        for word in ("cpu (simulated", "alloc", "reserved", "unexplained", "nvml", "ledger"):
+            assert word not in cpu_text, word
+        # every line has its row: none clipped
+        assert gpu.size.height == len(gpu_text.splitlines()) == DeviceCard.height_for(cuda_entry(0), {}, names[0])
+        assert cpu.size.height == len(cpu_text.splitlines()) == 5
+        # the ledger counting more than the allocator holds: a negative gap, its sign shown; no NVML: no line
+        no_nvml = {k: v for k, v in cuda_entry(0, allocated_bytes=2 * GIB).items() if not k.startswith(("nvml", "gpu"))}
+        panel.update_ranks([no_nvml, rank_entry(1)], simulated=False, names=names)
+        await pilot.pause(REPAINT_WAIT_S)
+        gpu_text = gpu.render().plain
+        assert "unexplained -512 MiB" in gpu_text and "nvml" not in gpu_text
+        assert gpu.size.height == len(gpu_text.splitlines())
+        # an old log's hello has no `devices`: the card goes without the name
+        panel.update_ranks([cuda_entry(0), rank_entry(1)], simulated=False)
+        await pilot.pause(REPAINT_WAIT_S)
+        assert gpu.render().plain.splitlines()[0].startswith("█")
+
+    mounted(DevicesPanel(), test)
 
 
 @pytest.mark.timeout(60)

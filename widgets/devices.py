@@ -4,7 +4,10 @@ Try it: `python -m console.demo` (or mount `DevicesPanel` in any App) and call
 `update_ranks(step["ranks"], simulated)` with a step message's `ranks`. A parameter-server
 run also passes the step's `ps` (`update_ranks(ranks, simulated, ps=step["ps"])`): cards are
 then named by role (`server 0`, `worker 1`), a worker's card shows its step rate, its wait
-and its emulated slowness, and a lost worker's card says so.
+and its emulated slowness, and a lost worker's card says so. A run on GPUs passes hello's
+`devices` (`update_ranks(ranks, False, names=hello["devices"])`): a rank whose entry carries
+the GPU's own figures (GPU_FIELDS) shows its GPU's name, the allocator's and NVML's figures,
+and how far the allocator is from the ledger.
 """
 
 from __future__ import annotations
@@ -29,6 +32,10 @@ CATEGORIES = [
 ]
 WARN_FRACTION, CRIT_FRACTION = 0.80, 0.95
 LEDGER_FIELDS = ("used_bytes", "capacity_bytes")   # a card without them has no memory to draw
+# a CUDA rank's own figures (the torch allocator's, then NVML's; engine/control.py sends them): a CPU
+# rank has none of them, absent rather than zero
+GPU_FIELDS = ("allocated_bytes", "reserved_bytes", "allocator_peak_bytes",
+              "nvml_used_bytes", "nvml_total_bytes", "gpu_util_percent")
 LEGEND = Text(" ").join(Text.assemble(("■", colour), label) for _, label, colour in CATEGORIES)
 
 
@@ -44,6 +51,19 @@ def human_bytes(n: float | None) -> str:
     if unit == "B":
         return f"{int(value)} B"
     return f"{value:.0f} {unit}" if abs(value) >= 100 else f"{value:.1f} {unit}"
+
+
+def bytes_of(part: float | None, whole: float | None) -> str:
+    """'6.7 / 79.6 GiB': one unit when both have it, so the line fits a narrow card."""
+    a, b = human_bytes(part), human_bytes(whole)
+    if a.partition(" ")[2] == b.partition(" ")[2] != "":
+        a = a.partition(" ")[0]
+    return f"{a} / {b}"
+
+
+def signed_bytes(n: int) -> str:
+    """512 MiB -> '+512 MiB': a difference, whose sign says which side holds more."""
+    return f"+{human_bytes(n)}" if n > 0 else human_bytes(n)
 
 
 class Throttle:
@@ -101,7 +121,8 @@ def segment_bar(parts: list[tuple[int, str]], capacity: int, width: int,
 
 
 class DeviceCard(Widget):
-    """One rank: stacked memory bar, usage, peak, host process and NVML lines."""
+    """One rank: stacked memory bar, usage, peak, host process; on a GPU also its name, the
+    allocator's and NVML's figures, and the allocator's bytes the ledger does not explain."""
 
     DEFAULT_CSS = """
     DeviceCard {
@@ -120,19 +141,21 @@ class DeviceCard(Widget):
         self.entry: dict = {}
         self.simulated = True
         self.role: dict = {}   # parameter server: label ("worker 1"), and `worker` or `serves`
+        self.device_name = ""  # the device's name (hello's `devices`), shown on a GPU rank's card
         self.border_title = f"rank {rank}"
 
-    def update_data(self, entry: dict, simulated: bool, role: dict | None = None) -> None:
+    def update_data(self, entry: dict, simulated: bool, role: dict | None = None, name: str | None = None) -> None:
         """`role` (parameter server only): {"label": "worker 1", "worker": ps worker entry} or
-        {"label": "server 0", "serves": [layer names]}."""
-        role = role or {}
-        if entry == self.entry and simulated == self.simulated and role == self.role:
+        {"label": "server 0", "serves": [layer names]}. `name`: the rank's device, e.g.
+        "NVIDIA H100 80GB HBM3" (hello's `devices`)."""
+        role, name = role or {}, name or ""
+        if entry == self.entry and simulated == self.simulated and role == self.role and name == self.device_name:
             return
-        relayout = self.height_for(entry, role) != self.height_for(self.entry, self.role)
-        self.entry, self.simulated, self.role = dict(entry), simulated, dict(role)
+        relayout = self.height_for(entry, role, name) != self.height_for(self.entry, self.role, self.device_name)
+        self.entry, self.simulated, self.role, self.device_name = dict(entry), simulated, dict(role), name
         tag = "[dim italic]simulated[/]" if simulated else "[b $success]GPU[/]"
-        name = f"[b]{role['label']}[/] [dim]rank {self.rank}[/]" if role.get("label") else f"[b]rank {self.rank}[/]"
-        title = f"{name} {tag}"
+        label = f"[b]{role['label']}[/] [dim]rank {self.rank}[/]" if role.get("label") else f"[b]rank {self.rank}[/]"
+        title = f"{label} {tag}"
         if self.border_title != title:
             self.border_title = title
         level, lost = self.level(), self.lost()
@@ -172,9 +195,11 @@ class DeviceCard(Widget):
         capacity = entry.get("capacity_bytes") or 0
         parts = [(entry.get(field) or 0, colour) for field, _, colour in CATEGORIES]
         level_style = {"ok": "", "warn": "bold #ffb000", "crit": "bold red"}[self.level()]
+        lines = self.name_lines(entry, self.device_name) + lines
         lines += [segment_bar(parts, capacity, width, entry.get("peak_bytes")), LEGEND.copy()]
-        used = Text.assemble("used ", (human_bytes(entry.get("used_bytes")), "bold"),
-                             " / cap ", human_bytes(capacity))
+        # beside the allocator's figures, "used" would be ambiguous: the bar is the ledger's
+        used = Text.assemble("ledger " if self.is_gpu(entry) else "used ",
+                             (human_bytes(entry.get("used_bytes")), "bold"), " / cap ", human_bytes(capacity))
         lines.append(used)
         peak = Text.assemble("(peak ", (human_bytes(entry.get("peak_bytes")), level_style),
                              ") ", (f"{self.fraction():.0%}", level_style))
@@ -186,15 +211,10 @@ class DeviceCard(Widget):
                                        ("  recompute ", "dim"), str(entry.get("recompute_layers") or 0),
                                        ("  to host ", "dim"),
                                        (f"{human_bytes(entry.get('swapped_out_bytes') or 0)}/step", "cyan")))
+        lines += self.gpu_lines(entry)
         cpu = entry.get("cpu_percent")
         lines.append(Text.assemble(("rss ", "dim"), human_bytes(entry.get("rss_bytes")),
                                    ("  cpu ", "dim"), "—" if cpu is None else f"{cpu:.0f}%"))
-        if "nvml_used_bytes" in entry:
-            util = entry.get("gpu_util_percent")
-            lines.append(Text.assemble(
-                ("nvml ", "dim"), human_bytes(entry.get("nvml_used_bytes")), " / ",
-                human_bytes(entry.get("nvml_total_bytes")),
-                ("  util ", "dim"), "—" if util is None else f"{util:.0f}%"))
         if entry.get("owned_bytes"):   # sharded: this rank's shard, and its wait for others' broadcasts
             lines.append(Text.assemble(("owns ", "dim"), human_bytes(entry["owned_bytes"]),
                                        ("  gate ", "dim"), f"{entry.get('gate_ms') or 0.0:.1f} ms"))
@@ -224,6 +244,37 @@ class DeviceCard(Widget):
         return lines
 
     @staticmethod
+    def is_gpu(entry: dict) -> bool:
+        return any(field in entry for field in GPU_FIELDS)
+
+    @classmethod
+    def name_lines(cls, entry: dict, name: str) -> list[Text]:
+        """The GPU's name on a line of its own (the title has no room for it beside a role);
+        a CPU rank's card keeps its simulated tag alone."""
+        return [Text(name, "bold")] if name and cls.is_gpu(entry) else []
+
+    @staticmethod
+    def gpu_lines(entry: dict) -> list[Text]:
+        """A GPU's own figures. `unexplained` is the allocator's bytes minus the ledger's: what the
+        ledger does not count (DDP's buckets, workspaces, the allocator's rounding), negative when
+        the ledger counts more than the allocator holds. NVML's line only where NVML answered."""
+        lines = []
+        allocated = entry.get("allocated_bytes")
+        if allocated is not None:
+            lines += [Text.assemble(("alloc ", "dim"), (human_bytes(allocated), "bold"),
+                                    ("  peak ", "dim"), human_bytes(entry.get("allocator_peak_bytes"))),
+                      Text.assemble(("reserved ", "dim"), human_bytes(entry.get("reserved_bytes")))]
+            if entry.get("used_bytes") is not None:
+                lines.append(Text.assemble(("unexplained ", "dim"),
+                                           (signed_bytes(allocated - entry["used_bytes"]), "bold")))
+        if "nvml_used_bytes" in entry:
+            util = entry.get("gpu_util_percent")
+            lines.append(Text.assemble(
+                ("nvml ", "dim"), bytes_of(entry.get("nvml_used_bytes"), entry.get("nvml_total_bytes")),
+                ("  util ", "dim"), "—" if util is None else f"{util:.0f}%"))
+        return lines
+
+    @staticmethod
     def has_ledger(entry: dict) -> bool:
         return any(field in entry for field in LEDGER_FIELDS)
 
@@ -232,19 +283,20 @@ class DeviceCard(Widget):
         return bool(entry.get("swap_layers") or entry.get("recompute_layers"))
 
     @classmethod
-    def extra_lines(cls, entry: dict) -> int:
-        return ("nvml_used_bytes" in entry) + bool(entry.get("owned_bytes")) + bool(entry.get("host_bytes")) \
-            + cls.policy_line(entry)
+    def extra_lines(cls, entry: dict, name: str = "") -> int:
+        """The lines beyond the five every card with a ledger has (bar, legend, used, peak, rss)."""
+        return len(cls.name_lines(entry, name)) + len(cls.gpu_lines(entry)) + bool(entry.get("owned_bytes")) \
+            + bool(entry.get("host_bytes")) + cls.policy_line(entry)
 
     @classmethod
-    def height_for(cls, entry: dict, role: dict) -> int:
+    def height_for(cls, entry: dict, role: dict, name: str = "") -> int:
         role_lines = len(cls.role_lines(role))
         if role_lines and not cls.has_ledger(entry):   # a lost worker without a ledger row
             return role_lines
-        return 5 + cls.extra_lines(entry) + role_lines
+        return 5 + cls.extra_lines(entry, name) + role_lines
 
     def get_content_height(self, container, viewport, width: int) -> int:
-        return self.height_for(self.entry, self.role)
+        return self.height_for(self.entry, self.role, self.device_name)
 
 
 class DevicesPanel(VerticalScroll):
@@ -261,7 +313,7 @@ class DevicesPanel(VerticalScroll):
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
         self.cards: dict[int, DeviceCard] = {}
-        self.latest: tuple[list[dict], bool, dict | None] = ([], True, None)
+        self.latest: tuple[list[dict], bool, dict | None, list] = ([], True, None, [])
         self.ready = False   # composed and mounted: before that, updates wait for on_mount
         self.repaint = Throttle(self, self.REPAINT_S, self.apply)
 
@@ -281,15 +333,17 @@ class DevicesPanel(VerticalScroll):
         fit = max(1, (self.size.width + 1) // (CARD_WIDTH + 1))
         self.query_one(Grid).styles.grid_size_columns = max(1, min(fit, len(self.cards)))
 
-    def update_ranks(self, ranks: list[dict] | None, simulated: bool, ps: dict | None = None) -> None:
-        """`ranks`: a step's `ranks`; `ps`: a parameter-server step's `ps` (None in other modes)."""
-        self.latest = (list(ranks or []), simulated, ps)
+    def update_ranks(self, ranks: list[dict] | None, simulated: bool, ps: dict | None = None, *,
+                     names: list[str] | None = None) -> None:
+        """`ranks`: a step's `ranks`; `ps`: a parameter-server step's `ps` (None in other modes);
+        `names`: each rank's device, by rank (hello's `devices`; None when the run did not say)."""
+        self.latest = (list(ranks or []), simulated, ps, list(names or []))
         self.repaint()
 
     def apply(self) -> None:
         if not self.ready:
             return
-        ranks, simulated, ps = self.latest
+        ranks, simulated, ps, names = self.latest
         roles = ps_roles(ranks, ps or {}) if ps is not None or any("role" in entry for entry in ranks) else {}
         missing = set(roles) - {entry["rank"] for entry in ranks}
         if missing:   # a lost worker may send no ledger row any more: its card stays, saying it is lost
@@ -305,7 +359,9 @@ class DevicesPanel(VerticalScroll):
             grid.mount_all(self.cards.values())
             self.fit_columns()
         for entry in ranks:
-            self.cards[entry["rank"]].update_data(entry, simulated, roles.get(entry["rank"]))
+            rank = entry["rank"]
+            name = names[rank] if 0 <= rank < len(names) and isinstance(names[rank], str) else None
+            self.cards[rank].update_data(entry, simulated, roles.get(rank), name)
 
 
 def ps_roles(ranks: list[dict], ps: dict) -> dict[int, dict]:

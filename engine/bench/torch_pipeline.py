@@ -76,6 +76,7 @@ def torch_1f1b_job(topo, build: str, build_kwargs: dict, stage_layers: list[list
     """On every rank: run stage `topo.rank` of the model under torch's schedule, one optimizer step per batch."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+    from engine import compat
     from engine.config import OptimConfig
     from engine.ddp import cross_entropy
     from engine.optim import make_optimizer
@@ -90,6 +91,8 @@ def torch_1f1b_job(topo, build: str, build_kwargs: dict, stage_layers: list[list
     cls = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
     # scale_grads=True (the default): per-micro-batch mean losses, gradients divided by micro_batches
     sched = cls(stage, n_microbatches=micro_batches, loss_fn=cross_entropy, scale_grads=True)
+    # torch < 2.10's step has no return_outputs (an unknown keyword would reach the stage's forward)
+    no_outputs = {"return_outputs": False} if compat.accepts(sched.step, "return_outputs") else {}
     optimizer = make_optimizer(OptimConfig(**optim), list(stage_mod.parameters()))
     first, last = topo.rank == 0, topo.rank == topo.world_size - 1
 
@@ -101,7 +104,7 @@ def torch_1f1b_job(topo, build: str, build_kwargs: dict, stage_layers: list[list
         optimizer.zero_grad(set_to_none=True)
         mb_losses: list = []
         args = (x,) if first else ()   # middle and last stages receive their input from the previous stage
-        sched.step(*args, target=y if last else None, losses=mb_losses if last else None, return_outputs=False)
+        sched.step(*args, target=y if last else None, losses=mb_losses if last else None, **no_outputs)
         optimizer.step()
         ms = (time.perf_counter() - t0) * 1000
         if k >= warmup:

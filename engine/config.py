@@ -128,6 +128,12 @@ class OptimConfig:
     beta1: float = setting(0.9, "adamw: first-moment decay.", min=0.0, max=1.0)
     beta2: float = setting(0.999, "adamw: second-moment decay.", min=0.0, max=1.0)
     eps: float = setting(1e-8, "adamw: epsilon.", min=0.0)
+    kernel: str = setting("auto", "The optimizer's implementation: `fused` (one kernel over a layer's "
+                                  "tensors, on the CPU and on CUDA), `foreach` (one op per step over the "
+                                  "tensor list), or `auto` (fused where this torch has it for the "
+                                  "parameters' device, else foreach). The device and the host both use it, so on "
+                                  "the CPU an update gives the same values whichever side runs it.",
+                          choices=("auto", "fused", "foreach"))
 
 
 @dataclass
@@ -228,8 +234,13 @@ class UpdateConfig:
                                      "that fits the device capacity, exact) or `local` (decided layer by layer "
                                      "as backward ends, from the host queue's finish time).",
                            choices=("global", "local"))
+    host_threads: int = setting(0, "Threads that run host updates, each layer on the first free one; 0: "
+                                   "this worker's share of the host's cores (cores // workers on the host).",
+                                min=0, max=256)
     profile_steps: int = setting(4, "For `auto`: trial steps that measure every layer's update on both sides "
-                                    "(alternating) before the plan is made.", min=2, max=1000)
+                                    "(host first, then alternating; a device step holds on the device only the "
+                                    "updates whose state fits the capacity) before the plan is made.",
+                                 min=2, max=1000)
 
 
 @dataclass

@@ -27,13 +27,15 @@ its optimizer state with it; the ledger counts only device-side state.
 On the CPU the "device" is the worker's compute thread and the "host" is the
 executor thread, which runs on another core; the copies are memory copies. Nothing
 assumes a speed ratio: `placement = "auto"` measures both sides for
-`update.profile_steps` trial steps (even steps on the device, odd ones on the host)
-and plans from what it measured (engine/update_plan.py).
+`update.profile_steps` trial steps (host steps first, then alternating: a device step holds
+on the device only the updates whose state fits the capacity beside the measured peak, the rest
+modelled) and plans from what it measured (engine/update_plan.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import queue
 import statistics
 import threading
@@ -52,15 +54,24 @@ SIDES = ("device", "host")
 
 
 class LayerUpdate:
-    """One layer's parameters (those this rank updates) and its optimizer, on one side at a time."""
+    """One layer's parameters (those this rank updates) and its optimizer, on one side at a time.
+
+    On the host side the layer keeps fp32 master weights and gradient buffers in host memory, made
+    once when it moves there and reused every step (pinned on a GPU, so the copies are DMA on a side
+    stream of their own: gradients down, then weights up, while the compute stream goes on)."""
 
     def __init__(self, name: str, index: int, params: list[torch.nn.Parameter], optim_cfg: OptimConfig):
         self.name, self.index, self.params, self.cfg = name, index, params, optim_cfg
         self.side = "device"
         self.optimizer = make_optimizer(optim_cfg, params)
-        self.master: list[torch.Tensor] | None = None
+        self.master: list[torch.Tensor] | None = None   # host side: fp32 weights the host optimizer steps
+        self.grads: list[torch.Tensor] | None = None    # host side: their gradient buffers
         self.done = threading.Event()   # set when this step's update has landed
         self.done.set()
+        self.cuda = bool(params) and params[0].is_cuda
+        self.stream = torch.cuda.Stream(params[0].device) if self.cuda else None   # the layer's copies
+        self.landed = None              # CUDA: an event after the weights' copy up; the gate waits on it
+        self.grads_final = None         # CUDA: an event after the gradients are final on the compute stream
         self.device_ms = self.host_ms = self.copy_ms = 0.0   # the last measurement of each
 
     def move(self, side: str) -> None:
@@ -69,16 +80,23 @@ class LayerUpdate:
             return
         state = self.optimizer.state_dict()
         if side == "host":
-            self.master = [p.detach().to("cpu", dtype=torch.float32, copy=True) for p in self.params]
+            self.master = [self._host_copy(p.detach()) for p in self.params]
+            self.grads = [self._host_copy(torch.zeros_like(p)) for p in self.params]   # filled in place
             self.optimizer = make_optimizer(self.cfg, self.master)
         else:
+            self.wait_landed()
             with torch.no_grad():
                 for p, m in zip(self.params, self.master):
                     p.copy_(m)
-            self.master = None
+            self.master = self.grads = None
             self.optimizer = make_optimizer(self.cfg, self.params)
         self.optimizer.load_state_dict(state)   # casts the state to the new side's device and dtype
         self.side = side
+
+    def _host_copy(self, t: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(t.shape, dtype=torch.float32, pin_memory=self.cuda)
+        out.copy_(t)
+        return out
 
     def refresh_master(self) -> None:
         """The device weights changed outside an update (a checkpoint was loaded): copy them down."""
@@ -93,19 +111,53 @@ class LayerUpdate:
         self._zero_grads()
         self.device_ms = (time.perf_counter() - t0) * 1000
 
+    def mark_grads_final(self) -> None:
+        """CUDA, when the layer is dispatched to the host: what the compute stream has queued so far
+        (its gradients among it) must land before the copy down reads them."""
+        if self.cuda:
+            self.grads_final = torch.cuda.Event()
+            self.grads_final.record(torch.cuda.current_stream(self.params[0].device))
+
     @torch.no_grad()
     def step_host(self) -> None:
         t0 = time.perf_counter()
-        for p, m in zip(self.params, self.master):
-            m.grad = None if p.grad is None else p.grad.detach().to("cpu", dtype=torch.float32, copy=True)
+        if self.cuda:
+            with torch.cuda.stream(self.stream):
+                self.stream.wait_event(self.grads_final)
+                self._grads_down(non_blocking=True)
+                down = torch.cuda.Event()
+                down.record(self.stream)
+            down.synchronize()   # this layer's copy only: the host step reads what it brought
+        else:
+            self._grads_down(non_blocking=False)
         t1 = time.perf_counter()
         self.optimizer.step()
         t2 = time.perf_counter()
-        for p, m in zip(self.params, self.master):
-            p.copy_(m)
-        self._zero_grads()
+        if self.cuda:   # weights up and gradients zeroed on the side stream; the gate waits on `landed`
+            with torch.cuda.stream(self.stream):
+                for p, m in zip(self.params, self.master):
+                    p.copy_(m, non_blocking=True)
+                self._zero_grads()
+                self.landed = torch.cuda.Event()
+                self.landed.record(self.stream)
+        else:
+            for p, m in zip(self.params, self.master):
+                p.copy_(m)
+            self._zero_grads()
         t3 = time.perf_counter()
         self.host_ms, self.copy_ms = (t2 - t1) * 1000, ((t1 - t0) + (t3 - t2)) * 1000
+
+    def _grads_down(self, non_blocking: bool) -> None:
+        """Each gradient into its host buffer; a parameter without one is left alone by the step."""
+        for p, m, buffer in zip(self.params, self.master, self.grads):
+            m.grad = None if p.grad is None else buffer.copy_(p.grad, non_blocking=non_blocking)
+
+    def wait_landed(self) -> None:
+        """The compute stream goes on only after this layer's weights are back (CUDA; a no-op on the CPU,
+        where the copy up is done when the update is)."""
+        if self.landed is not None:
+            torch.cuda.current_stream(self.params[0].device).wait_event(self.landed)
+            self.landed = None
 
     def _zero_grads(self) -> None:
         for p in self.params:   # in place: strategies keep gradients as views into their buffers
@@ -116,25 +168,37 @@ class LayerUpdate:
         return sum(tensor_bytes(v) for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v))
 
     def host_bytes(self) -> int:
-        return 0 if self.side == "device" else self.state_bytes() + sum(tensor_bytes(m) for m in self.master)
+        if self.side == "device":
+            return 0
+        return self.state_bytes() + sum(tensor_bytes(t) for t in self.master + self.grads)
+
+
+def default_host_threads() -> int:
+    """The cores this worker may use for host updates: its share of the host's cores."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
 
 
 class HostExecutor:
-    """One thread that runs host updates in the order they were dispatched."""
+    """`threads` threads that run host updates, each layer as soon as a thread is free (layers are
+    independent: each has its own optimizer, and its gate waits for it alone)."""
 
-    def __init__(self):
+    def __init__(self, threads: int = 1):
         self._queue: queue.Queue = queue.Queue()
         self.error: BaseException | None = None
-        self.busy_s = 0.0
-        self._thread = threading.Thread(target=self._run, name="trainyard-host-updates", daemon=True)
-        self._thread.start()
+        self.busy_s = 0.0   # summed over the threads
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._run, name=f"trainyard-host-updates-{i}", daemon=True)
+                         for i in range(max(1, threads))]
+        for thread in self._threads:
+            thread.start()
 
     def submit(self, update: LayerUpdate) -> None:
         update.done.clear()
+        update.mark_grads_final()
         self._queue.put(update)
 
     def _run(self) -> None:
-        torch.set_num_threads(1)
         while True:
             update = self._queue.get()
             if update is None:
@@ -145,12 +209,15 @@ class HostExecutor:
             except BaseException as e:   # noqa: BLE001 - reported on the compute thread at the gate
                 self.error = e
             finally:
-                self.busy_s += time.perf_counter() - t0
+                with self._lock:
+                    self.busy_s += time.perf_counter() - t0
                 update.done.set()
 
     def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join(timeout=10)
+        for _ in self._threads:
+            self._queue.put(None)
+        for thread in self._threads:
+            thread.join(timeout=10)
 
 
 class HybridUpdater:
@@ -168,6 +235,7 @@ class HybridUpdater:
         self._gate_s = self._device_s = 0.0
         self.trial_left = cfg.profile_steps if cfg.placement == "auto" else 0
         self._trial: list[dict] = []
+        self._grads_at_start = 0
         self._profiler = LayerProfiler(model, device.ledger) if self.trial_left else None
         self.plan = None              # the planner's Timeline once made (auto)
         self.new_plan = False         # set when a plan was just made; the worker reports it
@@ -196,7 +264,7 @@ class HybridUpdater:
             if name in self.by_name:
                 self.by_name[name].move(side)
         if any(u.side == "host" for u in self.updates.values()) and self.executor is None:
-            self.executor = HostExecutor()
+            self.executor = HostExecutor(self.cfg.host_threads or default_host_threads())
         self.device.ledger.refresh()
 
     def set_placement(self, layer: str, side: str) -> None:
@@ -253,13 +321,32 @@ class HybridUpdater:
         return sum(u.host_bytes() for u in self.updates.values())
 
     # --- a step ------------------------------------------------------------------------------
+    def _trial_side(self) -> str:
+        """The trial starts on the host (no optimizer state on the device), then alternates."""
+        return "host" if (self.cfg.profile_steps - self.trial_left) % 2 == 0 else "device"
+
+    def _fitting_device_placement(self) -> dict[str, str]:
+        """A device trial step holds on the device only the updates whose state fits beside the peak the
+        host steps measured (backward order, first come first placed); the rest stay on the host and their
+        device times are modelled (`_make_plan`). So a trial never takes a real GPU out of memory."""
+        room = self.device.ledger.capacity_bytes - max(t["steady_peak"] for t in self._trial if t["side"] == "host")
+        placement = {}
+        for index in sorted(self.updates, reverse=True):
+            u = self.updates[index]
+            need = u.state_bytes()   # measured by the host step (fp32 state; the device keeps the same)
+            fits = need <= room
+            placement[u.name] = "device" if fits else "host"
+            room -= need if fits else 0
+        return placement
+
     def begin_step(self) -> None:
         if self.trial_left:
-            side = "device" if self.trial_left % 2 == 0 else "host"
-            self.place(dict.fromkeys(self.by_name, side))
+            side = self._trial_side()
+            self.place(dict.fromkeys(self.by_name, "host") if side == "host" else self._fitting_device_placement())
             self._profiler.arm()
-            if side == "host":
-                self.device.ledger.reset_peak()
+            self.device.ledger.refresh()
+            self.device.ledger.reset_peak()
+            self._grads_at_start = self.device.ledger.bytes["gradients"]
         self._missing = {i: len(u.params) for i, u in self.updates.items()}
         self._dispatched = set()
         self._gate_s = self._device_s = 0.0
@@ -314,6 +401,7 @@ class HybridUpdater:
                 u.done.wait()
                 self._gate_s += time.perf_counter() - t0
             self._raise_host_error()
+            u.wait_landed()
         return hook
 
     def wait_host(self) -> float:
@@ -321,6 +409,7 @@ class HybridUpdater:
         t0 = time.perf_counter()
         for u in self.updates.values():
             u.done.wait()
+            u.wait_landed()
         self._raise_host_error()
         return time.perf_counter() - t0
 
@@ -339,10 +428,14 @@ class HybridUpdater:
     # --- the trial and the plan ----------------------------------------------------------------
     def _record_trial(self, rows: list[dict]) -> None:
         self.wait_host()
-        side = "device" if self.trial_left % 2 == 0 else "host"
         layers = {row["name"]: row for row in rows}
-        self._trial.append({"side": side, "layers": layers, "peak": self.device.ledger.peak_bytes,
-                            "updates": {u.name: (u.device_ms, u.host_ms, u.copy_ms, u.state_bytes())
+        ledger = self.device.ledger
+        ledger.refresh()
+        # a step that made its gradients during backward (the first) peaked without them: its steady peak has them
+        steady = ledger.peak_bytes + max(0, ledger.bytes["gradients"] - self._grads_at_start)
+        self._trial.append({"side": self._trial_side(), "layers": layers, "peak": ledger.peak_bytes,
+                            "steady_peak": steady,
+                            "updates": {u.name: (u.device_ms, u.host_ms, u.copy_ms, u.state_bytes(), u.side)
                                         for u in self.updates.values()}})
         self.trial_left -= 1
         if self.trial_left == 0:
@@ -353,6 +446,7 @@ class HybridUpdater:
             return statistics.median(values) if values else 0.0
         dev = [t for t in self._trial if t["side"] == "device"][1:] or [t for t in self._trial if t["side"] == "device"]
         host = [t for t in self._trial if t["side"] == "host"][1:] or [t for t in self._trial if t["side"] == "host"]
+        device_ms = self._device_times(dev)
         # one cost per layer with an update, in backward order; the times of layers without parameters
         # go to the next layer with one in backward order (they delay its backward and precede it)
         costs, carry_fwd, carry_bwd = [], 0.0, 0.0
@@ -366,7 +460,7 @@ class HybridUpdater:
                 continue
             costs.append(LayerCost(
                 name=name, fwd_ms=fwd + carry_fwd, bwd_ms=bwd + carry_bwd,
-                device_ms=median([t["updates"][name][0] for t in dev]),
+                device_ms=device_ms[name],
                 host_ms=median([t["updates"][name][1] for t in host]),
                 copy_ms=median([t["updates"][name][2] for t in host]),
                 state_bytes=max(t["updates"][name][3] for t in self._trial)))
@@ -380,6 +474,18 @@ class HybridUpdater:
         self.plan = planner(self.profile)
         self.place({name: side for name, side in zip((c.name for c in costs), self.plan.placement)})
         self.new_plan = True
+
+    @staticmethod
+    def _device_times(dev: list[dict]) -> dict[str, float]:
+        """Each layer's device update time: measured where the trial held it on the device, else modelled
+        from the measured ones at their time per byte of state (the update's work scales with it)."""
+        names = list(dev[0]["updates"]) if dev else []
+        measured = {n: statistics.median(t["updates"][n][0] for t in dev if t["updates"][n][4] == "device")
+                    for n in names if any(t["updates"][n][4] == "device" for t in dev)}
+        state = {n: max(t["updates"][n][3] for t in dev) for n in names}
+        rates = [measured[n] / state[n] for n in measured if state[n]]
+        rate = statistics.median(rates) if rates else 0.0
+        return {n: measured[n] if n in measured else rate * state[n] for n in names}
 
     def predicted(self, placement: str | dict) -> object:
         """The cost model's timeline of another placement, from this run's profile (for reports)."""

@@ -189,15 +189,33 @@ def plan(costs: list[LayerCost], *, capacity_bytes: int, base_bytes: int, in_fli
                         f"(device.memory = \"{_round_up_mib(need) // 2**20}MiB\")", _round_up_mib(need))
     if est(keep) <= capacity_bytes:
         return made(keep, planner)
-    if planner == "exhaustive":
-        if len(free) <= EXHAUSTIVE_MAX_LAYERS:
-            return made(_exhaustive(costs, free, keep, est, capacity_bytes, budget, link_bytes_per_ms), planner)
+    how = planner
+    if planner == "exhaustive" and len(free) <= EXHAUSTIVE_MAX_LAYERS:
+        policies, note = _exhaustive(costs, free, keep, est, capacity_bytes, budget, link_bytes_per_ms), ""
+    elif planner == "exhaustive":
         policies, note = _greedy(free, keep, floors, est, capacity_bytes, budget, link_bytes_per_ms, reverse=False)
-        return made(policies, "ratio", f"{len(free)} layers: more than {EXHAUSTIVE_MAX_LAYERS} for an exhaustive "
-                                       f"search, planned by ratio" + (f"; {note}" if note else ""))
-    policies, note = _greedy(free, keep, floors, est, capacity_bytes, budget, link_bytes_per_ms,
-                             reverse=planner == "reverse")
-    return made(policies, planner, note)
+        how, note = "ratio", (f"{len(free)} layers: more than {EXHAUSTIVE_MAX_LAYERS} for an exhaustive search, "
+                              f"planned by ratio" + (f"; {note}" if note else ""))
+    else:
+        policies, note = _greedy(free, keep, floors, est, capacity_bytes, budget, link_bytes_per_ms,
+                                 reverse=planner == "reverse")
+    # never a plan the model says is slower than a uniform one that fits: all-recompute, all-swap
+    def cost(p: dict[str, str]) -> float:
+        return extra_ms(costs, p, budget, link_bytes_per_ms)
+    for name, uniform in zip(("recompute", "swap"), floors):
+        if est(uniform) <= capacity_bytes and cost(uniform) < cost(policies):
+            note = (f"every layer on {name}: modelled {cost(uniform):.2f} ms extra per micro-batch against "
+                    f"{cost(policies):.2f} ms for the {how} plan")
+            policies = uniform
+    return made(policies, how, note)
+
+
+def extra_ms(costs: list[LayerCost], policies: dict[str, str], budget_ms: float, link_bytes_per_ms: float) -> float:
+    """The modelled time policies add to a micro-batch: recomputed forwards, plus swap time beyond
+    what the stage's own forward and backward hide."""
+    recompute = sum(c.fwd_ms for c in costs if policies[c.name] == "recompute")
+    swapped = sum(swap_ms(c, link_bytes_per_ms) for c in costs if policies[c.name] == "swap")
+    return recompute + max(0.0, swapped - budget_ms)
 
 
 def order_by_ratio(free: list[LayerCost], link_bytes_per_ms: float, reverse: bool = False) -> list[LayerCost]:
@@ -250,10 +268,8 @@ def _exhaustive(costs, free, keep, est, capacity, budget, link) -> dict[str, str
         policies = {**keep, **{c.name: p for c, p in zip(free, choice)}}
         if est(policies) > capacity:
             continue
-        rec = sum(c.fwd_ms for c, p in zip(free, choice) if p == "recompute")
-        over = max(0.0, sum(swap_ms(c, link) for c in costs if policies[c.name] == "swap") - budget)
         swapped = sum(c.act_bytes for c, p in zip(free, choice) if p == "swap")
-        key = (rec + over, swapped, sum(p != "keep" for p in choice))
+        key = (extra_ms(costs, policies, budget, link), swapped, sum(p != "keep" for p in choice))
         if best_key is None or key < best_key:
             best, best_key = policies, key
     return best
@@ -264,6 +280,39 @@ def _round_up_mib(n: int) -> int:
 
 
 # --- the host link -------------------------------------------------------------------------------------
+class HostBufferPool:
+    """Host buffers for swapped storages, kept and reused across steps: a step saves storages of the
+    same sizes again and again, and a new buffer costs page faults on the CPU and a cudaHostAlloc (page
+    locking, milliseconds) on a GPU. Buffers are pinned on a GPU, so copies are DMA on a side stream.
+    The pool holds at most what was in use at once (each buffer returns when its storage comes back
+    or is freed)."""
+
+    def __init__(self, pinned: bool):
+        self.pinned = pinned
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+        self.made = self.reused = 0
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        with self._lock:
+            free = self._free.get(nbytes)
+            if free:
+                self.reused += 1
+                return free.pop()
+            self.made += 1
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
+
+    def give(self, buf: torch.Tensor | None) -> None:
+        if buf is None:
+            return
+        with self._lock:
+            self._free.setdefault(buf.numel(), []).append(buf)
+
+    def held_bytes(self) -> int:
+        with self._lock:
+            return sum(n * len(bufs) for n, bufs in self._free.items())
+
+
 class HostLink:
     """Copies between the device and host memory, off the compute thread: one thread per direction
     (a real link is full duplex), each working through its queue in order. On CUDA the copies run on a
@@ -277,6 +326,7 @@ class HostLink:
         self._threads = [threading.Thread(target=self._loop, args=(q,), name=f"trainyard-host-link-{d}", daemon=True)
                          for d, q in self._queues.items()]
         self._streams = {d: torch.cuda.Stream(device) for d in self._queues} if self.cuda else {}
+        self.pool = HostBufferPool(pinned=self.cuda)
         self.error: Exception | None = None   # the last copy that failed on a link thread
         for t in self._threads:
             t.start()
@@ -292,7 +342,8 @@ class HostLink:
             raise RuntimeError(f"the host link's {direction} queue did not drain within {timeout} s")
 
     def copy(self, direction: str, src: torch.Tensor) -> torch.Tensor:
-        """On a link thread: a copy of the uint8 buffer `src` on the other side, complete on return."""
+        """On a link thread: a copy of the uint8 buffer `src` on the other side, complete on return. A copy
+        out lands in a buffer of the pool (give it back when done with it)."""
         t0 = time.perf_counter()
         if self.cuda:
             stream, compute = self._streams[direction], torch.cuda.default_stream(self.device)
@@ -300,15 +351,21 @@ class HostLink:
             stream.wait_stream(compute)
             with torch.cuda.stream(stream):
                 if direction == "out":
-                    dst = torch.empty(src.numel(), dtype=torch.uint8, pin_memory=True)
+                    dst = self.pool.take(src.numel())
                 else:
                     dst = torch.empty(src.numel(), dtype=torch.uint8, device=self.device)
                 dst.copy_(src, non_blocking=True)
-            stream.synchronize()
+                landed = torch.cuda.Event()
+                landed.record(stream)
+            landed.synchronize()   # this copy only: the link thread books it when it has landed
             if direction == "in":   # allocated on the side stream, used by backward on the compute stream
                 dst.record_stream(compute)
             return dst
-        dst = src.clone()
+        if direction == "out":
+            dst = self.pool.take(src.numel())
+            dst.copy_(src)
+        else:
+            dst = src.clone()
         if self.pace_bytes_per_s:
             rest = src.numel() / self.pace_bytes_per_s - (time.perf_counter() - t0)
             if rest > 0:
@@ -407,6 +464,7 @@ class Swapper:
         self._by_ptr: dict[int, _SwapEntry] = {}     # live entries by the address of their device storage
         self.pending_out = 0                         # bytes queued or copying out (still on the device)
         self.waited_s = 0.0                          # the compute thread's waits for the link, in total
+        self.urgent_fetches = 0                      # backward waiting for a storage now
         self._landed = threading.Condition(threading.Lock())
 
     def make_room(self, nbytes: int) -> None:
@@ -456,6 +514,7 @@ class Swapper:
         ledger = self.ledger
         with ledger._lock:
             if entry.state != "out":   # freed while copying
+                self.link.pool.give(host)
                 return
             self.pending_out -= entry.nbytes
             entry.host_buf, entry.device_buf, entry.state = host, None, "host"
@@ -484,12 +543,15 @@ class Swapper:
         back = self.link.copy("in", host)
         ledger = self.ledger
         deadline = time.monotonic() + PREFETCH_WAIT_S
-        while (not entry.urgent and entry.state == "in" and time.monotonic() < deadline
-               and ledger.used_bytes + entry.nbytes > ledger.capacity_bytes):
-            time.sleep(0.0005)   # a prefetch lands when there is room (or when backward needs it)
+        # a prefetch lands when there is room, or when backward needs it or another storage queued
+        # behind it on this link (the queue is in order: waiting here would make that backward wait too)
+        while (not entry.urgent and not self.urgent_fetches and entry.state == "in"
+               and time.monotonic() < deadline and ledger.used_bytes + entry.nbytes > ledger.capacity_bytes):
+            time.sleep(0.0005)
         with ledger._lock:
             if entry.state != "in":
                 return
+            self.link.pool.give(host)
             entry.restored, entry.host_buf, entry.state = back, None, "back"
             ledger.bytes["swapped"] -= entry.nbytes
             ledger.bytes["activations"] += entry.nbytes
@@ -504,9 +566,16 @@ class Swapper:
             if entry.state == "back":
                 return entry.restored
         entry.urgent = True
+        with self.ledger._lock:
+            self.urgent_fetches += 1
         self.prefetch([entry])
         t0 = time.perf_counter()
-        if not entry.ready.wait(timeout=FETCH_TIMEOUT_S):
+        try:
+            landed = entry.ready.wait(timeout=FETCH_TIMEOUT_S)
+        finally:
+            with self.ledger._lock:
+                self.urgent_fetches -= 1
+        if not landed:
             why = f" (the host link failed: {self.link.error!r})" if self.link.error else ""
             raise RuntimeError(f"a swapped activation did not come back from the host within "
                                f"{FETCH_TIMEOUT_S} s{why}")
@@ -525,6 +594,8 @@ class Swapper:
                 ledger.bytes["swapped"] -= entry.nbytes
             if self._by_ptr.get(entry.ptr) is entry:
                 del self._by_ptr[entry.ptr]
+            if state == "host":   # "in": its copy back may be reading it; that buffer is left to the GC
+                self.link.pool.give(entry.host_buf)
             entry.device_buf = entry.host_buf = entry.restored = None
 
 

@@ -54,6 +54,10 @@ def test_bench_hybrid_reports_every_placement_at_both_capacities(cli):
     for rows in (tight, roomy):   # the exact plan is the brute-force optimum of the cost model
         assert rows["auto-global"]["modelled_ms"] == rows["brute-force"]["modelled_ms"]
         assert rows["all-host"]["ratio_to_all_host"] == 1.0 and rows["auto-local"]["measured_ms"] > 0
+    host = report["host_step"]   # the host step before (foreach, one thread) beside now, measured alike
+    assert host["before_foreach_1_thread_ms"] > 0 and host["now_fused_ms"] == roomy["all-host"]["measured_ms"]
+    assert host["speedup"] == pytest.approx(host["before_foreach_1_thread_ms"] / host["now_fused_ms"], abs=2e-3)
+    assert host["host_updates_alone_before_ms"] > 0 and host["host_updates_alone_now_ms"] > 0 and host["now_threads"] >= 1
 
 
 @pytest.mark.timeout(240)
@@ -68,3 +72,20 @@ def test_bench_ps_reports_time_to_target_and_accuracy_per_mode(cli):
     for row in (bsp, soft):
         assert 0 <= row["final_accuracy"] <= 1 and row["steps"] > 0 and row["evals"]
         assert set(row["iterations"]) == {"2", "3", "4", "5"}
+
+
+@pytest.mark.timeout(120)
+def test_bench_memory_reports_every_variant_beside_torchs_own(cli):
+    r = cli.run("bench", "memory", "--json", "--rounds", "1", "--steps", "1", "--d-model", "32", "--depth", "1",
+                "--seq-len", "16", "--batch", "8", "--device", "cpu", timeout=110)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    variants = report["variants"]
+    assert set(variants) == {"keep", "recompute", "swap", "auto-ratio", "auto-reverse", "auto-exhaustive",
+                             "torch-checkpoint", "torch-save-on-cpu"}
+    assert report["device"] == "cpu" and variants["recompute"]["vs_recompute"] == 1.0
+    assert variants["swap"]["swapped_per_step_bytes"] > 0 and variants["keep"]["swapped_per_step_bytes"] == 0
+    for name in ("torch-checkpoint", "torch-save-on-cpu"):   # the ledger cannot see inside torch's own hooks
+        assert variants[name]["peak_bytes"] is None and variants[name]["fits"] is None
+        assert variants[name]["samples_per_s"] > 0
+    assert all(row["allocator_peak_bytes"] is None for row in variants.values())   # no GPU here

@@ -55,6 +55,7 @@ weight_decay = 0.01
 beta1 = 0.8
 beta2 = 0.99
 eps = 1e-6
+kernel = "foreach"
 
 [parallel]
 strategy = "sharded"
@@ -86,6 +87,7 @@ shutdown_timeout_s = 2
 [update]
 placement = { fc0 = "host" }
 planner = "local"
+host_threads = 3
 profile_steps = 6
 
 [device]
@@ -146,7 +148,8 @@ def test_full_file_loads_every_key(tmp_path):
     cfg = load_config(write(tmp_path, FULL_TOML))
     assert cfg.run.name == "full-run_1.0" and cfg.run.overwrite is True
     assert cfg.model.heads == 6 and cfg.data.batch_size == 24
-    assert cfg.optim.lr == 3e-4 and cfg.optim.eps == 1e-6
+    assert cfg.optim.lr == 3e-4 and cfg.optim.eps == 1e-6 and cfg.optim.kernel == "foreach"
+    assert cfg.update.host_threads == 3
     assert cfg.parallel.collective_timeout_s == 30.0
     assert isinstance(cfg.parallel.collective_timeout_s, float)  # ints widen for float keys
     assert cfg.device.memory == "2GiB" and cfg.capacity_bytes == 2 * 2**30
@@ -262,7 +265,7 @@ def test_bad_size(value):
 def test_unknown_key_suggests_close_match():
     assert error_of({"optim": {"lrr": 0.1}}) == (
         "unknown key 'optim.lrr' (did you mean 'optim.lr'?); "
-        "allowed keys in [optim]: name, lr, momentum, weight_decay, beta1, beta2, eps")
+        "allowed keys in [optim]: name, lr, momentum, weight_decay, beta1, beta2, eps, kernel")
     assert error_of({"optim": {"zzzz": 1}}).startswith("unknown key 'optim.zzzz'; allowed keys in [optim]: ")
 
 

@@ -39,19 +39,21 @@ def train(topo, strategy: str = "ddp", optim: str = "sgd", placement="device", p
     else:
         runner = ShardedStrategy(model, cfg.optim, topo, device, streams=2, slices=4, update_cfg=update)
     device.ledger.track_module(model, runner.optimizer)
-    seen = []
+    seen, peaks = [], []
     for step in range(steps):
         if switch and step == switch[0]:
             runner.sync()
             runner.updater.set_placement(switch[1], switch[2])
         runner.train_step(*batch_for(ds, step, cfg.data.batch_size, cfg.run.seed, topo.rank, topo.world_size))
         seen.append(dict(runner.updater.placement()))
+        peaks.append(device.ledger.peak_bytes)
         if step == 1:
             device.ledger.refresh()
             state_bytes = device.ledger.bytes["optimizer_state"]
     runner.sync()
     out = {"state": {k: v.detach().clone() for k, v in model.state_dict().items()}, "placements": seen,
-           "device_state_bytes": state_bytes, "plan": runner.updater.plan}
+           "device_state_bytes": state_bytes, "plan": runner.updater.plan, "peaks": peaks,
+           "profile": runner.updater.profile}
     runner.close()
     return out
 
@@ -87,9 +89,29 @@ def test_parameters_are_identical_whichever_side_updates(pool, strategy, optim, 
     mine = results[0]["placements"]
     if placement == "host":       # rank 0's layers (all of them in ddp, its own in sharded) on the host
         assert set(mine[-1].values()) == {"host"}
-    if placement == "auto":       # the trial alternates sides, then the plan holds
-        assert set(mine[0].values()) == {"device"} and set(mine[1].values()) == {"host"}
+    if placement == "auto":       # the trial starts on the host, alternates, then the plan holds
+        assert set(mine[0].values()) == {"host"} and set(mine[1].values()) == {"device"}
         assert mine[4] == mine[-1] and results[0]["plan"] is not None
+
+
+def tight_trial(topo) -> dict:
+    """An auto trial at a capacity where the host steps' peak leaves room for about half the state."""
+    roomy = train(topo, optim="adamw", placement="auto", steps=5)["profile"]
+    state = sum(c.state_bytes for c in roomy.layers)
+    capacity = roomy.peak_bytes + state // 2
+    tight = train(topo, optim="adamw", placement="auto", steps=5, capacity=capacity)
+    return {"capacity": capacity, "state": state, "peaks": tight["peaks"], "placements": tight["placements"],
+            "plan": tight["plan"], "device_ms": [c.device_ms for c in tight["profile"].layers]}
+
+
+@pytest.mark.timeout(120)
+def test_the_auto_trial_never_goes_over_the_capacity(pool):
+    for result in pool.run(tight_trial):
+        trial = result["peaks"][:4]
+        assert max(trial) <= result["capacity"], (trial, result["capacity"])
+        device_step = result["placements"][1]   # some updates fit on the device, not all
+        assert set(device_step.values()) == {"device", "host"}
+        assert result["plan"] is not None and all(ms > 0 for ms in result["device_ms"])   # measured or modelled
 
 
 @pytest.mark.timeout(120)

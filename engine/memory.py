@@ -650,6 +650,7 @@ class ActivationPolicy:
         self._last_owned = list(self.owned())
         self._pass = (-1, None)   # (index of the last layer run, the last swap group of this forward pass)
         self.last_error: PlanError | None = None
+        self._model_error: PlanError | None = None   # the model's refusal, while a measured floor is due
         # a layer's own forward (an instance attribute of a user's layer is kept and restored on close)
         self._replaced = {i: layer.__dict__.get("forward") for i, layer in enumerate(model.layers)}
         for i, layer in enumerate(model.layers):
@@ -796,6 +797,8 @@ class ActivationPolicy:
         self.plan_due = False
         costs = self._costs(measure)
         owned = self._last_owned
+        if self._model_error is not None:   # this step ran every free layer recomputed: the measured floor
+            return self._measured_floor(owned)
         flight = self.in_flight()
         current = {n: self.policy[n] for n in owned}
         # what the stage holds besides its layers' saved activations: parameters, gradients, optimizer
@@ -814,6 +817,14 @@ class ActivationPolicy:
                         link_bytes_per_ms=self.link_bytes_per_ms, planner=self.cfg.planner,
                         pinned={n: p for n, p in self.pinned.items() if n in owned})
         except PlanError as e:
+            free = [n for n in owned if n not in self.pinned]
+            if any(self.policy[n] != "recompute" for n in free):
+                # the model's floor is a model: measure a step with every free layer recomputed before
+                # refusing (on an H100 the model said 43.2 MiB where recompute trained at a 27.1 MiB peak)
+                self._model_error = e
+                self.policy.update(dict.fromkeys(free, "recompute"))
+                self.plan_due = True
+                return None
             self.last_error = e
             return None
         self._ensure_link("swap" in made.policies.values())
@@ -822,6 +833,28 @@ class ActivationPolicy:
         self.plan = made
         self.ledger.reset_peak()
         return made
+
+    def _measured_floor(self, owned: list[str]) -> Plan | None:
+        """After the step that recomputed every free layer: that is the plan if its measured peak fits;
+        else the run is refused, naming the measured peak as the smallest capacity that fits."""
+        model_error, self._model_error = self._model_error, None
+        measured, capacity = self.ledger.peak_bytes, self.ledger.capacity_bytes
+        if measured > capacity:
+            need = _round_up_mib(measured)
+            why = " with the operator's set-policy choices" if set(self.pinned) & set(owned) else ""
+            self.last_error = PlanError(
+                f"the layers {owned[0]}..{owned[-1]} need {format_size(measured)} ({measured} bytes), measured "
+                f"with every layer recomputed{why}, more than the capacity of {format_size(capacity)} ({capacity} "
+                f"bytes): the smallest capacity that fits is {format_size(need)} "
+                f"(device.memory = \"{need // 2**20}MiB\")", need)
+            return None
+        self.plan = Plan(policies={n: self.policy[n] for n in owned}, estimate_bytes=measured, capacity_bytes=capacity,
+                         planner=self.cfg.planner, budget_ms=self.plan.budget_ms if self.plan else 0.0,
+                         note=f"the model put every plan over the capacity ({model_error.min_capacity_bytes} bytes "
+                              f"at least); every layer recomputed measured {format_size(measured)}, within it")
+        self.provisional -= set(owned)
+        self.ledger.reset_peak()
+        return self.plan
 
     def _costs(self, measure: _Measure) -> list[LayerCost]:
         by_layer, shared = self.ledger.activations_by_layer, self.ledger.shared_bytes

@@ -252,8 +252,10 @@ def test_auto_plans_fit_several_capacities_and_follow_the_rule():
 
 
 def test_a_capacity_below_every_plan_is_refused_with_the_smallest_that_fits():
-    _, _, _, pol = train("mlp", 2, MemoryConfig(policy="auto", host_link_gbps=2.0), 4096)
+    # the model refuses after the measuring step; a step with every layer recomputed is measured, then refused
+    _, _, _, pol = train("mlp", 3, MemoryConfig(policy="auto", host_link_gbps=2.0), 4096)
     assert pol.last_error is not None and "smallest capacity that fits is" in str(pol.last_error)
+    assert "measured with every layer recomputed" in str(pol.last_error)
     assert pol.last_error.min_capacity_bytes > 4096
 
 
@@ -428,3 +430,15 @@ def test_swap_reuses_its_host_buffers_from_step_to_step():
     assert made[0] > 0 and made[2] == made[1] == made[0] and pool.reused >= 2 * made[0]
     assert device.ledger.bytes["swapped"] == 0
     policies.close()
+
+
+def test_a_capacity_the_model_refuses_but_recompute_fits_when_measured_trains():
+    # the model puts every plan of this transformer over 1.2 MB (about 1.7 MB with every layer recomputed);
+    # measured, every layer recomputed peaks near 1.06 MB: that step is measured, and it is the plan
+    capacity = 1_200_000
+    _, peaks, plans, pol = train("transformer", 5, MemoryConfig(policy="auto", host_link_gbps=2.0), capacity)
+    made = [p for p in plans if p is not None]
+    assert pol.last_error is None and made and "every layer recomputed measured" in made[-1].note
+    assert set(made[-1].policies.values()) == {"recompute"}
+    after = plans.index(made[-1])
+    assert max(peaks[after + 1:]) <= capacity

@@ -221,6 +221,7 @@ class LedgerDevice:
             capacity_bytes = probe.total_bytes() if probe is not None else SIMULATED_CAPACITY_BYTES
         self.ledger = MemoryLedger(capacity_bytes)
         self.note = ""   # which device and why (open_device sets it; run_start carries it)
+        self.rank_names: list[str] = []   # every rank's device name, by rank (gathered at start: worker.meet)
         self._proc = psutil.Process(os.getpid())
         self._proc.cpu_percent(None)  # the first call only starts the measurement
 

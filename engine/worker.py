@@ -576,7 +576,7 @@ def device_fields(device) -> dict:
     """What hello and run_start say of the devices: rank 0's name, whether simulated, every rank's
     name, and which device the run uses and why."""
     return {"device": device.name, "simulated": device.simulated,
-            "devices": list(getattr(device, "rank_names", [device.name])), "device_note": device.note}
+            "devices": list(device.rank_names or [device.name]), "device_note": device.note}
 
 
 def make_strategy(cfg: Config, model: LayerList, topo: Topology, device):

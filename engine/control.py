@@ -4,7 +4,8 @@
     commands = share_commands(topo, payload, table)      # the same list on every rank
 
 One all-gather of a small float vector per step carries loss, timings, ledger
-figures (and a GPU's allocator and NVML figures), the stop flag and the length of rank 0's command payload; only when that
+figures (and a GPU's allocator and NVML figures), the stop flag and the length of
+rank 0's command payload; only when that
 length is non-zero does a broadcast of the payload follow. Both run on the side
 group, so every rank sees the same commands at the same step and applies them there.
 """
@@ -36,7 +37,6 @@ _ABSENT = float("nan")
 def row_values(values: dict) -> list[float]:
     """`values` as one row of FIELDS: a missing field is 0, a missing GPU figure NaN (left out of rank_rows)."""
     return [float(values.get(k, _ABSENT if k in GPU_FIELDS else 0.0)) for k in FIELDS]
-
 
 
 def exchange(topo: Topology, values: dict) -> torch.Tensor:

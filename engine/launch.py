@@ -37,8 +37,8 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from engine import checkpoint as ckpt
 from engine import compat
 from engine.config import config_to_toml, format_size
-from engine.devices import choose_device, cuda_count
-from engine.pipeline import uniform_stages
+from engine.devices import choose_device, cuda_count, tensor_bytes
+from engine.pipeline import configured_stages
 from engine.refusal import REFUSAL_SIGNAL, Refused
 from engine.worker import Job, worker_main
 
@@ -66,7 +66,8 @@ class RunInterrupted(RuntimeError):
 
 def prepare_run_dir(job: Job) -> None:
     """Check this host (check_machine), the run directory and the checkpoint to resume before any process
-    starts. With several hosts, host 0 prepares the (shared) run directory; the others only check what they would resume."""
+    starts. With several hosts, host 0 prepares the (shared) run directory; the others only check what
+    they would resume."""
     cfg = job.config
     check_machine(job)
     run_dir = cfg.run_dir
@@ -146,10 +147,9 @@ def _check_capacity(job: Job, capacity: int, binding: str) -> None:
         data = job.data if job.data is not None else load_dataset(cfg.data, cfg.run.seed)
         with torch.device("meta"):   # sizes only, no memory
             model = build_model(cfg.model, data.meta, cfg.run.seed)
-    layer_bytes = [sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in model.layers]
+    layer_bytes = [sum(tensor_bytes(p) for p in layer.parameters()) for layer in model.layers]
     if cfg.parallel.strategy == "pipeline":
-        stages = uniform_stages(model, cfg.parallel.world_size) if cfg.parallel.partition == "uniform" \
-            else cfg.parallel.partition
+        stages = configured_stages(model, cfg.parallel.partition, cfg.parallel.world_size)
         index = {name: i for i, name in enumerate(model.names)}
         # a stage naming unknown layers is the worker's to refuse, with the layers it has
         held = max(sum(layer_bytes[index[n]] for n in stage if n in index) for stage in stages)

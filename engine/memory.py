@@ -308,10 +308,6 @@ class HostBufferPool:
         with self._lock:
             self._free.setdefault(buf.numel(), []).append(buf)
 
-    def held_bytes(self) -> int:
-        with self._lock:
-            return sum(n * len(bufs) for n, bufs in self._free.items())
-
 
 class HostLink:
     """Copies between the device and host memory, off the compute thread: one thread per direction

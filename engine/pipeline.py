@@ -116,6 +116,11 @@ def uniform_stages(model, stages: int) -> list[list[str]]:
     return [list(stage) for stage in split.stages]
 
 
+def configured_stages(model, partition, stages: int) -> list[list[str]]:
+    """`parallel.partition`: "uniform" (uniform_stages over `stages`), or the stages as listed."""
+    return uniform_stages(model, stages) if partition == "uniform" else partition
+
+
 def split_micro(batch_size: int, micro_batches: int) -> int:
     """The micro-batch size; ValueError unless `batch_size` divides into `micro_batches` equal parts."""
     if not isinstance(micro_batches, int) or micro_batches < 1:

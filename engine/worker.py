@@ -32,7 +32,7 @@ from engine.ddp import DDPStrategy
 from engine.devices import open_device
 from engine.memory import ActivationPolicy
 from engine.models import LayerList, build_model
-from engine.pipeline import PipelineStage, uniform_stages
+from engine.pipeline import PipelineStage, configured_stages
 from engine.profiler import LayerProfiler
 from engine.refusal import is_refusal, refuse
 from engine.sharded import ShardedStrategy
@@ -582,7 +582,7 @@ def device_fields(device) -> dict:
 def make_strategy(cfg: Config, model: LayerList, topo: Topology, device):
     p = cfg.parallel
     if p.strategy == "pipeline":
-        stages = uniform_stages(model, topo.world_size) if p.partition == "uniform" else p.partition
+        stages = configured_stages(model, p.partition, topo.world_size)
         return PipelineStage(model, stages, topo, device, cfg.optim, micro_batches=p.micro_batches,
                              schedule=p.schedule, update_cfg=cfg.update, rebalance=p.rebalance,
                              threshold=p.imbalance_threshold, check_every=p.rebalance_check_every)

@@ -1,7 +1,7 @@
 """`trainyard console` and `trainyard demo`: open the console on a live run, a log, or a new demo run.
 
     python -m console [RUN] [--read-only] [--replay run.jsonl] [--token-file F]   # = trainyard console
-    trainyard demo          # starts demo/configs/digits_ddp.toml in the background, opens the console
+    trainyard demo [NAME]   # starts a demo (demo/__init__.py) in the background, opens the console
 
 The demo's training runs in its own process session with its output in RUN_DIR/demo.log, so
 the console can detach and leave it training; choosing "stop the run" ends it.
@@ -85,25 +85,30 @@ def _end(proc: subprocess.Popen, grace_s: float) -> int:
     return proc.wait()
 
 
-def demo(config: Path, steps: int | None) -> int:
+def demo(name: str, steps: int | None) -> int:
     from console.app import ConsoleApp
     from console.client import SocketSource
+    from demo import DEMOS
+    from engine.cli import demo_overrides
     from engine.config import ConfigError, load_config
 
+    about = DEMOS[name]
+    overrides = [*demo_overrides(name), f"run.step_pause_ms={DEMO_PAUSE_MS}", f"run.steps={steps or DEMO_STEPS}"]
     try:
-        cfg = load_config(config, ["run.overwrite=true"])
+        cfg = load_config(about.path, overrides)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     log = cfg.run_dir / "demo.log"
-    cmd = [sys.executable, "-m", "engine.cli", "run", str(config), "--headless", "--set", "run.overwrite=true",
-           "--set", f"run.step_pause_ms={DEMO_PAUSE_MS}", "--steps", str(steps or DEMO_STEPS)]
+    cmd = [sys.executable, "-m", "engine.cli", "run", str(about.path), "--headless",
+           *(arg for o in overrides for arg in ("--set", o))]
     since = time.time()
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)
-    print(f"starting {cfg.run.name} (log: {log}) …", flush=True)
+    print(f"starting {cfg.run.name}: {about.about}\n  keys: {about.keys}\n  log: {log} …", flush=True)
+    signal.signal(signal.SIGHUP, signal.default_int_handler)   # a hang-up before the console: as Ctrl-C
     try:
         info = _wait_for_run(proc, cfg.run.name, since)
     except KeyboardInterrupt:
@@ -114,18 +119,31 @@ def demo(config: Path, steps: int | None) -> int:
               + "".join(log.read_text().splitlines(keepends=True)[-15:]), file=sys.stderr)
         return code or 1
     result = None
+    app = ConsoleApp(SocketSource(info["name"]))
+    signal.signal(signal.SIGHUP, lambda signum, frame: app.exit("hangup"))
     try:
-        result = ConsoleApp(SocketSource(info["name"])).run()
+        result = app.run()
     finally:
-        if result == "stop" or proc.poll() is not None:
-            code = _end(proc, 60.0)
-            print(f"{cfg.run.name} ended (exit {code}); log: {log}")
+        # Only a chosen detach leaves the run training. A closed terminal (a hang-up, or the console
+        # ending on its lost input first) or a console that failed stops it after its final checkpoint,
+        # as "stop" does: nobody is there to see it go on.
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        if result == "detach" and proc.poll() is None:
+            _say(f"{cfg.run.name} goes on training in the background (launcher pid {proc.pid}).\n"
+                 f"  watch it:  trainyard console {info['name']}\n"
+                 f"  stop it:   trainyard ctl {info['name']} stop\n"
+                 f"  its log:   {log}")
         else:
-            print(f"{cfg.run.name} goes on training in the background (launcher pid {proc.pid}).\n"
-                  f"  watch it:  trainyard console {info['name']}\n"
-                  f"  stop it:   trainyard ctl {info['name']} stop\n"
-                  f"  its log:   {log}")
+            code = _end(proc, 60.0 if result == "stop" else 0)
+            _say(f"{cfg.run.name} ended (exit {code}); log: {log}")
     return 0
+
+
+def _say(text: str) -> None:
+    try:
+        print(text, flush=True)
+    except OSError:   # the terminal is gone
+        pass
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,7 +3,7 @@
     trainyard run CONFIG.toml [--headless] [--steps N] [--set section.key=value ...]
                   [--telemetry-log PATH] [--resume CHECKPOINT_OR_RUN_DIR]
                   [--nnodes N --node-rank R --rdzv-endpoint HOST:PORT] [--interface IFNAME]
-    trainyard demo [NAME] [--steps N] [--headless]
+    trainyard demo [NAME] [--steps N] [--headless]      NAME: tour (default), pipeline, memory, sharded, hybrid, ps, ddp
     trainyard console [RUN] [--read-only] [--replay LOG] [--token-file F]
     trainyard runs
     trainyard ctl RUN COMMAND [ARGS ...]
@@ -14,21 +14,21 @@ Exit status: 0 done; 1 the run failed (workers died more often than
 parallel.max_restarts allows); 2 a bad config, command line or checkpoint
 (nothing was started); 128+N stopped by signal N after the final checkpoint.
 `ctl`: 0 applied, 1 rejected, 2 a bad command or no such run.
-`demo` starts its run in the background and opens the console on it (console/__main__.py);
-`demo --headless` trains in the foreground with a progress bar, as `run --headless` does.
+`demo` starts its run (demo/__init__.py says which config and what to press) in the background and
+opens the console on it (console/__main__.py); `demo --headless` trains in the foreground with a
+progress bar, as `run --headless` does. A demo run is named demo-NAME and overwrites its previous
+run, unless that one is still training: then demo-NAME-2, and so on.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from importlib import resources
 from pathlib import Path
 
 from rich.console import Console
 from rich.markup import escape
 
-DEMOS = ("digits_ddp",)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
@@ -54,8 +54,12 @@ def _parser() -> argparse.ArgumentParser:
                        help="host 0's address and a free port, the same on every host (cluster.rdzv_endpoint)")
     hosts.add_argument("--interface", metavar="IFNAME", help="network interface for collectives (cluster.interface)")
 
-    demo = sub.add_parser("demo", help="run a ready-made demo")
-    demo.add_argument("name", nargs="?", default=DEMOS[0], choices=DEMOS)
+    from demo import DEFAULT, DEMOS
+    demo = sub.add_parser("demo", help="run a ready-made demo", formatter_class=argparse.RawDescriptionHelpFormatter,
+                          description="Start a demo run and open the console on it. The demos:\n" +
+                          "\n".join(f"  {name:9} {d.about}\n  {'':9} keys: {d.keys}" for name, d in DEMOS.items()))
+    demo.add_argument("name", nargs="?", default=DEFAULT, choices=list(DEMOS),
+                      help=f"which demo (default: {DEFAULT})")
     demo.add_argument("--steps", type=int, help="override run.steps")
     demo.add_argument("--headless", action="store_true",
                       help="train in the foreground with a progress bar (no console)")
@@ -97,8 +101,16 @@ def _usages() -> list[str]:
     return [usage(name) for name in COMMANDS]
 
 
-def demo_config(name: str) -> Path:
-    return Path(str(resources.files("demo") / "configs" / f"{name}.toml"))
+def demo_overrides(name: str) -> list[str]:
+    """What `trainyard demo NAME` sets over the demo's config: its own overrides and a run name of its own."""
+    from demo import DEMOS, run_name
+    from engine.config import ConfigError, load_config
+    demo = DEMOS[name]
+    try:
+        runs_dir = Path(load_config(demo.path, list(demo.overrides)).run.dir)
+    except ConfigError:   # reported when the run loads it
+        runs_dir = Path("runs")
+    return ["run.overwrite=true", *demo.overrides, f"run.name={run_name(name, runs_dir)}"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -119,12 +131,14 @@ def main(argv: list[str] | None = None) -> int:
         from console.__main__ import attach
         return attach(args.run, args.read_only, args.replay, args.token_file)
     if args.command == "demo":
+        from demo import DEMOS
         if not args.headless and sys.stdout.isatty():
             from console.__main__ import demo
-            return demo(demo_config(args.name), args.steps)
+            return demo(args.name, args.steps)
         if not args.headless:
             err.print("note: not a terminal, so no console; running the demo headless")
-        return _run(demo_config(args.name), ["run.overwrite=true"], args.steps, None, None, headless=True)
+        demo = DEMOS[args.name]
+        return _run(demo.path, demo_overrides(args.name), args.steps, None, None, headless=True)
     if not args.headless:
         err.print("note: running headless; watch the run live with `trainyard console` in another terminal")
     overrides = args.overrides + ([f"telemetry.listen={args.listen}"] if args.listen else [])

@@ -326,6 +326,19 @@ class ClusterConfig:
 
 
 @dataclass
+class EmulateConfig:
+    """Emulated trouble, to watch the engine answer it (demos, tests): a layer that turns slow mid-run.
+    A parameter server's slow machines are `parallel.slow_workers`."""
+
+    slow_layer: str = setting("", "A layer (by name, e.g. `fc2`) whose every forward sleeps `slow_layer_ms` from "
+                                  "step `slow_from_step` on, wherever it runs: a pipeline sees its stage fall "
+                                  "behind and rebalances. Empty: none.")
+    slow_layer_ms: float = setting(0.0, "Milliseconds each forward of `slow_layer` sleeps (per micro-batch).",
+                                   min=0.0, max=10_000.0)
+    slow_from_step: int = setting(0, "The first step (counted from 0) at which `slow_layer` is slow.", min=0)
+
+
+@dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -338,6 +351,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    emulate: EmulateConfig = field(default_factory=EmulateConfig)
 
     @property
     def run_dir(self) -> Path:

@@ -404,5 +404,21 @@ def hosts_split_workers(cfg: Config) -> str | None:
     return None
 
 
-CROSS_CHECKS = [hosts_split_workers, listen_is_loopback, slices_cover_streams, model_matches_data, branchy_has_square_images, param_server_ranks,
-                batch_splits_over_ranks, heads_split_width]
+def slow_layer_is_whole(cfg: Config) -> str | None:
+    """`emulate.slow_layer` needs `emulate.slow_layer_ms` > 0, and is not available with
+    `parallel.strategy = "param_server"` (whose slow machines are `parallel.slow_workers`)."""
+    e = cfg.emulate
+    if not e.slow_layer:
+        return None
+    if cfg.parallel.strategy == "param_server":
+        return (f"emulate.slow_layer = {show(e.slow_layer)}: not available with parallel.strategy = "
+                f"\"param_server\" (emulate a slow worker with parallel.slow_workers)")
+    if e.slow_layer_ms <= 0:
+        return (f"emulate.slow_layer = {show(e.slow_layer)} needs emulate.slow_layer_ms > 0 (how many "
+                f"milliseconds each of its forwards sleeps)")
+    return None
+
+
+CROSS_CHECKS = [hosts_split_workers, listen_is_loopback, slices_cover_streams, model_matches_data,
+                branchy_has_square_images, param_server_ranks, batch_splits_over_ranks, heads_split_width,
+                slow_layer_is_whole]

@@ -58,7 +58,7 @@ from engine.ddp import cross_entropy, params_by_layer
 from engine.hybrid import HybridUpdater
 from engine.migration import Migration
 from engine.optim import make_optimizer
-from engine.partition import Cluster, uniform
+from engine.partition import Cluster, threshold_in_ms, uniform
 from engine.rebalance import LayerClock, Rebalancer
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -188,7 +188,6 @@ class PipelineStage:
             (("rebalance",) if rebalance != "off" else ())
         self.pending: list[list[str]] | None = None   # the layout the next step migrates to
         self.migration: Migration | None = None      # the last step's migration, until reported
-        self.threshold_ms = 0.0
         self._move: Migration | None = None
 
     def _set_layout(self, stage_layers: list[list[str]]) -> None:
@@ -350,7 +349,6 @@ class PipelineStage:
             self._deferred = True
         elif self.pending is None and self.rebalancer.due(step, requested):
             decision = self.rebalancer.check(step, self.clock, self.stage_layers, requested)
-            self.threshold_ms = decision.threshold_ms
             if decision.changed:
                 self.pending = decision.stages
         # time every TIME_EVERY-th step, and always the step before an automatic check
@@ -402,8 +400,10 @@ class PipelineStage:
                          "bwd_ms": r["bwd_ms"], "idle_ms": round(max(0.0, r["step_ms"] - busy), 4),
                          "micro_batches": self.micro_batches})
         busy = [row["fwd_ms"] + row["bwd_ms"] for row in rows]
+        # the threshold a check would apply to these stage times (a fraction is of their mean)
+        threshold_ms = threshold_in_ms(self.rebalancer.threshold, busy)
         return {"stages": rows, "imbalance_ms": round(max(busy) - min(busy), 4),
-                "threshold_ms": round(self.threshold_ms, 4), "migrating": self.migration is not None}
+                "threshold_ms": round(threshold_ms, 4), "migrating": self.migration is not None}
 
     def gather_weights(self) -> None:
         """Every rank gets every stage's current weights (for an evaluation on rank 0). All ranks call it."""

@@ -105,6 +105,8 @@ def runtime_dir() -> Path:
 
 
 def pid_alive(pid: int) -> bool:
+    if pid <= 0:   # kill(0) would signal our own process group
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -30,6 +30,7 @@ from engine.control import COLUMN, Peaks, encode_commands, exchange, rank_rows, 
 from engine.data import Dataset, batch_for, load_dataset
 from engine.ddp import DDPStrategy
 from engine.devices import open_device
+from engine.emulate import SlowLayer
 from engine.memory import ActivationPolicy
 from engine.models import LayerList, build_model
 from engine.pipeline import PipelineStage, configured_stages
@@ -166,6 +167,7 @@ class Worker:
         self.job, self.topo, self.stop = job, topo, stop
         self.run_dir = cfg.run_dir
         self.restart, self.device, self.data, self.model = build_rank(job, topo)
+        self.slow_layer = SlowLayer.install(self.model, cfg.emulate)   # before any timing hook, so timed with it
         self.strategy = make_strategy(cfg, self.model, topo, self.device)
         # a pipeline stage counts only its own layers (and follows them when they migrate)
         self.device.ledger.track_module(getattr(self.strategy, "ledger_module", self.model), self.strategy.optimizer)
@@ -187,6 +189,11 @@ class Worker:
         self.wait_ms = 0.0
         self.rebalance_requested, self.rebalance_command = False, None
         self.last_layers: list[dict] | None = None   # the last layer rows reported (rank 0)
+        # a pipeline stage holds only its own layers: each stage measures them and rank 0 gathers the rows
+        self.stage_rows = hasattr(self.strategy, "layer_stages")
+        self.own_rows: list[dict] = []               # this stage's last rows (pipeline)
+        self.rows_layout: list[list[str]] | None = None   # the layout of the last gathered rows
+        self.rows_stale = False                      # a command changed a policy or placement since
 
     def _hello(self) -> dict:
         cfg = self.cfg
@@ -228,6 +235,8 @@ class Worker:
                 if profile:
                     self.profiler.arm()
                 self.memory.before_step(step)
+                if self.slow_layer:
+                    self.slow_layer.step = step
                 out_before = self.memory.swapped_out_bytes()
                 t0 = time.perf_counter()
                 local_loss = self.strategy.train_step(x, y) or 0.0   # None: a pipeline stage before the last
@@ -254,6 +263,7 @@ class Worker:
                 now = time.perf_counter()
                 losses = table[:, COLUMN["loss"]]
                 loss = float(losses[self.strategy.loss_rank] if hasattr(self.strategy, "loss_rank") else losses.mean())
+                layers = self._gather_stage_rows(layers, table) if self.stage_rows else layers
                 self._report(step, loss, table, cfg.data.batch_size / max(now - last, 1e-9), layers)
                 last = now
                 if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step < cfg.run.steps:
@@ -323,7 +333,8 @@ class Worker:
 
     def _profile_due(self, step: int) -> bool:
         every = self.cfg.telemetry.layer_every
-        return bool(self.profiler) and self.topo.is_first and (step == self.first_step or (step + 1) % every == 0)
+        return (bool(self.profiler) and (self.topo.is_first or self.stage_rows)
+                and (step == self.first_step or (step + 1) % every == 0))
 
     def _apply(self, command: dict, step: int) -> None:
         """Every rank runs this for the same commands at the same boundary."""
@@ -343,10 +354,12 @@ class Worker:
             return
         elif name == "set-policy":
             self.memory.set(*command["args"])
+            self.rows_stale = True
             self.tel.event("policy", step, layer=command["args"][0], policy=command["args"][1], source="command")
         elif name == "set-placement":
             self.strategy.sync()
             self.strategy.updater.set_placement(*command["args"])
+            self.rows_stale = True
             self.tel.event("placement", step, layer=command["args"][0], placement=command["args"][1],
                            source="command")
         else:   # the hub rejects these in this mode; a command from elsewhere gets the same answer
@@ -426,8 +439,8 @@ class Worker:
         if hasattr(self.strategy, "stage_rows"):
             record.update(self.strategy.stage_rows(ranks))
         if layers is not None:
-            layers = self._layer_rows(layers)
-        elif self.last_layers and any(row.get("policy") != self.memory.policy[row["name"]]
+            layers = layers if self.stage_rows else self._layer_rows(layers)
+        elif not self.stage_rows and self.last_layers and any(row.get("policy") != self.memory.policy[row["name"]]
                                       for row in self.last_layers):
             # a policy changed (set-policy, a plan): the last measured rows, with the policies now in force
             layers = [{**row, "policy": self.memory.policy[row["name"]]} for row in self.last_layers]
@@ -439,17 +452,17 @@ class Worker:
         self.tel.step(record)
 
     def _layer_rows(self, layers: list[dict]) -> list[dict]:
-        """The profiler's rows with what the strategy knows of each layer: owner, update placement, and
-        the update's measured time on that side."""
+        """The profiler's rows (a pipeline stage: of its own layers) with what this rank knows of each
+        layer: its policy, owner or stage, update placement, and the update's measured time on that side."""
         owners = self.strategy.layer_owners() if hasattr(self.strategy, "layer_owners") else {}
-        stages = self.strategy.layer_stages() if hasattr(self.strategy, "layer_stages") else {}
+        stages = self.strategy.layer_stages() if self.stage_rows else {}
         updates = self.strategy.updater.by_name
         rows = []
         for entry in layers:
             name, row = entry["name"], dict(entry)
-            row["policy"] = self.memory.policy[name]
             if stages and stages[name] != self.topo.rank:
-                continue   # rank 0 measures its own stage's layers only
+                continue   # a stage measures its own layers only
+            row["policy"] = self.memory.policy[name]
             if name in stages:
                 row["stage"] = stages[name]
             if name in owners:
@@ -460,6 +473,22 @@ class Worker:
                 row["update_ms"] = round(u.device_ms if u.side == "device" else u.host_ms + u.copy_ms, 4)
             rows.append(row)
         return rows
+
+    def _gather_stage_rows(self, measured: list[dict] | None, table: torch.Tensor) -> list[dict] | None:
+        """Pipeline, every rank: every stage's layer rows, gathered on rank 0 (None elsewhere, and when
+        nothing changed). Due on the same steps everywhere: a measured step, a plan made on any stage, a
+        policy or placement command, a new layout. Between measurements a stage sends its last rows with
+        the policies and placements in force now."""
+        layout = self.strategy.stage_layers
+        changed = table[:, COLUMN["plan_made"]].max() > 0 or self.rows_layout != layout or self.rows_stale
+        if measured is None and not changed:
+            return None
+        self.rows_layout, self.rows_stale = [list(s) for s in layout], False
+        self.own_rows = self._layer_rows(measured if measured is not None else self.own_rows)
+        gathered = [None] * self.topo.world_size if self.topo.is_first else None
+        dist.gather_object(self.own_rows, gathered, dst=dist.get_global_rank(self.topo.side, 0),
+                           group=self.topo.side)
+        return [row for rows in gathered for row in rows] if self.topo.is_first else None
 
     def _report_plan(self, step: int) -> None:
         """A placement plan was just made (after the trial of `update.placement = "auto"`)."""

@@ -118,6 +118,11 @@ rdzv_endpoint = "10.0.0.1:29400"
 rdzv_timeout_s = 30.0
 host_timeout_s = 6.0
 interface = "eth1"
+
+[emulate]
+slow_layer = "fc1"
+slow_layer_ms = 5.0
+slow_from_step = 20
 """
 
 
@@ -297,6 +302,12 @@ def test_unknown_key_from_override_and_file(tmp_path):
      'data.name = "text": requires model.name = "transformer" (got model.name = "mlp")'),
     ({"model": {"name": "branchy"}, "data": {"name": "synthetic", "features": 50}},
      'data.features = 50: must be a perfect square when model.name = "branchy" (e.g. 49 or 64)'),
+    ({"emulate": {"slow_layer": "fc1"}},
+     'emulate.slow_layer = "fc1" needs emulate.slow_layer_ms > 0 (how many milliseconds each of its forwards sleeps)'),
+    ({"emulate": {"slow_layer": "fc1", "slow_layer_ms": 3.0},
+      "parallel": {"strategy": "param_server", "world_size": 2, "servers": 1, "workers": 1}},
+     'emulate.slow_layer = "fc1": not available with parallel.strategy = "param_server" (emulate a slow worker '
+     'with parallel.slow_workers)'),
 ])
 def test_cross_field_rules(data, expected):
     assert error_of(data) == expected

@@ -196,6 +196,7 @@ def test_the_layer_clock_times_forward_and_backward_of_each_layer():
 SKEWED = ["--set", "parallel.strategy=pipeline", "--set", "model.hidden=512", "--set", "model.depth=3", "--set",
           'parallel.partition=[["fc0"], ["act0", "fc1", "act1", "fc2", "act2", "head"]]']
 MODEL_SETTINGS = ["model.hidden=512", "model.depth=3"]
+NAMES_512 = ["fc0", "act0", "fc1", "act1", "fc2", "act2", "head"]
 
 
 def _stages_of(step_record) -> list[list[str]]:
@@ -226,6 +227,13 @@ def test_auto_rebalancing_moves_layers_live_and_training_equals_one_process(cli)
     assert _stages_of(steps[1]) == [["fc0"], ["act0", "fc1", "act1", "fc2", "act2", "head"]]
     assert steps[moved[0]["step"]]["migrating"] and _stages_of(steps[moved[0]["step"]]) == moved[0]["stages"]
     assert _stages_of(steps[30]) == moved[-1]["stages"] and "threshold_ms" in steps[30]
+    # the layer table: every stage's rows gathered on rank 0, each layer once, on its stage of that step
+    rows = [rec for rec in steps.values() if rec.get("layers")]
+    assert rows and all(e["stage"] == s for rec in rows for e in rec["layers"]
+                        for s, names in enumerate(_stages_of(rec)) if e["name"] in names)
+    assert all(len({e["name"] for e in rec["layers"]}) == len(rec["layers"]) for rec in rows)
+    last_rows = rows[-1]["layers"]
+    assert sorted(e["name"] for e in last_rows) == sorted(NAMES_512) and {e["stage"] for e in last_rows} == {0, 1}
     last = list_checkpoints(cli.tmp_path / "runs" / "auto")[-1]
     assert verify(last)["layout"]["stages"] == moved[-1]["stages"]
     want = single_process_reference(MODEL_SETTINGS, 30)

@@ -9,7 +9,11 @@ A thread worker reads the socket (or plays the log back) and posts Feed and Link
 (console/client.py); they only update a RunState, and the panels are redrawn from it ten
 times a second. Wide terminals show every panel; narrow ones show a page at a time (1 2 3).
 A parameter-server run adds the sync figures to the layers and devices, its sync mode to the
-header, and `m` to change that mode (set-sync) when the run offers it.
+header, and `m` to change that mode (set-sync).
+
+The line under the header says which keys do something in this run (state.keys_line). A key whose
+command the run does not take (its hello's capabilities), or that this console may not send now
+(--read-only, no live link), is shown dimmed in the footer and does nothing; a replay hides them.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from functools import partial
 
 from rich.text import Text
 from textual import on, work
+from textual.actions import parse as parse_action
 from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
@@ -27,8 +32,8 @@ from textual.widgets import Footer, Static, Tab, Tabs
 from textual.worker import get_current_worker
 
 from console.client import Feed, Link, ReplaySource, SocketSource
-from console.screens import ConfirmStopScreen, FilterScreen, HelpScreen, QuitScreen, RunPicker, SyncScreen
-from console.state import RunState, headline, link_label, replay_label
+from console.screens import FilterScreen, HelpScreen, QuitScreen, RunPicker, SyncScreen
+from console.state import RunState, headline, keys_line, link_label, replay_label
 from engine.protocol import SYNC_MODES
 from widgets.curves import Curves
 from widgets.devices import DevicesPanel
@@ -45,6 +50,9 @@ PANEL_SCHEDULE_S = {"devices": (1.0, 0.05), "streams": (0.5, 0.15), "curves": (0
                     "layers": (1.0, 0.55)}
 PAGES = ("devices", "layers", "curves")
 KEY_NAMES = {"slash": "/", "question_mark": "?", "plus": "+", "minus": "-"}
+# the command each key's action sends (action "command" names it in its parameter)
+ACTION_COMMANDS = {"pause": "pause", "policy": "set-policy", "placement": "set-placement", "sync": "set-sync"}
+LAYER_KEYS = Binding.Group("Policy")   # k s c share one footer entry
 
 
 class ConsoleApp(App[str]):
@@ -61,14 +69,14 @@ class ConsoleApp(App[str]):
         Binding("p", "pause", "Pause", tooltip="pause or resume training (pause / resume)"),
         Binding("x", "command('checkpoint')", "Checkpoint", tooltip="write a checkpoint at the next step"),
         Binding("r", "command('rebalance')", "Rebalance", tooltip="re-split the pipeline's layers by their times"),
-        Binding("k", "policy('keep')", "Keep", show=False, tooltip="selected layer: set-policy LAYER keep"),
-        Binding("s", "policy('swap')", "Swap", show=False, tooltip="selected layer: set-policy LAYER swap"),
-        Binding("c", "policy('recompute')", "Recompute", show=False,
-                tooltip="selected layer: set-policy LAYER recompute"),
-        Binding("u", "placement", "Placement", show=False,
+        Binding("k", "policy('keep')", "Keep", tooltip="selected layer: set-policy LAYER keep", group=LAYER_KEYS),
+        Binding("s", "policy('swap')", "Swap", tooltip="selected layer: set-policy LAYER swap", group=LAYER_KEYS),
+        Binding("c", "policy('recompute')", "Recompute", tooltip="selected layer: set-policy LAYER recompute",
+                group=LAYER_KEYS),
+        Binding("u", "placement", "Placement",
                 tooltip="selected layer: move its optimizer update device <-> host (set-placement)"),
         Binding("m", "sync", "Sync mode", tooltip="parameter server: choose the sync mode, soft / bsp / asp / ssp "
-                                                   "(set-sync; only where the run offers it)"),
+                                                   "(set-sync)"),
         Binding("slash", "filter", "Filter", tooltip="filter the layers by name"),
         Binding("o", "sort", "Sort", show=False,
                 tooltip="sort the layers: name, fwd, bwd, activations (parameter server: staleness, window)"),
@@ -89,7 +97,7 @@ class ConsoleApp(App[str]):
         self.source, self.read_only, self.token = source, read_only or bool(source and source.read_only), token
         self.state = RunState()
         self.pending: dict[str, str] = {}      # command id -> what was sent, until its final reply
-        self.stopping: str | None = None       # the id of a confirmed stop
+        self.stopping: str | None = None       # the id of the stop sent
         self.replay_ready = False              # a replay has posted its preloaded records
         self._drawn: dict[str, tuple[int, float]] = {}   # panel -> (state version drawn, next slot)
         self._started = time.monotonic()
@@ -98,6 +106,7 @@ class ConsoleApp(App[str]):
     def compose(self) -> ComposeResult:
         # kept as attributes: the timer draws into them while a dialog is the active screen
         self.status, self.link, self.banner_bar = Static(id="status"), Static(id="link"), Static(id="banner")
+        self.keys = Static(id="keys")
         self.devices, self.streams = DevicesPanel(id="devices"), StreamsPanel(id="streams")
         self.stages, self.table = StagesPanel(id="stages"), LayerTable(id="layers")
         self.curves, self.event_log = Curves(id="curves"), EventLog(id="events")
@@ -105,6 +114,7 @@ class ConsoleApp(App[str]):
         with Horizontal(id="top"):
             yield self.status
             yield self.link
+        yield self.keys
         yield self.banner_bar
         yield self.tabs
         with Horizontal(id="panels", classes="-devices") as self.panels:
@@ -146,10 +156,13 @@ class ConsoleApp(App[str]):
             self.on_reply(msg)
         else:
             self.state.apply(msg)
-            if msg.get("type") == "hello":   # its capabilities decide which keys are on offer
+            if msg.get("type") == "hello":   # its capabilities decide which keys are lit
                 self.refresh_bindings()
             if msg.get("type") == "bye" and self.stopping:
                 self.exit("stop")
+
+    def watch_link_state(self) -> None:
+        self.refresh_bindings()   # the command keys are lit only while the link is up
 
     def on_link(self, link: Link) -> None:
         was = self.link_state
@@ -217,6 +230,7 @@ class ConsoleApp(App[str]):
         live = not isinstance(self.source, ReplaySource) and self.link_state == "connected"
         self.show(self.status, headline(self.state, self.size.width >= 120, live))
         self.show(self.link, self.link_text())
+        self.show(self.keys, keys_line(self.state, self.read_only, isinstance(self.source, ReplaySource)))
 
     def log_lines(self, events: list[dict], notes: list[tuple]) -> None:
         """A note with a time (the device the run chose, stamped with its start) goes before the
@@ -261,12 +275,13 @@ class ConsoleApp(App[str]):
         self.notify(text, severity=severity, timeout=4 if severity == "information" else 6)
 
     def refusal(self, name: str, label: str) -> str | None:
-        """Why this console will not send `name` now, or None."""
+        """Why this console will not send `name` now, or None. Its keys are dimmed then (check_action,
+        which the command palette asks too), and send_command asks again."""
         state = self.state
         return ("replay: commands are disabled" if isinstance(self.source, ReplaySource) else
                 "read-only: commands are disabled" if self.read_only else
-                f"{label}: not available in mode {state.mode}" if state.hello and name not in state.capabilities
-                else None)
+                f"{label}: not sent — not connected" if self.link_state != "connected" else
+                f"{label}: not available in mode {state.mode}" if name not in state.capabilities else None)
 
     def send_command(self, name: str, *args: str) -> str | None:
         """Send at once (the reply comes as a Feed message); None when refused here."""
@@ -321,10 +336,6 @@ class ConsoleApp(App[str]):
 
     def action_sync(self) -> None:
         """A chooser of the sync modes, the current one marked; the choice goes out as set-sync."""
-        if refusal := self.refusal("set-sync", "set-sync"):
-            self.say(refusal, "warning")
-            return
-
         def chosen(mode: str | None) -> None:
             if mode is not None:
                 self.send_command("set-sync", mode)
@@ -363,11 +374,7 @@ class ConsoleApp(App[str]):
     def leave_chosen(self, choice: str | None) -> None:
         if choice == "detach":
             self.exit("detach")
-        elif choice == "stop":
-            self.push_screen(ConfirmStopScreen(self.state.hello.get("run") or "the run"), self.stop_confirmed)
-
-    def stop_confirmed(self, yes: bool | None) -> None:
-        if yes:
+        elif choice == "stop":   # the dialog said what stop does: no second question
             self.stopping = self.send_command("stop")
 
     def action_replay(self, what: str) -> None:
@@ -379,16 +386,22 @@ class ConsoleApp(App[str]):
             self.notify(f"replay speed {self.source.change_speed(1 if what == 'faster' else -1):g}×", timeout=2)
 
     def check_action(self, action: str, parameters: tuple) -> bool | None:
+        """True: the key works. None: shown dimmed, does nothing (a command this console will not send
+        now, see refusal). False: hidden: the replay keys outside a replay, and the command keys in one
+        (a replay takes no command, and with them its footer would be 160 columns wide)."""
+        replay = isinstance(self.source, ReplaySource)
         if action == "replay":
-            return isinstance(self.source, ReplaySource)
-        if action == "sync":   # only runs that can change it (param_server) offer the key
-            return "set-sync" in self.state.capabilities
-        return True
+            return replay
+        command = parameters[0] if action == "command" and parameters else ACTION_COMMANDS.get(action)
+        if command is None:
+            return True
+        return False if replay else None if self.refusal(command, command) else True
 
     def get_system_commands(self, screen):
-        """Every key's action in the command palette (ctrl+p), named as in the footer."""
+        """Every working key's action in the command palette (ctrl+p), named as in the footer."""
         yield from super().get_system_commands(screen)
         for b in self.BINDINGS:
-            if self.check_action(b.action.split("(")[0], ()):
+            _, action, parameters = parse_action(b.action)
+            if self.check_action(action, parameters):
                 yield SystemCommand(f"{b.description} ({KEY_NAMES.get(b.key, b.key)})", b.tooltip,
                                     partial(self.run_action, b.action))

@@ -1,5 +1,4 @@
-"""The console's dialogs: help, quit (detach or stop), stop confirmation, run picker, layer filter,
-sync mode chooser.
+"""The console's dialogs: help, quit (detach or stop), run picker, layer filter, sync mode chooser.
 
 Each is a ModalScreen that dismisses with its answer; the app decides what the answer does.
 Their styles live in app.tcss with the rest.
@@ -46,7 +45,8 @@ class HelpScreen(ModalScreen[None]):
 
 
 class QuitScreen(ModalScreen[str]):
-    """Detach (training goes on), stop the run, or cancel."""
+    """Detach (training goes on), stop the run, or cancel. Stop is final: the dialog says what it does,
+    and nothing asks again."""
 
     BINDINGS = [Binding("escape", "choose('cancel')", "Cancel"), Binding("d", "choose('detach')", "Detach"),
                 Binding("s", "choose('stop')", "Stop the run")]
@@ -58,6 +58,8 @@ class QuitScreen(ModalScreen[str]):
     def compose(self) -> ComposeResult:
         with Vertical(id="quit-box", classes="dialog"):
             yield Label(f"Leave the console for {self.run}?", classes="dialog-title")
+            yield Static("Stop: every rank writes a final checkpoint, then the run ends." if self.can_stop else
+                         "Stop is off: this console is read-only or not connected.", id="quit-stop")
             with Horizontal(classes="dialog-buttons"):
                 yield Button("Detach (training goes on)", id="detach", variant="primary")
                 yield Button("Stop the run", id="stop", variant="error", disabled=not self.can_stop)
@@ -71,30 +73,6 @@ class QuitScreen(ModalScreen[str]):
     def action_choose(self, choice: str) -> None:
         if choice != "stop" or self.can_stop:
             self.dismiss(choice)
-
-
-class ConfirmStopScreen(ModalScreen[bool]):
-    BINDINGS = [Binding("escape,n", "answer(False)", "No"), Binding("y", "answer(True)", "Yes")]
-
-    def __init__(self, run: str) -> None:
-        super().__init__()
-        self.run = run
-
-    def compose(self) -> ComposeResult:
-        with Vertical(id="confirm-box", classes="dialog"):
-            yield Label(f"Stop {self.run}?", classes="dialog-title")
-            yield Static("Every rank writes a final checkpoint, then the run ends.")
-            with Horizontal(classes="dialog-buttons"):
-                yield Button("Stop the run", id="yes", variant="error")
-                yield Button("Keep training", id="no", variant="primary")
-            yield Label("y stop · n / esc keep training", classes="dialog-hint")
-
-    @on(Button.Pressed)
-    def pressed(self, event: Button.Pressed) -> None:
-        self.dismiss(event.button.id == "yes")
-
-    def action_answer(self, answer: bool) -> None:
-        self.dismiss(answer)
 
 
 class FilterScreen(ModalScreen[str | None]):

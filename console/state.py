@@ -1,9 +1,11 @@
-"""What the console knows about the run, folded from the feed's messages, and its one-line headline.
+"""What the console knows about the run, folded from the feed's messages, its one-line headline
+and the line under it that says which keys do something in this run.
 
     state = RunState()
     state.apply(msg)                 # hello, snapshot, step, event, summary, dropped, error, ...
     points, events, notes = state.take()      # what arrived since the last redraw
     headline(state, wide=True, live=True)     # `digits-ddp  ddp×2  step 41/60  loss 1.0792  ...`
+    keys_line(state, read_only=False, replay=False)   # `pipeline: r rebalance · k/s/c ... · q quit`
     state.sync_mode                           # parameter server: soft, bsp, asp or ssp
     state.device_names                        # each rank's device (hello's `devices`), or None
 
@@ -16,6 +18,13 @@ from __future__ import annotations
 import time
 
 from rich.text import Text
+
+# The keys that send a command, in the order the keys line names them: (keys, command, what they do).
+# The technique's keys come first: a narrow screen cuts the line's end, and p, x and q are in the footer.
+COMMAND_KEYS = (("r", "rebalance", "rebalance"), ("k/s/c", "set-policy", "activations keep/swap/recompute"),
+                ("u", "set-placement", "update device/host"), ("m", "set-sync", "sync mode soft/bsp/asp/ssp"),
+                ("p", "pause", "pause"), ("x", "checkpoint", "checkpoint"))
+REPLAY_KEYS = (("space", "play/pause"), ("n", "step"), ("+/-", "speed"))
 
 
 class RunState:
@@ -191,6 +200,21 @@ def headline(state: RunState, wide: bool, live: bool) -> Text:
     if eta is not None:
         parts.append((f"ETA {clock(eta)}", "dim"))
     return Text("  " if wide else " ").join(Text(text, style) for text, style in parts)
+
+
+def keys_line(state: RunState, read_only: bool, replay: bool) -> Text:
+    """Which keys do something in this run, from its hello: its mode and the commands it takes.
+
+    `pipeline: r rebalance · k/s/c activations keep/swap/recompute · u update device/host · p pause ·
+    x checkpoint · q quit` (118 columns: it fits a wide screen; the headline above has the world size);
+    a replay names its own keys, a read-only console says "watch only"."""
+    if not state.hello:
+        return Text.assemble(("no run yet", "bold"), " · ", ("q", "bold #ffb000"), " quit")
+    keys = (REPLAY_KEYS if replay else () if read_only else
+            [(key, what) for key, command, what in COMMAND_KEYS if command in state.capabilities])
+    parts = [Text("watch only", "italic")] if read_only and not replay else []
+    parts += [Text.assemble((key, "bold #ffb000"), f" {what}") for key, what in (*keys, ("q", "quit"))]
+    return Text.assemble((f"{'replay of ' if replay else ''}{state.mode}: ", "bold"), Text(" · ").join(parts))
 
 
 def link_label(link_state: str, read_only: bool) -> Text:

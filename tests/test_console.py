@@ -1,4 +1,5 @@
-"""The console against a hub: keys send the right commands, replies show, the link heals.
+"""The console against a hub: keys send the right commands, replies show, the link heals, and
+the keys a run does not take are dimmed.
 
 Most tests serve a recorded feed from an in-process engine.hub.Hub, with a thread that answers
 commands as the engine would (FakeEngine); the last one attaches to a real headless run.
@@ -13,12 +14,13 @@ import time
 from pathlib import Path
 
 import pytest
-from textual.widgets import OptionList
+from textual.actions import parse as parse_action
+from textual.widgets import Footer, OptionList
 
 from console.app import ConsoleApp
 from console.client import ReplaySource, SocketSource, replay_messages
-from console.screens import ConfirmStopScreen, HelpScreen, QuitScreen, RunPicker, SyncScreen
-from console.state import RunState, headline
+from console.screens import HelpScreen, QuitScreen, RunPicker, SyncScreen
+from console.state import RunState, headline, keys_line
 from engine.hub import Hub
 from engine.protocol import COMMANDS
 from tests.conftest import read_jsonl
@@ -29,6 +31,12 @@ FIXTURES = Path(__file__).parent / "fixtures"
 DDP_FEED, PIPELINE_FEED = FIXTURES / "ddp_feed.jsonl", FIXTURES / "pipeline_feed.jsonl"
 PS_FEED = FIXTURES / "ps_run.jsonl"   # param_server: 2 servers, 4 workers (rank 5 slow, then lost)
 SIZE = (120, 40)
+# what each mode's hello offers (engine: the strategies' `commands`, and set-policy)
+CAPABILITIES = {"ddp": ("pause", "resume", "stop", "checkpoint", "set-policy", "set-placement"),
+                "pipeline": ("pause", "resume", "stop", "checkpoint", "set-placement", "rebalance", "set-policy"),
+                "param_server": ("pause", "resume", "stop", "checkpoint", "set-sync")}
+WORLD = {"ddp": 2, "pipeline": 3, "param_server": 6}
+COMMAND_KEYS = "pxrkscum"
 
 
 class FakeEngine:
@@ -102,6 +110,26 @@ async def attached(pilot, app: ConsoleApp) -> None:
     await pilot.pause(0.1)
 
 
+def footer_keys(app: ConsoleApp) -> dict[str, bool]:
+    """The footer's keys: key -> lit (False: dimmed)."""
+    return {key.key: not key.has_class("-disabled") for key in app.query_one(Footer).query("FooterKey")}
+
+
+def key_states(app: ConsoleApp) -> dict[str, bool | None]:
+    """check_action for each key: True lit, None dimmed, False hidden."""
+    return {b.key: app.check_action(*parse_action(b.action)[1:]) for b in app.BINDINGS}
+
+
+def offline(mode: str, *, read_only: bool = False, link: str = "connected",
+            capabilities: tuple | None = None) -> ConsoleApp:
+    """A console that has had `mode`'s hello, not running: enough to ask which keys it offers."""
+    app = ConsoleApp(SocketSource(mode, read_only=read_only))
+    app.link_state = link
+    app.state.apply({"type": "hello", "run": mode, "mode": mode, "world_size": WORLD[mode],
+                     "capabilities": list(CAPABILITIES[mode] if capabilities is None else capabilities)})
+    return app
+
+
 async def select(pilot, app: ConsoleApp, layer: str) -> None:
     table = app.query_one(LayerTable)
     # the table repaints at most 4 times a second: wait for the row to be there
@@ -117,6 +145,10 @@ def test_each_key_sends_its_command_and_the_reply_shows(engines):
         app = ConsoleApp(SocketSource("pipe"))
         async with app.run_test(size=SIZE) as pilot:
             await attached(pilot, app)
+            titles = " ".join(c.title for c in app.get_system_commands(app.screen))
+            for title in ("Pause (p)", "Rebalance (r)", "Keep (k)", "Swap (s)", "Recompute (c)", "Placement (u)",
+                          "Checkpoint (x)", "Filter (/)", "Quit (q)"):
+                assert title in titles
             await select(pilot, app, "blocks.3")
             for key in "skcu":
                 await pilot.press(key)
@@ -218,25 +250,70 @@ def test_rejected_commands_show_their_reason(engines):
     run(scenario())
 
 
+def test_a_key_is_lit_only_where_the_run_takes_its_command():
+    ddp, pipeline, ps = offline("ddp"), offline("pipeline"), offline("param_server")
+    assert ddp.check_action("command", ("rebalance",)) is None            # dimmed: shown, does nothing
+    assert pipeline.check_action("command", ("rebalance",)) is True
+    assert ddp.check_action("sync", ()) is None and ps.check_action("sync", ()) is True
+    assert {key for key, lit in key_states(ddp).items() if lit is None} == {"r", "m"}
+    assert {key for key, lit in key_states(ddp).items() if lit is False} == {"space", "n", "plus", "minus"}
+    assert {key for key, lit in key_states(pipeline).items() if lit is None} == {"m"}
+    assert {key for key, lit in key_states(ps).items() if lit is None} == set("rkscu")
+    no_rebalance = offline("pipeline", capabilities=("pause", "resume", "stop", "checkpoint", "set-placement",
+                                                     "set-policy"))
+    assert no_rebalance.check_action("command", ("rebalance",)) is None   # parallel.rebalance = "off"
+
+
+def test_every_command_key_is_dimmed_when_this_console_cannot_send():
+    read_only = key_states(offline("pipeline", read_only=True))
+    lost, connecting = key_states(offline("pipeline", link="lost")), key_states(ConsoleApp(SocketSource("x")))
+    for states in (read_only, lost, connecting):
+        assert all(states[key] is None for key in COMMAND_KEYS)
+        assert states["slash"] and states["question_mark"] and states["q"] and states["space"] is False
+    replay = key_states(ConsoleApp(ReplaySource(DDP_FEED)))   # a replay takes no command: its keys are hidden
+    assert all(replay[key] is False for key in COMMAND_KEYS)
+    assert all(replay[key] for key in ("space", "n", "plus", "minus", "slash", "q"))
+
+
+def test_the_keys_line_says_which_keys_do_something_in_this_run():
+    def line(mode, read_only=False, replay=False):
+        return keys_line(offline(mode, capabilities=() if replay else None).state, read_only, replay).plain
+    assert line("ddp") == \
+        "ddp: k/s/c activations keep/swap/recompute · u update device/host · p pause · x checkpoint · q quit"
+    assert line("pipeline") == ("pipeline: r rebalance · k/s/c activations keep/swap/recompute · "
+                                "u update device/host · p pause · x checkpoint · q quit")
+    assert len(line("pipeline")) <= 118   # one line on a wide screen, inside its padding
+    assert line("param_server") == "param_server: m sync mode soft/bsp/asp/ssp · p pause · x checkpoint · q quit"
+    assert line("ddp", read_only=True) == "ddp: watch only · q quit"
+    assert line("ddp", replay=True) == "replay of ddp: space play/pause · n step · +/- speed · q quit"
+    assert keys_line(RunState(), False, False).plain == "no run yet · q quit"
+
+
 @pytest.mark.timeout(60)
-def test_read_only_sends_nothing_and_mode_and_selection_are_checked(engines):
-    engine = engines("ddp", DDP_FEED, capabilities=("pause", "resume", "stop", "checkpoint"))
+def test_dimmed_keys_send_nothing_and_say_nothing(engines):
+    engine = engines("ddp", DDP_FEED, capabilities=CAPABILITIES["ddp"])
     engines("empty", DDP_FEED, records=1)   # hello only: no layers yet
 
     async def scenario():
         app = ConsoleApp(SocketSource("ddp", read_only=True))
         async with app.run_test(size=SIZE) as pilot:
             await attached(pilot, app)
-            await pilot.press("p", "x", "s", "r")
+            assert "ddp: watch only · q quit" in str(app.query_one("#keys").render())
+            await until(pilot, lambda: footer_keys(app).get("p") is False, what="the footer to dim p")
+            assert not any(lit for key, lit in footer_keys(app).items() if key in COMMAND_KEYS)
+            await pilot.press("p", "x", "s", "r", "m")
             await pilot.pause(0.5)
-            assert "read-only: commands are disabled" in events_text(app)
+            assert "commands are disabled" not in events_text(app) and not app.pending
             assert "read-only" in str(app.query_one("#link").render())
         app = ConsoleApp(SocketSource("ddp"))
         async with app.run_test(size=SIZE) as pilot:
             await attached(pilot, app)
-            await select(pilot, app, "fc1")
-            await pilot.press("s")
-            assert "set-policy fc1 swap: not available in mode ddp" in events_text(app)
+            await until(pilot, lambda: footer_keys(app).get("p") is True, what="the footer to light p")
+            footer = footer_keys(app)
+            assert footer["r"] is False and footer["m"] is False and footer["k"] and footer["u"]
+            await pilot.press("r", "m")
+            await pilot.pause(0.3)
+            assert not isinstance(app.screen, SyncScreen) and "rebalance" not in events_text(app)
         app = ConsoleApp(SocketSource("empty"))
         async with app.run_test(size=SIZE) as pilot:
             await until(pilot, lambda: app.link_state == "connected", what="the console to attach")
@@ -266,7 +343,7 @@ def test_banner_when_the_hub_goes_and_gone_when_it_returns(engines):
 
 
 @pytest.mark.timeout(60)
-def test_quit_detach_sends_nothing_and_stop_asks_first(engines):
+def test_quit_detach_sends_nothing_and_stop_asks_once(engines):
     engine = engines("leave", DDP_FEED)
 
     async def scenario():
@@ -282,11 +359,12 @@ def test_quit_detach_sends_nothing_and_stop_asks_first(engines):
         app = ConsoleApp(SocketSource("leave"))
         async with app.run_test(size=SIZE) as pilot:
             await attached(pilot, app)
-            await pilot.press("q", "s")
-            assert isinstance(app.screen, ConfirmStopScreen)
-            await pilot.press("n")                  # second thoughts: nothing sent
-            assert not isinstance(app.screen, (QuitScreen, ConfirmStopScreen))
-            await pilot.press("q", "s", "y")
+            await pilot.press("q", "escape")        # second thoughts: nothing sent
+            assert not isinstance(app.screen, QuitScreen)
+            await pilot.press("q")
+            assert "final checkpoint" in str(app.screen.query_one("#quit-stop").render())
+            await pilot.press("s")                  # final: no second question
+            assert app.screen is app.screen_stack[0]
             await until(pilot, lambda: app.return_value is not None, what="the stop reply")
         assert app.return_value == "stop" and engine.commands == [("stop", [])]
     run(scenario())
@@ -310,7 +388,7 @@ def test_with_no_run_named_a_picker_lists_the_live_runs(engines):
 
 
 @pytest.mark.timeout(60)
-def test_help_lists_every_key_and_the_palette_has_every_action():
+def test_help_lists_every_key_and_the_palette_every_working_one():
     async def scenario():
         app = ConsoleApp(ReplaySource(DDP_FEED, paused=True, preload=10))
         async with app.run_test(size=SIZE) as pilot:
@@ -321,11 +399,10 @@ def test_help_lists_every_key_and_the_palette_has_every_action():
                 assert key in keys
             await pilot.press("escape")
             titles = " ".join(c.title for c in app.get_system_commands(app.screen))
-            for title in ("Pause (p)", "Rebalance (r)", "Keep (k)", "Swap (s)", "Recompute (c)",
-                          "Placement (u)", "Checkpoint (x)", "Filter (/)", "Quit (q)"):
+            for title in ("Play/pause (space)", "Step (n)", "Filter (/)", "Quit (q)"):
                 assert title in titles
-            # set-sync is no capability of a replay (nor of a ddp run): m is not on offer
-            assert "Sync mode (m)" not in titles and not app.check_action("sync", ())
+            # a replay takes no command: none is on offer
+            assert "Pause (p)" not in titles and "Sync mode (m)" not in titles
             await pilot.press("m")
             assert not isinstance(app.screen, SyncScreen)
     run(scenario())
@@ -343,8 +420,8 @@ def test_replay_steps_plays_and_changes_speed():
             await until(pilot, lambda: app.state.messages == 12, what="two single steps")
             await pilot.press("plus", "plus", "minus")
             assert source.speed == 2.0
-            await pilot.press("p")
-            assert "replay: commands are disabled" in events_text(app)
+            await pilot.press("p")                     # hidden in a replay: does nothing, says nothing
+            assert "commands are disabled" not in events_text(app)
             await pilot.press("space")
             await until(pilot, lambda: app.state.messages == source.total, what="the end of the log")
             await pilot.pause(0.2)

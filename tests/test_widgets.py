@@ -430,3 +430,47 @@ def test_event_log_formats_param_server_events():
         assert "sync windows per worker: fc0 0.0 ms, fc1 1.6–4.9 ms" in lines[3]
 
     mounted(EventLog(), test)
+
+
+@pytest.mark.timeout(60)
+def test_event_log_formats_the_plans_and_an_operators_policy_and_placement():
+    async def test(pilot, log: EventLog) -> None:
+        log.add_event({"type": "event", "kind": "memory_plan", "step": 3, "planner": "ratio", "capacity_bytes": 8 << 20,
+                       "ranks": [{"rank": 1, "swap_layers": 2, "recompute_layers": 6, "estimate_bytes": 3 << 20}],
+                       "policies": {"embed": "keep"}, "host_link_gbps": 10.6, "note": ""})
+        log.add_event({"type": "event", "kind": "update_plan", "step": 4, "planner": "global",
+                       "placement": {"embed": "device", "block0.attn": "host", "block0.mlp": "host"},
+                       "predicted_ms": 57.01, "all_device_ms": 57.2, "all_host_ms": 61.2, "profile": "p.json"})
+        log.add_event({"type": "event", "kind": "policy", "step": 9, "layer": "block0.mlp", "policy": "recompute",
+                       "source": "command"})
+        log.add_event({"type": "event", "kind": "placement", "step": 9, "layer": "head", "placement": "host",
+                       "source": "command"})
+        await pilot.pause()
+        text = "\n".join("".join(segment.text for segment in strip) for strip in log.lines)
+        assert "mem plan   ratio: rank 1: 2 swap, 6 recompute, modelled peak 3.0 MiB of 8.0 MiB" in text
+        assert ("upd plan   global: 2 of 3 updates on the host; modelled step 57.0 ms (all device 57.2, all "
+                "host 61.2)") in text
+        assert "policy     block0.mlp -> recompute (from command)" in text
+        assert "placement  head -> host (from command)" in text
+
+    mounted(EventLog(), test, size=(160, 20))
+
+
+@pytest.mark.timeout(60)
+def test_event_log_lines_written_before_it_has_a_size_wrap_at_its_width():
+    # the console writes the preloaded events at once, maybe before the first layout
+    class Host(App):
+        def compose(self) -> ComposeResult:
+            self.log_ = EventLog()
+            yield self.log_
+
+        def on_mount(self) -> None:
+            self.log_.add_text("checkpoint saved " + "runs/digits-ddp/checkpoints/step_000020 " * 2)
+
+    async def run() -> None:
+        app = Host()
+        async with app.run_test(size=(60, 10)) as pilot:
+            await pilot.pause(0.1)
+            log = app.log_
+            assert len(log.lines) > 1 and log.virtual_size.width <= log.scrollable_content_region.width
+    asyncio.run(run())

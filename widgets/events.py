@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import time
+from collections import deque
 
 from rich.text import Text
 from textual.widgets import RichLog
@@ -19,9 +20,11 @@ KIND_STYLES = {
     "checkpoint": "bold cyan", "restart": "bold #ffb000", "resume": "bold blue", "eval": "bold magenta",
     "memory_over_capacity": "bold red", "stop": "bold #ffb000", "command": "bold green",
     "rebalance": "bold #ffb000", "migration": "bold #ffb000", "sync_mode": "bold cyan",
-    "worker_lost": "bold red", "ps_profile": "bold blue",
+    "worker_lost": "bold red", "ps_profile": "bold blue", "memory_plan": "bold blue", "update_plan": "bold blue",
+    "policy": "bold green", "placement": "bold green",
 }
-TAGS = {"memory_over_capacity": "memory", "sync_mode": "sync", "worker_lost": "lost", "ps_profile": "profile"}
+TAGS = {"memory_over_capacity": "memory", "sync_mode": "sync", "worker_lost": "lost", "ps_profile": "profile",
+        "memory_plan": "mem plan", "update_plan": "upd plan"}
 
 
 def describe(event: dict) -> tuple[str, str]:
@@ -65,6 +68,21 @@ def describe(event: dict) -> tuple[str, str]:
     if kind == "ps_profile":
         return style, "sync windows per worker: " + ", ".join(
             f"{layer.get('name')} {_spread(layer.get('window_ms'))} ms" for layer in event.get("layers") or [])
+    if kind == "memory_plan":
+        ranks = "; ".join(f"rank {r.get('rank')}: {r.get('swap_layers', 0)} swap, {r.get('recompute_layers', 0)} "
+                          f"recompute, modelled peak {human_bytes(r.get('estimate_bytes'))}"
+                          for r in event.get("ranks") or [])
+        note = f" ({event['note']})" if event.get("note") else ""
+        return style, (f"{event.get('planner', '?')}: {ranks or 'no rank planned'} of "
+                       f"{human_bytes(event.get('capacity_bytes'))}{note}")
+    if kind == "update_plan":
+        placement = event.get("placement") or {}
+        on_host = sum(p == "host" for p in placement.values())
+        return style, (f"{event.get('planner', '?')}: {on_host} of {len(placement)} updates on the host; modelled "
+                       f"step {event.get('predicted_ms', 0):.1f} ms (all device {event.get('all_device_ms', 0):.1f}, "
+                       f"all host {event.get('all_host_ms', 0):.1f})")
+    if kind in ("policy", "placement"):
+        return style, f"{event.get('layer')} -> {event.get(kind)} (from {event.get('source', '?')})"
     extra = {k: v for k, v in event.items() if k not in ("schema", "time", "type", "kind", "step", "v")}
     return style, " ".join(f"{k}={v}" for k, v in extra.items())
 
@@ -93,6 +111,8 @@ class EventLog(RichLog):
         kwargs.setdefault("max_lines", MAX_LINES)
         kwargs.setdefault("wrap", True)
         super().__init__(**kwargs)
+        self.texts: deque[Text] = deque(maxlen=MAX_LINES)   # every line as written, to wrap again
+        self.wrapped_at = 0    # the width the lines were last wrapped at all together
 
     @staticmethod
     def stamp(seconds: float | None) -> Text:
@@ -116,4 +136,23 @@ class EventLog(RichLog):
 
     def add_line(self, line: Text) -> None:
         # wrap at the log's own width (RichLog alone would measure against the terminal's)
-        self.write(line, width=self.scrollable_content_region.width or None)
+        self.texts.append(line)
+        width = self.scrollable_content_region.width
+        if not width:   # not laid out yet (a replay's preload, say) or hidden: wrapped again when shown
+            self.wrapped_at = 0
+        self.write(line, width=width or None)
+
+    def on_resize(self) -> None:
+        self.call_after_refresh(self.rewrap)   # after the layout: the content region is the new one then
+
+    def on_show(self) -> None:
+        self.call_after_refresh(self.rewrap)
+
+    def rewrap(self) -> None:
+        """Every line again at the log's width, when that is not the width they were wrapped at."""
+        width = self.scrollable_content_region.width
+        if width and width != self.wrapped_at:
+            self.wrapped_at = width
+            self.clear()
+            for line in self.texts:
+                self.write(line, width=width)

@@ -34,7 +34,7 @@ DEMOS: dict[str, Demo] = {
                  "r rebalance the stages (by itself at step 100; a layer turns slow at step 400) · k/s/c a layer's "
                  "activations · u a layer's update device/host"),
     "pipeline": Demo("digits_pipeline.toml", "digits on a 3-stage pipeline that starts badly split",
-                     "r rebalance now (by itself every 60 steps; fc3 turns slow at step 300)"),
+                     "r rebalance now (by itself every 150 steps; fc3 turns slow at step 400)"),
     "memory": Demo("text_memory.toml", "a transformer at half the memory keeping its activations needs, "
                                        "each layer's activations planned",
                    "k/s/c keep, swap or recompute the selected layer's activations"),

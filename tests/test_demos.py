@@ -36,8 +36,11 @@ class Terminal:
         return subprocess.run(["tmux", "-L", self.socket, *args], capture_output=True, text=True, timeout=10,
                               env=self.env, cwd=self.cwd).stdout
 
-    def start(self, *command: str) -> None:
-        shell = " ".join(command) + "; echo DEMO-EXIT $?; sleep 600"
+    def start(self, *command: str, pid_file: Path | None = None) -> None:
+        """`command` in the terminal; with `pid_file`, it replaces the shell (and its pid is written there),
+        else the shell says how it exited and stays."""
+        shell = (f"echo $$ > {pid_file}; exec " + " ".join(command) if pid_file else
+                 " ".join(command) + "; echo DEMO-EXIT $?; sleep 600")
         self.tmux("new-session", "-d", "-s", "demo", "-x", "160", "-y", "50", shell)
 
     def screen(self) -> str:
@@ -175,11 +178,11 @@ def test_demo_in_a_terminal(terminal, tmp_path, name):
 
 @pytest.mark.timeout(180)
 def test_closing_the_terminal_stops_the_demo_run_after_its_final_checkpoint(terminal, tmp_path):
-    terminal.start(sys.executable, "-m", "engine.cli", "demo", "ddp")
+    terminal.start(sys.executable, "-m", "engine.cli", "demo", "ddp", pid_file=tmp_path / "demo.pid")
     wait_screen(terminal, r"step ([1-9]\d*)/\d+", 120, "the console's first step")
     terminal.close()   # the terminal goes: the console gets SIGHUP
-    pids = run_pids(tmp_path / "runs")
-    wait_for(lambda: not any(pid_alive(p) for p in pids), 60, "every process of the run to be gone")
+    pids = [*run_pids(tmp_path / "runs"), int((tmp_path / "demo.pid").read_text())]
+    wait_for(lambda: not any(pid_alive(p) for p in pids), 60, "the demo and every process of its run to be gone")
     log = (tmp_path / "runs" / "demo-ddp" / "demo.log").read_text()
     assert "stopped by SIGINT; latest checkpoint:" in log, log
 

@@ -23,7 +23,8 @@ Modes (docs/param_server.md):
 
 Scaling: a gradient computed on weights s versions old counts lambda(s) = 1 / (1 + s)
 (1 without staleness scaling). An update is  sum_i lambda(s_i) * g_i / n  where n is the
-number of live workers in `bsp` and `soft` (an update stands for a round of every worker,
+number of live workers in `bsp` and `soft`, and those who left after their gradient went into this
+window (an update stands for a round of every worker,
 so a window that caught k of them moves the weights k/n of a full step), and 1 in `asp`
 and `ssp` (an update is one gradient; its staleness, about n - 1 there, scales it down).
 """
@@ -181,7 +182,9 @@ class LayerSync:
             self.window.entries.append(arrival)
 
     def _apply(self, arrivals: list[Arrival], window_s: float) -> Update:
-        n = max(len(self.live), 1) if self.mode in WINDOWED else 1
+        # a worker that left after its gradient went in still counts in the round it took part in (a clean
+        # BYE at the end of a run lands between two workers' last gradients for a layer)
+        n = max(len(self.live | {a.worker for a in arrivals}), 1) if self.mode in WINDOWED else 1
         staleness = [max(self.version - a.version, 0) for a in arrivals]
         scales = [staleness_scale(s, self.scaling) / n for s in staleness]
         grad = None

@@ -90,6 +90,15 @@ def test_bsp_goes_on_without_a_lost_worker():
     assert sync.offer(Arrival(5, 0, 2.0, grad(1))) == []  # a lost worker's late gradient is dropped
 
 
+def test_a_worker_that_leaves_after_its_gradient_went_in_still_counts_in_that_window():
+    # the end of a run: worker 2 pushed its last gradient and said BYE before worker 3's arrived
+    sync = LayerSync("bsp", {2, 3})
+    assert sync.offer(Arrival(2, 0, 1.0, grad(2.0))) == []
+    assert sync.lose(2, 1.1) == []                        # the window still waits for worker 3
+    (update,) = sync.offer(Arrival(3, 0, 1.2, grad(4.0)))
+    assert update.scales == [0.5, 0.5] and torch.allclose(update.grad, grad(3.0))   # the mean, not the sum
+
+
 def test_asp_applies_each_gradient_scaled_by_its_staleness():
     sync = LayerSync("asp", W)
     (a,) = sync.offer(Arrival(2, 0, 1.0, grad(1)))

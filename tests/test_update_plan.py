@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import heapq
+import itertools
 import random
 
 import pytest
@@ -9,11 +12,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.config import format_size
+import engine.update_plan as update_plan
 from engine.update_plan import (
     PLACEMENTS,
     InfeasibleCapacity,
     LayerCost,
     Profile,
+    _Bounds,
     describe,
     fixed,
     min_capacity,
@@ -220,3 +225,162 @@ def test_global_on_sixty_layers(seed, headroom, kinds):
 def test_global_matches_brute_force_on_fourteen_layers(seed):
     profile = _random_profile(seed, 14, 0.4)
     assert plan_global(profile) == plan_brute_force(profile)
+
+
+# --- several host threads: k servers fed in backward order, each update on the first free one ---
+
+
+def threads(profile: Profile, k: int) -> Profile:
+    return dataclasses.replace(profile, host_threads=k)
+
+
+def test_profile_validates_host_threads():
+    for bad in (0, -1, 1.5, None):
+        with pytest.raises(ValueError, match="host_threads"):
+            Profile(THREE, peak_bytes=0, capacity_bytes=1, host_threads=bad)
+    assert Profile(THREE, peak_bytes=0, capacity_bytes=1).host_threads == 1
+
+
+def test_simulate_on_several_threads_hand_worked():
+    profile = Profile(tuple(layer(n, bwd=1, device=1, host=4, copy=1) for n in "abc"),
+                      peak_bytes=0, capacity_bytes=100)
+    # One thread: a ends at 1, host 1-6; b ends at 2, waits until 6, 6-11; c ends at 3, 11-16.
+    t = simulate(profile, [H, H, H])
+    assert t.host_spans == {"a": (1.0, 6.0), "b": (6.0, 11.0), "c": (11.0, 16.0)} and t.makespan_ms == 16.0
+    # Two: b starts on the second thread at its backward's end; c takes the first free, a's, at 6.
+    t = simulate(threads(profile, 2), [H, H, H])
+    assert t.host_spans == {"a": (1.0, 6.0), "b": (2.0, 7.0), "c": (6.0, 11.0)}
+    assert (t.makespan_ms, t.device_end_ms, t.host_end_ms) == (11.0, 3.0, 11.0)
+    # Three: nobody waits; the last host end (c's) is the makespan.
+    t = simulate(threads(profile, 3), [H, H, H])
+    assert t.host_spans == {"a": (1.0, 6.0), "b": (2.0, 7.0), "c": (3.0, 8.0)} and t.host_end_ms == 8.0
+    # The last host end, not the last started: a's long update outlasts b's on the other thread.
+    t = simulate(threads(Profile((layer("a", bwd=1, host=9, copy=0), layer("b", bwd=1, host=1, copy=0)),
+                                 peak_bytes=0, capacity_bytes=100), 2), [H, H])
+    assert t.host_spans == {"a": (1.0, 10.0), "b": (2.0, 3.0)} and t.host_end_ms == t.makespan_ms == 10.0
+
+
+def test_local_rule_uses_the_first_free_thread():
+    profile = Profile((layer("a", fwd=0, bwd=1, device=2, host=5, copy=0),
+                       layer("b", fwd=0, bwd=1, device=2, host=5, copy=0),
+                       layer("c", fwd=6, bwd=1, device=2, host=1, copy=0)), peak_bytes=0, capacity_bytes=100)
+    # One thread: a ends at 1, is needed at 1 + 1 + 1 + 6 = 9 and done at 6: host. b ends at 2,
+    # is needed at 2 + 1 + 6 = 9, but the thread is busy until 6 and b would be done at 11:
+    # device. c, the model's first layer, is needed at once: device.
+    assert plan_local(profile).placement == (H, D, D)
+    # Two: b starts at once on the second thread, done at 7 <= 9: host.
+    t = plan_local(threads(profile, 2))
+    assert t.placement == (H, H, D) and t.host_spans == {"a": (1.0, 6.0), "b": (2.0, 7.0)}
+
+
+@settings(max_examples=100, deadline=None)
+@given(profiles(), st.sampled_from([1, 2, 3]))
+def test_global_is_exact_on_several_threads(profile, k):
+    profile = threads(profile, k)
+    best = plan_global(profile)
+    assert best == plan_brute_force(profile)  # makespan, and placement by the tie-break
+    assert best.fits
+    assert best.makespan_ms <= min(plan_local(profile).makespan_ms, fixed(profile, "host").makespan_ms)
+
+
+@settings(max_examples=100, deadline=None)
+@given(profiles(max_layers=10), st.data())
+def test_a_thread_more_never_slows_a_placement(profile, data):
+    placement = data.draw(st.lists(st.sampled_from(PLACEMENTS), min_size=len(profile.layers),
+                                   max_size=len(profile.layers)))
+    ends = [simulate(threads(profile, k), placement).makespan_ms for k in (1, 2, 3, len(profile.layers) + 1)]
+    assert ends == sorted(ends, reverse=True)
+    # With a thread per layer no host update waits: each starts when its backward ends.
+    t = simulate(threads(profile, len(profile.layers) + 1), placement)
+    backward_end = 0.0
+    for cost, where in zip(profile.layers, placement):
+        backward_end += cost.bwd_ms
+        if where == H:
+            assert t.host_spans[cost.name][0] == backward_end
+        else:
+            backward_end += cost.device_ms
+
+
+def _state_after(profile: Profile, prefix: list[str]) -> tuple[float, tuple[float, ...], int]:
+    """The planner's state after placing `prefix`: device clock, sorted thread free times (each at
+    least the clock), device bytes."""
+    d, free, b = 0.0, [0.0] * profile.host_threads, profile.peak_bytes
+    for cost, where in zip(profile.layers, prefix):
+        d += cost.bwd_ms
+        if where == D:
+            d += cost.device_ms
+            b += cost.state_bytes
+        else:
+            heapq.heapreplace(free, max(d, free[0]) + cost.copy_ms + cost.host_ms)
+    return d, tuple(sorted(max(f, d) for f in free)), b
+
+
+@settings(max_examples=150, deadline=None)
+@given(profiles(max_layers=7), st.sampled_from([1, 2, 3]), st.data())
+def test_lower_bound_never_exceeds_a_completion(profile, k, data):
+    # The branch and bound is exact only if no state's bound passes its best completion.
+    profile = threads(profile, k)
+    n = len(profile.layers)
+    prefix = data.draw(st.lists(st.sampled_from(PLACEMENTS), max_size=n))
+    d, h, b = _state_after(profile, prefix)
+    if b > profile.capacity_bytes:
+        return
+    completions = [simulate(profile, prefix + list(rest))
+                   for rest in itertools.product(PLACEMENTS, repeat=n - len(prefix))]
+    best = min((t.makespan_ms for t in completions if t.fits), default=None)
+    if best is not None:
+        assert _Bounds(profile).lower(len(prefix), d, h, b) <= best * (1 + 1e-12) + 1e-12
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("k", [2, 3, 16])
+@pytest.mark.parametrize("seed, headroom, kinds", [(0, 0.2, None), (1, 0.5, None), (3, 0.35, 2)])
+def test_global_on_sixty_layers_and_several_threads(seed, headroom, kinds, k):
+    profile = threads(_random_profile(seed, 60, headroom, kinds), k)
+    best = plan_global(profile)
+    assert best.fits and len(best.placement) == 60
+    assert best.makespan_ms <= plan_local(profile).makespan_ms
+    assert best.makespan_ms <= fixed(profile, "host").makespan_ms
+    assert best.makespan_ms <= plan_global(threads(profile, k - 1)).makespan_ms  # a thread more never hurts
+
+
+@pytest.mark.parametrize("k", [2, 3])
+@pytest.mark.parametrize("seed", range(3))
+def test_global_matches_brute_force_on_fourteen_layers_and_several_threads(seed, k):
+    profile = threads(_random_profile(seed, 14, 0.4), k)
+    assert plan_global(profile) == plan_brute_force(profile)
+
+
+def _busy_host_profile(seed: int, n: int, k: int, headroom: float) -> Profile:
+    """A host busy throughout: updates 10-40 times a layer's backward (an H100's host beside its GPU)."""
+    rng = random.Random(seed)
+    layers = tuple(LayerCost(f"l{i}", rng.uniform(0.3, 1), rng.uniform(0.6, 2), rng.uniform(0.02, 0.1),
+                             rng.uniform(10, 40), rng.uniform(0.5, 2), rng.randint(10**7, 10**8)) for i in range(n))
+    peak = 10**9
+    return Profile(layers, peak_bytes=peak, capacity_bytes=peak + int(headroom * sum(l.state_bytes for l in layers)),
+                   host_threads=k)
+
+
+def test_global_says_whether_it_proved_its_plan(monkeypatch):
+    profile = _busy_host_profile(0, 14, 4, 0.3)
+    exact = plan_global(profile)
+    assert exact.optimal is True and exact == plan_brute_force(profile) and plan_brute_force(profile).optimal
+    assert plan_local(profile).optimal is None and fixed(profile, "host").optimal is None
+    # A front limit too small for this profile: the best found, never worse than the simple plans.
+    monkeypatch.setattr(update_plan, "_FRONT_LIMIT", 2)
+    found = plan_global(profile)
+    assert found.optimal is False and found.fits
+    assert exact.makespan_ms <= found.makespan_ms <= min(plan_local(profile).makespan_ms,
+                                                         fixed(profile, "host").makespan_ms)
+    assert describe(found).startswith(f"makespan {found.makespan_ms:.2f} ms (the best found, not proven optimal) ")
+    # One thread keeps the exact search whole.
+    assert plan_global(threads(profile, 1)).optimal is True
+
+
+@pytest.mark.timeout(60)
+def test_global_on_a_busy_host_stays_bounded():
+    # Sixty layers on eight threads, the host busy throughout: the exact fronts outgrow memory,
+    # the limited search answers in seconds.
+    profile = _busy_host_profile(1, 60, 8, 0.3)
+    best = plan_global(profile)
+    assert best.fits and best.makespan_ms <= plan_local(profile).makespan_ms

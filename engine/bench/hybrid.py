@@ -62,7 +62,8 @@ def profile_job(topo, hidden: int, depth: int, batch: int, trial: int, kind: str
         runner.train_step(x, y)
     profile = runner.updater.profile
     runner.close()
-    return {"layers": [dataclasses.asdict(c) for c in profile.layers], "peak_bytes": profile.peak_bytes}
+    return {"layers": [dataclasses.asdict(c) for c in profile.layers], "peak_bytes": profile.peak_bytes,
+            "host_threads": profile.host_threads}
 
 
 def measure_job(topo, hidden: int, depth: int, batch: int, placement: dict, steps: int, warmup: int,
@@ -129,7 +130,8 @@ def run_bench(hidden: int, depth: int, batch: int, rounds: int, steps: int, warm
                       "roomy": measured["peak_bytes"] + total_state + (1 << 20)}
         cases = {}
         for label, capacity in capacities.items():
-            profile = Profile(layers, peak_bytes=measured["peak_bytes"], capacity_bytes=capacity)
+            profile = Profile(layers, peak_bytes=measured["peak_bytes"], capacity_bytes=capacity,
+                              host_threads=measured["host_threads"])   # the executor the placements run on
             plans = {"all-device": fixed(profile, "device"), "all-host": fixed(profile, "host"),
                      "auto-global": plan_global(profile), "auto-local": plan_local(profile),
                      "brute-force": plan_brute_force(profile)}

@@ -1,6 +1,6 @@
 """`trainyard bench console [--json]`: what the live console costs, and how fast a key reaches the run.
 
-A child process serves a synthetic run through a real engine.hub.Hub: 64 ranks and 200 layers,
+A child process serves a synthetic run through a real engine.telemetry.hub.Hub: 64 ranks and 200 layers,
 10 step messages a second, every one with its layers. This process runs the real console app
 headless (App.run_test) attached to it, so psutil's figure for this process is the console's
 alone: socket reader, message handling and redraws. Then `p` is pressed 20 times; the child
@@ -53,7 +53,7 @@ def feed(seconds: float) -> None:
     """The child: a hub fed at HZ; every command is stamped on stdout, then applied."""
     import threading
 
-    from engine.hub import Hub
+    from engine.telemetry.hub import Hub
     hub = Hub({"run": RUN, "mode": "sharded", "world_size": RANKS, "simulated": True, "steps": 1_000_000,
                "layers": [f"blocks.{i}" for i in range(LAYERS)],
                "capabilities": ["pause", "resume", "stop", "checkpoint", "set-policy", "set-placement"]})

@@ -56,7 +56,7 @@ def run_name(demo: str, runs_dir: Path) -> str:
     """`demo-NAME`, whose previous run the demo overwrites, unless that run is still going (left training
     by a console that detached, or starting in another terminal): then `demo-NAME-2`, `-3`, ... the first
     name no live run has."""
-    from engine.protocol import list_runs, pid_alive
+    from engine.telemetry.protocol import list_runs, pid_alive
     live = {info.get("run") for info in list_runs()}
 
     def busy(name: str) -> bool:

@@ -9,6 +9,17 @@
                            model=model, data=engine.tensor_dataset(x_train, y_train, x_test, y_test))
 
 `train` runs the same launcher as `trainyard run --headless`; see README.md.
+
+The tree reads like the architecture (README.md, Layout), each package's docstring saying what lives
+there and what it may import:
+    config/      settings, checks, loading (imports nothing else of engine)
+    models/, data.py, optim.py    what is trained, on what, with which optimizer kernels
+    runtime/     launcher, rank setup, step loop, boundary, topology, devices and ledger, checkpoints
+    strategies/  ddp, sharded/, pipeline, param_server/: how training is spread over ranks
+    techniques/  hybrid update, activation memory, partition/rebalance/migration, ps sync rules
+    telemetry/   protocol (also `engine.protocol`, for consoles), hub, log, schema, progress bar
+    bench/       `trainyard bench NAME`; cli.py, ctl.py: the `trainyard` command
+This module imports the rest only when `train` is called (consoles import engine.protocol alone).
 """
 
 from __future__ import annotations
@@ -47,9 +58,9 @@ def train(config: Config | dict | str | Path, *, model: LayerList | None = None,
     so they must be picklable (define their classes at module level).
     """
     from engine.config import Config, load_config
-    from engine.launch import launch, prepare_run_dir
+    from engine.runtime.launch import launch, prepare_run_dir
     from engine.models import LayerList
-    from engine.worker import Job
+    from engine.runtime.rank import Job
 
     if isinstance(config, Config):
         cfg = config if not overrides else load_config(None, list(overrides), base=config.to_dict())

@@ -97,7 +97,7 @@ def _benches() -> list[str]:
 
 
 def _usages() -> list[str]:
-    from engine.protocol import COMMANDS, usage
+    from engine.telemetry.protocol import COMMANDS, usage
     return [usage(name) for name in COMMANDS]
 
 
@@ -116,7 +116,7 @@ def demo_overrides(name: str) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["cluster"]:   # its own parser, `--help` included
-        from engine import cluster
+        from engine.runtime import cluster
         return cluster.main(argv[1:])
     args = _parser().parse_args(argv)
     if args.command == "bench":
@@ -162,9 +162,9 @@ def _run(config: Path, overrides: list[str], steps: int | None, telemetry_log: P
         err.print(f"[red]config error:[/] {escape(str(e))}")
         return 2
 
-    from engine.checkpoint import CheckpointError
-    from engine.launch import RunFailed, RunInterrupted, RunRefused, RunSetupError, launch, prepare_run_dir
-    from engine.worker import Job
+    from engine.runtime.checkpoint import CheckpointError
+    from engine.runtime.launch import RunFailed, RunInterrupted, RunRefused, RunSetupError, launch, prepare_run_dir
+    from engine.runtime.rank import Job
 
     job = Job(config=cfg, resume=resume, telemetry_log=telemetry_log, headless=headless)
     try:

@@ -1,4 +1,4 @@
-"""`trainyard runs` and `trainyard ctl`: the shell's view of live runs, through engine.protocol only.
+"""`trainyard runs` and `trainyard ctl`: the shell's view of live runs, through engine.telemetry.protocol only.
 
     trainyard runs                           # name, mode, world size, step, socket
     trainyard ctl digits-ddp pause           # prints "applied at step 42", exit 0
@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from engine import protocol
+from engine.telemetry import protocol
 
 out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True)

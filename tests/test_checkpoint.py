@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from engine import checkpoint as ckpt
+from engine.runtime import checkpoint as ckpt
 
 
 def write(run_dir, step, keep=3):

@@ -1,4 +1,4 @@
-"""engine/compat.py: a run still starts on a torch whose launcher lacks a newer option, and says
+"""engine/runtime/compat.py: a run still starts on a torch whose launcher lacks a newer option, and says
 once what is not applied; on this torch nothing is left out and nothing is said."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from engine import compat
+from engine.runtime import compat
 from engine.config import load_config
-from engine.launch import _launch_config
-from engine.worker import Job
+from engine.runtime.launch import _launch_config
+from engine.runtime.rank import Job
 
 DDP = "demo/configs/digits_ddp.toml"
 

@@ -343,7 +343,7 @@ def test_round_trip_keeps_values_exactly(tmp_path_factory, lr, steps, name):
 def test_docs_match_declarations():
     docs = ROOT / "docs" / "config.md"
     assert docs.exists() and docs.read_text() == markdown_reference(), (
-        "docs/config.md is out of date with engine/config.py; regenerate it with:\n"
+        "docs/config.md is out of date with engine/config/settings.py; regenerate it with:\n"
         "    python -m engine.config --markdown > docs/config.md")
 
 

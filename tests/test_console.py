@@ -1,7 +1,7 @@
 """The console against a hub: keys send the right commands, replies show, the link heals, and
 the keys a run does not take are dimmed.
 
-Most tests serve a recorded feed from an in-process engine.hub.Hub, with a thread that answers
+Most tests serve a recorded feed from an in-process engine.telemetry.hub.Hub, with a thread that answers
 commands as the engine would (FakeEngine); the last one attaches to a real headless run.
 """
 
@@ -21,7 +21,7 @@ from console.app import ConsoleApp
 from console.client import ReplaySource, SocketSource, replay_messages
 from console.screens import HelpScreen, QuitScreen, RunPicker, SyncScreen
 from console.state import RunState, headline, keys_line
-from engine.hub import Hub
+from engine.telemetry.hub import Hub
 from engine.protocol import COMMANDS
 from tests.conftest import read_jsonl
 from widgets.events import EventLog

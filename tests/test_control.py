@@ -14,8 +14,8 @@ import pytest
 from engine import protocol
 import torch
 
-from engine.checkpoint import list_checkpoints, model_state, verify
-from engine.telemetry_schema import RECORD_SCHEMA
+from engine.runtime.checkpoint import list_checkpoints, model_state, verify
+from engine.telemetry.schema import RECORD_SCHEMA
 from tests.conftest import ROOT, read_jsonl, wait_for
 from tests.test_training import single_process_reference
 

@@ -1,4 +1,4 @@
-"""[emulate]: a layer that turns slow mid-run (engine/emulate.py)."""
+"""[emulate]: a layer that turns slow mid-run (engine/runtime/emulate.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 from engine.config import EmulateConfig
-from engine.emulate import SlowLayer
+from engine.runtime.emulate import SlowLayer
 from engine.models import LayerList
 
 
@@ -17,7 +17,7 @@ def _model() -> LayerList:
 
 def test_the_layer_sleeps_from_its_step_on_and_the_others_never(monkeypatch):
     slept = []
-    monkeypatch.setattr("engine.emulate.time.sleep", slept.append)
+    monkeypatch.setattr("engine.runtime.emulate.time.sleep", slept.append)
     model = _model()
     slow = SlowLayer.install(model, EmulateConfig(slow_layer="act0", slow_layer_ms=50.0, slow_from_step=3))
     x = torch.randn(2, 4)

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from engine import protocol
-from engine.hub import Hub
+from engine.telemetry.hub import Hub
 from tests.conftest import wait_for
 
 HELLO = {"run": "hubtest", "mode": "ddp", "world_size": 2, "config": {"run": {"steps": 100}},

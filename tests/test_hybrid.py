@@ -1,4 +1,4 @@
-"""Hybrid optimizer update (engine/hybrid.py): the same parameters whichever side runs each
+"""Hybrid optimizer update (engine/techniques/hybrid.py): the same parameters whichever side runs each
 layer's update, the trial and the plan, live placement changes."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ import torch
 
 from engine.config import Config, UpdateConfig
 from engine.data import batch_for, load_dataset
-from engine.ddp import DDPStrategy
-from engine.devices import LedgerDevice
+from engine.strategies.ddp import DDPStrategy
+from engine.runtime.devices import LedgerDevice
 from engine.models import build_model
-from engine.procpool import DistPool
-from engine.sharded import ShardedStrategy
+from engine.runtime.procpool import DistPool
+from engine.strategies.sharded import ShardedStrategy
 
 STEPS = 20
 _DATA: dict = {}
@@ -133,15 +133,15 @@ def test_a_live_placement_change_keeps_parameters_identical(pool):
 def test_placement_table_naming_an_unknown_layer_is_refused():
     cfg = Config()
     model = build_model(cfg.model, {"input_dim": 4, "num_classes": 2}, 0)
-    from engine.ddp import params_by_layer
-    from engine.hybrid import HybridUpdater
+    from engine.strategies.ddp import params_by_layer
+    from engine.techniques.hybrid import HybridUpdater
     with pytest.raises(ValueError, match=r"update.placement names unknown layer 'fc9'; layers are fc0, "):
         HybridUpdater(model, params_by_layer(model), cfg.optim, LedgerDevice(1 << 20),
                       UpdateConfig(placement={"fc9": "host"}))
 
 
 def test_layer_update_moves_state_and_weights_exactly():
-    from engine.hybrid import LayerUpdate
+    from engine.techniques.layer_update import LayerUpdate
     torch.manual_seed(0)
     layer = torch.nn.Linear(4, 3)
     twin = torch.nn.Linear(4, 3)
@@ -164,7 +164,7 @@ def test_layer_update_moves_state_and_weights_exactly():
 
 @pytest.mark.timeout(120)
 def test_auto_placement_plans_after_the_trial_and_saves_the_profile(cli):
-    from engine.checkpoint import list_checkpoints, model_state
+    from engine.runtime.checkpoint import list_checkpoints, model_state
     from tests.conftest import read_jsonl
     from tests.test_training import DEMO, single_process_reference
     log = cli.tmp_path / "run.jsonl"

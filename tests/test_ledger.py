@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from engine.devices import LedgerDevice, MemoryLedger, open_device
+from engine.runtime.devices import LedgerDevice, MemoryLedger, open_device
 from engine.optim import make_optimizer
 from engine.config import OptimConfig
 

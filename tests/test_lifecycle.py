@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.checkpoint import list_checkpoints, model_state, verify
+from engine.runtime.checkpoint import list_checkpoints, model_state, verify
 from tests.conftest import CLI, ROOT, pid_alive, read_jsonl, wait_for
 from tests.test_training import single_process_reference
 

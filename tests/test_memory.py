@@ -1,4 +1,4 @@
-"""Per-layer activation policy (engine/memory.py): keep, swap and recompute compute the same gradients,
+"""Per-layer activation policy (engine/techniques/memory/): keep, swap and recompute compute the same gradients,
 the ledger books where activations are, and an auto plan keeps the ledger's peak under the capacity."""
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ import torch
 
 from engine.config import Config, MemoryConfig, OptimConfig, load_config
 from engine.data import batch_for, load_dataset
-from engine.ddp import cross_entropy
-from engine.devices import LedgerDevice
-from engine.memory import (EXHAUSTIVE_MAX_LAYERS, ActivationPolicy, LayerCost, PlanError, estimate,
+from engine.strategies.ddp import cross_entropy
+from engine.runtime.devices import LedgerDevice
+from engine.techniques.memory import (EXHAUSTIVE_MAX_LAYERS, ActivationPolicy, LayerCost, PlanError, estimate,
                            order_by_ratio, plan, swap_ms)
 from engine.models import build_model
 from engine.optim import make_optimizer
-from engine.pipeline import PipelineStage
-from engine.procpool import DistPool
+from engine.strategies.pipeline import PipelineStage
+from engine.runtime.procpool import DistPool
 
 ZOO = {  # every layer type of the model zoo, dropout on where the model has it
     "mlp": ["model.name=mlp", "model.hidden=48", "model.depth=2", "model.dropout=0.2"],
@@ -386,7 +386,7 @@ def test_a_storage_two_layers_save_leaves_the_device_only_when_neither_keeps_it(
 def test_a_plan_is_never_modelled_slower_than_a_uniform_policy_that_fits():
     """Random stages and capacities: every planner's plan costs no more modelled time than all-recompute
     and all-swap where those fit (plan() checks both and takes a uniform one the model says is faster)."""
-    from engine.memory import extra_ms, plan
+    from engine.techniques.memory import extra_ms, plan
     rng = random.Random(3)
     for _ in range(300):
         costs = [LayerCost(f"l{i}", act_bytes=rng.randrange(1, 200) * 1000, in_bytes=rng.randrange(1, 50) * 1000,

@@ -10,7 +10,7 @@ import jsonschema
 import pytest
 
 from engine import protocol
-from engine.telemetry_schema import RECORD_SCHEMA
+from engine.telemetry.schema import RECORD_SCHEMA
 from tests.conftest import ROOT, pid_alive, read_jsonl, wait_for
 from tests.test_training import final_model, single_process_reference
 

@@ -1,4 +1,4 @@
-"""engine/partition.py: exact stage partitioning, checked against brute force."""
+"""engine/techniques/partition.py: exact stage partitioning, checked against brute force."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.partition import (
+from engine.techniques.partition import (
     _REL_EPS, Cluster, Layout, clusters_from, from_names, needs_rebalance, partition,
     stage_times, threshold_in_ms, uniform,
 )

@@ -1,4 +1,4 @@
-"""Pipeline parallel (engine/pipeline.py): a pipelined step equals a single-process step on the
+"""Pipeline parallel (engine/strategies/pipeline.py): a pipelined step equals a single-process step on the
 whole global batch, for both schedules, several micro-batch counts and both optimizers."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import torch
 
 from engine.config import Config, ModelConfig, OptimConfig
 from engine.data import batch_for, load_dataset
-from engine.devices import LedgerDevice
+from engine.runtime.devices import LedgerDevice
 from engine.models import Block, LayerList, build_model
-from engine.pipeline import PipelineStage, check_stages, schedule_ops, split_micro
-from engine.procpool import DistPool
+from engine.strategies.pipeline import PipelineStage, check_stages, schedule_ops, split_micro
+from engine.runtime.procpool import DistPool
 from tests.conftest import train_one_process
 
 STEPS = 10
@@ -202,7 +202,7 @@ def test_schedules():
 @pytest.mark.slow
 @pytest.mark.parametrize("world,schedule,optim", [(2, "1f1b", "adamw"), (3, "gpipe", "sgd")])
 def test_a_pipeline_run_equals_one_process_and_reports_its_stages(cli, world, schedule, optim):
-    from engine.checkpoint import list_checkpoints, model_state
+    from engine.runtime.checkpoint import list_checkpoints, model_state
     from tests.conftest import read_jsonl
     from tests.test_training import DEMO, single_process_reference
     overrides = [f"optim.name={optim}", "optim.lr=0.01", "parallel.strategy=pipeline", f"parallel.schedule={schedule}"]
@@ -218,7 +218,7 @@ def test_a_pipeline_run_equals_one_process_and_reports_its_stages(cli, world, sc
     records = read_jsonl(log)
     import jsonschema
 
-    from engine.telemetry_schema import RECORD_SCHEMA
+    from engine.telemetry.schema import RECORD_SCHEMA
     for rec in records:
         jsonschema.validate(rec, RECORD_SCHEMA)
     steps = [rec for rec in records if rec["type"] == "step"]
@@ -241,5 +241,5 @@ def test_a_partition_that_is_not_contiguous_is_refused(cli):
     from tests.test_training import DEMO
     r = cli.run("run", DEMO, "--headless", "--steps", "5", *cli.base_args("badpipe"), "--set", "parallel.strategy=pipeline",
                 "--set", 'parallel.partition=[["fc0", "fc1"], ["act0", "act1", "head"]]')
-    # a worker's refusal: exit 2 at once, never restarted (engine/refusal.py)
+    # a worker's refusal: exit 2 at once, never restarted (engine/runtime/refusal.py)
     assert r.returncode == 2 and "not contiguous" in r.stderr and "restarting" not in r.stderr

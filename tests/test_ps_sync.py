@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.param_server import ParamServerError, assign_layers
-from engine.ps_sync import Arrival, LayerSync, staleness_scale
+from engine.strategies.param_server import ParamServerError, assign_layers
+from engine.techniques.ps_sync import Arrival, LayerSync, staleness_scale
 
 W = {2, 3, 4, 5}
 

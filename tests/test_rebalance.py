@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from engine.config import ModelConfig
-from engine.devices import LedgerDevice
+from engine.runtime.devices import LedgerDevice
 from engine.models import build_model
-from engine.pipeline import PipelineStage
-from engine.procpool import DistPool
-from engine.rebalance import LayerClock, decide
+from engine.strategies.pipeline import PipelineStage
+from engine.runtime.procpool import DistPool
+from engine.techniques.rebalance import LayerClock, decide
 from tests.conftest import train_one_process
 from tests.test_pipeline import META, _optim
 from tests.test_pipeline import _batches as pipeline_batches
@@ -205,8 +205,8 @@ def _stages_of(step_record) -> list[list[str]]:
 
 @pytest.mark.timeout(150)
 def test_auto_rebalancing_moves_layers_live_and_training_equals_one_process(cli):
-    from engine.checkpoint import list_checkpoints, model_state, verify
-    from engine.telemetry_schema import RECORD_SCHEMA
+    from engine.runtime.checkpoint import list_checkpoints, model_state, verify
+    from engine.telemetry.schema import RECORD_SCHEMA
     from tests.conftest import read_jsonl
     from tests.test_training import DEMO, single_process_reference
     import jsonschema
@@ -260,7 +260,7 @@ def test_auto_rebalancing_moves_layers_live_and_training_equals_one_process(cli)
 
 @pytest.mark.timeout(150)
 def test_the_rebalance_command_answers_with_the_step_the_new_layout_took_effect(cli):
-    from engine.checkpoint import list_checkpoints, verify
+    from engine.runtime.checkpoint import list_checkpoints, verify
     from tests.conftest import read_jsonl, wait_for
     from tests.test_control import ctl, current_step, start_live
     log = cli.tmp_path / "run.jsonl"
@@ -291,8 +291,8 @@ def test_the_rebalance_command_answers_with_the_step_the_new_layout_took_effect(
 
 def test_the_hub_refuses_a_rebalance_when_off_or_while_one_is_in_flight(tmp_path):
     from engine.config import config_from_dict
-    from engine.telemetry import RankZeroTelemetry
-    from engine.worker import Job
+    from engine.telemetry.outlets import RankZeroTelemetry
+    from engine.runtime.rank import Job
     job = Job(config=config_from_dict({"telemetry": {"hub": False}}), telemetry_log=tmp_path / "t.jsonl",
               headless=False)
     base = {"mode": "pipeline", "layers": NAMES, "capabilities": ["pause", "stop"]}
@@ -319,7 +319,7 @@ def test_the_rebalance_command_is_refused_when_rebalancing_is_off(cli):
 
 @pytest.mark.timeout(180)
 def test_a_worker_killed_around_a_migration_restarts_from_a_checkpoint_with_a_valid_layout(cli):
-    from engine.checkpoint import list_checkpoints, model_state
+    from engine.runtime.checkpoint import list_checkpoints, model_state
     from tests.conftest import read_jsonl, wait_for
     from tests.test_lifecycle import read_pid
     from tests.test_training import DEMO, single_process_reference
@@ -383,7 +383,7 @@ def test_a_balanced_start_is_one_layout_on_every_rank_and_trains_like_one_proces
 
 def test_the_bench_finds_the_best_static_split_by_brute_force():
     from engine.bench.pipeline import best_static, bench_model, even_layout, skewed_layout
-    from engine.partition import Cluster, partition
+    from engine.techniques.partition import Cluster, partition
     names = bench_model().names
     assert [len(s) for s in even_layout(names)] == [10, 10, 10, 9]
     assert [len(s) for s in skewed_layout(names)] == [1, 1, 1, 36]

@@ -1,4 +1,4 @@
-"""Sharded ownership, multi-stream sliced broadcast, gated forward (engine/sharded.py).
+"""Sharded ownership, multi-stream sliced broadcast, gated forward (engine/strategies/sharded/).
 
 The plan (owners, slices, streams) is checked as pure functions; training is checked
 against torch DDP in a pool of worker processes that stays up for the whole grid
@@ -16,11 +16,11 @@ from hypothesis import strategies as st
 
 from engine.config import Config
 from engine.data import batch_for, load_dataset
-from engine.ddp import DDPStrategy
-from engine.devices import LedgerDevice
+from engine.strategies.ddp import DDPStrategy
+from engine.runtime.devices import LedgerDevice
 from engine.models import build_model
-from engine.sharded import ShardedStrategy, assign_owners, cut, plan_slices
-from engine.procpool import DistPool
+from engine.strategies.sharded import ShardedStrategy, assign_owners, cut, plan_slices
+from engine.runtime.procpool import DistPool
 
 # --- the plan ---------------------------------------------------------------------------
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jsonschema
 import pytest
 
-from engine.telemetry_schema import RECORD_SCHEMA
+from engine.telemetry.schema import RECORD_SCHEMA
 from tests.conftest import ROOT, read_jsonl
 
 DEMO = str(ROOT / "demo" / "configs" / "digits_ddp.toml")

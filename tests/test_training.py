@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.checkpoint import list_checkpoints, model_state
+from engine.runtime.checkpoint import list_checkpoints, model_state
 from engine.config import load_config
 from engine.data import batch_for, load_dataset
-from engine.ddp import cross_entropy
+from engine.strategies.ddp import cross_entropy
 from engine.models import build_model
 from engine.optim import make_optimizer
 from tests.conftest import ROOT, read_jsonl

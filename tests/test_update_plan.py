@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.config import format_size
-import engine.update_plan as update_plan
-from engine.update_plan import (
+import engine.techniques.update_plan as update_plan
+from engine.techniques.update_plan import (
     PLACEMENTS,
     InfeasibleCapacity,
     LayerCost,

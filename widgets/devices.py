@@ -32,7 +32,7 @@ CATEGORIES = [
 ]
 WARN_FRACTION, CRIT_FRACTION = 0.80, 0.95
 LEDGER_FIELDS = ("used_bytes", "capacity_bytes")   # a card without them has no memory to draw
-# a CUDA rank's own figures (the torch allocator's, then NVML's; engine/control.py sends them): a CPU
+# a CUDA rank's own figures (the torch allocator's, then NVML's; engine/runtime/control.py sends them): a CPU
 # rank has none of them, absent rather than zero
 GPU_FIELDS = ("allocated_bytes", "reserved_bytes", "allocator_peak_bytes",
               "nvml_used_bytes", "nvml_total_bytes", "gpu_util_percent")

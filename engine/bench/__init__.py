@@ -8,6 +8,9 @@ invocation and prints ratios; absolute times on a shared machine are noise, rati
     trainyard bench pipeline             # a skewed 4-stage pipeline rebalanced live vs best static and torch's
     trainyard bench memory               # per-layer keep/swap/recompute at 50% of keep's peak vs full recompute
     trainyard bench ps                   # parameter server: soft sync vs bsp, asp, ssp with a 3x slower worker
+
+Imports anything in engine (a bench drives the whole engine, or one technique alone); nothing in
+engine imports a bench but the CLI.
 """
 
 from __future__ import annotations

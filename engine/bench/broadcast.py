@@ -10,7 +10,7 @@ One pool of `--world` worker processes (gloo on this machine) trains the same ML
     sharded-n        n streams, the step waits for the whole broadcast
     sharded-n-gated  n streams, the next forward gated per layer on its own slices
     (--hosts only) sharded-1-gated, and sharded-n-gated-flat: without the two-level exchange across
-                     hosts (every rank sends to every other directly; engine/sharded.py)
+                     hosts (every rank sends to every other directly; engine/strategies/sharded/)
 
 Figures: each variant's median step time over the rounds and its ratio to DDP, the
 optimizer-state bytes per rank (largest rank), and the overlap efficiency
@@ -22,7 +22,7 @@ are the profile that explains a missed goal.
     trainyard bench broadcast [--world 4] [--streams 4] [--json]
     trainyard bench broadcast --hosts 2 --link 1gbit     # over an emulated cluster's shaped links (root)
 
-With `--hosts N` the ranks are spread over N emulated hosts (engine/cluster.py: network namespaces
+With `--hosts N` the ranks are spread over N emulated hosts (engine/runtime/cluster.py: network namespaces
 whose links are shaped with tbf to `--link`), made for the bench and removed after it, so the
 figures are network-bound rather than CPU-bound. Then sharded-1-gated runs too, and the overlap
 efficiency is given for 1 stream and for n.
@@ -78,9 +78,9 @@ def measure(topo, variant: str, hidden: int, depth: int, features: int, batch: i
     import torch.distributed as dist
 
     from engine.config import ModelConfig, OptimConfig
-    from engine.devices import LedgerDevice
+    from engine.runtime.devices import LedgerDevice
     from engine.models import build_model
-    from engine.sharded import ShardedStrategy
+    from engine.strategies.sharded import ShardedStrategy
 
     model = build_model(ModelConfig(name="mlp", hidden=hidden, depth=depth),
                         {"input_dim": features, "num_classes": 10}, seed=0)
@@ -121,7 +121,7 @@ def measure(topo, variant: str, hidden: int, depth: int, features: int, batch: i
 def run_bench(world: int, rounds: int, streams: int, slices: int, hidden: int, depth: int, features: int,
               batch: int, steps: int, warmup: int, hosts: int = 0, link: str = "1gbit") -> dict:
     if hosts:
-        from engine.cluster import emulated_cluster
+        from engine.runtime.cluster import emulated_cluster
         with emulated_cluster(hosts=hosts, link=link) as cluster:
             report = _run_variants(world, rounds, streams, slices, hidden, depth, features, batch, steps, warmup,
                                    cluster)
@@ -137,7 +137,7 @@ def _efficiency(wait: dict, gated: dict) -> float:
 
 def _run_variants(world: int, rounds: int, streams: int, slices: int, hidden: int, depth: int, features: int,
                   batch: int, steps: int, warmup: int, cluster) -> dict:
-    from engine.procpool import DistPool
+    from engine.runtime.procpool import DistPool
     variants = ["ddp", "sharded-1", f"sharded-{streams}", f"sharded-{streams}-gated"]
     if cluster is not None:   # the stream count's effect on overlap, and the two-level exchange's effect
         variants.insert(2, "sharded-1-gated")
@@ -197,7 +197,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--features", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=32, help="global batch")
     parser.add_argument("--hosts", type=int, default=0, help="spread the ranks over this many emulated hosts "
-                                                             "(0: one machine; needs root, engine/cluster.py)")
+                                                             "(0: one machine; needs root, engine/runtime/cluster.py)")
     parser.add_argument("--link", default="1gbit", help="each emulated host's link rate, with --hosts "
                                                         "(default 1gbit)")
     args = parser.parse_args(argv)
@@ -205,7 +205,7 @@ def main(argv: list[str]) -> int:
         parser.error("--slices must be >= --streams and --batch divisible by --world")
     if args.hosts and (args.hosts < 2 or args.world % args.hosts):
         parser.error("--hosts must be at least 2 and divide --world")
-    from engine.cluster import ClusterError
+    from engine.runtime.cluster import ClusterError
     try:
         report = run_bench(args.world, args.rounds, args.streams, args.slices, args.hidden, args.depth,
                            args.features, args.batch, args.steps, args.warmup, args.hosts, args.link)

@@ -8,7 +8,7 @@ infeasible and not run), and a roomy one, where everything fits:
 
     all-device   every update inline on the compute thread
     all-host     every update on the host executor (ZeRO-Offload's placement)
-    auto-global  the exact plan of the cost model (engine/update_plan.py)
+    auto-global  the exact plan of the cost model (engine/techniques/update_plan.py)
     auto-local   the layer-by-layer rule
     brute-force  the best of all 2^12 placements under the cost model
 
@@ -45,8 +45,8 @@ def _model_and_data(hidden: int, depth: int, batch: int, kind: str = "cpu"):
 
 def _runner(topo, model, placement, profile_steps: int = 6, kernel: str = "auto", host_threads: int = 0):
     from engine.config import OptimConfig, UpdateConfig
-    from engine.ddp import DDPStrategy
-    from engine.devices import CudaDevice, LedgerDevice
+    from engine.strategies.ddp import DDPStrategy
+    from engine.runtime.devices import CudaDevice, LedgerDevice
     device = CudaDevice(1 << 40, 0) if next(model.parameters()).is_cuda else LedgerDevice(1 << 40)
     runner = DDPStrategy(model, OptimConfig(name="adamw", lr=1e-3, kernel=kernel), topo, device,
                          update_cfg=UpdateConfig(placement=placement, profile_steps=profile_steps,
@@ -94,7 +94,7 @@ def host_updates_ms(hidden: int, depth: int, kernel: str, threads: int, repeats:
     import torch
 
     from engine.config import OptimConfig
-    from engine.hybrid import HostExecutor, LayerUpdate
+    from engine.techniques.layer_update import HostExecutor, LayerUpdate
     model, _, _ = _model_and_data(hidden, depth, 1)
     cfg = OptimConfig(name="adamw", lr=1e-3, kernel=kernel)
     updates = [LayerUpdate(name, i, list(layer.parameters()), cfg)
@@ -119,8 +119,8 @@ def host_updates_ms(hidden: int, depth: int, kernel: str, threads: int, repeats:
 
 def run_bench(hidden: int, depth: int, batch: int, rounds: int, steps: int, warmup: int, trial: int,
               kind: str = "cpu") -> dict:
-    from engine.procpool import DistPool
-    from engine.update_plan import LayerCost, Profile, fixed, plan_brute_force, plan_global, plan_local
+    from engine.runtime.procpool import DistPool
+    from engine.techniques.update_plan import LayerCost, Profile, fixed, plan_brute_force, plan_global, plan_local
     with DistPool(1, timeout_s=120) as pool:
         measured = pool.run(profile_job, timeout=600, hidden=hidden, depth=depth, batch=batch, trial=trial,
                             kind=kind)[0]
@@ -157,7 +157,7 @@ def run_bench(hidden: int, depth: int, batch: int, rounds: int, steps: int, warm
               "hidden": hidden, "batch": batch, "rounds": rounds, "steps_per_round": steps,
               "peak_bytes_without_state": measured["peak_bytes"], "optimizer_state_bytes": total_state,
               "profile": measured["layers"], "cases": {}}
-    from engine.hybrid import default_host_threads
+    from engine.techniques.layer_update import default_host_threads
     threads = default_host_threads()
     alone_before = host_updates_ms(hidden, depth, "foreach", 1)
     alone_now = host_updates_ms(hidden, depth, "auto", threads)

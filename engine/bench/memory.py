@@ -7,7 +7,7 @@ the peak the ledger measures when every layer keeps its activations. Side by sid
     keep              everything on the device: over the capacity, for reference (a plain torch loop)
     recompute         every layer recomputed (Megatron's "full" recompute)
     swap              every layer's activations copied to the host and back
-    auto-ratio        the plan (engine/memory.py): by swap/recompute cost ratio
+    auto-ratio        the plan (engine/techniques/memory/planner.py): by swap/recompute cost ratio
     auto-reverse      the same rule in the opposite order
     auto-exhaustive   the cheapest assignment under the cost model (every one tried)
     torch-checkpoint  torch.utils.checkpoint on every layer, torch's own (no ledger inside)
@@ -46,8 +46,8 @@ class _Trainer:
         import torch
 
         from engine.config import MemoryConfig, OptimConfig
-        from engine.devices import CudaDevice, LedgerDevice
-        from engine.memory import ActivationPolicy
+        from engine.runtime.devices import CudaDevice, LedgerDevice
+        from engine.techniques.memory import ActivationPolicy
         from engine.models import build_model
         from engine.optim import make_optimizer
         self.torch = torch
@@ -68,7 +68,7 @@ class _Trainer:
 
     def step(self, timed: bool) -> None:
         from engine.data import batch_for
-        from engine.ddp import cross_entropy
+        from engine.strategies.ddp import cross_entropy
         torch, cuda = self.torch, self.device.kind == "cuda"
         x, y = (t.to(self.device.torch_device) for t in batch_for(self.data, self.step_index % 50, self.batch, 0))
         ledger = self.device.ledger
@@ -117,7 +117,7 @@ def measure(rounds: int, steps: int, link_gbps: float, d_model: int, depth: int,
 
     from engine.config import load_config
     from engine.data import load_dataset
-    from engine.memory import measure_link_gbps
+    from engine.techniques.memory import measure_link_gbps
     torch.set_num_threads(1)
     cfg = load_config(None, ["model.name=transformer", "data.name=text", f"data.seq_len={seq_len}",
                              "data.text_chars=60000", f"model.d_model={d_model}", f"model.depth={depth}",

@@ -84,8 +84,8 @@ def _batches(steps: int, seed: int = 0):
 def trainyard_job(topo, stages: list[list[str]], steps: int, rebalance: str) -> dict:
     """One pipeline run; with `rebalance = "auto"` its first check is after step CHECK_AT."""
     from engine.config import OptimConfig
-    from engine.devices import LedgerDevice
-    from engine.pipeline import PipelineStage
+    from engine.runtime.devices import LedgerDevice
+    from engine.strategies.pipeline import PipelineStage
     model = bench_model()
     device = LedgerDevice(1 << 40)
     stage = PipelineStage(model, stages, topo, device, OptimConfig(name="sgd", lr=0.01), MICRO, "1f1b",
@@ -111,7 +111,7 @@ def _slowest(results: list[dict], lo: int, hi: int) -> float:
 
 def run(rounds: int, steps: int) -> dict:
     from engine.bench.torch_pipeline import torch_1f1b_job
-    from engine.procpool import DistPool
+    from engine.runtime.procpool import DistPool
     names = bench_model().names
     rows: dict[str, list[float]] = {k: [] for k in ("before", "migration", "around", "after", "best", "torch")}
     layouts = {}

@@ -7,7 +7,7 @@ another in this invocation, each for the same wall time after its first step:
     bsp    every layer waits for every worker (synchronous data parallel)
     asp    every gradient applied on arrival, staleness-scaled
     ssp    on arrival, no worker more than 2 iterations ahead of the slowest
-    soft   per-layer windows from the profile (engine/ps_sync.py)
+    soft   per-layer windows from the profile (engine/techniques/ps_sync.py)
 
 The run evaluates the test split every few steps; the figures are each mode's time from
 its first step to 0.90 test accuracy, its accuracy when the wall time is up, its steps,
@@ -47,7 +47,7 @@ def _records(path: Path) -> list[dict]:
 
 def run_mode(mode: str, seconds: float, slow: float, eval_every: int, workdir: Path, extra: list[str]) -> dict:
     """One run in `mode` for `seconds` after its first step; what its log says."""
-    from engine import protocol
+    from engine.telemetry import protocol
     name = f"bench-ps-{mode}-{os.getpid()}"
     log = workdir / f"{mode}.jsonl"
     cmd = [sys.executable, "-m", "engine.cli", "run", str(CONFIG), "--headless", "--telemetry-log", str(log),

@@ -31,7 +31,7 @@ WARMUP_STEPS = 300
 
 
 def _reader(target: str, stop: threading.Event, counts: list, ready: threading.Barrier) -> None:
-    from engine import protocol
+    from engine.telemetry import protocol
     with protocol.connect(target, client="bench", read_only=True) as conn:
         ready.wait()
         while not stop.is_set():
@@ -46,7 +46,7 @@ def _reader(target: str, stop: threading.Event, counts: list, ready: threading.B
 
 def measure(clients: int, steps: int, warmup: int, work: Path, runtime: Path, index: int) -> dict:
     """One run; samples/s over the steps after every client is attached."""
-    from engine import protocol
+    from engine.telemetry import protocol
     name = f"bench{index}"
     log = work / f"{name}.jsonl"
     env = {**os.environ, "TRAINYARD_RUNTIME_DIR": str(runtime), "OMP_NUM_THREADS": "1"}

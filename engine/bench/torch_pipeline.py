@@ -1,5 +1,5 @@
 """The torch.distributed.pipelining baseline that `trainyard bench pipeline` runs beside trainyard's
-own pipeline (engine/pipeline.py): the same stages, micro-batches and optimizer, but torch's
+own pipeline (engine/strategies/pipeline.py): the same stages, micro-batches and optimizer, but torch's
 PipelineStage and Schedule1F1B / ScheduleGPipe doing the schedule and the messages.
 
     with DistPool(world=2) as pool:
@@ -76,9 +76,9 @@ def torch_1f1b_job(topo, build: str, build_kwargs: dict, stage_layers: list[list
     """On every rank: run stage `topo.rank` of the model under torch's schedule, one optimizer step per batch."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    from engine import compat
+    from engine.runtime import compat
     from engine.config import OptimConfig
-    from engine.ddp import cross_entropy
+    from engine.strategies.ddp import cross_entropy
     from engine.optim import make_optimizer
 
     if len(stage_layers) != topo.world_size:

@@ -6,6 +6,9 @@
 
 build_model seeds torch before constructing, so every process (and every parallel
 layout) that builds the same config starts from identical weights.
+
+Models know nothing of parallelism: they import only torch and engine.config; strategies are applied
+to them (engine/strategies/).
 """
 
 from __future__ import annotations

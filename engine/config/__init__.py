@@ -1,0 +1,25 @@
+"""The run configuration: one typed dataclass per TOML section, validated at load.
+
+    from engine.config import load_config, Config, ConfigError
+    cfg = load_config("demo/configs/digits_ddp.toml", overrides=["run.steps=50"])
+
+- settings.py: every setting, declared once (default, allowed values, one line of docs); sizes.
+- check.py: each value against its declaration, then the rules across keys (CROSS_CHECKS).
+- load.py: TOML file + `--set` overrides -> a checked Config.
+- reference.py: docs/config.md from the declarations; `python -m engine.config`.
+
+A bad value raises ConfigError naming the key path, the value and what is allowed; the CLI turns
+that into exit status 2. Imports nothing from the rest of engine: everything else may import it.
+"""
+
+from engine.config.load import config_from_dict, load_config, read_toml
+from engine.config.reference import markdown_reference
+from engine.config.settings import (CheckpointConfig, ClusterConfig, Config, ConfigError, DataConfig, DeviceConfig,
+                                    EmulateConfig, MemoryConfig, ModelConfig, OptimConfig, ParallelConfig,
+                                    RunConfig, TelemetryConfig, UpdateConfig, config_to_toml, format_size,
+                                    parse_size, save_config, setting)
+
+__all__ = ["CheckpointConfig", "ClusterConfig", "Config", "ConfigError", "DataConfig", "DeviceConfig", "EmulateConfig",
+           "MemoryConfig", "ModelConfig", "OptimConfig", "ParallelConfig", "RunConfig", "TelemetryConfig",
+           "UpdateConfig", "config_from_dict", "config_to_toml", "format_size", "load_config", "markdown_reference",
+           "parse_size", "read_toml", "save_config", "setting"]

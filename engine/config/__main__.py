@@ -1,0 +1,7 @@
+"""`python -m engine.config`: engine/config/reference.py."""
+
+import sys
+
+from engine.config.reference import main
+
+sys.exit(main())

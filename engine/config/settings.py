@@ -1,0 +1,365 @@
+"""Every setting, declared once: one typed dataclass per section, with its default, its allowed values
+and a line of documentation (docs/config.md is generated from them: engine/config/reference.py), and
+the sizes' parsing and printing. Checked by engine/config/check.py, read by engine/config/load.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration problem, phrased for the person who wrote the config."""
+
+
+def setting(default: Any, doc: str, *, choices: tuple | None = None,
+            min: float | None = None, max: float | None = None,
+            pattern: str | None = None, kind: str | None = None) -> Any:
+    meta = {"doc": doc, "choices": choices, "min": min, "max": max,
+            "pattern": pattern, "kind": kind}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(text: str | int) -> int:
+    """'512MiB' -> 536870912; plain integers are bytes."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        if text <= 0:
+            raise ValueError("must be positive")
+        return text
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+    if not m or m.group(2).upper() not in _SIZE_UNITS:
+        raise ValueError("not a size like '512MiB', '2GiB' or a number of bytes")
+    value = int(float(m.group(1)) * _SIZE_UNITS[m.group(2).upper()])
+    if value <= 0:
+        raise ValueError("must be positive")
+    return value
+
+
+def format_size(n: float) -> str:
+    """1536 -> '1.5 KiB'; whole bytes below 1 KiB (the inverse of parse_size, for messages)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+# A `pattern` key's rule in words, for messages and docs (the regex is the rule itself).
+PATTERN_WORDS = {"run.name": "1 to 64 letters, digits, '.', '_' or '-', starting with a letter or digit",
+                 "cluster.interface": "a network interface name (up to 15 letters, digits, '_', '.', ':', '@' "
+                                      "or '-'), or empty"}
+
+
+@dataclass
+class RunConfig:
+    """What the run is called, how long it trains and where it writes."""
+
+    name: str = setting("trainyard", "Run name: names the run directory and the run in `trainyard runs`.",
+                        pattern=r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+    steps: int = setting(100, "Optimizer steps to train (one global batch each).", min=1)
+    seed: int = setting(0, "Seed for weights, data order and dropout; a run is reproducible from it.", min=0)
+    dir: str = setting("runs", "Folder that holds run directories (`<dir>/<name>/`).")
+    overwrite: bool = setting(False, "Start afresh even when the run directory already holds checkpoints "
+                                     "(they are deleted). Without it such a start is refused.")
+    eval_every: int = setting(0, "Evaluate on the test split every N steps (0: only at the end).", min=0)
+    step_pause_ms: float = setting(0.0, "Sleep this long after every step: slows a run down for demos and "
+                                        "tests that act on a run in progress.", min=0.0)
+
+
+@dataclass
+class ModelConfig:
+    """The built-in model and its shape."""
+
+    name: str = setting("mlp", "Built-in model.", choices=("mlp", "transformer", "branchy"))
+    hidden: int = setting(128, "mlp: width of each hidden layer.", min=1)
+    depth: int = setting(2, "mlp: hidden layers; transformer: blocks; branchy: branch-and-merge blocks.", min=1)
+    d_model: int = setting(64, "transformer: embedding width (divisible by `heads`).", min=1)
+    heads: int = setting(4, "transformer: attention heads.", min=1)
+    channels: int = setting(16, "branchy: channels of each convolution.", min=1)
+    dropout: float = setting(0.0, "Dropout probability inside the model.", min=0.0, max=0.9)
+
+
+@dataclass
+class DataConfig:
+    """The data set, its split and the global batch."""
+
+    name: str = setting("digits", "Data set: `digits` (8x8 handwritten digits shipped with scikit-learn), "
+                                  "`text` (characters of the standard library's docstrings), "
+                                  "`synthetic` (seeded random classification).",
+                        choices=("digits", "text", "synthetic"))
+    batch_size: int = setting(64, "Global batch (samples per optimizer step, summed over data-parallel "
+                                  "ranks); divisible by the world size.", min=1)
+    test_fraction: float = setting(0.2, "Share of the samples held out as the test split.", min=0.05, max=0.5)
+    seq_len: int = setting(32, "text: characters per sample.", min=2, max=4096)
+    text_chars: int = setting(200_000, "text: characters of corpus to build.", min=1000)
+    samples: int = setting(4096, "synthetic: number of samples.", min=16)
+    features: int = setting(64, "synthetic: features per sample.", min=1)
+    classes: int = setting(10, "synthetic: number of classes.", min=2)
+
+
+@dataclass
+class OptimConfig:
+    """The optimizer and its hyperparameters."""
+
+    name: str = setting("sgd", "Optimizer: `sgd` (with momentum) or `adamw`.", choices=("sgd", "adamw"))
+    lr: float = setting(0.05, "Learning rate.", min=0.0)
+    momentum: float = setting(0.9, "sgd: momentum.", min=0.0, max=1.0)
+    weight_decay: float = setting(0.0, "Weight decay (decoupled for adamw).", min=0.0)
+    beta1: float = setting(0.9, "adamw: first-moment decay.", min=0.0, max=1.0)
+    beta2: float = setting(0.999, "adamw: second-moment decay.", min=0.0, max=1.0)
+    eps: float = setting(1e-8, "adamw: epsilon.", min=0.0)
+    kernel: str = setting("auto", "The optimizer's implementation: `fused` (one kernel over a layer's "
+                                  "tensors, on the CPU and on CUDA), `foreach` (one op per step over the "
+                                  "tensor list), or `auto` (fused where this torch has it for the "
+                                  "parameters' device, else foreach). The device and the host both use it, so on "
+                                  "the CPU an update gives the same values whichever side runs it.",
+                          choices=("auto", "fused", "foreach"))
+
+
+@dataclass
+class ParallelConfig:
+    """How the workers share the training, and how they survive failures."""
+
+    strategy: str = setting("ddp", "Parallel strategy. `ddp`: torch DistributedDataParallel, the baseline. "
+                                   "`sharded`: every parameter has one owner rank that alone keeps its "
+                                   "optimizer state and broadcasts its update in slices over several streams "
+                                   "(docs/sharded.md). `pipeline`: one stage of consecutive layers per "
+                                   "worker, micro-batches in flight (docs/pipeline.md). `param_server`: "
+                                   "`servers` ranks own the layers, `workers` ranks push each layer's "
+                                   "gradient and pull its weights, synchronised per layer by `sync` "
+                                   "(docs/param_server.md).",
+                            choices=("ddp", "sharded", "pipeline", "param_server"))
+    world_size: int = setting(2, "Worker processes on this machine.", min=1, max=256)
+    streams: int = setting(2, "sharded: communication streams (one process group each) that carry the "
+                              "broadcast of updated parameters.", min=1, max=64)
+    slices: int = setting(4, "sharded: slices each owner cuts its updated shard into; at least `streams`.",
+                          min=1, max=4096)
+    slice_assignment: str = setting("balanced", "sharded: how slices are given to streams: `balanced` (the "
+                                                "stream with the fewest bytes so far) or `random` (seeded by "
+                                                "run.seed, the same on every rank).",
+                                    choices=("balanced", "random"))
+    overlap_forward: bool = setting(True, "sharded: the next step's forward of each layer waits only for the "
+                                          "broadcasts carrying that layer's parameters (false: the step waits "
+                                          "for every broadcast).")
+    micro_batches: int = setting(4, "pipeline: micro-batches per global batch (the batch must divide by it).",
+                                 min=1, max=4096)
+    schedule: str = setting("1f1b", "pipeline: `1f1b` (one forward, one backward, after a warm-up) or `gpipe` "
+                                    "(all forwards, then all backwards).", choices=("1f1b", "gpipe"))
+    partition: Any = setting("uniform", "pipeline: the layout at the start: `uniform` (the same number of layer "
+                                        "clusters per stage), `balanced` (the last stage times every layer on "
+                                        "the first micro-batch and splits the model time-optimally), or a "
+                                        "list of stages, each a list of layer names: "
+                                        "`[[\"fc0\", \"act0\"], [\"fc1\", \"head\"]]`. A stage is "
+                                        "contiguous and never cuts a Block. A resumed run continues in the "
+                                        "layout of its checkpoint.", kind="partition")
+    rebalance: str = setting("auto", "pipeline: `auto` (every `rebalance_check_every` steps the last stage "
+                                     "compares stage times and, past `imbalance_threshold`, moves layers "
+                                     "between stages while training runs), `manual` (only on the `rebalance` "
+                                     "command, console key `r`) or `off` (the layout never changes; the "
+                                     "command is refused).", choices=("auto", "manual", "off"))
+    imbalance_threshold: float = setting(0.25, "pipeline: how far apart the slowest and fastest stage may be "
+                                               "before a rebalance, and how much faster a new layout's "
+                                               "slowest stage must be to be taken: above 1 in milliseconds, "
+                                               "from 0 to 1 a fraction of the mean stage time.", min=0.0)
+    rebalance_check_every: int = setting(10, "pipeline, `rebalance = \"auto\"`: steps between checks (the "
+                                             "stage times are the mean over those steps).", min=1,
+                                         max=1_000_000)
+    main_stream_communicates: bool = setting(False, "sharded: the compute group is one of the `streams` "
+                                                    "(false: every stream is a group of its own).")
+    hierarchical: bool = setting(True, "sharded, on several hosts of several workers each: gradients are summed "
+                                       "and slices broadcast through one rank per host, so each byte crosses "
+                                       "between hosts once (false: every rank sends to every other directly; "
+                                       "docs/cluster.md).")
+    servers: int = setting(1, "param_server: server ranks (0 to servers-1); each owns whole layers, balanced "
+                              "by parameter bytes, with their optimizer state.", min=1, max=256)
+    workers: int = setting(1, "param_server: worker ranks (servers to world_size-1), each training on its "
+                              "share of every global batch; servers + workers = world_size.", min=1, max=256)
+    sync: str = setting("soft", "param_server: how a layer's server combines the workers' gradients. `soft`: "
+                                "a window from the earliest arrival, as long as that worker's profiled "
+                                "forward+backward time of the layers before this one, then one update from "
+                                "what arrived; `bsp`: wait for every worker (synchronous data parallel); "
+                                "`asp`: apply each gradient on arrival; `ssp`: on arrival, with no worker more "
+                                "than `staleness_bound` iterations ahead of the slowest. Live: `set-sync`.",
+                        choices=("soft", "bsp", "asp", "ssp"))
+    staleness_bound: int = setting(2, "param_server, `sync = \"ssp\"`: iterations the fastest worker may run "
+                                      "ahead of the slowest.", min=0, max=1_000_000)
+    staleness_scaling: bool = setting(True, "param_server: a gradient computed on weights s versions old counts "
+                                            "1/(1+s) (false: every gradient counts fully).")
+    slow_workers: Any = setting({}, "param_server: emulate a heterogeneous cluster, e.g. `{5 = 3.0}`: worker "
+                                    "rank 5 sleeps 2x each layer's forward and backward time after it, so its "
+                                    "compute takes 3x as long.", kind="slow_workers")
+    sync_profile_steps: int = setting(3, "param_server: iterations every worker measures before `sync` starts "
+                                         "(run as `bsp`; the first is not counted).", min=2, max=1000)
+    backend: str = setting("auto", "Collective backend: `auto` picks nccl when every worker has its own "
+                                   "CUDA GPU, otherwise gloo on the CPU.", choices=("auto", "gloo", "nccl"))
+    collective_timeout_s: float = setting(60.0, "Timeout of every collective: a dead peer becomes an "
+                                                "error after this long, never a hang.", min=1.0)
+    max_restarts: int = setting(3, "Times the launcher restarts the worker group from the last "
+                                   "checkpoint after a worker dies.", min=0)
+    shutdown_timeout_s: int = setting(5, "On Ctrl-C or SIGTERM, seconds workers get to write the final "
+                                         "checkpoint before they are killed (torch 2.12 and later; before, torch waits "
+                                         "its own 30 s and the run says so).", min=1)
+
+
+@dataclass
+class UpdateConfig:
+    """Where each layer's optimizer update runs: on the device or on the host (docs/hybrid.md)."""
+
+    placement: Any = setting("device", "`device`: every update inline on the compute thread; `host`: every "
+                                       "update on the host executor (fp32 master weights and optimizer state "
+                                       "in host memory); `auto`: measured for `profile_steps` steps, then "
+                                       "planned by `planner`; or a table `{layer = \"host\", ...}` (layers "
+                                       "not named: device).", kind="placement")
+    planner: str = setting("global", "For `auto`: `global` (the placement with the shortest modelled step "
+                                     "that fits the device capacity, exact) or `local` (decided layer by layer "
+                                     "as backward ends, from the host queue's finish time).",
+                           choices=("global", "local"))
+    host_threads: int = setting(0, "Threads that run host updates, each layer on the first free one; 0: "
+                                   "this worker's share of the host's cores (cores // workers on the host).",
+                                min=0, max=256)
+    profile_steps: int = setting(4, "For `auto`: trial steps that measure every layer's update on both sides "
+                                    "(host first, then alternating; a device step holds on the device only the "
+                                    "updates whose state fits the capacity) before the plan is made.",
+                                 min=2, max=1000)
+
+
+@dataclass
+class DeviceConfig:
+    """Where each worker computes, and how much memory it may hold."""
+
+    kind: str = setting("auto", "Worker device: `cuda` (one GPU per worker), `cpu` (a process whose memory "
+                                "is counted by the ledger against `memory`), or `auto`.",
+                        choices=("auto", "cpu", "cuda"))
+    memory: str = setting("auto", "Capacity per worker, e.g. `512MiB`, `2GiB`, or `auto`: on a GPU its own "
+                                  "memory (a size caps it below that); on the CPU 512 MiB of the ledger's "
+                                  "simulated device memory. Exceeding it is reported, not hidden.",
+                          kind="size")
+
+
+@dataclass
+class MemoryConfig:
+    """What happens to each layer's saved activations between its forward and its backward."""
+
+    policy: Any = setting("keep", "`keep` (on the device), `swap` (copied to host memory after the forward, "
+                                  "brought back before the backward), `recompute` (the forward runs again in "
+                                  "backward), `auto` (planned against `device.memory` after the first steps, and "
+                                  "again after layers migrate), or a table of layer names to one of the three "
+                                  "(layers not named: keep).", kind="policy")
+    host_link_gbps: float = setting(0.0, "Device-host copy rate in GB/s (gigabytes) the plan assumes; 0: measured "
+                                         "at start. On the CPU a swap is a memcpy, and a rate given here paces "
+                                         "it (an emulated link).", min=0.0)
+    planner: str = setting("ratio", "For `auto`: `ratio` (the default: layers by swap/recompute cost, cheapest "
+                                    "swap first; swap while the link keeps up, then recompute until the stage "
+                                    "fits), `reverse` (the same rule in the opposite order), `exhaustive` (every "
+                                    "assignment, for stages of up to 9 layers; larger ones fall back to ratio). "
+                                    "`ratio` had the best throughput across link rates in `trainyard bench "
+                                    "memory` (docs/memory.md).",
+                           choices=("ratio", "reverse", "exhaustive"))
+
+
+@dataclass
+class CheckpointConfig:
+    """When checkpoints are written and how many are kept."""
+
+    every: int = setting(0, "Write a checkpoint every N steps (0: only at exit).", min=0)
+    keep: int = setting(3, "Checkpoints kept in the run directory (older ones are deleted).", min=1)
+
+
+@dataclass
+class TelemetryConfig:
+    """Where the per-step measurements are logged."""
+
+    log: str = setting("", "JSON-lines telemetry log path (`--telemetry-log` sets it too); empty: "
+                           "`<run dir>/telemetry.jsonl`.")
+    hub: bool = setting(True, "Serve live telemetry and commands on a Unix socket in the per-user runtime "
+                              "directory (docs/protocol.md), for `trainyard console`, `runs` and `ctl`.")
+    listen: str = setting("", "Also serve on loopback TCP, `tcp://127.0.0.1:PORT` (0: any free port); clients "
+                              "then need the token from the run's token file. Only loopback addresses.")
+    queue_len: int = setting(256, "Messages queued per console; a slower console loses the oldest (and is "
+                                  "told how many), training never waits for it.", min=1)
+    live_hz: float = setting(20.0, "Step messages sent to consoles per second at most (the latest step "
+                                   "wins; events always go out). 0: every step. The log always has every step.",
+                             min=0.0)
+    layer_every: int = setting(10, "Time every layer's forward and backward every N steps (0: never).", min=0)
+
+
+@dataclass
+class ClusterConfig:
+    """Several hosts: how this host joins the run (docs/cluster.md). `trainyard run --nnodes N --node-rank R
+    --rdzv-endpoint HOST:PORT` sets the first three."""
+
+    nnodes: int = setting(1, "Hosts in the run; each runs `parallel.world_size / nnodes` workers, whose global "
+                             "ranks are contiguous per host.", min=1, max=1024)
+    node_rank: int = setting(0, "This host's number, 0 to nnodes-1. Host 0 serves the rendezvous at "
+                                "`rdzv_endpoint` and prepares the run directory.", min=0)
+    rdzv_endpoint: str = setting("", "`HOST:PORT` of host 0's c10d rendezvous (torch elastic), the same on "
+                                     "every host; required when nnodes > 1.")
+    rdzv_timeout_s: float = setting(120.0, "How long a host waits for the others at the rendezvous, at the "
+                                           "start and after a failure, before the run fails.", min=1.0)
+    host_timeout_s: float = setting(15.0, "A host whose agent is silent this long is dead to the rendezvous "
+                                          "(heartbeats go every second), so the others restart without it and "
+                                          "it can rejoin.", min=2.0, max=3600.0)
+    interface: str = setting("", "Network interface for the workers' traffic (sets GLOO_SOCKET_IFNAME and "
+                                 "NCCL_SOCKET_IFNAME), e.g. `eth1`; empty: torch's choice (the host name's "
+                                 "address). It must exist on every host.",
+                             pattern=r"[A-Za-z0-9_.:@-]{1,15}|")
+
+
+@dataclass
+class EmulateConfig:
+    """Emulated trouble, to watch the engine answer it (demos, tests): a layer that turns slow mid-run.
+    A parameter server's slow machines are `parallel.slow_workers`."""
+
+    slow_layer: str = setting("", "A layer (by name, e.g. `fc2`) whose every forward sleeps `slow_layer_ms` from "
+                                  "step `slow_from_step` on, wherever it runs: a pipeline sees its stage fall "
+                                  "behind and rebalances. Empty: none.")
+    slow_layer_ms: float = setting(0.0, "Milliseconds each forward of `slow_layer` sleeps (per micro-batch).",
+                                   min=0.0, max=10_000.0)
+    slow_from_step: int = setting(0, "The first step (counted from 0) at which `slow_layer` is slow.", min=0)
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    update: UpdateConfig = field(default_factory=UpdateConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    emulate: EmulateConfig = field(default_factory=EmulateConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.dir) / self.run.name
+
+    @property
+    def capacity_bytes(self) -> int | None:
+        """`device.memory` in bytes; None for `auto` (the device's own: engine/runtime/devices.py)."""
+        return None if self.device.memory == "auto" else parse_size(self.device.memory)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def config_to_toml(cfg: Config) -> str:
+    import tomli_w  # needed only for writing
+    return "# trainyard config, every key resolved (docs/config.md explains each)\n\n" + \
+        tomli_w.dumps(cfg.to_dict())
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    Path(path).write_text(config_to_toml(cfg))

@@ -1,0 +1,326 @@
+"""Worker devices and the memory ledger.
+
+    device = open_device("auto", None, local_rank, local_world_size)   # CudaDevice or LedgerDevice
+    device.ledger.track_module(model, optimizer)        # parameters, gradients, optimizer state
+    with device.ledger.saved_activations():             # live saved activations
+        loss = model(x).sum(); loss.backward()
+    device.stats()                                      # the ledger's keys on both kinds, plus the GPU's own
+
+On the CPU a "device" is the worker process: its memory is the engine's ledger,
+counted against the configured capacity (`[device] memory`, 512 MiB by default). It is a
+simulation and says so (`simulated: True`). On CUDA the same ledger runs beside the
+allocator's own figures and NVML's (a CudaProbe), and the capacity is the GPU's memory
+unless `[device] memory` caps it.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from contextlib import contextmanager
+
+import psutil
+import torch
+
+from engine.runtime.refusal import Refused
+
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "swapped")
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class MemoryLedger:
+    """Bytes the engine holds for one device, by category, with a peak and a capacity."""
+
+    def __init__(self, capacity_bytes: int):
+        self.capacity_bytes = capacity_bytes
+        self.bytes = dict.fromkeys(CATEGORIES, 0)
+        self.peak_bytes = 0
+        self.over_capacity = False
+        self._lock = threading.RLock()   # RLock: a handle freed by the GC inside a locked section
+        self._modules: list[torch.nn.Module] = []
+        self._optimizers: list[torch.optim.Optimizer] = []
+        self._saved: dict[int, list] = {}   # storage pointer -> [bytes, references]
+        self.extra: dict[str, int] = {}     # bytes a strategy holds outside parameters/.grad/state, by category
+        self.current_layer: str | None = None          # set by the layer profiler during forward
+        self.activations_by_layer: dict[str, int] = {}  # bytes first saved while that layer ran
+        self.shared_bytes: dict[tuple[str, str], int] = {}  # (first saver, later saver) -> bytes of both
+        self.swapper = None          # engine.techniques.memory.swap.Swapper, once a layer may swap
+        self._param_ptrs: set | None = None   # inside saved_activations()
+
+    # --- what the engine holds -------------------------------------------------
+    def track_module(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+        self._modules.append(module)
+        if optimizer is not None:
+            self._optimizers.append(optimizer)
+        self.refresh()
+
+    def retrack(self, module: torch.nn.Module, index: int = 0) -> None:
+        """Count `module` in place of the `index`th tracked one (a pipeline stage whose layers changed)."""
+        if index < len(self._modules):
+            self._modules[index] = module
+        else:
+            self._modules.append(module)
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Recount parameters, gradients and optimizer state (they change size lazily)."""
+        params = grads = state = 0
+        for module in self._modules:
+            for p in module.parameters():
+                params += tensor_bytes(p)
+                if p.grad is not None:
+                    grads += tensor_bytes(p.grad)
+        for opt in self._optimizers:
+            for per_param in opt.state.values():
+                state += sum(tensor_bytes(v) for v in per_param.values() if torch.is_tensor(v))
+        extra = self.extra
+        with self._lock:
+            self.bytes["parameters"] = params + extra.get("parameters", 0)
+            self.bytes["gradients"] = grads + extra.get("gradients", 0)
+            self.bytes["optimizer_state"] = state + extra.get("optimizer_state", 0)
+            self._note_peak()
+
+    def add(self, category: str, nbytes: int) -> None:
+        with self._lock:
+            self.bytes[category] += nbytes
+            self._note_peak()
+
+    @property
+    def used_bytes(self) -> int:
+        # swapped-out bytes live on the host, not on the device
+        return sum(v for k, v in self.bytes.items() if k != "swapped")
+
+    def _note_peak(self) -> None:
+        used = self.used_bytes
+        self.peak_bytes = max(self.peak_bytes, used)
+        if used > self.capacity_bytes:
+            self.over_capacity = True
+
+    def reset_peak(self) -> None:
+        with self._lock:
+            self.peak_bytes = self.used_bytes
+            self.over_capacity = self.peak_bytes > self.capacity_bytes
+
+    # --- saved activations, counted through saved-tensor hooks -----------------
+    @contextmanager
+    def saved_activations(self):
+        """Count tensors autograd saves for backward while they are alive.
+
+        Parameters saved for backward are not activations and are skipped; a storage
+        saved twice (a ReLU output kept by the ReLU and the next Linear) counts once.
+        While a swap-policy layer runs (engine/techniques/memory/), what it saves goes to the host.
+        """
+        self._param_ptrs = {p.untyped_storage().data_ptr() for m in self._modules for p in m.parameters()}
+
+        def unpack(saved):
+            return saved if torch.is_tensor(saved) else saved.unpack()   # _Saved, memory.swap._SwapHandle
+
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self.pack_tensor, unpack):
+                yield
+        finally:
+            self._param_ptrs = None
+
+    def pack_tensor(self, t: torch.Tensor):
+        """Count `t` as a live activation until the returned handle is dropped (`t` itself outside
+        `saved_activations()`, or for a parameter)."""
+        if self._param_ptrs is None:
+            return t
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in self._param_ptrs or ptr == 0:
+            return t
+        nbytes = t.untyped_storage().nbytes()
+        swapper = self.swapper
+        if swapper is not None and ptr not in self._saved:
+            swapper.make_room(nbytes)
+        with self._lock:
+            entry = self._saved.get(ptr)
+            if entry is not None:
+                entry[1] += 1
+                self.note_shared(entry[2], nbytes)
+                return _Saved(self, ptr, t)
+            if swapper is None or swapper.group is None:
+                self.attribute(nbytes)
+                self._saved[ptr] = [nbytes, 1, self.current_layer or ""]
+                self.bytes["activations"] += nbytes
+                self._note_peak()
+                return _Saved(self, ptr, t)
+        return swapper.pack(t, ptr, nbytes)
+
+    def note_shared(self, first: str, nbytes: int) -> None:
+        """A storage `first` saved is saved again by the layer running now: it leaves the device only
+        when neither keeps it (engine/techniques/memory/ plans with these)."""
+        layer = self.current_layer or ""
+        if first and layer and layer != first:
+            self.shared_bytes[(first, layer)] = self.shared_bytes.get((first, layer), 0) + nbytes
+
+    def attribute(self, nbytes: int) -> None:
+        """Book `nbytes` newly saved to the layer running now ("": outside any layer, e.g. the loss)."""
+        layer = self.current_layer or ""
+        self.activations_by_layer[layer] = self.activations_by_layer.get(layer, 0) + nbytes
+
+    def note_transient(self, nbytes: int) -> None:
+        """`nbytes` are on the device for a moment now (a recomputed layer's activations): peak only."""
+        with self._lock:
+            used = self.used_bytes + nbytes
+            self.peak_bytes = max(self.peak_bytes, used)
+            if used > self.capacity_bytes:
+                self.over_capacity = True
+
+    def _release(self, ptr: int) -> None:
+        with self._lock:
+            entry = self._saved.get(ptr)
+            if entry is None:
+                return
+            entry[1] -= 1
+            if entry[1] == 0:
+                self.bytes["activations"] -= entry[0]
+                del self._saved[ptr]
+
+    def breakdown(self) -> dict:
+        with self._lock:
+            return {**{f"{k}_bytes": v for k, v in self.bytes.items()},
+                    "used_bytes": self.used_bytes, "peak_bytes": self.peak_bytes,
+                    "capacity_bytes": self.capacity_bytes, "over_capacity": self.over_capacity}
+
+
+class _Saved:
+    """A saved tensor whose lifetime the ledger follows: autograd frees it after backward."""
+
+    __slots__ = ("ledger", "ptr", "tensor")
+
+    def __init__(self, ledger: MemoryLedger, ptr: int, tensor: torch.Tensor):
+        self.ledger, self.ptr, self.tensor = ledger, ptr, tensor
+
+    def unpack(self) -> torch.Tensor:
+        return self.tensor
+
+    def __del__(self):
+        self.ledger._release(self.ptr)
+
+
+SIMULATED_CAPACITY_BYTES = 512 * 2**20   # device.memory = "auto" on the CPU: the simulated device's size
+
+
+class LedgerDevice:
+    """The CPU as a device: a worker process, its memory counted by the ledger.
+
+    `probe` (optional) adds a GPU's own figures to `stats()`: CudaDevice gives a CudaProbe; tests give a
+    stub with the same methods, so the CUDA telemetry path runs on the CPU."""
+
+    kind = "cpu"
+    simulated = True
+
+    def __init__(self, capacity_bytes: int | None = None, probe=None):
+        self.torch_device = torch.device("cpu")
+        self.probe = probe
+        if capacity_bytes is None:   # device.memory = "auto": the GPU's own memory, or the simulated default
+            capacity_bytes = probe.total_bytes() if probe is not None else SIMULATED_CAPACITY_BYTES
+        self.ledger = MemoryLedger(capacity_bytes)
+        self.note = ""   # which device and why (open_device sets it; run_start carries it)
+        self.rank_names: list[str] = []   # every rank's device name, by rank (gathered at start: worker.meet)
+        self._proc = psutil.Process(os.getpid())
+        self._proc.cpu_percent(None)  # the first call only starts the measurement
+
+    @property
+    def name(self) -> str:
+        if self.probe is not None:
+            return self.probe.name()
+        return "cpu (simulated device: memory from the engine's ledger)"
+
+    def stats(self) -> dict:
+        out = {"kind": self.kind, "simulated": self.simulated, **self.ledger.breakdown(),
+               "rss_bytes": self._proc.memory_info().rss, "cpu_percent": self._proc.cpu_percent(None)}
+        if self.probe is not None:
+            out.update(self.probe.figures())
+        return out
+
+
+class CudaProbe:
+    """One CUDA GPU's own figures: torch's caching allocator, and NVML where the driver has it."""
+
+    def __init__(self, index: int):
+        torch.cuda.set_device(index)
+        self.index = index
+        self._nvml = None
+        try:
+            import pynvml
+            pynvml.nvmlInit()
+            self._nvml = pynvml.nvmlDeviceGetHandleByIndex(index)
+        except Exception:   # no NVML (driver without it, container): allocator figures only
+            self._nvml = None
+
+    def name(self) -> str:
+        return torch.cuda.get_device_name(self.index)
+
+    def total_bytes(self) -> int:
+        return int(torch.cuda.get_device_properties(self.index).total_memory)
+
+    def figures(self) -> dict:
+        """GPU_FIELDS (engine/runtime/control.py): allocator now, reserved, peak; NVML used, total, utilisation."""
+        out = {"allocated_bytes": torch.cuda.memory_allocated(self.index),
+               "allocator_peak_bytes": torch.cuda.max_memory_allocated(self.index),
+               "reserved_bytes": torch.cuda.memory_reserved(self.index)}
+        if self._nvml is not None:
+            import pynvml
+            mem = pynvml.nvmlDeviceGetMemoryInfo(self._nvml)
+            util = pynvml.nvmlDeviceGetUtilizationRates(self._nvml)
+            out.update(nvml_used_bytes=int(mem.used), nvml_total_bytes=int(mem.total),
+                       gpu_util_percent=int(util.gpu))
+        return out
+
+
+class CudaDevice(LedgerDevice):
+    """One CUDA GPU per worker: the ledger plus the allocator's figures and NVML's."""
+
+    kind = "cuda"
+    simulated = False
+
+    def __init__(self, capacity_bytes: int | None, index: int):
+        super().__init__(capacity_bytes, probe=CudaProbe(index))
+        self.index = index
+        self.torch_device = torch.device("cuda", index)
+
+
+def cuda_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def cuda_usable(local_world_size: int) -> bool:
+    return cuda_count() >= local_world_size
+
+
+def choose_device(kind: str, local_world_size: int) -> tuple[str, str]:
+    """(`cuda` or `cpu`, why): `kind` is the config's device.kind; auto picks CUDA when every worker on
+    this host has a GPU of its own. Raises Refused for `cuda` without enough GPUs."""
+    count = cuda_count()
+    plural = "device is" if count == 1 else "devices are"
+    if kind == "cuda" and count < local_world_size:
+        if count == 0:
+            raise Refused(f'device.kind = "cuda" but no CUDA device is visible on this host '
+                               f'(torch {torch.__version__}): set device.kind = "cpu" or "auto"')
+        raise Refused(f'device.kind = "cuda" but {count} CUDA {plural} visible for {local_world_size} '
+                           f"workers on this host (one GPU per worker): set parallel.world_size to at most "
+                           f'{count} per host, or device.kind = "cpu"')
+    if kind == "cpu":
+        return "cpu", 'cpu: device.kind = "cpu" (simulated devices: memory from the engine\'s ledger)'
+    if count >= local_world_size:
+        return "cuda", f"cuda: one GPU per worker ({count} visible for {local_world_size} workers on this host)"
+    if count == 0:
+        return "cpu", ('cpu: device.kind = "auto" and no CUDA device is visible '
+                       "(simulated devices: memory from the engine's ledger)")
+    return "cpu", (f'cpu: device.kind = "auto" but {count} CUDA {plural} visible for {local_world_size} '
+                   f"workers on this host, so every worker trains on the CPU (simulated devices); "
+                   f"parallel.world_size = {count} per host would train on the GPUs")
+
+
+def open_device(kind: str, capacity_bytes: int | None, local_rank: int, local_world_size: int) -> LedgerDevice:
+    """`kind` is the config's device.kind; `capacity_bytes` None (device.memory = "auto") is the GPU's own
+    memory on CUDA and SIMULATED_CAPACITY_BYTES on the CPU."""
+    chosen, note = choose_device(kind, local_world_size)
+    device = CudaDevice(capacity_bytes, local_rank) if chosen == "cuda" else LedgerDevice(capacity_bytes)
+    device.note = note
+    return device

@@ -1,0 +1,335 @@
+"""Start the workers of a run through torch's elastic agent, and end them all.
+
+    summary = launch(Job(config=cfg, ...))     # blocks; rank 0's summary dict
+
+The agent restarts the whole worker group when a worker dies (up to
+`parallel.max_restarts`; workers resume from the last checkpoint), and on
+SIGINT/SIGTERM signals every worker, waits `parallel.shutdown_timeout_s` for the
+final checkpoint, then kills what is left: no child outlives the launcher.
+
+Several hosts (`[cluster] nnodes > 1`, docs/cluster.md): one launcher per host, all meeting
+at host 0's c10d rendezvous (`cluster.rdzv_endpoint`). Host R runs global ranks
+R*k .. R*k+k-1 (k = world_size / nnodes), whatever order the rendezvous lists the hosts
+in, so rank 0 (the hub), the parameter servers and neighbouring pipeline stages are
+where the user put them; the workers' store is on host 0, at the rendezvous port + 1.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+from torch.distributed.elastic.multiprocessing import SignalException
+from torch.distributed.elastic.rendezvous import RendezvousError
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from engine.runtime import checkpoint as ckpt
+from engine.runtime import compat
+from engine.config import config_to_toml, format_size
+from engine.runtime.devices import choose_device, cuda_count, tensor_bytes
+from engine.strategies.pipeline import configured_stages
+from engine.runtime.refusal import REFUSAL_SIGNAL, Refused
+from engine.runtime.rank import Job
+from engine.runtime.worker import worker_main
+
+
+class RunSetupError(RuntimeError):
+    """The run cannot start as asked (run directory, checkpoint); exit status 2."""
+
+
+class RunRefused(RunSetupError):
+    """The workers refused the run once it had started (a plan that cannot fit, a setting only a worker can
+    check: engine/runtime/refusal.py); exit status 2, no restart."""
+
+
+class RunFailed(RuntimeError):
+    """Workers failed more often than `parallel.max_restarts` allows."""
+
+
+class RunInterrupted(RuntimeError):
+    """The launcher was told to stop (Ctrl-C, SIGTERM); workers wrote a final checkpoint."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.signum = signum
+
+
+def prepare_run_dir(job: Job) -> None:
+    """Check this host (check_machine), the run directory and the checkpoint to resume before any process
+    starts. With several hosts, host 0 prepares the (shared) run directory; the others only check what
+    they would resume."""
+    cfg = job.config
+    check_machine(job)
+    run_dir = cfg.run_dir
+    node = cfg.cluster.node_rank
+    if node:
+        if job.resume is not None:
+            job.resume = ckpt.resolve(job.resume)
+            ckpt.verify(job.resume)
+        (run_dir / "pids").mkdir(parents=True, exist_ok=True)
+        (run_dir / "pids" / f"launcher-node{node}.pid").write_text(str(os.getpid()))
+        return
+    if job.resume is not None:
+        job.resume = ckpt.resolve(job.resume)
+        manifest = ckpt.verify(job.resume)   # CheckpointError names the damaged file
+        if manifest.get("world_size") != cfg.parallel.world_size:
+            raise ckpt.CheckpointError(
+                f"{job.resume}: written by {manifest.get('world_size')} workers; parallel.world_size is "
+                f"{cfg.parallel.world_size} (resuming onto a different world size is not supported)")
+        ckpt.check_strategy(job.resume, manifest, cfg.parallel.strategy)
+        saved = manifest.get("config", {})
+        for section in ("model", "data"):
+            if saved.get(section) != cfg.to_dict()[section]:
+                raise ckpt.CheckpointError(
+                    f"{job.resume}: the checkpoint's [{section}] differs from this config's; resume with the "
+                    f"config the run was started with (saved as {job.resume.parent.parent / 'config.toml'})")
+    elif ckpt.list_checkpoints(run_dir):
+        if not cfg.run.overwrite:
+            raise RunSetupError(
+                f"run directory {run_dir} already holds checkpoints: resume with --resume {run_dir}, "
+                f"start afresh with --set run.overwrite=true, or pick another --set run.name=...")
+        shutil.rmtree(run_dir / "checkpoints")
+        (run_dir / "telemetry.jsonl").unlink(missing_ok=True)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.toml").write_text(config_to_toml(cfg))
+    (run_dir / "pids").mkdir(exist_ok=True)
+    for stale in (run_dir / "pids").glob("*.pid"):
+        if not stale.name.startswith("launcher-node"):   # another host's launcher may be up already
+            stale.unlink()
+    (run_dir / "pids" / "launcher.pid").write_text(str(os.getpid()))
+
+
+def check_machine(job: Job) -> None:
+    """Refuse, before any worker starts, what this host cannot run (RunSetupError, exit status 2): too few
+    GPUs for device.kind = "cuda", or a device.memory below what a rank holds whatever the plans choose
+    (where the capacity binds: a GPU, or an `auto` memory or update plan).
+    Says in one line when device.kind = "auto" leaves GPUs unused."""
+    cfg = job.config
+    old_torch = compat.below_floor()
+    if old_torch:
+        compat.say_once("floor", old_torch)
+    local_world = cfg.parallel.world_size // cfg.cluster.nnodes
+    try:
+        kind, note = choose_device(cfg.device.kind, local_world)
+    except Refused as e:
+        raise RunSetupError(str(e)) from None
+    if kind == "cpu" and cfg.device.kind == "auto" and cuda_count():
+        print(f"trainyard: {note}", file=sys.stderr, flush=True)
+    # On the CPU the capacity is a simulated figure: going over it is reported, not refused, unless a
+    # plan must fit it. On a GPU it is the GPU's memory: going over it is an out-of-memory error.
+    binding = ("on a GPU it is a hard limit" if kind == "cuda" else
+               'memory.policy = "auto" plans against it' if cfg.memory.policy == "auto" else
+               'update.placement = "auto" plans against it' if cfg.update.placement == "auto" else None)
+    if cfg.capacity_bytes is not None and binding:
+        _check_capacity(job, cfg.capacity_bytes, binding)
+
+
+def _check_capacity(job: Job, capacity: int, binding: str) -> None:
+    """Every rank holds its layers' parameters and their gradients at once, whatever the memory policy
+    (activations) and the update placement (optimizer state) decide: a capacity below that never fits."""
+    import torch
+    from engine.data import load_dataset
+    from engine.models import build_model
+    cfg = job.config
+    if job.model is not None:
+        model = job.model
+    else:
+        data = job.data if job.data is not None else load_dataset(cfg.data, cfg.run.seed)
+        with torch.device("meta"):   # sizes only, no memory
+            model = build_model(cfg.model, data.meta, cfg.run.seed)
+    layer_bytes = [sum(tensor_bytes(p) for p in layer.parameters()) for layer in model.layers]
+    if cfg.parallel.strategy == "pipeline":
+        stages = configured_stages(model, cfg.parallel.partition, cfg.parallel.world_size)
+        index = {name: i for i, name in enumerate(model.names)}
+        # a stage naming unknown layers is the worker's to refuse, with the layers it has
+        held = max(sum(layer_bytes[index[n]] for n in stage if n in index) for stage in stages)
+        who = "the largest pipeline stage holds"
+    else:
+        held = sum(layer_bytes)
+        who = "every rank holds" if cfg.parallel.strategy != "param_server" else "every worker holds"
+    need = 2 * held   # parameters and their gradients
+    if need > capacity:
+        raise RunSetupError(
+            f"device.memory = \"{cfg.device.memory}\" ({format_size(capacity)}; {binding}) is below the smallest "
+            f"capacity this run fits: {who} {format_size(held)} of parameters and as much of gradients, whatever the "
+            f"memory and update plans; set device.memory to at least {format_size(need)} ({need} bytes)")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _quiet_torch_elastic() -> None:
+    # The agent logs every step of a restart or shutdown with tracebacks; trainyard
+    # reports those itself, in a line each.
+    # Each of its modules sets its own logger's level, so every one is quietened.
+    prefixes = ("torch.distributed.elastic", "torch.multiprocessing", "torch.distributed.launcher")
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith(prefixes):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+def interface_address(name: str) -> str:
+    """The IPv4 address of network interface `name` on this host; RunSetupError names the ones there are."""
+    import psutil
+    addrs = psutil.net_if_addrs()
+    if name not in addrs:
+        raise RunSetupError(f"cluster.interface = {name!r}: this host has no such interface "
+                            f"(it has: {', '.join(sorted(addrs))})")
+    for a in addrs[name]:
+        if a.family == socket.AF_INET:
+            return a.address
+    raise RunSetupError(f"cluster.interface = {name!r}: the interface has no IPv4 address")
+
+
+def _launch_config(job: Job) -> LaunchConfig:
+    cfg, c = job.config, job.config.cluster
+    local_addr = None
+    if c.interface:
+        local_addr = interface_address(c.interface)
+        os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = c.interface
+    wait = max(1, round(c.rdzv_timeout_s))   # torch reads these as whole seconds
+    # a heartbeat every second; a host silent for cluster.host_timeout_s is dead to the rendezvous
+    rdzv = {"timeout": wait, "join_timeout": wait, "keep_alive_interval": 1,
+            "keep_alive_max_attempt": max(2, round(c.host_timeout_s))}
+    common = dict(max_restarts=cfg.parallel.max_restarts, monitor_interval=0.1, start_method="spawn",
+                  shutdown_timeout=cfg.parallel.shutdown_timeout_s, rdzv_backend="c10d", local_addr=local_addr)
+    if c.nnodes == 1:
+        return compat.launch_config(min_nodes=1, max_nodes=1, nproc_per_node=cfg.parallel.world_size,
+                                    run_id=f"{cfg.run.name}-{os.getpid()}",
+                                    rdzv_endpoint=c.rdzv_endpoint or f"127.0.0.1:{_free_port()}",
+                                    rdzv_configs=rdzv, **common)
+    host, port = c.rdzv_endpoint.rsplit(":", 1)
+    per_host = cfg.parallel.world_size // c.nnodes
+    job.placement = (c.node_rank * per_host, host.strip("[]"), int(port) + 1)
+    if c.node_rank == 0:
+        _check_port_free(int(port) + 1, "the workers' store (the rendezvous port + 1)")
+    return compat.launch_config(min_nodes=c.nnodes, max_nodes=c.nnodes, nproc_per_node=per_host,
+                                run_id=cfg.run.name, rdzv_endpoint=c.rdzv_endpoint,
+                                rdzv_configs={**rdzv, "is_host": c.node_rank == 0}, **common)
+
+
+def _check_port_free(port: int, what: str) -> None:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("", port))
+        except OSError as e:
+            raise RunSetupError(f"port {port} on this host is taken ({e.strerror}); it serves {what}: "
+                                f"choose another cluster.rdzv_endpoint port") from None
+
+
+class _RestartReporter(logging.Handler):
+    """Prints the agent's decision to restart the worker group, in one line (its own log is quietened)."""
+
+    def __init__(self, node: int, nnodes: int):
+        super().__init__(logging.INFO)
+        self.where = f"host {node}: " if nnodes > 1 else ""
+        self.nnodes = nnodes
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = record.getMessage()
+        if "will restart worker group" not in text:
+            return
+        m = re.search(r"(\d+)/(\d+) attempts left", text)
+        left = f" ({m.group(1)} of {m.group(2)} restarts left)" if m else ""
+        why = "a worker failed" if m else "a host is waiting to join"   # only a failure counts attempts
+        wait = f"; waiting for all {self.nnodes} hosts at the rendezvous" if self.nnodes > 1 else ""
+        print(f"trainyard: {self.where}{why}; restarting the worker group from the last checkpoint{left}{wait}",
+              file=sys.stderr, flush=True)
+
+
+def launch(job: Job) -> dict | None:
+    cfg = job.config
+    job.launched_at = job.launched_at or time.time()
+    # A restarted gloo group hangs in connectFullMesh when it shares the rendezvous
+    # store (pytorch/pytorch#135712); a store of its own restarts cleanly.
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    _quiet_torch_elastic()
+    launch_cfg = _launch_config(job)
+    agent_log = logging.getLogger("torch.distributed.elastic.agent.server.api")
+    reporter = _RestartReporter(cfg.cluster.node_rank, cfg.cluster.nnodes)
+    agent_log.addHandler(reporter)
+    agent_log.setLevel(logging.INFO)
+    agent_log.propagate = False
+    try:
+        with _refusals(job):
+            results = elastic_launch(launch_cfg, worker_main)(job)
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        raise RunFailed(_describe_failure(rank, failure, cfg.parallel.max_restarts)) from None
+    except RendezvousError as e:
+        c = cfg.cluster
+        raise RunFailed(f"the rendezvous at {launch_cfg.rdzv_endpoint} failed ({type(e).__name__}: {e}); "
+                        f"{c.nnodes} hosts must join within cluster.rdzv_timeout_s = {c.rdzv_timeout_s:g} s"
+                        ) from None
+    except SignalException as e:
+        saved = ckpt.list_checkpoints(cfg.run_dir)
+        where = f"latest checkpoint: {saved[-1]}" if saved else "no checkpoint was written"
+        raise RunInterrupted(f"stopped by {signal.Signals(e.sigval).name}; {where}", int(e.sigval)) from None
+    finally:
+        agent_log.removeHandler(reporter)
+    summary = next((v for _, v in sorted(results.items()) if v), None)   # rank 0's, or a refusal
+    if summary and summary.get("type") == "refused":
+        raise RunRefused(summary["error"])
+    return summary
+
+
+@contextmanager
+def _refusals(job: Job):
+    """A worker's refusal (engine/runtime/refusal.py) arrives as REFUSAL_SIGNAL: the handler raises RunRefused in
+    the agent's loop, whose run() then stops every worker at once; nothing is restarted. Only the first
+    signal raises (several ranks may refuse alike; a second raise would cut the agent's shutdown short).
+    Signals reach the main thread only: from another thread a refusal is restarted like any failure."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    path = Path(tempfile.gettempdir()) / f"trainyard-refusal-{os.getpid()}-{time.monotonic_ns()}"
+    job.launcher_pid, job.refusal_path = os.getpid(), str(path)
+    raised = []
+
+    def handler(signum, frame):
+        if raised:
+            return
+        raised.append(signum)
+        try:
+            text = path.read_text()
+        except OSError:
+            text = "a worker refused the run without saying why"
+        raise RunRefused(text)
+
+    previous = signal.signal(REFUSAL_SIGNAL, handler)
+    try:
+        yield
+    finally:
+        signal.signal(REFUSAL_SIGNAL, previous)
+        path.unlink(missing_ok=True)
+
+
+def _describe_failure(rank: int, failure, max_restarts: int) -> str:
+    code = failure.exitcode
+    how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
+    message = failure.message
+    if isinstance(message, dict):
+        inner = message.get("message", "")
+        message = inner.get("message", "") if isinstance(inner, dict) else inner
+    message = "" if not message or "ProcessFailure" in str(message) else str(message)
+    # the exception's own line ("RuntimeError: ..."), not the traceback around it
+    errors = [line.strip() for line in message.splitlines() if re.match(r"\s*[\w.]+(Error|Exception)\b", line)]
+    detail = errors[-1] if errors else (message.strip().splitlines() or [""])[-1]
+    tail = f": {detail}" if detail else ""
+    return f"worker rank {rank} {how}{tail} (after {max_restarts} restarts allowed by parallel.max_restarts)"

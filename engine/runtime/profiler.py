@@ -1,0 +1,97 @@
+"""Per-layer forward and backward times and saved-activation bytes, measured on chosen steps.
+
+    profiler = LayerProfiler(model, ledger)        # model: a LayerList
+    profiler.arm()                                 # the next forward+backward is measured
+    ... forward, backward ...
+    profiler.finish()                              # -> [{"name", "fwd_ms", "bwd_ms", "activation_bytes"}, ...]
+
+Forward: hooks before and after each layer. Backward: a hook on each layer's output
+fires when that output's gradient is ready, which is when the layer's backward
+starts and the next layer's (in backward order) ends; on the CPU autograd runs on
+the calling thread, so these are the layers' own times. Unarmed, the hooks return
+at once.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from engine.runtime.devices import MemoryLedger
+
+
+def _first_tensor(value):
+    if torch.is_tensor(value):
+        return value
+    if isinstance(value, (tuple, list)):
+        for item in value:
+            found = _first_tensor(item)
+            if found is not None:
+                return found
+    return None
+
+
+class LayerProfiler:
+    def __init__(self, model, ledger: MemoryLedger):
+        self.names = list(model.names)
+        self.ledger = ledger
+        self.armed = False
+        self._handles = []
+        for i, layer in enumerate(model.layers):
+            self._handles.append(layer.register_forward_pre_hook(self._before(i)))
+            self._handles.append(layer.register_forward_hook(self._after(i)))
+        self._reset()
+
+    def _reset(self) -> None:
+        n = len(self.names)
+        self.fwd_start = [0.0] * n
+        self.fwd_ms = [0.0] * n
+        self.bwd_start = [None] * n
+
+    def arm(self) -> None:
+        self._reset()
+        self.ledger.activations_by_layer = {}
+        self.armed = True
+
+    def _before(self, i: int):
+        def hook(module, args):
+            if self.armed:
+                self.ledger.current_layer = self.names[i]
+                self.fwd_start[i] = time.perf_counter()
+        return hook
+
+    def _after(self, i: int):
+        def hook(module, args, output):
+            if not self.armed:
+                return
+            self.fwd_ms[i] += (time.perf_counter() - self.fwd_start[i]) * 1000
+            self.ledger.current_layer = None
+            out = _first_tensor(output)
+            if out is not None and out.requires_grad:
+                out.register_hook(self._grad_ready(i))
+        return hook
+
+    def _grad_ready(self, i: int):
+        def hook(grad):
+            self.bwd_start[i] = time.perf_counter()
+        return hook
+
+    def finish(self, end: float | None = None) -> list[dict]:
+        """Call after backward returned: the measured step, one dict per layer. `end`: when backward
+        ended (perf_counter), if not now."""
+        end = time.perf_counter() if end is None else end
+        self.armed = False
+        rows = []
+        for i, name in enumerate(self.names):
+            start = self.bwd_start[i]
+            # layer i's backward ends where the layer before it starts its own
+            stop = next((self.bwd_start[j] for j in range(i - 1, -1, -1) if self.bwd_start[j] is not None), end)
+            rows.append({"name": name, "fwd_ms": round(self.fwd_ms[i], 4),
+                         "bwd_ms": round((stop - start) * 1000, 4) if start is not None else 0.0,
+                         "activation_bytes": int(self.ledger.activations_by_layer.get(name, 0))})
+        return rows
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()

@@ -1,0 +1,137 @@
+"""What every rank of every mode sets up alike: the Job it was given, its stop flag, its place among the
+hosts, its pid file, device, data and model, and rank 0's run_start record.
+
+    job = Job(config=cfg)                       # pickled to each worker process by the launcher
+    stop = StopRequest()                        # SIGINT/SIGTERM -> a flag the step loop reads
+    restart, device, data, model = build_rank(job, topo)
+
+The data-parallel and pipeline step loop (engine/runtime/worker.py) and the parameter server's roles
+(engine/strategies/param_server/) both start here.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from engine.config import Config
+from engine.data import Dataset, load_dataset
+from engine.models import LayerList, build_model
+from engine.runtime.devices import open_device
+from engine.runtime.topology import Topology
+
+
+@dataclass
+class Job:
+    """Everything a worker needs; pickled to each worker process."""
+    config: Config
+    model: LayerList | None = None       # a user's model (None: build cfg.model)
+    data: Dataset | None = None          # a user's data (None: load cfg.data)
+    resume: Path | None = None           # a verified checkpoint folder
+    telemetry_log: Path | None = None
+    headless: bool = True
+    launched_at: float = 0.0
+    # several hosts, our launcher: (this host's first global rank, the workers' store host, its port)
+    placement: tuple[int, str, int] | None = None
+    # our launcher: its pid and the file a worker writes a refusal to before signalling it (engine/runtime/refusal.py)
+    launcher_pid: int | None = None
+    refusal_path: str | None = None
+    # (kind, capacity_bytes, local_rank, local_world_size) -> device; None: engine.runtime.devices.open_device.
+    # Tests give one whose probe returns a GPU's figures, so the CUDA telemetry path runs on the CPU.
+    open_device: Callable | None = None
+
+    def log_path(self) -> Path:
+        if self.telemetry_log:
+            return Path(self.telemetry_log)
+        log = self.config.telemetry.log
+        return Path(log) if log else self.config.run_dir / "telemetry.jsonl"
+
+
+class StopRequest:
+    """SIGINT/SIGTERM set a flag; the step loop acts on it at the next boundary."""
+
+    def __init__(self):
+        self.signal: int | None = None
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        self.signal = signum
+
+    @property
+    def requested(self) -> bool:
+        return self.signal is not None
+
+
+def place_on_host(job: Job) -> None:
+    """Before the process group starts: the network interface, and (several hosts under our launcher)
+    global ranks by host number instead of the rendezvous's order of hosts, with the store on host 0."""
+    interface = job.config.cluster.interface
+    if interface:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)
+    if job.placement is not None:
+        first, host, port = job.placement
+        os.environ.update(RANK=str(first + int(os.environ["LOCAL_RANK"])), MASTER_ADDR=host, MASTER_PORT=str(port),
+                          GROUP_RANK=str(job.config.cluster.node_rank))
+
+
+def build_rank(job: Job, topo: Topology):
+    """What every rank builds alike: its pid file, device, data and model (the same weights on every
+    rank, from the seed). Returns (restart count, device, data, model)."""
+    cfg = job.config
+    pid_dir = cfg.run_dir / "pids"
+    pid_dir.mkdir(parents=True, exist_ok=True)
+    (pid_dir / f"rank{topo.rank}.pid").write_text(str(os.getpid()))
+    device = (job.open_device or open_device)(cfg.device.kind, cfg.capacity_bytes, topo.local_rank,
+                                              topo.local_world_size)
+    data = job.data if job.data is not None else load_dataset(cfg.data, cfg.run.seed)
+    torch.manual_seed(cfg.run.seed)
+    model = job.model if job.model is not None else build_model(cfg.model, data.meta, cfg.run.seed)
+    restart, device.rank_names = meet(topo, device.name)
+    return restart, device, data, model.to(device.torch_device)
+
+
+def meet(topo: Topology, device_name: str) -> tuple[int, list[str]]:
+    """Every rank's word at start: how many times the group has restarted (the largest count of any
+    host's agent: a host that was lost and started again has a fresh agent, count 0, while the others
+    count on, and its ranks must resume too), and every rank's device name (run_start's `devices`)."""
+    mine = (int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), device_name)
+    everyone: list = [None] * topo.world_size
+    dist.all_gather_object(everyone, mine, group=topo.side)
+    return max(count for count, _ in everyone), [name for _, name in everyone]
+
+
+def announce(tel, cfg: Config, topo: Topology, device, names, first_step: int, restart: int,
+             resumed_from, layout: dict | None = None) -> None:
+    """Rank 0: the run_start record, and the restart and resume events."""
+    if not topo.is_first:
+        return
+    start = {"type": "run_start", "name": cfg.run.name, "strategy": cfg.parallel.strategy,
+             "world_size": topo.world_size, "hosts": topo.hosts(), "backend": topo.backend, **device_fields(device),
+             "layers": list(names), "first_step": first_step,
+             "restart": restart, "config": cfg.to_dict()}
+    if layout is not None:
+        start["layout"] = layout
+    tel._write(start)
+    if restart:
+        tel.event("restart", first_step, restart=restart, max_restarts=cfg.parallel.max_restarts)
+        tel.note(f"[yellow]restart {restart} of {cfg.parallel.max_restarts}:[/] a worker failed; "
+                 f"resumed from step {first_step}")
+    if first_step:
+        tel.event("resume", first_step, checkpoint=str(resumed_from))
+        if not restart:
+            tel.note(f"resumed from {resumed_from} at step {first_step}")
+
+
+def device_fields(device) -> dict:
+    """What hello and run_start say of the devices: rank 0's name, whether simulated, every rank's
+    name, and which device the run uses and why."""
+    return {"device": device.name, "simulated": device.simulated,
+            "devices": list(device.rank_names or [device.name]), "device_note": device.note}

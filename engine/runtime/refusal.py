@@ -1,0 +1,53 @@
+"""A run refused from inside a worker ends at once, with exit status 2, and is never restarted.
+
+    raise Refused("...")                    # or any error is_refusal() accepts
+    refuse(job, rank, error, stop)          # worker_main: tell the launcher, wait to be stopped
+
+A deterministic error (a bad setting only a worker can check, an update or memory plan that
+cannot fit, a damaged checkpoint) fails the same way after every restart, so restarting it only
+delays the answer. The worker that meets one writes it to the launcher's refusal file, signals the
+launcher (REFUSAL_SIGNAL) and waits; the launcher's handler (engine/runtime/launch.py) stops the worker
+group and exits 2 with the error's line. A worker that *dies* (a signal, a lost peer, a collective
+timing out) raises none of these and is restarted by the elastic agent as before. Under torchrun
+there is no launcher of ours to tell, and the error is raised as before.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+REFUSAL_SIGNAL = signal.SIGUSR2
+WAIT_FOR_STOP_S = 30.0   # the launcher stops the group within its shutdown timeout; this is a backstop
+
+
+class Refused(RuntimeError):
+    """The run cannot go on as configured on this machine (e.g. too few GPUs for device.kind = "cuda")."""
+
+
+def is_refusal(error: BaseException) -> bool:
+    """Errors that a restart would meet again: settings and plans (ValueError, e.g. update_plan's
+    InfeasibleCapacity), memory plans (memory.PlanError), checkpoints (CheckpointError), Refused."""
+    from engine.runtime.checkpoint import CheckpointError
+    from engine.techniques.memory import PlanError
+    return isinstance(error, (Refused, ValueError, CheckpointError, PlanError))
+
+
+def refuse(path: str, launcher_pid: int, rank: int, error: BaseException, stopped) -> None:
+    """Hand `error` to the launcher and wait for it to stop this worker; never returns. `stopped()` is
+    true once the launcher's SIGTERM has arrived (worker.StopRequest)."""
+    text = f"rank {rank}: {error}"
+    try:   # the first rank to refuse is the one reported
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+    except FileExistsError:
+        pass
+    os.kill(launcher_pid, REFUSAL_SIGNAL)
+    deadline = time.monotonic() + WAIT_FOR_STOP_S
+    while not stopped() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    sys.stdout.flush()
+    os._exit(2)

@@ -1,0 +1,56 @@
+"""What the step loop (engine/runtime/worker.py) asks of a data-parallel or pipeline strategy, and the
+factory that applies the configured one to a model.
+
+    strategy = make_strategy(cfg, model, topo, device)
+    loss = strategy.train_step(x, y)            # one optimizer step on this rank's share of the batch
+
+A strategy is applied to a model (a LayerList), never written into it. The parameter server runs its
+own loops (engine/strategies/param_server/) and is not made here.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from engine.config import Config
+from engine.models import LayerList
+from engine.runtime.topology import Topology
+from engine.strategies.ddp import DDPStrategy
+from engine.strategies.pipeline import PipelineStage, configured_stages
+from engine.strategies.sharded import ShardedStrategy
+
+
+class Strategy(Protocol):
+    """The members every strategy has. Optional ones the step loop looks for: `boundary` and
+    `take_migration` (a pipeline's rebalance), `layer_stages` and `stage_rows` (pipeline stages),
+    `layer_owners` (sharded owners), `ledger_module`, `owned_layers`, `in_flight` (what a stage holds),
+    `global_batch` and `loss_rank` (every rank takes the whole batch; which rank's loss counts)."""
+
+    commands: tuple[str, ...]   # the operator commands this mode takes (the hello's capabilities)
+    optimizer: object           # what the ledger counts as optimizer state
+    updater: object             # the hybrid updater: placement per layer (engine/techniques/hybrid.py)
+    timings: dict[str, float]   # this step's fwd_ms, bwd_ms, optim_ms (and the mode's own figures)
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float | None: ...
+    def layout(self) -> dict: ...
+    def stream_stats(self, step_ms: float) -> list[dict]: ...
+    def sync(self) -> None: ...
+    def save(self, staged) -> None: ...
+    def load(self, source, manifest: dict) -> None: ...
+
+
+def make_strategy(cfg: Config, model: LayerList, topo: Topology, device) -> Strategy:
+    p = cfg.parallel
+    if p.strategy == "pipeline":
+        stages = configured_stages(model, p.partition, topo.world_size)
+        return PipelineStage(model, stages, topo, device, cfg.optim, micro_batches=p.micro_batches,
+                             schedule=p.schedule, update_cfg=cfg.update, rebalance=p.rebalance,
+                             threshold=p.imbalance_threshold, check_every=p.rebalance_check_every)
+    if p.strategy == "sharded":
+        return ShardedStrategy(model, cfg.optim, topo, device, streams=p.streams, slices=p.slices,
+                               assignment=p.slice_assignment, overlap_forward=p.overlap_forward,
+                               main_stream_communicates=p.main_stream_communicates, seed=cfg.run.seed,
+                               update_cfg=cfg.update, hierarchical=p.hierarchical)
+    return DDPStrategy(model, cfg.optim, topo, device, update_cfg=cfg.update)

@@ -1,0 +1,40 @@
+"""Parameter server (technique 5): servers own layers, workers push gradients and pull weights.
+
+    [parallel]
+    strategy = "param_server"
+    servers = 2          # ranks 0..1
+    workers = 4          # ranks 2..5
+    sync = "soft"        # or "bsp", "asp", "ssp" (engine/techniques/ps_sync.py says what each does)
+
+Ranks below `servers` are servers; each owns whole layers, assigned so that every
+server holds about the same parameter bytes, with their optimizer state. A worker,
+every iteration, asks each layer's server for its weights before that layer's forward
+and sends the layer's gradient to it as soon as that layer's backward completes.
+
+Transport: torch.distributed point-to-point on one two-rank process group per
+(server, worker) pair and per (server 0, server) pair. A worker that dies closes only
+its own links: the servers see it at once, say so, and go on with the others. Nothing
+in this mode uses a collective over every rank after the start, because any worker may
+be gone. Server 0 is the coordinator: it holds the hub, counts the global step,
+applies commands, logs the telemetry and decides when the run ends.
+
+A worker process runs under a small supervisor (`supervise`) that the elastic agent
+sees as the rank: a worker that dies is reported and the rest of the run goes on,
+where the agent would otherwise restart everything. A server that dies ends the
+worker group; the agent restarts it from the last checkpoint (`parallel.max_restarts`).
+
+Here: links.py (the two-rank groups, the message kinds and flags, Link), setup.py (the layers'
+owners and what every rank builds alike: Setup), server.py (a server rank: PSServer),
+coordinator.py (server 0: Coordinator, and run_server, where every server rank starts), worker.py
+(a worker rank: PSWorker, SlowMachine, supervise). Within it links <- setup <- server <- coordinator
+and links, setup <- worker: a server and a worker never import each other. It may import
+engine.runtime (rank, topology, checkpoint, control), engine.techniques.ps_sync (the sync rules),
+engine.strategies.ddp (the loss), engine.optim, engine.data and engine.telemetry.outlets; nothing
+imports it back but engine.runtime.worker (worker_main: run_server, supervise) and tests.
+"""
+
+from engine.strategies.param_server.coordinator import run_server
+from engine.strategies.param_server.setup import ParamServerError, assign_layers, layer_params
+from engine.strategies.param_server.worker import supervise
+
+__all__ = ["ParamServerError", "assign_layers", "layer_params", "run_server", "supervise"]

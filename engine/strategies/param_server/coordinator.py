@@ -1,0 +1,331 @@
+"""Server 0, the coordinator: a server that also counts the global step, applies the hub's commands,
+tells the other servers the sync mode and the flags, logs the telemetry, writes the checkpoints and
+ends the run; and `run_server`, where every server rank starts.
+
+    summary = run_server(job, topo, stop)      # engine/runtime/worker.py, on ranks below parallel.servers
+
+The global step is the least gradient count of its own layers, over the number of workers. A checkpoint is every
+server's file of its own layers (CKPT, then an ACK each), finalized here with the run's manifest; an
+evaluation first gathers every layer's weights (GATHER) into this rank's model.
+"""
+
+from __future__ import annotations
+
+import queue
+import signal
+import sys
+import time
+
+import torch
+from rich.markup import escape
+
+from engine.runtime import checkpoint as ckpt
+from engine.runtime.control import FIELDS, Peaks, rank_rows, row_values
+from engine.runtime.rank import announce
+from engine.strategies.param_server.links import (
+    ACK, CKPT, CONTROL, FINISH, GATHER, PAUSED, SERVER_STATS, STOP, WEIGHTS, Message, mode_code, unflatten_into)
+from engine.strategies.param_server.server import LAYER_STATS, PSServer
+from engine.strategies.param_server.setup import ParamServerError, Setup
+from engine.telemetry.outlets import Telemetry
+
+CONTROL_EVERY_S = 0.25     # the coordinator tells the servers the state at least this often
+
+
+class Coordinator(PSServer):
+    """Server 0: also counts the global step, applies commands, logs telemetry and ends the run."""
+
+    def __init__(self, setup: "Setup", tel):
+        super().__init__(setup)
+        self.tel = tel
+        cfg = setup.cfg
+        self.mode = cfg.parallel.sync
+        self.paused = False
+        self.reported = setup.first_step
+        self.rows: dict[int, list[float]] = {}
+        self.info = {w: {"rank": w, "iterations": setup.first_step, "steps_per_s": 0.0, "wait_ms": 0.0,
+                         "compute_ms": 0.0, "slow_factor": float(cfg.parallel.slow_workers.get(str(w), 1.0)),
+                         "alive": True, "_t": None} for w in self.workers}
+        self.server_rows: dict[int, torch.Tensor] = {}
+        self.losses: list[float] = []
+        self.last_loss: float | None = None
+        self.acks: set[tuple[int, int]] = set()
+        self.gathered: set[int] = set()
+        self.stop_reason: str | None = None
+        self.stop_command = None
+        self.stop_deadline = 0.0
+        self.last_control = 0.0
+        self.t_report = time.perf_counter()
+        self.summary: dict | None = None
+        self.peaks = Peaks(setup.topo.world_size)
+
+    # --- messages ------------------------------------------------------------------------------
+    def worker_stats(self, m: Message) -> None:
+        row = m.payload.tolist()
+        self.rows[m.peer] = row
+        self.losses.append(row[FIELDS.index("loss")])
+        info, now = self.info[m.peer], time.monotonic()
+        if info["_t"] is not None and m.iteration > info["iterations"]:
+            rate = (m.iteration - info["iterations"]) / max(now - info["_t"], 1e-6)
+            info["steps_per_s"] = rate if not info["steps_per_s"] else 0.8 * info["steps_per_s"] + 0.2 * rate
+        info.update(iterations=m.iteration, _t=now, wait_ms=row[FIELDS.index("wait_ms")],
+                    compute_ms=row[FIELDS.index("fwd_ms")] + row[FIELDS.index("bwd_ms")])
+
+    def coordinate(self, m: Message) -> None:
+        if m.kind == SERVER_STATS:
+            self.server_rows[m.peer] = m.payload
+        elif m.kind == ACK:
+            self.acks.add((m.peer, m.iteration))
+        elif m.kind == WEIGHTS:
+            unflatten_into(m.payload, self.s.params[m.layer])
+            self.gathered.add(m.layer)
+
+    def worker_lost(self, worker: int, reason: str) -> None:
+        super().worker_lost(worker, reason)
+        self.info[worker]["alive"] = False
+        step = self.global_step()
+        self.tel.event("worker_lost", step, rank=worker, reason=reason)
+        self.tel.note(f"[yellow]worker rank {worker} lost[/] at step {step}: {escape(reason)}; the servers go on "
+                      f"with {len(self.live)} worker(s)")
+
+    def profile_done(self) -> None:
+        order = sorted(self.s.params)
+        layers = []
+        for j in order:
+            entry = {"name": self.names[j], "server": self.s.owner[j],
+                     "window_ms": {str(w): round(self.profiles[w][order.index(j)], 4)
+                                   for w in sorted(self.profiles)}}
+            if j in self.last:   # the arrival spread of the last measuring (bsp) window
+                entry["arrival_spread_ms"] = round(self.last[j].window_s * 1000, 4)
+            layers.append(entry)
+        self.tel.event("ps_profile", self.global_step(), layers=layers, mode=self.target)
+        self.tel.note(f"sync profile measured; mode {self.target}")
+
+    # --- the loop ------------------------------------------------------------------------------
+    def tick(self, now: float) -> None:
+        super().tick(now)
+        if self.finished:
+            return
+        for command in self.tel.take_commands():
+            self.command(command)
+        if self.s.stop.requested and self.stop_reason is None:
+            self.begin_stop(f"signal {signal.Signals(self.s.stop.signal).name}")
+        step = self.global_step()
+        if step > self.reported:
+            self.report(step)
+        if step >= self.s.cfg.run.steps and self.stop_reason is None:
+            self.begin_stop("finished")
+        if now - self.last_control >= CONTROL_EVERY_S:
+            self.tell_servers()
+        if self.stop_reason is not None:
+            if self.live and now > self.stop_deadline:
+                for worker in sorted(self.live):
+                    self.lose(worker, "did not leave within parallel.collective_timeout_s of the stop", now)
+            if not self.live:
+                self.finish()
+        elif not self.live:
+            raise ParamServerError("every worker was lost: " + "; ".join(
+                f"rank {w}: {why}" for w, why in sorted(self.lost.items())))
+
+    def tell_servers(self) -> None:
+        self.last_control = time.monotonic()
+        for server in range(1, self.s.servers):
+            self.s.links[server].send(CONTROL, iteration=self.global_step(), a=mode_code(self.mode), b=self.flags)
+
+    def command(self, command: dict) -> None:
+        name, step = command["name"], self.global_step()
+        if name in ("pause", "resume"):
+            self.paused = name == "pause"
+            self.control(self.mode, (self.flags & ~PAUSED) | (PAUSED if self.paused else 0), time.monotonic())
+            self.tel.update_state(paused=self.paused)
+        elif name == "checkpoint":
+            self.checkpoint(step)
+        elif name == "stop":
+            self.stop_command = command
+            self.begin_stop("command")
+            return
+        elif name == "set-sync":
+            previous, self.mode = self.mode, command["args"][0]
+            self.control(self.mode, self.flags, time.monotonic())
+            self.tel.event("sync_mode", step, mode=self.mode, previous=previous, source="command")
+            self.tel.update_state(sync=self.mode)
+        else:   # the hub rejects these in this mode; a command from elsewhere gets the same answer
+            self.tel.reply(command, "rejected", reason=f"{name} is not available in mode param_server")
+            return
+        self.tell_servers()
+        self.tel.reply(command, "applied", step=step)
+
+    def begin_stop(self, reason: str) -> None:
+        self.stop_reason = reason
+        self.stop_deadline = time.monotonic() + self.s.cfg.parallel.collective_timeout_s
+        self.control(self.mode, self.flags | STOP, time.monotonic())
+        self.tell_servers()
+
+    # --- telemetry -----------------------------------------------------------------------------
+    def report(self, step: int) -> None:
+        cfg = self.s.cfg
+        if self.last_loss is None and not self.losses:
+            return   # no worker's loss has arrived yet: the record waits for one
+        now = time.perf_counter()
+        steps = step - self.reported
+        dt = max(now - self.t_report, 1e-9)
+        self.t_report = now
+        if self.losses:
+            self.last_loss = sum(self.losses) / len(self.losses)
+            self.losses = []
+        table = self._table()
+        ranks = rank_rows(table)
+        for entry in ranks:
+            r = entry["rank"]
+            entry["role"] = "server" if r < self.s.servers else "worker"
+            if r >= self.s.servers:
+                entry["alive"] = self.info[r]["alive"]
+        self.peaks.note(ranks)
+        workers = [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in info.items() if k != "_t"}
+                   for info in self.info.values()]
+        alive = [w for w in workers if w["alive"]]
+        mean = (lambda key: sum(w[key] for w in alive) / len(alive)) if alive else (lambda key: 0.0)
+        record = {"loss": self.last_loss,
+                  "samples_per_s": cfg.data.batch_size * steps / dt, "step_ms": dt * 1000 / steps, "ranks": ranks,
+                  "time_split": {"compute_ms": round(mean("compute_ms"), 4), "comm_ms": 0.0,
+                                 "wait_ms": round(mean("wait_ms"), 4)},
+                  "streams": [], "ps": {"mode": self.mode, "profiling": self.profiling,
+                                        "staleness_bound": cfg.parallel.staleness_bound,
+                                        "workers_live": len(self.live), "workers_lost": sorted(self.lost),
+                                        "workers": workers, "layers": self._layer_rows()}}
+        for st in range(self.reported + 1, step + 1):
+            self.tel.step({"step": st, **record})
+        self.reported = step
+        self.tel.update_state(step=step)
+        if time.monotonic() - self.last_control >= 0.05:
+            self.tell_servers()   # and their figures come back for the next record
+        every, evals = cfg.checkpoint.every, cfg.run.eval_every
+        if every and step // every > (step - steps) // every and step < cfg.run.steps:
+            self.checkpoint(step)
+        if evals and step // evals > (step - steps) // evals and step < cfg.run.steps:
+            self.tel.event("eval", step, test_accuracy=self.evaluate(), wall_s=round(
+                time.time() - (self.s.job.launched_at or time.time()), 3))
+
+    def _table(self) -> torch.Tensor:
+        rows = []
+        for r in range(self.s.topo.world_size):
+            if r == self.rank:
+                row = self.stats()[:len(FIELDS)].tolist()
+            elif r < self.s.servers:
+                row = self.server_rows[r][:len(FIELDS)].tolist() if r in self.server_rows else row_values({})
+            else:
+                row = self.rows.get(r) or row_values({})
+            rows.append(row)
+        return torch.tensor(rows, dtype=torch.float64)
+
+    def _layer_rows(self) -> list[dict]:
+        stats = {}
+        for r, row in [(self.rank, self.stats())] + sorted(self.server_rows.items()):
+            per_layer = row[len(FIELDS):].view(-1, LAYER_STATS).tolist() if row.numel() > len(FIELDS) else []
+            for j, version, n, staleness, ms in per_layer:
+                stats[int(j)] = {"name": self.names[int(j)], "server": r, "version": int(version),
+                                 "window_workers": int(n), "mean_staleness": round(staleness, 4),
+                                 "window_ms": round(ms, 4)}
+        return [stats[j] for j in sorted(stats)]
+
+    # --- checkpoints, evaluation, the end -------------------------------------------------------
+    def _await(self, done, what: str) -> None:
+        deadline = time.monotonic() + self.s.cfg.parallel.collective_timeout_s
+        while not done():
+            if time.monotonic() > deadline:
+                raise ParamServerError(f"timed out waiting for {what}")
+            try:
+                message = self.inbox.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            self.handle(message)
+            PSServer.tick(self, time.monotonic())
+
+    def checkpoint(self, step: int) -> None:
+        for server in range(1, self.s.servers):
+            self.s.links[server].send(CKPT, iteration=step)
+        self.save(step)
+        self._await(lambda: all((s, step) in self.acks for s in range(1, self.s.servers)),
+                    f"the servers' checkpoint files for step {step}")
+        path = ckpt.finalize(self.s.cfg.run_dir, step, self.s.manifest(step), keep=self.s.cfg.checkpoint.keep)
+        self.tel.event("checkpoint", step, path=str(path))
+
+    def gather(self) -> None:
+        """Every layer's weights, from the servers that own them, into this rank's model."""
+        self.gathered = set(self.mine)
+        for server in range(1, self.s.servers):
+            self.s.links[server].send(GATHER)
+        self._await(lambda: self.gathered >= set(self.s.params), "the servers' weights")
+
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        ds = self.s.data
+        if ds.x_test is None or len(ds.x_test) == 0:
+            return None
+        if len(self.gathered) < len(self.s.params):
+            self.gather()
+        self.gathered = set()
+        model, device = self.s.model, self.s.device
+        model.eval()
+        correct = total = 0
+        for i in range(0, len(ds.x_test), 1024):
+            x, y = ds.x_test[i:i + 1024].to(device.torch_device), ds.y_test[i:i + 1024].to(device.torch_device)
+            correct += int((model(x).argmax(dim=-1) == y).sum())
+            total += y.numel()
+        model.train()
+        return correct / total
+
+    def finish(self) -> None:
+        cfg, step = self.s.cfg, self.global_step()
+        step = min(step, cfg.run.steps) if self.stop_reason == "finished" else step
+        stopped_early = step < cfg.run.steps
+        save = step > self.s.first_step or stopped_early
+        self.gathered = set(self.mine)
+        for server in range(1, self.s.servers):
+            self.s.links[server].send(FINISH, iteration=step, a=float(save))
+        if save:
+            self.save(step)
+        self._await(lambda: all((s, step) in self.acks for s in range(1, self.s.servers))
+                    and self.gathered >= set(self.s.params), "the servers' final checkpoint files and weights")
+        for link in self.s.links.values():
+            link.flush()
+        if save:
+            path = ckpt.finalize(cfg.run_dir, step, self.s.manifest(step), keep=cfg.checkpoint.keep)
+            self.tel.event("checkpoint", step, path=str(path))
+        if stopped_early:
+            self.tel.event("stop", step, reason=self.stop_reason if self.stop_reason != "finished" else "workers left")
+        if self.stop_command:
+            self.tel.reply(self.stop_command, "applied", step=step)
+        self.summary = {"name": cfg.run.name, "final_loss": self.last_loss, "test_accuracy": self.evaluate(),
+                        "steps": step, "wall_s": time.time() - (self.s.job.launched_at or time.time()),
+                        **self.peaks.summary(), "capacity_bytes": self.s.device.ledger.capacity_bytes,
+                        "simulated": self.s.device.simulated, "restarts": self.s.restart,
+                        "stopped_early": stopped_early, "sync": self.mode,
+                        "workers_lost": sorted(self.lost)}
+        self.tel.summary(self.summary)
+        self.tel.close("run stopped" if stopped_early else "run finished")
+        self.finished = True
+
+
+def run_server(job, topo, stop) -> dict | None:
+    """A server rank (rank 0: the coordinator too). Returns rank 0's summary."""
+    try:
+        setup = Setup(job, topo, stop)
+        if topo.rank != 0:
+            PSServer(setup).run()
+            return None
+    except Exception as e:
+        print(f"trainyard: parameter server rank {topo.rank} failed: {type(e).__name__}: {e}", file=sys.stderr,
+              flush=True)
+        raise
+    tel = Telemetry.open(job, setup.hello(), True, setup.first_step)
+    try:
+        tel.update_state(step=setup.first_step, steps=job.config.run.steps, paused=False, sync=job.config.parallel.sync)
+        announce(tel, job.config, topo, setup.device, setup.model.names, setup.first_step, setup.restart,
+                 setup.source, setup.layout())
+        coordinator = Coordinator(setup, tel)
+        coordinator.run()
+    except BaseException as e:
+        print(f"trainyard: parameter server rank 0 failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        tel.close(f"run failed ({type(e).__name__}: {e})")
+        raise
+    return {"type": "summary", **coordinator.summary}

@@ -1,0 +1,123 @@
+"""What every rank of a parameter-server run sets up alike: which server owns which layer, the
+device, data and model, the links, where the run resumes, and what it writes about its layout.
+
+    setup = Setup(job, topo, stop)     # every rank, servers and workers, at the start
+    setup.owner                        # layer index -> server rank (assign_layers)
+    setup.links                        # peer rank -> Link (engine/strategies/param_server/links.py)
+    setup.first_step                   # 0, or the step of the checkpoint it resumes from
+
+Layers go to servers by parameter bytes (assign_layers): the largest first, each to the server that
+holds the fewest so far, so every server holds about as much.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.data import batch_for
+from engine.runtime import checkpoint as ckpt
+from engine.runtime.rank import build_rank, device_fields
+from engine.strategies.param_server.links import make_links
+
+
+class ParamServerError(RuntimeError):
+    """The parameter-server run cannot go on (every worker lost; a model it cannot serve)."""
+
+
+def assign_layers(sizes: dict[int, int], servers: int) -> dict[int, int]:
+    """Layer index -> server rank, balancing parameter bytes: the largest layer first, each to the
+    server holding the fewest bytes so far (ties to the lower rank, then the earlier layer)."""
+    if len(sizes) < servers:
+        raise ParamServerError(
+            f"parallel.servers = {servers} but the model has only {len(sizes)} layers with parameters: "
+            f"every server needs at least one layer (use at most {len(sizes)} servers)")
+    load = [0] * servers
+    owner = {}
+    for layer in sorted(sizes, key=lambda j: (-sizes[j], j)):
+        server = min(range(servers), key=lambda s: (load[s], s))
+        owner[layer] = server
+        load[server] += sizes[layer]
+    return dict(sorted(owner.items()))
+
+
+def layer_params(model) -> dict[int, list[torch.nn.Parameter]]:
+    """Each layer's parameters; refused if layers share one (its gradient would have two owners)."""
+    seen, out = {}, {}
+    for j, layer in enumerate(model.layers):
+        params = list(layer.parameters())
+        for p in params:
+            if id(p) in seen:
+                raise ParamServerError(
+                    f"layers {model.names[seen[id(p)]]!r} and {model.names[j]!r} share a parameter; "
+                    f"parallel.strategy = \"param_server\" needs every parameter in one layer")
+            seen[id(p)] = j
+        if params:
+            out[j] = params
+    return out
+
+
+
+class Setup:
+    """What every rank of a parameter-server run builds the same way: device, data, model, the
+    layers' owners, the links, and where it resumes."""
+
+    def __init__(self, job, topo, stop):
+        cfg = self.cfg = job.config
+        self.job, self.topo, self.stop = job, topo, stop
+        self.servers, self.workers = cfg.parallel.servers, topo.world_size - cfg.parallel.servers
+        self.restart, self.device, self.data, self.model = build_rank(job, topo)
+        self.params = layer_params(self.model)
+        self.owner = assign_layers({j: sum(p.numel() * p.element_size() for p in ps)
+                                    for j, ps in self.params.items()}, self.servers)
+        if topo.rank < self.servers:   # a server counts the layers it owns; a worker the whole model
+            self.device.ledger.track_module(torch.nn.ModuleList(
+                [self.model.layers[j] for j, s in self.owner.items() if s == topo.rank]))
+        else:
+            self.device.ledger.track_module(self.model)
+        self.links = make_links(topo, self.servers, cfg.parallel.collective_timeout_s)
+        self.source = ckpt.resume_source(cfg.run_dir, job.resume, self.restart)
+        self.resumed = ckpt.verify(self.source) if self.source else None   # its manifest
+        self.first_step = int(self.resumed["step"]) if self.resumed else 0
+
+    def batch(self, iteration: int, index: int):
+        return batch_for(self.data, iteration, self.cfg.data.batch_size, self.cfg.run.seed, index, self.workers)
+
+    def restore(self, server) -> None:
+        """Load a server's (engine/strategies/param_server/server.py) share of the checkpoint
+        this run resumes from, if any."""
+        if self.source is None:
+            return
+        manifest = self.resumed
+        ckpt.check_world_size(self.source, manifest, self.topo.world_size)
+        ckpt.check_strategy(self.source, manifest, "param_server")
+        saved = manifest["layout"].get("server_layers")
+        if saved != self.layout()["server_layers"]:
+            raise ckpt.CheckpointError(f"{self.source}: its layers were served as {saved}; this run serves "
+                                       f"them as {self.layout()['server_layers']} (parallel.servers must match)")
+        server.load(ckpt.load_file(self.source, f"server{self.topo.rank}.pt"))
+        for j in server.mine:
+            server.count[j] = self.first_step * self.workers
+
+    def layout(self) -> dict:
+        p = self.cfg.parallel
+        return {"strategy": "param_server", "servers": self.servers, "workers": self.workers, "sync": p.sync,
+                "staleness_bound": p.staleness_bound, "staleness_scaling": p.staleness_scaling,
+                "server_layers": {str(s): [self.model.names[j] for j, o in self.owner.items() if o == s]
+                                  for s in range(self.servers)},
+                "roles": ["server" if r < self.servers else "worker" for r in range(self.topo.world_size)],
+                "slow_workers": dict(p.slow_workers)}
+
+    def manifest(self, step: int) -> dict:
+        cfg = self.cfg
+        return {"name": cfg.run.name, "world_size": self.topo.world_size,
+                "data_position": {"step": step, "samples_seen": step * cfg.data.batch_size},
+                "layout": self.layout(), "config": cfg.to_dict()}
+
+    def hello(self) -> dict:
+        cfg = self.cfg
+        return {"run": cfg.run.name, "mode": "param_server", "world_size": self.topo.world_size,
+                "backend": self.topo.backend, **device_fields(self.device),
+                "layers": list(self.model.names), "layout": self.layout(),
+                "updated_layers": [self.model.names[j] for j in sorted(self.params)],
+                "capabilities": ["pause", "resume", "stop", "checkpoint", "set-sync"], "steps": cfg.run.steps,
+                "config": cfg.to_dict()}

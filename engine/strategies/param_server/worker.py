@@ -1,0 +1,262 @@
+"""A worker rank: trains on its shard of every global batch, pulling each layer's weights from its
+server just before that layer's forward and pushing the layer's gradient the moment its backward
+completes; and `supervise`, the process the elastic agent sees as the rank.
+
+    supervise(job)     # engine/runtime/worker.py, on ranks from parallel.servers up
+
+`supervise` forks the worker: a worker that dies is reported and absorbed there, so the servers go on
+with the others, where the agent would otherwise restart everything. Its first sync_profile_steps
+iterations measure, per layer, the time it had between pushing a gradient and needing the layer again
+(its slack); the servers set each layer's window from it. SlowMachine stretches the worker's own work
+to emulate a slower machine (parallel.slow_workers).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import time
+import traceback
+
+import torch
+
+from engine.runtime.control import row_values
+from engine.runtime.rank import StopRequest
+from engine.runtime.topology import Topology
+from engine.strategies.ddp import cross_entropy
+from engine.strategies.param_server.links import (
+    ALL_LAYERS, BYE, GRAD, PAUSED, PING, PROFILE, PULL, STOP, TAG_PING, TAG_WEIGHTS, flatten, transport_failure,
+    unflatten_into)
+from engine.strategies.param_server.setup import Setup
+
+PAUSED_POLL_S = 0.25       # a paused worker asks the servers this often whether to go on
+
+
+class SlowMachine:
+    """Stretches a worker's own work by `factor` to emulate a slower machine: after each layer's forward
+    and each backward segment (each layer with parameters ends one: its gradients are complete) the
+    worker sleeps (factor - 1) times what it took, and at the iteration's end as much again for the
+    rest of its own work (all but waiting for weights), so gradients leave at a slow machine's pace.
+    At factor 1 it does nothing."""
+
+    def __init__(self, model, factor: float):
+        self.factor = factor
+        self._t0 = 0.0
+        self.mark = 0.0
+        self.slept_ms = 0.0
+        if factor > 1.0:
+            for layer in model.layers:
+                layer.register_forward_pre_hook(self._before)
+                layer.register_forward_hook(self._after)
+
+    def _before(self, module, args):
+        self._t0 = time.perf_counter()
+
+    def _after(self, module, args, output):
+        self._stretch((time.perf_counter() - self._t0) * 1000)
+
+    def backward_started(self) -> None:
+        self.mark = time.perf_counter()
+
+    def segment_done(self) -> None:
+        """A layer's gradients are complete: the segment since the last mark was its backward."""
+        self._stretch((time.perf_counter() - self.mark) * 1000)
+        self.mark = time.perf_counter()
+
+    def stretch_rest(self, own_ms: float) -> None:
+        """The iteration's end: stretch the rest of its own work (data, messages, bookkeeping) too, so
+        all of it, not only the layers, takes `factor` times as long. `own_ms`: the iteration's time
+        without waiting for weights, sleeps included."""
+        if self.factor > 1.0:
+            raw = own_ms - self.slept_ms
+            time.sleep(max((self.factor - 1.0) * raw - self.slept_ms, 0.0) / 1000)
+        self.slept_ms = 0.0
+
+    def _stretch(self, ms: float) -> None:
+        if self.factor > 1.0:
+            extra = (self.factor - 1.0) * ms
+            time.sleep(extra / 1000)
+            self.slept_ms += extra
+
+
+class PSWorker:
+    """Trains on its shard of each global batch, pulling each layer just before its forward and
+    pushing each layer's gradient the moment its backward completes."""
+
+    def __init__(self, setup: "Setup"):
+        self.s = setup
+        cfg, topo = setup.cfg, setup.topo
+        self.index = topo.rank - setup.servers
+        self.factor = float(cfg.parallel.slow_workers.get(str(topo.rank), 1.0))
+        self.params = setup.params
+        self.layers = sorted(self.params)
+        self.sizes = {j: sum(p.numel() for p in ps) for j, ps in self.params.items()}
+        self.version = {j: 0 for j in self.layers}
+        self.clock = SlowMachine(setup.model, self.factor)
+        self._left = {}
+        for j, ps in self.params.items():
+            for p in ps:
+                p.register_post_accumulate_grad_hook(self._grad_hook(j))
+        self.iteration = setup.first_step
+        self.profile: list[list[float]] = []
+        self.pushed_at: dict[int, float] = {}   # layer -> when its last gradient left
+        self.slack: dict[int, float] = {}       # layer -> ms from that push to needing the layer again
+        self.stats: torch.Tensor | None = None  # the last iteration's figures, sent with the next pull
+
+    def _grad_hook(self, j: int):
+        def hook(p):
+            self._left[j] -= 1
+            if self._left[j] == 0:
+                self.clock.segment_done()
+                grad = flatten([q.grad for q in self.params[j]])
+                self.s.links[self.s.owner[j]].send(GRAD, j, self.version[j], self.iteration, payload=grad)
+                for q in self.params[j]:
+                    q.grad = None
+                self.pushed_at[j] = time.perf_counter()
+        return hook
+
+    def run(self) -> None:
+        s, cfg = self.s, self.s.cfg
+        model, device = s.model, s.device
+        flags, t_idle = 0, 0.0
+        try:
+            while not s.stop.requested:
+                t_start = time.perf_counter()
+                idle_s = t_start - t_idle if flags & PAUSED or cfg.run.step_pause_ms else 0.0
+                buffers = {j: torch.empty(self.sizes[j] + 2) for j in self.layers}
+                works = {j: s.links[s.owner[j]].expect(buffers[j], TAG_WEIGHTS + j) for j in self.layers}
+                for server in range(s.servers):   # every server owns a layer; server 0 gets the figures
+                    s.links[server].send(PULL, ALL_LAYERS, iteration=self.iteration, a=self.factor,
+                                         payload=self.stats if server == 0 else None)
+                x, y = s.batch(self.iteration, self.index)
+                x, y = x.to(device.torch_device), y.to(device.torch_device)
+                wait_ms, flags = 0.0, 0
+                out = x
+                with device.ledger.saved_activations():
+                    for j, layer in enumerate(model.layers):
+                        if j in works:
+                            t0 = time.perf_counter()
+                            if j in self.pushed_at:   # the time this worker had for layer j: no waiting
+                                self.slack[j] = (t0 - self.pushed_at[j] - idle_s) * 1000 - wait_ms
+                            works[j].wait()
+                            wait_ms += (time.perf_counter() - t0) * 1000
+                            reply = buffers[j]
+                            flags |= int(reply[-1])
+                            if flags & STOP:
+                                break
+                            unflatten_into(reply[:-2], self.params[j])
+                            self.version[j] = int(reply[-2])
+                        out = layer(out)
+                    if flags & STOP:
+                        break
+                    loss = cross_entropy(out, y)
+                    self._left = {j: len(ps) for j, ps in self.params.items()}
+                    t_fwd = time.perf_counter()
+                    self.clock.backward_started()
+                    loss.backward()
+                t_end = time.perf_counter()
+                device.ledger.refresh()
+                step_ms = (t_end - t_start) * 1000
+                self.iteration += 1
+                row = {"loss": loss.item(), "step_ms": step_ms, "fwd_ms": (t_fwd - t_start) * 1000 - wait_ms,
+                       "bwd_ms": (t_end - t_fwd) * 1000, "wait_ms": wait_ms, **device.stats()}
+                self.stats = torch.tensor(row_values(row), dtype=torch.float64)
+                self._profile()
+                self.clock.stretch_rest((time.perf_counter() - t_start) * 1000 - wait_ms)
+                t_idle = time.perf_counter()
+                if cfg.run.step_pause_ms:
+                    time.sleep(cfg.run.step_pause_ms / 1000)
+                if flags & PAUSED:
+                    flags = self._paused()
+                    if flags & STOP:
+                        break
+        finally:
+            for server, link in s.links.items():
+                try:
+                    link.send(BYE, iteration=self.iteration, a=self.factor,
+                              payload=self.stats if server == 0 else None)
+                except RuntimeError:
+                    pass
+            for link in s.links.values():
+                link.flush()
+
+    def _profile(self) -> None:
+        """After `sync_profile_steps` iterations, every server gets this worker's slack per layer
+        (the mean over those iterations but the first)."""
+        steps = self.s.cfg.parallel.sync_profile_steps
+        done = self.iteration - self.s.first_step
+        if done > steps:
+            return
+        if done > 1:
+            self.profile.append([self.slack.get(j, 0.0) for j in self.layers])
+        if done == steps:
+            mean = torch.tensor(self.profile, dtype=torch.float64).mean(dim=0)
+            for server in range(self.s.servers):
+                self.s.links[server].send(PROFILE, iteration=self.iteration, payload=mean)
+
+    def _paused(self) -> int:
+        """Ask the servers every PAUSED_POLL_S whether to go on (this also keeps the links alive)."""
+        while True:
+            time.sleep(PAUSED_POLL_S)
+            flags = 0
+            for server in range(self.s.servers):
+                answer = torch.zeros(1)
+                work = self.s.links[server].expect(answer, TAG_PING)
+                self.s.links[server].send(PING, iteration=self.iteration)
+                work.wait()
+                flags |= int(answer[0])
+            if not flags & PAUSED or flags & STOP or self.s.stop.requested:
+                return flags
+
+
+
+def run_worker(job, topo, stop) -> None:
+    PSWorker(Setup(job, topo, stop)).run()
+
+
+def supervise(job) -> None:
+    """A worker rank as the elastic agent sees it: the worker trains in a child process, and its
+    death is reported and absorbed here, so the servers go on with the others."""
+    rank = int(os.environ["RANK"])
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            ctypes.CDLL(None).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG: never outlive the supervisor
+            cfg = job.config
+            stop = StopRequest()
+            topo = Topology.from_env(cfg.parallel.backend, cfg.device.kind, cfg.parallel.collective_timeout_s)
+            try:
+                run_worker(job, topo, stop)
+                code = 0
+            finally:
+                topo.shutdown()
+        except BaseException as e:
+            if isinstance(e, RuntimeError) and transport_failure(e):
+                print(f"trainyard: worker rank {rank} lost a server ({transport_failure(e)})", file=sys.stderr,
+                      flush=True)
+            else:
+                traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    pid_dir = job.config.run_dir / "pids"
+    pid_dir.mkdir(parents=True, exist_ok=True)
+    (pid_dir / f"rank{rank}.supervisor.pid").write_text(str(os.getpid()))
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, frame: os.kill(pid, signum))
+    while True:
+        try:
+            _, status = os.waitpid(pid, 0)
+            break
+        except InterruptedError:
+            continue
+    code = os.waitstatus_to_exitcode(status)
+    if code != 0:
+        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
+        print(f"trainyard: parameter-server worker rank {rank} {how}; the servers go on without it",
+              file=sys.stderr, flush=True)
+    return None

@@ -1,0 +1,447 @@
+"""Pipeline parallel: each rank runs one stage (a run of consecutive layers) of the model.
+
+    stage = PipelineStage(model, [["fc0", "act0", "fc1"], ["act1", "head"]], topo, device,
+                          optim_cfg, micro_batches=4, schedule="1f1b")
+    loss = stage.train_step(x, y)   # the global-batch loss on the last stage, None elsewhere
+    stage.stage_params()            # the parameters this rank trains
+    stage.layout()                  # {"strategy": "pipeline", "stages": ..., "schedule": ..., ...}
+    decision = stage.boundary(step, requested=False)   # every rank, at each step boundary: rebalance?
+
+Rebalancing (engine/techniques/rebalance.py): every stage times its layers; at a check the last
+stage decides a new layout, and the layers migrate during the next step without
+stopping it (engine/techniques/migration.py: the layout switches at a micro-batch, weights and
+optimizer state move at the step's start, partial gradients at its end).
+
+Rank r runs stage r (world size == number of stages). Every rank holds the whole
+LayerList (built from the same seed) but only runs, and only updates, its own layers.
+x and y are the whole global batch on every rank: stage 0 reads x, the last stage
+reads y (labels never travel). The batch is cut into `micro_batches` equal
+micro-batches; activations travel forward and their gradients backward between
+neighbouring stages by point-to-point messages on topo.compute.
+
+Loss scaling: each micro-batch's loss is weighted by micro_size / global_size, so
+the accumulated gradients equal those of one pass over the whole global batch and
+the returned loss is the mean over the global batch. One optimizer update per step,
+through HybridUpdater (begin_step before the first forward, end_backward after the
+last backward).
+
+Shape exchange: the first message of a step in each direction (and, in a step
+that migrates layers, the first one under the new layout) is a header then a
+payload; the others are the payload alone, since the micro-batches of a step are
+equal and run the same layers. The header is a fixed int64 tensor of HEADER_LEN
+entries, [ndim, d0, d1, ...] (zero-padded); the payload is the float32 tensor of
+that shape. So stages may emit any shape (up to HEADER_LEN - 1 dimensions), and
+shapes may change from step to step, at the cost of one small message per step.
+
+Ordering: sends are non-blocking (isend), receives are blocking (recv). Both
+schedules are then deadlock-free: a rank only ever blocks on a receive whose
+matching send the neighbour issues without waiting on anything this rank has not
+already sent. Forward messages use tag 0 and backward messages tag 1. The send
+works (and the tensors they read) are kept until the end of the step and waited on
+there, so no buffer is reused or freed while in flight.
+
+Schedules:
+- "gpipe": all micro-batches forward, then all backward (in reverse order).
+- "1f1b": warm-up of min(stages - rank - 1, micro_batches) forwards, then alternate
+  one forward and one backward, then the remaining backwards (non-interleaved 1F1B).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from engine.config import OptimConfig, UpdateConfig
+from engine.strategies.ddp import cross_entropy, params_by_layer
+from engine.techniques.hybrid import HybridUpdater
+from engine.techniques.migration import Migration
+from engine.optim import make_optimizer
+from engine.techniques.partition import Cluster, threshold_in_ms, uniform
+from engine.techniques.rebalance import LayerClock, Rebalancer
+
+SCHEDULES = ("gpipe", "1f1b")
+HEADER_LEN = 8
+FWD_TAG, BWD_TAG = 0, 1
+TIME_EVERY = 4   # a stage times its layers on every 4th step (and before each automatic check)
+
+
+def check_stages(names: list[str], stage_layers: list[list[str]], world_size: int | None = None,
+                 clusters: list[list[str]] | None = None) -> list[tuple[int, int]]:
+    """Validate a split of `names` into stages; return each stage's [start, end) range of layer indices.
+
+    The stages must be non-empty, contiguous and together cover `names` in order; with
+    `world_size`, there must be exactly one stage per rank; with `clusters` (LayerList.clusters),
+    no stage boundary may fall inside a cluster (a Block is never split)."""
+    if not isinstance(stage_layers, (list, tuple)) or not stage_layers:
+        raise ValueError(f"stage_layers must be a non-empty list of lists of layer names, got {stage_layers!r}")
+    if world_size is not None and len(stage_layers) != world_size:
+        raise ValueError(f"pipeline needs one stage per rank: {len(stage_layers)} stages but world size "
+                         f"{world_size}")
+    index = {name: i for i, name in enumerate(names)}
+    ranges, expected = [], 0
+    for s, stage in enumerate(stage_layers):
+        if not isinstance(stage, (list, tuple)) or not stage:
+            raise ValueError(f"stage {s} is empty; every stage needs at least one layer")
+        for name in stage:
+            if name not in index:
+                raise ValueError(f"stage {s} names unknown layer {name!r}; layers are {', '.join(names)}")
+        start = index[stage[0]]
+        if start != expected:
+            what = f"layer {names[expected]!r} is missing" if start > expected else f"layer {stage[0]!r} repeats"
+            raise ValueError(f"stage {s} starts at {stage[0]!r} but layers must be covered in order, each "
+                             f"once: {what}")
+        for k, name in enumerate(stage):
+            if index[name] != start + k:
+                raise ValueError(f"stage {s} is not contiguous in forward order: {name!r} follows "
+                                 f"{stage[k - 1]!r}, expected {names[start + k] if start + k < len(names) else 'nothing'!r}")
+        expected = start + len(stage)
+    if expected != len(names):
+        raise ValueError(f"stages cover layers up to {names[expected - 1]!r}; layers "
+                         f"{names[expected:]} are in no stage")
+    ranges = [(index[st[0]], index[st[0]] + len(st)) for st in stage_layers]
+    if clusters:
+        for s, (start, _) in enumerate(ranges[1:], 1):
+            for cluster in clusters:
+                if len(cluster) > 1 and cluster[0] != names[start] and names[start] in cluster:
+                    raise ValueError(f"stage {s} starts at {names[start]!r}, inside the block "
+                                     f"{cluster[0].split('.')[0]!r}; a block is never split across stages")
+    return ranges
+
+
+def uniform_stages(model, stages: int) -> list[list[str]]:
+    """The same number of clusters per stage (earlier stages take the remainder)."""
+    split = uniform([Cluster(tuple(c), 0.0, 0) for c in model.clusters], stages)
+    return [list(stage) for stage in split.stages]
+
+
+def configured_stages(model, partition, stages: int) -> list[list[str]]:
+    """`parallel.partition`: "uniform" (uniform_stages over `stages`), or the stages as listed."""
+    return uniform_stages(model, stages) if partition == "uniform" else partition
+
+
+def split_micro(batch_size: int, micro_batches: int) -> int:
+    """The micro-batch size; ValueError unless `batch_size` divides into `micro_batches` equal parts."""
+    if not isinstance(micro_batches, int) or micro_batches < 1:
+        raise ValueError(f"micro_batches must be a positive integer, got {micro_batches!r}")
+    if batch_size % micro_batches:
+        raise ValueError(f"global batch of {batch_size} does not split into {micro_batches} equal micro-batches")
+    return batch_size // micro_batches
+
+
+def schedule_ops(schedule: str, stages: int, rank: int, micro_batches: int) -> list[tuple[str, int]]:
+    """The order of ("F", i) forwards and ("B", i) backwards that stage `rank` runs."""
+    m = micro_batches
+    if schedule == "gpipe":
+        return [("F", i) for i in range(m)] + [("B", i) for i in reversed(range(m))]
+    if schedule == "1f1b":
+        warm = min(stages - rank - 1, m)
+        ops = [("F", i) for i in range(warm)]
+        for i in range(m - warm):
+            ops += [("F", warm + i), ("B", i)]
+        ops += [("B", i) for i in range(m - warm, m)]
+        return ops
+    raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+
+
+class PipelineStage:
+    name = "pipeline"
+
+    global_batch = True   # every rank takes the whole global batch: stage 0 its inputs, the last its labels
+
+    def __init__(self, model, stage_layers: list[list[str]] | str, topo, device, optim_cfg: OptimConfig,
+                 micro_batches: int, schedule: str = "1f1b", loss_fn=cross_entropy,
+                 update_cfg: UpdateConfig | None = None, rebalance: str = "off", threshold: float = 0.2,
+                 check_every: int = 10):
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+        if not isinstance(micro_batches, int) or micro_batches < 1:
+            raise ValueError(f"micro_batches must be a positive integer, got {micro_batches!r}")
+        self.balance_first = stage_layers == "balanced"   # profiled and split at the first step
+        if self.balance_first:
+            stage_layers = uniform_stages(model, topo.world_size)
+        check_stages(model.names, stage_layers, topo.world_size, getattr(model, "clusters", None))
+        self.model, self.topo, self.device, self.loss_fn = model, topo, device, loss_fn
+        self.schedule, self.micro_batches = schedule, micro_batches
+        self.stages, self.rank = len(stage_layers), topo.rank
+        self.is_first, self.is_last = self.rank == 0, self.rank == self.stages - 1
+        group = topo.compute
+        self.group = group
+        self.prev = None if self.is_first else dist.get_global_rank(group, self.rank - 1)
+        self.next = None if self.is_last else dist.get_global_rank(group, self.rank + 1)
+        self._set_layout(stage_layers)
+        by_layer = params_by_layer(model, only={id(p) for p in self.ledger_module.parameters()})
+        self.updater = HybridUpdater(model, by_layer, optim_cfg, device, update_cfg or UpdateConfig())
+        # torch builds its first optimizer slowly (1.8 s measured here: lazy imports); a stage that starts
+        # without parameters would pay that inside the step in which layers migrate to it
+        make_optimizer(optim_cfg, [torch.nn.Parameter(torch.zeros(1))])
+        self.loss_rank = self.stages - 1   # the rank whose loss is the step's
+        self.optimizer = self.updater
+        self.timings = {"fwd_ms": 0.0, "bwd_ms": 0.0, "optim_ms": 0.0}
+        self.clock = LayerClock(model.names)
+        self.clock.armed = rebalance != "off"
+        self._steps = 0   # steps run, for the clock's sampling
+        self._deferred = False   # an operator's check waits for one timed step
+        self.rebalancer = Rebalancer(model, topo, rebalance, threshold, check_every)
+        self.commands = ("pause", "resume", "stop", "checkpoint", "set-placement") + \
+            (("rebalance",) if rebalance != "off" else ())
+        self.pending: list[list[str]] | None = None   # the layout the next step migrates to
+        self.migration: Migration | None = None      # the last step's migration, until reported
+        self._move: Migration | None = None
+
+    def _set_layout(self, stage_layers: list[list[str]]) -> None:
+        """This rank's range of layers (at construction, after a migration, on resume)."""
+        ranges = check_stages(self.model.names, stage_layers, self.topo.world_size,
+                              getattr(self.model, "clusters", None))
+        self.stage_layers = [list(s) for s in stage_layers]
+        self.start, self.end = ranges[self.rank]
+        self.ledger_module = torch.nn.ModuleList(self.model.layers[self.start:self.end])
+
+    def owned_layers(self) -> list[str]:
+        """The layers this stage runs now (engine/techniques/memory/ plans their activation policies)."""
+        return self.model.names[self.start:self.end]
+
+    def in_flight(self) -> int:
+        """Micro-batches whose activations this stage holds at once, at most: all of them under GPipe;
+        under 1F1B the warm-up forwards plus the one in progress."""
+        if self.schedule == "gpipe":
+            return self.micro_batches
+        return min(self.stages - self.rank, self.micro_batches)
+
+    def _adopt(self, stage_layers: list[list[str]]) -> None:
+        """Take a layout between steps (resume, the balanced start): nothing is in flight, the weights are
+        every rank's own copy, and optimizer state starts fresh for layers this rank did not update."""
+        old = set(range(self.start, self.end))
+        self._set_layout(stage_layers)
+        new = set(range(self.start, self.end))
+        for i in sorted(old - new):
+            if i in self.updater.updates:
+                self.updater.drop_layer(i)
+        for i in sorted(new - old):
+            self.updater.add_layer(i, list(self.model.layers[i].parameters()))
+        self.device.ledger.retrack(self.ledger_module)
+
+    # --- point to point ------------------------------------------------------------------------
+    def _send(self, tensor: torch.Tensor, dst: int, tag: int, layout: int = 0) -> None:
+        dev = self.device.torch_device   # gloo sends CPU tensors, nccl device tensors: the stage's own device
+        tensor = tensor.detach().to(dev, torch.float32).contiguous()
+        if tensor.dim() > HEADER_LEN - 1:
+            raise ValueError(f"pipeline messages carry at most {HEADER_LEN - 1} dimensions, got {tensor.dim()}")
+        sends = [tensor]
+        if ("to", tag, layout) not in self._shapes:   # the first message of its kind this step says its shape
+            self._shapes[("to", tag, layout)] = tuple(tensor.shape)
+            header = torch.zeros(HEADER_LEN, dtype=torch.int64, device=dev)
+            header[0] = tensor.dim()
+            header[1:1 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+            sends.insert(0, header)
+        for t in sends:   # keep the tensor alive until its send is waited on
+            self._pending.append((dist.isend(t, dst, group=self.group, tag=tag), t))
+
+    def _recv(self, src: int, tag: int, layout: int = 0) -> torch.Tensor:
+        t0 = time.perf_counter()
+        dev = self.device.torch_device
+        try:
+            shape = self._shapes.get(("from", tag, layout))
+            if shape is None:
+                header = torch.empty(HEADER_LEN, dtype=torch.int64, device=dev)
+                dist.recv(header, src, group=self.group, tag=tag)
+                shape = self._shapes[("from", tag, layout)] = tuple(int(d) for d in header[1:1 + int(header[0])].tolist())
+            out = torch.empty(shape, dtype=torch.float32, device=dev)
+            dist.recv(out, src, group=self.group, tag=tag)
+        except Exception as e:   # a neighbour died or went silent: say who and what, within the timeout
+            what = "activations" if tag == FWD_TAG else "gradients"
+            during = (f" while layers migrate ({', '.join(n for n, _, _ in self._move.moves)})"
+                      if self._move is not None else "")
+            raise RuntimeError(f"pipeline stage {self.rank}: receiving {what} from stage "
+                               f"{dist.get_group_rank(self.group, src)} failed{during}: {type(e).__name__}: {e}") from e
+        self._recv_s += time.perf_counter() - t0   # waiting for a neighbour: the stage's idle time
+        return out
+
+    # --- a step --------------------------------------------------------------------------------
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float | None:
+        size = split_micro(x.shape[0], self.micro_batches)
+        if y.shape[0] != x.shape[0]:   # checked on every rank, so all refuse the step together
+            raise ValueError(f"x has {x.shape[0]} samples but y has {y.shape[0]}")
+        if self.balance_first:
+            self.balance_first = False
+            decision = self.rebalancer.initial(self.model, x[:size], y[:size], self.loss_fn, self.stage_layers)
+            if decision.changed:
+                self._adopt(decision.stages)
+        dev = self.device.torch_device
+        m, total = self.micro_batches, x.shape[0]
+        inputs: dict[int, torch.Tensor] = {}
+        outputs: dict[int, torch.Tensor] = {}
+        losses: list[torch.Tensor] = []
+        self._pending, self._shapes = [], {}
+        fwd_s = bwd_s = 0.0
+        self._recv_s = 0.0
+        self.updater.begin_step()
+        move, self.pending = (Migration(self, self.pending) if self.pending else None), None
+        self._move = move
+        ranges = [(self.start, self.end)]
+        if move is not None:
+            move.start()
+            move.receive_state()   # first, and completed: see engine/techniques/migration.py
+            ranges.append(check_stages(self.model.names, move.new)[self.rank])
+        with self.device.ledger.saved_activations():
+            for op, i in schedule_ops(self.schedule, self.stages, self.rank, m):
+                t0, r0 = time.perf_counter(), self._recv_s
+                new_layout = move is not None and move.use_new(i)
+                if op == "F":
+                    if self.is_first:
+                        # its own copy, as on a GPU: a view would keep (and swap) the whole batch's storage
+                        inp = x[i * size:(i + 1) * size].to(dev, copy=True)
+                    else:
+                        inp = self._recv(self.prev, FWD_TAG, new_layout).requires_grad_(True)
+                    start, end = ranges[1] if new_layout else ranges[0]
+                    out = self.clock.forward(self.model.layers, start, end, inp)
+                    if self.is_last:
+                        loss = self.loss_fn(out, y[i * size:(i + 1) * size].to(dev)) * (size / total)
+                        losses.append(loss.detach())
+                        outputs[i] = loss
+                    else:
+                        self._send(out, self.next, FWD_TAG, new_layout)
+                        outputs[i] = out
+                    inputs[i] = inp
+                    fwd_s += time.perf_counter() - t0 - (self._recv_s - r0)
+                else:
+                    out, inp = outputs.pop(i), inputs.pop(i)
+                    grad = None if self.is_last else self._recv(self.next, BWD_TAG, new_layout)
+                    if out.requires_grad:   # a stage of layers without parameters on stage 0 has no graph
+                        self.clock.backward(out, grad)
+                    if not self.is_first:
+                        self._send(inp.grad if inp.grad is not None else torch.zeros_like(inp), self.prev, BWD_TAG,
+                                   new_layout)
+                    bwd_s += time.perf_counter() - t0 - (self._recv_s - r0)
+        if move is not None:
+            move.finish()   # partial gradients change hands before the update
+            self._set_layout(move.new)
+            self.device.ledger.retrack(self.ledger_module)
+            self.clock.take()   # the next check measures the new layout only
+            self.migration, self._move = move, None
+        elif self._steps == 0:
+            self.clock.take()   # the first step pays one-off costs (allocations, lazy imports): not a cost
+        else:
+            self.clock.end_step()
+        self._steps += 1
+        t0 = time.perf_counter()
+        self.updater.end_backward()
+        optim_s = time.perf_counter() - t0
+        for work, _ in self._pending:
+            work.wait()
+        self._pending = []
+        # fwd/bwd: this stage's own compute; waiting for neighbours is recv_wait_ms (idle in the stages panel)
+        self.timings = {"fwd_ms": fwd_s * 1000, "bwd_ms": bwd_s * 1000, "optim_ms": optim_s * 1000,
+                        "recv_wait_ms": self._recv_s * 1000,
+                        "migration_bytes": move.sent_bytes if move else 0,
+                        "migration_ms": move.duration_ms if move else 0.0}
+        self.device.ledger.refresh()
+        return float(torch.stack(losses).sum()) if self.is_last else None
+
+    # --- rebalancing -----------------------------------------------------------------------------
+    def boundary(self, step: int, requested: bool = False):
+        """Every rank, at every step boundary. A check when one is due (or `requested`): the Decision,
+        whose layout (if changed) the next step migrates to; otherwise None."""
+        decision = None
+        requested, self._deferred = requested or self._deferred, False
+        if requested and self.clock.steps == 0:   # nothing timed since the last change: time this step first
+            self._deferred = True
+        elif self.pending is None and self.rebalancer.due(step, requested):
+            decision = self.rebalancer.check(step, self.clock, self.stage_layers, requested)
+            if decision.changed:
+                self.pending = decision.stages
+        # time every TIME_EVERY-th step, and always the step before an automatic check
+        r = self.rebalancer
+        self.clock.armed = r.mode != "off" and (self._steps % TIME_EVERY == 0 or self._deferred or (
+            r.mode == "auto" and (step + 1) % r.check_every == 0))
+        return decision
+
+    def take_migration(self) -> Migration | None:
+        """The migration the last step ran, once (for its report)."""
+        move, self.migration = self.migration, None
+        return move
+
+    def migrate(self, new_stages: list[list[str]]) -> None:
+        """Move to `new_stages` during the next step (every rank, at the same boundary)."""
+        check_stages(self.model.names, new_stages, self.topo.world_size, getattr(self.model, "clusters", None))
+        self.pending = [list(s) for s in new_stages] if new_stages != self.stage_layers else None
+
+    # --- views ---------------------------------------------------------------------------------
+    def stage_params(self) -> list[torch.nn.Parameter]:
+        return [p for u in self.updater.updates.values() for p in u.params]
+
+    def stage_state(self) -> dict[str, torch.Tensor]:
+        """This stage's entries of model.state_dict() (keys as in the whole model)."""
+        keys = tuple(f"layers.{i}." for i in range(self.start, self.end))
+        return {k: v for k, v in self.model.state_dict().items() if k.startswith(keys)}
+
+    def layout(self) -> dict:
+        return {"strategy": "pipeline", "stages": self.stage_layers, "schedule": self.schedule,
+                "micro_batches": self.micro_batches}
+
+    def sync(self) -> float:
+        return self.updater.wait_host()
+
+    # --- what the worker needs of a strategy -----------------------------------------------------
+    def stream_stats(self, step_ms: float) -> list[dict]:
+        return []   # activations travel point to point between neighbours; no broadcast streams
+
+    def layer_stages(self) -> dict[str, int]:
+        return {name: stage for stage, names in enumerate(self.stage_layers) for name in names}
+
+    def stage_rows(self, ranks: list[dict]) -> dict:
+        """The step record's `stages` (one per stage, from every rank's timings) and `imbalance_ms`."""
+        rows = []
+        for stage, names in enumerate(self.stage_layers):
+            r = ranks[stage]
+            busy = r["fwd_ms"] + r["bwd_ms"] + r["optim_ms"]
+            rows.append({"stage": stage, "rank": stage, "layers": names, "fwd_ms": r["fwd_ms"],
+                         "bwd_ms": r["bwd_ms"], "idle_ms": round(max(0.0, r["step_ms"] - busy), 4),
+                         "micro_batches": self.micro_batches})
+        busy = [row["fwd_ms"] + row["bwd_ms"] for row in rows]
+        # the threshold a check would apply to these stage times (a fraction is of their mean)
+        threshold_ms = threshold_in_ms(self.rebalancer.threshold, busy)
+        return {"stages": rows, "imbalance_ms": round(max(busy) - min(busy), 4),
+                "threshold_ms": round(threshold_ms, 4), "migrating": self.migration is not None}
+
+    def gather_weights(self) -> None:
+        """Every rank gets every stage's current weights (for an evaluation on rank 0). All ranks call it."""
+        self.sync()
+        with torch.no_grad():
+            for stage, (start, end) in enumerate(check_stages(self.model.names, self.stage_layers)):
+                for layer in self.model.layers[start:end]:
+                    for t in list(layer.parameters()) + list(layer.buffers()):
+                        dist.broadcast(t.data, src=dist.get_global_rank(self.group, stage), group=self.group)
+
+    def save(self, staged) -> None:
+        from engine.runtime import checkpoint as ckpt
+        self.sync()
+        ckpt.write_file(staged, f"stage{self.rank}.pt", {"params": {k: v.detach().clone()
+                                                                    for k, v in self.stage_state().items()},
+                                                         "optimizer": self.updater.state_dict()})
+
+    def load(self, source, manifest: dict) -> None:
+        from engine.runtime import checkpoint as ckpt
+        ckpt.check_strategy(source, manifest, self.name)
+        saved = manifest["layout"].get("stages")
+        try:   # the layout the run had reached (rebalancing may have moved it): resume in that layout
+            check_stages(self.model.names, saved, self.topo.world_size, getattr(self.model, "clusters", None))
+        except (ValueError, TypeError) as e:
+            raise ckpt.CheckpointError(f"{source}: its pipeline layout does not fit this model and world "
+                                       f"size ({e})") from None
+        self.sync()
+        self.balance_first = False
+        if saved != self.stage_layers:
+            self._adopt(saved)
+        state = self.model.state_dict()
+        with torch.no_grad():
+            for stage in range(self.stages):
+                part = ckpt.load_file(source, f"stage{stage}.pt")
+                for key, value in part["params"].items():
+                    state[key].copy_(value)
+                if stage == self.rank:
+                    self.updater.load_state_dict(part["optimizer"])
+
+    def close(self) -> None:
+        self.updater.close()

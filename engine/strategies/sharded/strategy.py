@@ -1,0 +1,336 @@
+"""ShardedStrategy: the step (forward gated per layer, backward, gradients to their owners, the owners'
+updates, the sliced broadcast), its checkpoints and its telemetry. The technique is described in
+engine/strategies/sharded/__init__.py; the plan and the streams are its neighbours here."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from engine.runtime import checkpoint as ckpt
+from engine.config import OptimConfig, UpdateConfig
+from engine.strategies.ddp import COMMANDS, cross_entropy, params_by_layer, stream_entry
+from engine.runtime.devices import LedgerDevice, tensor_bytes
+from engine.techniques.hybrid import HybridUpdater
+from engine.runtime.topology import Topology
+from engine.strategies.sharded.plan import assign_owners, plan_slices
+from engine.strategies.sharded.streams import StreamMeter, Tiers
+
+
+# --- the strategy -----------------------------------------------------------------------
+
+class ShardedStrategy:
+    name = "sharded"
+    commands = COMMANDS
+
+    def __init__(self, model, optim_cfg: OptimConfig, topo: Topology, device: LedgerDevice, *,
+                 streams: int = 2, slices: int = 4, assignment: str = "balanced", overlap_forward: bool = True,
+                 main_stream_communicates: bool = False, seed: int = 0, update_cfg: UpdateConfig | None = None,
+                 loss_fn=cross_entropy, hierarchical: bool = True):
+        if slices < streams:
+            raise ValueError(f"parallel.slices = {slices} is smaller than parallel.streams = {streams}; "
+                             f"every stream needs at least one slice")
+        self.model, self.topo, self.device, self.loss_fn = model, topo, device, loss_fn
+        self.overlap_forward = overlap_forward
+        self.world, self.rank = topo.world_size, topo.rank
+
+        # parameters in forward-use order (a shared one at its first use)
+        order = [p for params in params_by_layer(model).values() for p in params]
+        names = {id(p): n for n, p in model.named_parameters()}
+        dtypes = {p.dtype for p in order}
+        if len(dtypes) > 1:
+            raise ValueError(f"the sharded strategy needs one parameter dtype; this model has "
+                             f"{sorted(str(d) for d in dtypes)}")
+        self.params = order
+        self.param_names = [names[id(p)] for p in order]
+        self.owners = assign_owners([tensor_bytes(p) for p in order], self.world)
+
+        # flat buffers, one per owner, on every rank; parameters and gradients become views into them
+        dtype = order[0].dtype if order else torch.float32
+        offsets, totals = [], [0] * self.world
+        for p, owner in zip(order, self.owners):
+            offsets.append(totals[owner])
+            totals[owner] += p.numel()
+        dev = device.torch_device
+        self.flat = [torch.empty(n, dtype=dtype, device=dev) for n in totals]
+        self.grad_flat = [torch.zeros(n, dtype=dtype, device=dev) for n in totals]
+        spans: list[list[tuple[int, int, int]]] = [[] for _ in range(self.world)]
+        layer_of = {id(p): [] for p in order}
+        for index, layer in enumerate(model.layers):
+            for p in layer.parameters():
+                layer_of[id(p)].append(index)
+        with torch.no_grad():
+            for p, owner, off in zip(order, self.owners, offsets):
+                view = self.flat[owner][off:off + p.numel()]
+                view.copy_(p.detach().reshape(-1))
+                p.data = view.view_as(p)
+                p.grad = self.grad_flat[owner][off:off + p.numel()].view_as(p)
+                for layer in layer_of[id(p)]:
+                    spans[owner].append((off, off + p.numel(), layer))
+        # buffers (batch-norm statistics, say) follow rank 0's, as in DDP
+        self.buffers = [(n, b) for n, b in model.named_buffers() if b.is_floating_point()]
+        self.owned_bytes = sum(tensor_bytes(p) for p, o in zip(order, self.owners) if o == self.rank)
+
+        # streams: process groups; with main_stream_communicates the compute group is stream 0
+        self.groups = topo.stream_groups(streams, include_compute=main_stream_communicates)
+        self.meters = [StreamMeter() for _ in range(streams)]
+        self.plan = plan_slices(spans, slices, streams, assignment, seed)
+        self.gates: dict[int, list[int]] = {}   # layer -> the slices it waits for
+        for i, s in enumerate(self.plan):
+            for layer in s.layers:
+                self.gates.setdefault(layer, []).append(i)
+
+        # this rank updates the parameters it owns, each layer's on the device or the host
+        mine = {id(p) for p, o in zip(order, self.owners) if o == self.rank}
+        self.updater = HybridUpdater(model, params_by_layer(model, only=mine), optim_cfg, device,
+                                     update_cfg or UpdateConfig())
+        self.optimizer = self.updater   # what the ledger counts: device-side optimizer state
+
+        # gradient sums: each rank sends an owner's gradient buffer to it point-to-point once that
+        # buffer is complete in backward (across hosts: to the owner's relay on this host); the owner,
+        # and a relay for the owners it stands for, receive the others' into buffers of their own
+        k = topo.local_world_size
+        self.tiers = None
+        if hierarchical and 1 < k < self.world and self.world % k == 0:
+            self.tiers = Tiers(self.rank, k, *topo.host_stream_groups(streams), timeout_s=topo.timeout_s)
+        self._remaining = [0] * self.world
+        self._expected = [self.owners.count(r) for r in range(self.world)]
+        self._sent: set[int] = set()
+        self._sends: list = []
+        self._recvs: dict[int, list] = {}
+        self.relayed = self.tiers.relayed(self.world) if self.tiers else []
+        # a relay sums and sends on a thread of its own, each owner as soon as its parts are in, while
+        # backward goes on with earlier layers
+        self._relay_queue: queue.Queue = queue.Queue()
+        self._relay_done = threading.Event()
+        self._relay_left, self._relay_error = 0, None
+        self._relay_thread = None
+        if self.relayed:
+            self._relay_thread = threading.Thread(target=self._relay_loop, daemon=True, name="sharded-relay")
+            self._relay_thread.start()
+        # owner -> {sender: buffer}: this rank's own shard, then the owners it relays
+        self.incoming = {o: {q: torch.empty_like(self.flat[o]) for q in self._senders(o)}
+                         for o in [self.rank, *self.relayed] if totals[o]}
+        device.ledger.extra["gradients"] = sum(tensor_bytes(b) for bufs in self.incoming.values()
+                                               for b in bufs.values())
+        for p, owner in zip(order, self.owners):
+            p.register_post_accumulate_grad_hook(self._grad_ready(owner))
+        self._works: list = []                  # slice index -> work of the broadcast in flight
+        self._pending: dict[int, list[int]] = {}
+        self._gate_s = 0.0
+        for index, layer in enumerate(model.layers):
+            layer.register_forward_pre_hook(self._gate(index))
+        self.timings = {"fwd_ms": 0.0, "bwd_ms": 0.0, "optim_ms": 0.0, "gate_ms": 0.0, "reduce_ms": 0.0,
+                        "broadcast_wait_ms": 0.0, "owned_bytes": self.owned_bytes}
+        # every rank starts from the owners' weights (as DDP starts from rank 0's)
+        self._broadcast()
+        self.sync()
+
+    # --- backward: reduce each owner's buffer once its gradients are complete ---------------
+    def _grad_ready(self, owner: int):
+        def hook(param) -> None:
+            self._remaining[owner] -= 1
+            if self._remaining[owner] == 0:
+                self._reduce(owner)
+        return hook
+
+    def _senders(self, owner: int) -> list[int]:
+        """Who sends `owner`'s gradients to this rank (this rank being the owner or its relay)."""
+        if self.tiers is None:
+            return [q for q in range(self.world) if q != self.rank]
+        t = self.tiers
+        local = [q for q in t.host_ranks() if q != self.rank]
+        return local + ([t.relay_on(h, owner) for h in range(self.world // t.k) if h != t.host]
+                        if owner == self.rank else [])
+
+    def _reduce(self, owner: int) -> None:
+        self._sent.add(owner)
+        buffer = self.grad_flat[owner]
+        buffer.div_(self.world)   # the mean, as DDP's hook divides before it sums
+        if owner in self.relayed:
+            self._relay_queue.put(owner)   # the relay thread adds this host's parts and sends the sum
+            return
+        if owner == self.rank or not buffer.numel():
+            return
+        # across hosts, to the owner's relay on this host (on the owner's own host, that is the owner)
+        dst = owner if self.tiers is None else self.tiers.relay_on(self.tiers.host, owner)
+        self._sends.append(dist.isend(buffer, dst=dst, group=self.topo.compute, tag=owner))
+
+    def _relay_loop(self) -> None:
+        while (owner := self._relay_queue.get()) is not None:
+            try:
+                for work in self._recvs.get(owner, ()):
+                    work.wait()
+                total = self.grad_flat[owner]
+                for q in sorted(self.incoming.get(owner, {})):
+                    total.add_(self.incoming[owner][q])
+                if total.numel():
+                    self._sends.append(dist.isend(total, dst=owner, group=self.topo.compute, tag=owner))
+            except BaseException as e:   # raised on the main thread, in _sum_onto_owner
+                self._relay_error = e
+            finally:
+                self._relay_left -= 1
+                if self._relay_left == 0:
+                    self._relay_done.set()
+
+    def _sum_onto_owner(self) -> None:
+        """Wait for the relay thread to have sent this host's sums across; then for the others' parts of this
+        rank's shard, and add them (in sender order); then for this rank's sends."""
+        if self.relayed:
+            if not self._relay_done.wait(timeout=self.topo.timeout_s):
+                raise RuntimeError(f"the gradient sums this rank relays were not sent within "
+                                   f"{self.topo.timeout_s:g} s")
+            if self._relay_error is not None:
+                raise RuntimeError(f"relaying gradients to another host failed: {self._relay_error}") \
+                    from self._relay_error
+        for work in self._recvs.get(self.rank, ()):
+            work.wait()
+        mine = self.grad_flat[self.rank]
+        for q in sorted(self.incoming.get(self.rank, {})):
+            mine.add_(self.incoming[self.rank][q])
+        for work in self._sends:
+            work.wait()
+        self._sends, self._recvs = [], {}
+
+    # --- the broadcast and its gates ------------------------------------------------------
+    def _broadcast(self) -> None:
+        self._works, self._pending = [], {layer: list(ids) for layer, ids in self.gates.items()}
+        for i, s in enumerate(self.plan):
+            meter = self.meters[s.stream]
+            buffer = self.flat[s.owner][s.start:s.stop]
+            if self.tiers is not None:   # across hosts to the owner's peers; the stream's thread does the rest
+                self._works.append(self.tiers.send(i, s, buffer, meter))
+                continue
+            t0 = meter.started(tensor_bytes(buffer))
+            work = dist.broadcast(buffer, src=s.owner, group=self.groups[s.stream], async_op=True)
+            work.get_future().then(lambda _fut, m=meter, t=t0: m.finished(t))
+            self._works.append(work)
+
+    def _gate(self, index: int):
+        def hook(module, args) -> None:
+            waiting = self._pending.pop(index, None)
+            if waiting:
+                t0 = time.perf_counter()
+                for i in waiting:
+                    self._wait(i)
+                self._gate_s += time.perf_counter() - t0
+        return hook
+
+    def _wait(self, i: int) -> None:
+        try:
+            self._works[i].wait()
+        except RuntimeError as e:   # a peer died or hung: say which broadcast, keep the backend's words
+            s = self.plan[i]
+            names = ", ".join(self.model.names[k] for k in s.layers)
+            raise RuntimeError(f"broadcast of slice {i} (from rank {s.owner} on stream {s.stream}, "
+                               f"parameters of {names}) failed: {e}") from e
+
+    def sync(self) -> float:
+        """Wait for every broadcast in flight; the seconds waited."""
+        t0 = time.perf_counter()
+        for i in range(len(self._works)):
+            self._wait(i)
+        self._works, self._pending = [], {}
+        return time.perf_counter() - t0
+
+    # --- a step -------------------------------------------------------------------------
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        x, y = x.to(self.device.torch_device), y.to(self.device.torch_device)
+        for owner, buffer in enumerate(self.grad_flat):
+            if owner != self.rank:   # this rank's own shard: each update zeroed its gradients already
+                buffer.zero_()
+        self.updater.begin_step()
+        self._remaining, self._sent, self._gate_s = list(self._expected), set(), 0.0
+        self._relay_left, self._relay_error = len(self.relayed), None
+        self._relay_done.clear()
+        self._recvs = {o: [dist.irecv(buffer, src=q, group=self.topo.compute, tag=o) for q, buffer in bufs.items()]
+                       for o, bufs in self.incoming.items()}
+        t0 = time.perf_counter()
+        with self.device.ledger.saved_activations():
+            loss = self.loss_fn(self.model(x), y)
+            t1 = time.perf_counter()
+            loss.backward()
+        t2 = time.perf_counter()
+        if self._works:   # a layer the forward never ran: its slices land before the update
+            self.sync()
+        for owner in reversed(range(self.world)):   # buffers whose gradients never all came
+            if owner not in self._sent:
+                self._reduce(owner)
+        self._sum_onto_owner()
+        t3 = time.perf_counter()
+        self.updater.end_backward()   # device updates inline, host ones on the executor meanwhile
+        host_wait = self.updater.wait_host()   # a slice goes out only once all of it is updated
+        for _, buffer in self.buffers:
+            dist.broadcast(buffer, src=0, group=self.topo.compute)
+        t4 = time.perf_counter()
+        self._broadcast()
+        waited = 0.0 if self.overlap_forward else self.sync()
+        self.timings = {"fwd_ms": (t1 - t0) * 1000, "bwd_ms": (t2 - t1) * 1000, "optim_ms": (t4 - t3) * 1000,
+                        "gate_ms": self._gate_s * 1000, "reduce_ms": (t3 - t2) * 1000,
+                        "broadcast_wait_ms": waited * 1000, "owned_bytes": self.owned_bytes,
+                        "host_wait_ms": host_wait * 1000, **self.updater.timings()}
+        self.device.ledger.refresh()
+        return loss.item()
+
+    def stream_stats(self, step_ms: float) -> list[dict]:
+        return [stream_entry(i, meter.take(), step_ms) for i, meter in enumerate(self.meters)]
+
+    def layer_owners(self) -> dict[str, int]:
+        """Each layer's owner: the rank owning most of its parameter bytes (layers without any: none)."""
+        owner_of = {id(p): o for p, o in zip(self.params, self.owners)}
+        found = {}
+        for name, layer in zip(self.model.names, self.model.layers):
+            by_owner: dict[int, int] = {}
+            for p in layer.parameters():
+                by_owner[owner_of[id(p)]] = by_owner.get(owner_of[id(p)], 0) + tensor_bytes(p)
+            if by_owner:
+                found[name] = max(by_owner, key=by_owner.get)
+        return found
+
+    def layout(self) -> dict:
+        return {"strategy": self.name, "world_size": self.world, "streams": len(self.groups),
+                "two_level": self.tiers is not None,
+                "slices": len(self.plan), "owners": dict(zip(self.param_names, self.owners))}
+
+    # --- checkpoints: every owner writes its shard ------------------------------------------
+    def save(self, staged: Path) -> None:
+        self.sync()
+        mine = {n: p.detach().clone() for n, p, o in zip(self.param_names, self.params, self.owners)
+                if o == self.rank}
+        buffers = {n: b.detach().clone() for n, b in self.buffers} if self.topo.is_first else {}
+        ckpt.write_file(staged, f"shard{self.rank}.pt",
+                        {"params": mine, "buffers": buffers, "optimizer": self.updater.state_dict()})
+
+    def load(self, source: Path, manifest: dict) -> None:
+        ckpt.check_strategy(source, manifest, self.name)
+        if manifest["layout"].get("owners") != dict(zip(self.param_names, self.owners)):
+            raise ckpt.CheckpointError(f"{source}: its parameter ownership differs from this run's "
+                                       f"(another model or world size)")
+        self.sync()
+        by_name = dict(zip(self.param_names, self.params))
+        with torch.no_grad():
+            for owner in range(self.world):
+                shard = ckpt.load_file(source, f"shard{owner}.pt")
+                for name, value in shard["params"].items():
+                    by_name[name].copy_(value)
+                for name, value in shard.get("buffers", {}).items():
+                    dict(self.buffers)[name].copy_(value)
+                if owner == self.rank:
+                    self.updater.load_state_dict(shard["optimizer"])
+
+    def close(self) -> None:
+        """Let the last broadcasts land and give the stream groups back."""
+        self.sync()
+        self.updater.close()
+        self.topo.release(self.groups)
+        if self._relay_thread is not None:
+            self._relay_queue.put(None)
+            self._relay_thread.join(timeout=5)
+        if self.tiers is not None:
+            self.tiers.close()
+            self.topo.release(self.tiers.within + self.tiers.across)

@@ -1,0 +1,348 @@
+"""Technique 3: each layer's optimizer update on the device or on the host.
+
+    updater = HybridUpdater(model, params_by_layer, optim_cfg, device, update_cfg)
+    updater.begin_step()                      # before forward
+    updater.params_reduced(params)            # any thread: these gradients are final
+    updater.run_device_ready()                # compute thread: device updates whose gradients are final
+    updater.end_backward()                    # compute thread: the rest is dispatched
+    updater.wait_host()                       # every host update of the step has landed
+
+Every layer that has parameters gets its own optimizer (the same class and settings
+for every layer, so the math is that of one optimizer over the whole model). A
+layer's update runs on one side at a time:
+
+- **device**: inline on the compute thread, as soon as the layer's gradients are final
+  (the strategy says when: DDP when the all-reduce of their bucket completes, sharded
+  when the owner has summed them);
+- **host**: on the host executor, a thread of its own with fp32 master copies of the
+  layer's weights and its optimizer state in host memory: the gradients are copied
+  down, the host optimizer steps, the weights are copied back up. It runs while the
+  backward of earlier layers goes on. A forward pre-hook on the layer waits for it
+  before the next forward uses the weights (the gate).
+
+Both sides run the same optimizer on the same fp32 values, so the parameters are the
+same whichever side updated them. Moving a layer (the plan, or `set-placement`) moves
+its optimizer state with it; the ledger counts only device-side state.
+
+On the CPU the "device" is the worker's compute thread and the "host" is the
+executor thread, which runs on another core; the copies are memory copies. Nothing
+assumes a speed ratio: `placement = "auto"` measures both sides for
+`update.profile_steps` trial steps (host steps first, then alternating: a device step holds
+on the device only the updates whose state fits the capacity beside the measured peak, the rest
+modelled) and plans from what it measured (engine/techniques/update_plan.py). One layer's update on
+either side, and the host executor's threads: engine/techniques/layer_update.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import threading
+import time
+from collections import deque
+
+import torch
+
+from engine.config import OptimConfig, UpdateConfig
+from engine.runtime.devices import LedgerDevice
+from engine.runtime.profiler import LayerProfiler
+from engine.techniques.layer_update import HostExecutor, LayerUpdate, default_host_threads
+from engine.techniques.update_plan import LayerCost, Profile, fixed, plan_global, plan_local
+
+SIDES = ("device", "host")
+
+
+class HybridUpdater:
+    def __init__(self, model, params_by_layer: dict[int, list[torch.nn.Parameter]], optim_cfg: OptimConfig,
+                 device: LedgerDevice, cfg: UpdateConfig):
+        self.model, self.device, self.cfg, self.optim_cfg = model, device, cfg, optim_cfg
+        self.updates = {i: LayerUpdate(model.names[i], i, ps, optim_cfg) for i, ps in params_by_layer.items() if ps}
+        self.by_name = {u.name: u for u in self.updates.values()}
+        self.layer_of = {id(p): u for u in self.updates.values() for p in u.params}
+        self.executor: HostExecutor | None = None
+        self._lock = threading.Lock()
+        self._missing: dict[int, int] = {}
+        self._dispatched: set[int] = set()
+        self._device_ready: deque[LayerUpdate] = deque()
+        self._gate_s = self._device_s = 0.0
+        self.trial_left = cfg.profile_steps if cfg.placement == "auto" else 0
+        self._trial: list[dict] = []
+        self._grads_at_start = 0
+        self._profiler = LayerProfiler(model, device.ledger) if self.trial_left else None
+        self.plan = None              # the planner's Timeline once made (auto)
+        self.new_plan = False         # set when a plan was just made; the worker reports it
+        self.profile: Profile | None = None
+        if isinstance(cfg.placement, dict):
+            unknown = sorted(set(cfg.placement) - set(model.names))
+            if unknown:
+                raise ValueError(f"update.placement names unknown layer {unknown[0]!r}; layers are "
+                                 f"{', '.join(model.names)}")
+            self.place({n: s for n, s in cfg.placement.items() if n in self.by_name})
+        elif cfg.placement == "host":
+            self.place(dict.fromkeys(self.by_name, "host"))
+        self._gate_handles = {index: model.layers[index].register_forward_pre_hook(self._gate(index))
+                              for index in self.updates}
+
+    # --- placement ---------------------------------------------------------------------------
+    def placement(self) -> dict[str, str]:
+        return {u.name: u.side for u in self.updates.values()}
+
+    def place(self, placement: dict[str, str]) -> None:
+        """Move layers to the sides named (at a step boundary: nothing in flight)."""
+        self.wait_host()
+        for name, side in placement.items():
+            if side not in SIDES:
+                raise ValueError(f"placement of {name!r} must be 'device' or 'host', got {side!r}")
+            if name in self.by_name:
+                self.by_name[name].move(side)
+        if any(u.side == "host" for u in self.updates.values()) and self.executor is None:
+            self.executor = HostExecutor(self.cfg.host_threads or default_host_threads())
+        self.device.ledger.refresh()
+
+    def set_placement(self, layer: str, side: str) -> None:
+        """An operator's `set-placement`: this layer stays there (a later plan does not move it)."""
+        if layer not in self.model.names:
+            raise ValueError(f"unknown layer {layer!r}")
+        if self.trial_left:   # the operator decides: the trial ends unplanned
+            self.trial_left = 0
+            self._profiler.armed = False
+        self.place({layer: side})
+
+    # --- layers that change hands (pipeline migration) ------------------------------------------
+    def drop_layer(self, index: int) -> dict:
+        """Stop updating layer `index` here; its optimizer state and side, for whoever takes it over."""
+        if index not in self.updates:   # a layer without parameters has no update
+            return {"state": None, "side": "device"}
+        u = self.updates.pop(index)
+        u.done.wait()   # a host update of the layer still in flight lands first
+        self._raise_host_error()
+        del self.by_name[u.name]
+        for p in u.params:
+            self.layer_of.pop(id(p), None)
+        self._gate_handles.pop(index).remove()
+        self._missing.pop(index, None)
+        return {"state": u.optimizer.state_dict(), "side": u.side}
+
+    def add_layer(self, index: int, params: list[torch.nn.Parameter], state: dict | None = None,
+                  side: str = "device") -> None:
+        """Update layer `index` here from now on, continuing from `state` (an optimizer state_dict)."""
+        if not params:
+            return
+        u = LayerUpdate(self.model.names[index], index, params, self.optim_cfg)
+        if state is not None:
+            u.optimizer.load_state_dict(state)
+        self.updates[index] = u
+        self.by_name[u.name] = u
+        self.layer_of.update({id(p): u for p in params})
+        self._gate_handles[index] = self.model.layers[index].register_forward_pre_hook(self._gate(index))
+        self._missing[index] = len(params)
+        if side == "host":
+            self.place({u.name: "host"})
+
+    # --- the ledger's view: device-side optimizer state ----------------------------------------
+    @property
+    def state(self) -> dict:
+        """Per-parameter optimizer state of the device-placed layers (what the ledger counts)."""
+        out = {}
+        for u in self.updates.values():
+            if u.side == "device":
+                out.update(u.optimizer.state)
+        return out
+
+    def host_bytes(self) -> int:
+        return sum(u.host_bytes() for u in self.updates.values())
+
+    # --- a step ------------------------------------------------------------------------------
+    def _trial_side(self) -> str:
+        """The trial starts on the host (no optimizer state on the device), then alternates."""
+        return "host" if (self.cfg.profile_steps - self.trial_left) % 2 == 0 else "device"
+
+    def _fitting_device_placement(self) -> dict[str, str]:
+        """A device trial step holds on the device only the updates whose state fits beside the peak the
+        host steps measured (backward order, first come first placed); the rest stay on the host and their
+        device times are modelled (`_make_plan`). So a trial never takes a real GPU out of memory."""
+        room = self.device.ledger.capacity_bytes - max(t["steady_peak"] for t in self._trial if t["side"] == "host")
+        placement = {}
+        for index in sorted(self.updates, reverse=True):
+            u = self.updates[index]
+            need = u.state_bytes()   # measured by the host step (fp32 state; the device keeps the same)
+            fits = need <= room
+            placement[u.name] = "device" if fits else "host"
+            room -= need if fits else 0
+        return placement
+
+    def begin_step(self) -> None:
+        if self.trial_left:
+            side = self._trial_side()
+            self.place(dict.fromkeys(self.by_name, "host") if side == "host" else self._fitting_device_placement())
+            self._profiler.arm()
+            self.device.ledger.refresh()
+            self.device.ledger.reset_peak()
+            self._grads_at_start = self.device.ledger.bytes["gradients"]
+        self._missing = {i: len(u.params) for i, u in self.updates.items()}
+        self._dispatched = set()
+        self._gate_s = self._device_s = 0.0
+
+    def params_reduced(self, params) -> None:
+        """Called from any thread: these parameters' gradients are final for this step."""
+        ready = []
+        with self._lock:
+            for p in params:
+                u = self.layer_of.get(id(p))
+                if u is None:
+                    continue
+                self._missing[u.index] -= 1
+                if self._missing[u.index] == 0:
+                    ready.append(u)
+        for u in ready:
+            self._dispatch(u)
+
+    def _dispatch(self, u: LayerUpdate) -> None:
+        with self._lock:
+            if u.index in self._dispatched:
+                return
+            self._dispatched.add(u.index)
+        if u.side == "host":
+            self.executor.submit(u)
+        else:
+            self._device_ready.append(u)
+
+    def run_device_ready(self) -> None:
+        """Compute thread: the device updates whose gradients are final, inline, now."""
+        while self._device_ready:
+            u = self._device_ready.popleft()
+            t0 = time.perf_counter()
+            u.step_device()
+            self._device_s += time.perf_counter() - t0
+
+    def end_backward(self) -> None:
+        """Compute thread, after backward: dispatch layers not dispatched yet (all layers, in backward
+        order, when the strategy reports nothing itself) and run the device ones."""
+        rows = self._profiler.finish() if self.trial_left else None
+        for index in sorted(self.updates, reverse=True):
+            self._dispatch(self.updates[index])
+        self.run_device_ready()
+        if self.trial_left:
+            self._record_trial(rows)
+
+    def _gate(self, index: int):
+        def hook(module, args) -> None:
+            u = self.updates[index]
+            if not u.done.is_set():
+                t0 = time.perf_counter()
+                u.done.wait()
+                self._gate_s += time.perf_counter() - t0
+            self._raise_host_error()
+            u.wait_landed()
+        return hook
+
+    def wait_host(self) -> float:
+        """Every host update dispatched so far has landed; the seconds waited."""
+        t0 = time.perf_counter()
+        for u in self.updates.values():
+            u.done.wait()
+            u.wait_landed()
+        self._raise_host_error()
+        return time.perf_counter() - t0
+
+    def _raise_host_error(self) -> None:
+        if self.executor is not None and self.executor.error is not None:
+            error, self.executor.error = self.executor.error, None
+            raise RuntimeError(f"a host update failed: {type(error).__name__}: {error}") from error
+
+    def timings(self) -> dict:
+        busy = 0.0
+        if self.executor is not None:
+            busy, self.executor.busy_s = self.executor.busy_s * 1000, 0.0
+        return {"update_device_ms": self._device_s * 1000, "host_busy_ms": busy, "host_gate_ms": self._gate_s * 1000,
+                "host_bytes": self.host_bytes()}
+
+    # --- the trial and the plan ----------------------------------------------------------------
+    def _record_trial(self, rows: list[dict]) -> None:
+        self.wait_host()
+        layers = {row["name"]: row for row in rows}
+        ledger = self.device.ledger
+        ledger.refresh()
+        # a step that made its gradients during backward (the first) peaked without them: its steady peak has them
+        steady = ledger.peak_bytes + max(0, ledger.bytes["gradients"] - self._grads_at_start)
+        self._trial.append({"side": self._trial_side(), "layers": layers, "peak": ledger.peak_bytes,
+                            "steady_peak": steady,
+                            "updates": {u.name: (u.device_ms, u.host_ms, u.copy_ms, u.state_bytes(), u.side)
+                                        for u in self.updates.values()}})
+        self.trial_left -= 1
+        if self.trial_left == 0:
+            self._make_plan()
+
+    def _make_plan(self) -> None:
+        def median(values: list[float]) -> float:
+            return statistics.median(values) if values else 0.0
+        dev = [t for t in self._trial if t["side"] == "device"][1:] or [t for t in self._trial if t["side"] == "device"]
+        host = [t for t in self._trial if t["side"] == "host"][1:] or [t for t in self._trial if t["side"] == "host"]
+        device_ms = self._device_times(dev)
+        # one cost per layer with an update, in backward order; the times of layers without parameters
+        # go to the next layer with one in backward order (they delay its backward and precede it)
+        costs, carry_fwd, carry_bwd = [], 0.0, 0.0
+        for index in reversed(range(len(self.model.names))):
+            name = self.model.names[index]
+            # backward times from the host steps: no device update inside them, the host busy beside them
+            rows = [t["layers"][name] for t in host if name in t["layers"]]
+            fwd, bwd = median([r["fwd_ms"] for r in rows]), median([r["bwd_ms"] for r in rows])
+            if name not in self.by_name:
+                carry_fwd, carry_bwd = carry_fwd + fwd, carry_bwd + bwd
+                continue
+            costs.append(LayerCost(
+                name=name, fwd_ms=fwd + carry_fwd, bwd_ms=bwd + carry_bwd,
+                device_ms=device_ms[name],
+                host_ms=median([t["updates"][name][1] for t in host]),
+                copy_ms=median([t["updates"][name][2] for t in host]),
+                state_bytes=max(t["updates"][name][3] for t in self._trial)))
+            carry_fwd = carry_bwd = 0.0
+        if costs and carry_bwd:   # layers before the first one with parameters: the end of backward
+            last = costs[-1]
+            costs[-1] = dataclasses.replace(last, fwd_ms=last.fwd_ms + carry_fwd, bwd_ms=last.bwd_ms + carry_bwd)
+        peak = min(t["peak"] for t in host) if host else self.device.ledger.peak_bytes
+        threads = len(self.executor._threads) if self.executor is not None else 1   # the host's servers
+        self.profile = Profile(tuple(costs), peak_bytes=peak, capacity_bytes=self.device.ledger.capacity_bytes,
+                               host_threads=threads)
+        planner = plan_global if self.cfg.planner == "global" else plan_local
+        self.plan = planner(self.profile)
+        self.place({name: side for name, side in zip((c.name for c in costs), self.plan.placement)})
+        self.new_plan = True
+
+    @staticmethod
+    def _device_times(dev: list[dict]) -> dict[str, float]:
+        """Each layer's device update time: measured where the trial held it on the device, else modelled
+        from the measured ones at their time per byte of state (the update's work scales with it)."""
+        names = list(dev[0]["updates"]) if dev else []
+        measured = {n: statistics.median(t["updates"][n][0] for t in dev if t["updates"][n][4] == "device")
+                    for n in names if any(t["updates"][n][4] == "device" for t in dev)}
+        state = {n: max(t["updates"][n][3] for t in dev) for n in names}
+        rates = [measured[n] / state[n] for n in measured if state[n]]
+        rate = statistics.median(rates) if rates else 0.0
+        return {n: measured[n] if n in measured else rate * state[n] for n in names}
+
+    def predicted(self, placement: str | dict) -> object:
+        """The cost model's timeline of another placement, from this run's profile (for reports)."""
+        return fixed(self.profile, placement)
+
+    # --- checkpoints ---------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        self.wait_host()
+        return {"layers": {u.name: u.optimizer.state_dict() for u in self.updates.values()},
+                "placement": self.placement()}
+
+    def load_state_dict(self, saved: dict) -> None:
+        self.wait_host()
+        layers = saved.get("layers", {})
+        missing = sorted(set(self.by_name) - set(layers))
+        if missing:
+            raise ValueError(f"the checkpoint holds no optimizer state for layer {missing[0]!r}")
+        for name, u in self.by_name.items():
+            u.refresh_master()
+            u.optimizer.load_state_dict(layers[name])
+
+    def close(self) -> None:
+        if self.executor is not None:
+            self.wait_host()
+            self.executor.close()
+            self.executor = None

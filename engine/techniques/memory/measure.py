@@ -1,0 +1,97 @@
+"""The measuring step: per layer, per micro-batch, its forward and backward time and the bytes of its
+input, turned into the LayerCosts the planners take.
+
+    measure = Measure()                                   # ActivationPolicy.before_step, a plan due
+    measure.forward_ran(name, t0, link_wait_s, args)      # after each layer's forward, in that step
+    measure.time_backward(name, out, args, swapper)       # hooks timing that layer's backward
+    costs = measure.costs(owned, policy, known, ledger)   # ActivationPolicy.after_step
+
+Times leave out the waits for the host link (a layer's own time is what recompute costs). The bytes a
+layer saves are the ledger's count (`activations_by_layer`, `shared_bytes`), read back in `costs`.
+Imports torch and cost.py only.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.techniques.memory.cost import LayerCost
+
+
+def tensors(value) -> list[torch.Tensor]:
+    """The tensors in a layer's arguments or output (nested in tuples and lists)."""
+    if torch.is_tensor(value):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for item in value for t in tensors(item)]
+    return []
+
+
+@dataclass
+class Measure:
+    """One measured step's sums, by layer name."""
+
+    calls: dict = field(default_factory=dict)
+    fwd_ms: dict = field(default_factory=dict)
+    bwd_ms: dict = field(default_factory=dict)
+    bwd_seen: dict = field(default_factory=dict)
+    in_bytes: dict = field(default_factory=dict)
+
+    def forward_ran(self, name: str, t0: float, link_wait_s: float, args) -> None:
+        """After one forward of `name` that began at perf_counter `t0` and waited `link_wait_s` for the link."""
+        self.calls[name] = self.calls.get(name, 0) + 1
+        t0 += link_wait_s   # the layer's own time: not its waits for the link
+        self.fwd_ms[name] = self.fwd_ms.get(name, 0.0) + (time.perf_counter() - t0) * 1000
+        self.in_bytes[name] = max(self.in_bytes.get(name, 0),
+                                  sum(t.numel() * t.element_size() for t in tensors(args)))
+
+    def time_backward(self, name: str, out: torch.Tensor, args, swapper) -> None:
+        """Hooks timing `name`'s backward: from its output's gradient to its first input's."""
+        started = []
+
+        def waited() -> float:
+            return swapper.waited_s if swapper is not None else 0.0
+        out.register_hook(lambda grad: started.append(time.perf_counter() - waited()))
+        inputs = [t for t in tensors(args) if t.requires_grad]
+
+        def ended(grad):   # minus any wait for a swapped storage to come back
+            if started:
+                ms = (time.perf_counter() - waited() - started.pop()) * 1000
+                self.bwd_ms[name] = self.bwd_ms.get(name, 0.0) + ms
+                self.bwd_seen[name] = self.bwd_seen.get(name, 0) + 1
+        if inputs:
+            inputs[0].register_hook(ended)
+
+    def passes(self) -> int:
+        """Forward passes in the measured step (micro-batches): the most calls of any layer."""
+        return max(self.calls.values(), default=1)
+
+    def costs(self, owned: list[str], policy: dict[str, str], known: dict[str, LayerCost], ledger) -> list[LayerCost]:
+        """The per-micro-batch costs of the `owned` layers that ran, each also recorded in `known`. A
+        recomputed layer's activations are not seen in its forward: its last known cost stands in."""
+        by_layer, shared = ledger.activations_by_layer, ledger.shared_bytes
+        costs = []
+        for k, name in enumerate(owned):
+            calls = self.calls.get(name, 0)
+            if not calls:
+                continue
+            fwd = self.fwd_ms[name] / calls
+            seen = self.bwd_seen.get(name, 0)
+            bwd = self.bwd_ms[name] / seen if seen else 2 * fwd   # no input gradient to time it by
+            last = known.get(name)
+            if policy[name] == "recompute" and last is not None:
+                act = last.act_bytes   # a recomputed layer's activations are not seen in forward
+                fwd = min(fwd, last.fwd_ms) if last.fwd_ms else fwd
+            else:
+                act = by_layer.get(name, 0) // calls
+            if policy[name] == "recompute" and last is not None:
+                shared_next = last.shared_next
+            else:
+                shared_next = shared.get((name, owned[k + 1]), 0) // calls if k + 1 < len(owned) else 0
+            cost = LayerCost(name, act, self.in_bytes.get(name, 0), fwd, bwd, min(shared_next, act))
+            known[name] = cost
+            costs.append(cost)
+        return costs

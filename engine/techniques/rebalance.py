@@ -1,0 +1,201 @@
+"""Pipeline rebalancing: every stage times its layers, the last stage decides the layout.
+
+    clock = LayerClock(model.names)
+    out = clock.forward(model.layers, start, end, x)   # runs and times layers [start, end)
+    clock.backward(out, grad)                          # runs and times their backward
+    rebalancer = Rebalancer(model, topo, mode="auto", threshold=0.2, check_every=10)
+    decision = rebalancer.check(step, clock, stage_layers, requested=False)   # every rank, same boundary
+
+Timing: a stage times each layer's forward around the call, and its backward from
+hooks on the layers' outputs (a layer's backward starts when the gradient of its
+output is ready and ends when the gradient of its input is; on the CPU autograd runs
+on the calling thread, so these are the layer's own times). Each layer's output size
+is noted too: it is what a stage boundary after that layer would ship.
+
+Detection: at a check (every `check_every` steps in `auto` mode, or on the operator's
+`rebalance`), every stage's per-layer means over the steps since the last check
+travel to the last stage on the side group (one reduce). The last stage sums them
+into stage times; when max - min exceeds the threshold (or the operator asked), it
+splits the clusters exactly (engine/techniques/partition.py) and keeps the new layout only when
+its slowest stage beats the current slowest stage by more than the threshold, so
+noise below the threshold never moves a layer back and forth. The decision travels
+back to every stage (one broadcast), and the layers migrate during the next step
+(engine/techniques/migration.py).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from engine.techniques.partition import Layout, clusters_from, partition, stage_times, threshold_in_ms
+from engine.runtime.profiler import _first_tensor
+
+MODES = ("auto", "manual", "off")
+
+
+class LayerClock:
+    """Per-layer forward and backward milliseconds (summed over the timed steps since the last `take`)
+    and output bytes. Unarmed it only runs the layers: timing every layer of every micro-batch cost
+    about 5% of a step here, so a stage times a sample of its steps (see PipelineStage)."""
+
+    def __init__(self, names: list[str]):
+        self.names = list(names)
+        self.armed = True
+        self.fwd_ms = [0.0] * len(names)
+        self.bwd_ms = [0.0] * len(names)
+        self.out_bytes = [0] * len(names)
+        self.steps = 0
+        self._fired: list[tuple[int, float]] = []
+
+    def forward(self, layers, start: int, end: int, x):
+        if not self.armed:
+            for i in range(start, end):
+                x = layers[i](x)
+            return x
+        for i in range(start, end):
+            t0 = time.perf_counter()
+            x = layers[i](x)
+            self.fwd_ms[i] += (time.perf_counter() - t0) * 1000
+            out = _first_tensor(x)
+            if out is not None:
+                self.out_bytes[i] = out.numel() * out.element_size()
+                if out.requires_grad:
+                    out.register_hook(self._mark(i))
+        return x
+
+    def _mark(self, i: int):
+        def hook(grad):
+            self._fired.append((i, time.perf_counter()))
+        return hook
+
+    def backward(self, out: torch.Tensor, grad: torch.Tensor | None = None) -> None:
+        if not self.armed:
+            out.backward(grad)
+            return
+        self._fired = []
+        out.backward(grad)
+        end = time.perf_counter()
+        fired = self._fired
+        for k, (i, t) in enumerate(fired):   # fired in backward order: each mark ends the one before
+            self.bwd_ms[i] += ((fired[k + 1][1] if k + 1 < len(fired) else end) - t) * 1000
+        self._fired = []
+
+    def end_step(self) -> None:
+        self.steps += self.armed
+
+    def take(self) -> tuple[list[float], list[int]]:
+        """Mean forward+backward ms per step of every layer since the last take, and output bytes."""
+        steps = max(self.steps, 1)
+        ms = [(f + b) / steps for f, b in zip(self.fwd_ms, self.bwd_ms)]
+        self.fwd_ms, self.bwd_ms, self.steps = [0.0] * len(self.names), [0.0] * len(self.names), 0
+        return ms, list(self.out_bytes)
+
+
+@dataclass
+class Decision:
+    """What the last stage decided at a check; the same object on every rank."""
+    step: int
+    reason: str                 # "auto" or "command"
+    stages: list[list[str]]     # the layout to run from the next step (== the current one if unchanged)
+    changed: bool
+    stage_ms: list[float]       # measured stage times under the current layout
+    predicted_ms: list[float]   # the same costs under the chosen layout
+    threshold_ms: float
+    layer_ms: dict[str, float]
+
+    def summary(self) -> str:
+        now, then = max(self.stage_ms), max(self.predicted_ms)
+        if not self.changed:
+            return (f"layout kept: slowest stage {now:.2f} ms, best split {then:.2f} ms "
+                    f"(threshold {self.threshold_ms:.2f} ms)")
+        return f"new layout: slowest stage {now:.2f} ms -> {then:.2f} ms (threshold {self.threshold_ms:.2f} ms)"
+
+
+class Rebalancer:
+    def __init__(self, model, topo, mode: str, threshold: float, check_every: int):
+        if mode not in MODES:
+            raise ValueError(f"rebalance must be one of {', '.join(MODES)}, got {mode!r}")
+        self.names, self.clusters = list(model.names), [list(c) for c in model.clusters]
+        self.topo, self.mode, self.threshold, self.check_every = topo, mode, threshold, check_every
+        self.last = dist.get_global_rank(topo.side, topo.world_size - 1)
+
+    def due(self, step: int, requested: bool) -> bool:
+        return requested or (self.mode == "auto" and step % self.check_every == 0)
+
+    def check(self, step: int, clock: LayerClock, stage_layers: list[list[str]], requested: bool) -> Decision:
+        """Every rank, at the same boundary: the last stage decides from every stage's layer times."""
+        n = len(self.names)
+        ms, out_bytes = clock.take()
+        mine = set(stage_layers[self.topo.rank])
+        vec = torch.zeros(2 * n, dtype=torch.float64)
+        for i, name in enumerate(self.names):
+            if name in mine:
+                vec[i], vec[n + i] = ms[i], out_bytes[i]
+        dist.reduce(vec, dst=self.last, op=dist.ReduceOp.SUM, group=self.topo.side)
+        return self._share(step, "command" if requested else "auto", stage_layers, lambda: (
+            {name: float(vec[i]) for i, name in enumerate(self.names)},
+            {name: int(vec[n + i]) for i, name in enumerate(self.names)}), self.threshold)
+
+    def initial(self, model, x: torch.Tensor, y: torch.Tensor, loss_fn, stage_layers: list[list[str]]) -> Decision:
+        """`partition = "balanced"`: the last stage profiles the whole model on one micro-batch and
+        splits it time-optimally (threshold 0); every rank gets the layout."""
+        return self._share(0, "balanced", stage_layers, lambda: profile_layers(model, x, y, loss_fn), 0.0)
+
+    def _share(self, step: int, reason: str, stage_layers, measure, threshold: float) -> Decision:
+        # the decision as one vector: [changed, stage of every layer, threshold, stage ms, predicted ms, layer ms]
+        n, k = len(self.names), len(stage_layers)
+        answer = torch.zeros(2 + 2 * n + 2 * k, dtype=torch.float64)
+        if self.topo.rank == self.topo.world_size - 1:
+            layer_ms, layer_bytes = measure()
+            current, new, thr = decide(self.clusters, self.names, layer_ms, layer_bytes, stage_layers, threshold)
+            stage_of = {name: s for s, names in enumerate(new.stages) for name in names}
+            answer[0] = float(new.stages != current.stages)
+            answer[1:1 + n] = torch.tensor([stage_of[name] for name in self.names], dtype=torch.float64)
+            answer[1 + n] = thr
+            answer[2 + n:2 + n + k] = torch.tensor(current.stage_ms, dtype=torch.float64)
+            answer[2 + n + k:2 + n + 2 * k] = torch.tensor(new.stage_ms, dtype=torch.float64)
+            answer[2 + n + 2 * k:] = torch.tensor([layer_ms[name] for name in self.names], dtype=torch.float64)
+        dist.broadcast(answer, src=self.last, group=self.topo.side)
+        stage_idx = [int(v) for v in answer[1:1 + n].tolist()]
+        return Decision(step=step, reason=reason, changed=bool(answer[0]), threshold_ms=float(answer[1 + n]),
+                        stages=[[name for name, s in zip(self.names, stage_idx) if s == st] for st in range(k)],
+                        stage_ms=answer[2 + n:2 + n + k].tolist(), predicted_ms=answer[2 + n + k:2 + n + 2 * k].tolist(),
+                        layer_ms=dict(zip(self.names, answer[2 + n + 2 * k:].tolist())))
+
+
+def decide(clusters: list[list[str]], names: list[str], layer_ms: dict[str, float], out_bytes: dict[str, int],
+           stage_layers: list[list[str]], threshold: float) -> tuple[Layout, Layout, float]:
+    """The current layout's costs, the layout to run next and the threshold in ms. The current layout
+    stays unless its slowest stage is more than the threshold slower than the optimum T*; then the
+    split is partition()'s: within the threshold of T*, the fewest boundary bytes."""
+    costs = clusters_from(names, clusters, layer_ms, out_bytes)
+    now = stage_times(stage_layers, layer_ms)
+    current = Layout(tuple(tuple(s) for s in stage_layers), tuple(now), max(now), 0)
+    thr = threshold_in_ms(threshold, now)
+    if max(now) - min(now) <= thr and thr > 0:
+        return current, current, thr
+    optimum = partition(costs, len(stage_layers)).max_ms
+    if max(now) <= optimum + thr:
+        return current, current, thr
+    return current, partition(costs, len(stage_layers), thr), thr
+
+
+def profile_layers(model, x: torch.Tensor, y: torch.Tensor, loss_fn, repeats: int = 3) -> tuple[dict, dict]:
+    """Forward+backward ms (median of `repeats` after one warm-up) and output bytes of every layer of the
+    whole model on one batch, in one process: what `partition = "balanced"` and the bench start from."""
+    clock = LayerClock(model.names)
+    runs = []
+    for r in range(repeats + 1):
+        out = clock.forward(model.layers, 0, len(model.names), x)
+        clock.backward(loss_fn(out, y))
+        clock.end_step()
+        ms, nbytes = clock.take()
+        if r:
+            runs.append(ms)
+    model.zero_grad(set_to_none=True)
+    med = [sorted(col)[len(col) // 2] for col in zip(*runs)]
+    return dict(zip(model.names, med)), dict(zip(model.names, nbytes))

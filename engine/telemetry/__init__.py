@@ -1,0 +1,11 @@
+"""Telemetry: what the run tells the log, the progress bar and the consoles, and the commands it hears.
+
+- protocol.py: the wire protocol (newline-delimited JSON, versioned), the one module a console
+  imports (also as engine.protocol); schema.py: the JSON schema of every record.
+- hub.py + endpoint.py: rank 0's hub thread serving consoles on a local socket (best effort, never
+  slowing training); outlets.py: rank 0's outlets (log, hub, progress bar); log.py: the JSON-lines
+  log (complete); headless.py: the progress bar and summary of `run --headless`.
+
+Imports: engine.config, and each other; protocol.py imports nothing from engine. Nothing here
+imports the runtime, a strategy or a technique.
+"""

@@ -1,0 +1,148 @@
+"""Rank 0's outlets: the log file (complete), the hub (best effort, live), the progress bar.
+
+    tel = Telemetry.open(job, hello, topo)      # a no-op Telemetry on ranks other than 0
+    tel.step({"step": 1, "loss": ...}); tel.event("checkpoint", 10, path=...)
+    for command in tel.take_commands(): ...; tel.reply(command, "applied", step=10)
+
+The hub gets the same records as the log. It never holds training up: if it cannot
+start (no private runtime directory, say), the run goes on without it and says so.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+from engine.telemetry.headless import HeadlessProgress
+from engine.telemetry.log import TelemetryLog
+
+
+class Telemetry:
+    """What ranks other than 0 have: nothing to write, no commands to take."""
+
+    def step(self, record: dict) -> None: ...
+    def event(self, kind: str, step: int, **fields) -> None: ...
+    def note(self, text: str) -> None: ...
+    def update_state(self, **fields) -> None: ...
+    def take_commands(self) -> list[dict]: return []
+    def reply(self, command: dict, status: str, **fields) -> None: ...
+    def summary(self, record: dict) -> None: ...
+    def close(self, reason: str) -> None: ...
+
+    @staticmethod
+    def open(job, hello: dict, is_first: bool, first_step: int) -> "Telemetry":
+        return RankZeroTelemetry(job, hello, first_step) if is_first else Telemetry()
+
+
+class RankZeroTelemetry(Telemetry):
+    def __init__(self, job, hello: dict, first_step: int):
+        cfg = job.config
+        self.log = TelemetryLog(job.log_path())
+        self._lock = threading.Lock()   # the hub thread logs rejected commands too
+        self.progress = HeadlessProgress(cfg.run.name, cfg.run.steps, first_step) if job.headless else None
+        self.capabilities = set(hello["capabilities"])
+        self.layers = set(hello.get("layers", []))
+        self.updated_layers = set(hello.get("updated_layers", self.layers))
+        self.rebalancing: str | None = None   # set while a decided layout waits for its migration
+        self.mode = hello["mode"]
+        self.live_interval_s = 1.0 / cfg.telemetry.live_hz if cfg.telemetry.live_hz else 0.0
+        self._last_live = 0.0
+        self._unsent = None
+        self.current_step = first_step
+        self.hub = None
+        if cfg.telemetry.hub:
+            self.hub = self._start_hub(hello, cfg, first_step)
+
+    def _start_hub(self, hello: dict, cfg, first_step: int):
+        from engine.telemetry.hub import Hub
+        try:   # a console that connects before the first step still gets the run's length in its snapshot
+            hub = Hub(hello, validate=self._validate, listen=cfg.telemetry.listen or None,
+                      queue_len=cfg.telemetry.queue_len,
+                      state={"step": first_step, "steps": cfg.run.steps, "paused": False})
+            hub.start()
+        except Exception as e:   # training goes on without consoles
+            print(f"trainyard: the telemetry hub could not start ({e}); training goes on without it",
+                  file=sys.stderr, flush=True)
+            return None
+        where = hub.socket_path if not hub.tcp_address else f"{hub.socket_path} and {hub.tcp_address}"
+        self.note(f"console socket: {where}")
+        return hub
+
+    def _validate(self, name: str, args: list[str]) -> str | None:
+        """Engine-level check of a well-formed command (the hub has checked its shape)."""
+        reason = None
+        if name in ("set-policy", "set-placement") and args[0] not in self.layers:
+            reason = f"unknown layer {args[0]!r}"
+        elif name == "rebalance" and self.mode == "pipeline" and name not in self.capabilities:
+            reason = 'rebalancing is off in this run (parallel.rebalance = "off")'
+        elif name not in self.capabilities:
+            reason = f"{name} is not available in mode {self.mode}"
+        elif name == "rebalance" and getattr(self, "rebalancing", None):
+            reason = f"a rebalance is already in flight ({self.rebalancing})"
+        elif name == "set-placement" and args[0] not in self.updated_layers:
+            reason = f"layer {args[0]!r} has no parameters: it has no optimizer update to place"
+        if reason:
+            self.event("command", self.current_step, name=name, args=args, status="rejected", reason=reason)
+        return reason
+
+    def step(self, record: dict) -> None:
+        self.current_step = record["step"]
+        now = time.monotonic()
+        # Consoles get a sample of the steps (every step with layer times included);
+        # the log gets them all.
+        live = now - self._last_live >= self.live_interval_s or "layers" in record
+        if live:
+            self._last_live = now
+        stamped = self._write({"type": "step", **record}, live=live)
+        self._unsent = None if live else stamped
+        if self.progress:
+            self.progress.update(record["step"], record["loss"], record["samples_per_s"])
+
+    def event(self, kind: str, step: int | None, **fields) -> None:
+        self._write({"type": "event", "kind": kind, "step": step, **fields})
+
+    def _write(self, record: dict, live: bool = True) -> dict:
+        with self._lock:
+            record = self.log.write(record)
+        if self.hub and live:
+            self.hub.publish(record)
+        return record
+
+    def _flush_live(self) -> None:
+        """Send the newest step a console has not seen (before a pause or the end)."""
+        if self.hub and self._unsent is not None:
+            self.hub.publish(self._unsent)
+        self._unsent = None
+
+    def note(self, text: str) -> None:
+        if self.progress:
+            self.progress.note(text)
+
+    def update_state(self, **fields) -> None:
+        if fields.get("paused"):
+            self._flush_live()
+        if self.hub:
+            self.hub.update_state(**fields)
+
+    def take_commands(self) -> list[dict]:
+        return self.hub.take_commands() if self.hub else []
+
+    def reply(self, command: dict, status: str, **fields) -> None:
+        step = fields.get("step")
+        self.event("command", step, name=command["name"], args=command["args"], status=status,
+                   **{k: v for k, v in fields.items() if k != "step"})
+        if self.hub:
+            self.hub.reply(command, status, **fields)
+
+    def summary(self, record: dict) -> None:
+        self._flush_live()
+        self._write({"type": "summary", **record})
+        if self.progress:
+            self.progress.finish(record)
+
+    def close(self, reason: str) -> None:
+        if self.hub:
+            self.hub.close(reason)
+        with self._lock:
+            self.log.close()

@@ -1,0 +1,155 @@
+"""The telemetry log's records as JSON Schema (draft 2020-12); docs/telemetry.md describes them.
+
+Tests validate every record a run writes against RECORD_SCHEMA, so the documentation,
+the schema and the writer cannot drift apart.
+"""
+
+from engine.telemetry.protocol import SYNC_MODES
+
+_BYTES = {"type": "integer", "minimum": 0}
+
+RANK_ENTRY = {
+    "type": "object",
+    "required": ["rank", "loss", "step_ms", "fwd_ms", "bwd_ms", "optim_ms", "wait_ms", "parameters_bytes", "gradients_bytes", "optimizer_state_bytes",
+                 "activations_bytes", "swapped_bytes", "used_bytes", "peak_bytes", "capacity_bytes",
+                 "over_capacity", "rss_bytes", "cpu_percent"],
+    "properties": {
+        "rank": {"type": "integer", "minimum": 0}, "loss": {"type": "number"},
+        **{k: {"type": "number", "minimum": 0} for k in ("step_ms", "fwd_ms", "bwd_ms", "optim_ms", "wait_ms")},
+        **{k: _BYTES for k in ("parameters_bytes", "gradients_bytes", "optimizer_state_bytes",
+                               "activations_bytes", "swapped_bytes", "used_bytes", "peak_bytes",
+                               "capacity_bytes", "rss_bytes", "swapped_out_bytes")},
+        **{k: {"type": "integer", "minimum": 0} for k in ("swap_layers", "recompute_layers")},
+        "over_capacity": {"type": "boolean"}, "cpu_percent": {"type": "number", "minimum": 0},
+        # a CUDA rank's own figures (absent on the CPU): the allocator's, and NVML's where the driver has it
+        **{k: _BYTES for k in ("allocated_bytes", "reserved_bytes", "allocator_peak_bytes", "nvml_used_bytes",
+                               "nvml_total_bytes")},
+        "gpu_util_percent": {"type": "number", "minimum": 0, "maximum": 100},
+    },
+}
+
+TIME_SPLIT = {
+    "type": "object", "required": ["compute_ms", "comm_ms", "wait_ms"],
+    "properties": {k: {"type": "number", "minimum": 0} for k in ("compute_ms", "comm_ms", "wait_ms")},
+}
+
+STREAM = {
+    "type": "object", "required": ["stream", "bytes", "busy_ms", "busy_fraction", "in_flight"],
+    "properties": {"stream": {"type": "integer", "minimum": 0}, "bytes": _BYTES,
+                   "busy_ms": {"type": "number", "minimum": 0},
+                   "busy_fraction": {"type": "number", "minimum": 0, "maximum": 1},
+                   "in_flight": {"type": "integer", "minimum": 0}},
+}
+
+LAYER = {
+    "type": "object", "required": ["name", "fwd_ms", "bwd_ms", "activation_bytes"],
+    "properties": {"name": {"type": "string"}, "fwd_ms": {"type": "number", "minimum": 0},
+                   "bwd_ms": {"type": "number", "minimum": 0}, "activation_bytes": _BYTES,
+                   "owner_rank": {"type": "integer"}, "stage": {"type": "integer"},
+                   "policy": {"enum": ["keep", "swap", "recompute"]}, "placement": {"enum": ["device", "host"]}},
+}
+
+_COMMON = {"schema": {"const": 1}, "time": {"type": "number"}}
+
+RUN_START = {
+    "type": "object",
+    "required": ["schema", "time", "type", "name", "strategy", "world_size", "backend", "device", "simulated",
+                 "devices", "device_note", "layers", "first_step", "restart", "config"],
+    "properties": {**_COMMON, "type": {"const": "run_start"}, "name": {"type": "string"},
+                   "strategy": {"type": "string"}, "world_size": {"type": "integer", "minimum": 1},
+                   "hosts": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+                   "backend": {"enum": ["gloo", "nccl"]}, "device": {"type": "string"},
+                   "simulated": {"type": "boolean"}, "devices": {"type": "array", "items": {"type": "string"}},
+                   "device_note": {"type": "string"},
+                   "layers": {"type": "array", "items": {"type": "string"}}, "first_step": {"type": "integer", "minimum": 0}, "restart": {"type": "integer", "minimum": 0},
+                   "config": {"type": "object"}},
+}
+
+PS = {   # param_server: the sync mode, every worker, every layer with parameters
+    "type": "object",
+    "required": ["mode", "workers_live", "workers_lost", "workers", "layers"],
+    "properties": {
+        "mode": {"enum": list(SYNC_MODES)}, "workers_live": {"type": "integer", "minimum": 0},
+        "workers_lost": {"type": "array", "items": {"type": "integer"}},
+        "workers": {"type": "array", "items": {
+            "type": "object", "required": ["rank", "iterations", "steps_per_s", "wait_ms", "slow_factor", "alive"],
+            "properties": {"rank": {"type": "integer"}, "iterations": {"type": "integer", "minimum": 0},
+                           "steps_per_s": {"type": "number", "minimum": 0}, "wait_ms": {"type": "number", "minimum": 0},
+                           "slow_factor": {"type": "number", "minimum": 1}, "alive": {"type": "boolean"}}}},
+        "layers": {"type": "array", "items": {
+            "type": "object", "required": ["name", "server", "version", "window_workers", "mean_staleness", "window_ms"],
+            "properties": {"name": {"type": "string"}, "server": {"type": "integer", "minimum": 0},
+                           "version": {"type": "integer", "minimum": 0},
+                           "window_workers": {"type": "integer", "minimum": 0},
+                           "mean_staleness": {"type": "number", "minimum": 0},
+                           "window_ms": {"type": "number", "minimum": 0}}}}},
+}
+
+STEP = {
+    "type": "object",
+    "required": ["schema", "time", "type", "step", "loss", "samples_per_s", "step_ms", "ranks"],
+    "properties": {**_COMMON, "type": {"const": "step"}, "step": {"type": "integer", "minimum": 1},
+                   "loss": {"type": "number"}, "samples_per_s": {"type": "number", "minimum": 0},
+                   "step_ms": {"type": "number", "minimum": 0},
+                   "ranks": {"type": "array", "minItems": 1, "items": RANK_ENTRY},
+                   "time_split": TIME_SPLIT, "streams": {"type": "array", "items": STREAM},
+                   "layers": {"type": "array", "items": LAYER}, "ps": PS},
+}
+
+EVENT_KINDS = ["checkpoint", "restart", "resume", "eval", "memory_over_capacity", "stop", "command", "update_plan",
+               "placement", "rebalance", "migration", "memory_plan", "policy", "sync_mode", "worker_lost",
+               "ps_profile"]
+EVENT = {
+    "type": "object",
+    "required": ["schema", "time", "type", "kind", "step"],
+    "properties": {**_COMMON, "type": {"const": "event"}, "kind": {"enum": EVENT_KINDS},
+                   "step": {"type": "integer", "minimum": 0}},
+    "allOf": [
+        {"if": {"properties": {"kind": {"const": "checkpoint"}}}, "then": {"required": ["path"]}},
+        {"if": {"properties": {"kind": {"const": "restart"}}}, "then": {"required": ["restart", "max_restarts"]}},
+        {"if": {"properties": {"kind": {"const": "resume"}}}, "then": {"required": ["checkpoint"]}},
+        {"if": {"properties": {"kind": {"const": "eval"}}}, "then": {"required": ["test_accuracy"]}},
+        {"if": {"properties": {"kind": {"const": "memory_over_capacity"}}},
+         "then": {"required": ["rank", "peak_bytes", "capacity_bytes"]}},
+        {"if": {"properties": {"kind": {"const": "stop"}}}, "then": {"required": ["reason"]}},
+        {"if": {"properties": {"kind": {"const": "update_plan"}}},
+         "then": {"required": ["planner", "placement", "predicted_ms", "all_device_ms", "all_host_ms"]}},
+        {"if": {"properties": {"kind": {"const": "placement"}}}, "then": {"required": ["layer", "placement"]}},
+        {"if": {"properties": {"kind": {"const": "policy"}}}, "then": {"required": ["layer", "policy"]}},
+        {"if": {"properties": {"kind": {"const": "memory_plan"}}},
+         "then": {"required": ["planner", "ranks", "policies", "capacity_bytes", "host_link_gbps"]}},
+        {"if": {"properties": {"kind": {"const": "rebalance"}}},
+         "then": {"required": ["reason", "stages", "stage_ms", "predicted_ms", "threshold_ms", "layer_ms"]}},
+        {"if": {"properties": {"kind": {"const": "migration"}}},
+         "then": {"required": ["moves", "stages", "bytes", "duration_ms", "cutover_micro_batch"],
+                  "properties": {"bytes": _BYTES, "duration_ms": {"type": "number", "minimum": 0}}}},
+        {"if": {"properties": {"kind": {"const": "sync_mode"}}},
+         "then": {"required": ["mode", "previous", "source"], "properties": {"mode": {"enum": list(SYNC_MODES)}}}},
+        {"if": {"properties": {"kind": {"const": "worker_lost"}}}, "then": {"required": ["rank", "reason"]}},
+        {"if": {"properties": {"kind": {"const": "ps_profile"}}}, "then": {"required": ["layers", "mode"]}},
+        {"if": {"properties": {"kind": {"const": "command"}}},
+         "then": {"required": ["name", "args", "status"],
+                  "properties": {"status": {"enum": ["applied", "rejected"]}}}},
+    ],
+}
+
+SUMMARY = {
+    "type": "object",
+    "required": ["schema", "time", "type", "name", "final_loss", "test_accuracy", "steps", "wall_s",
+                 "peak_bytes_per_rank", "capacity_bytes", "simulated", "restarts", "stopped_early"],
+    "properties": {**_COMMON, "type": {"const": "summary"}, "name": {"type": "string"},
+                   "final_loss": {"type": ["number", "null"]},
+                   "test_accuracy": {"type": ["number", "null"], "minimum": 0, "maximum": 1},
+                   "steps": {"type": "integer", "minimum": 0}, "wall_s": {"type": "number", "minimum": 0},
+                   "peak_bytes_per_rank": {"type": "array", "items": _BYTES},
+                   "allocator_peak_bytes_per_rank": {"type": "array", "items": _BYTES}, "capacity_bytes": _BYTES,
+                   "simulated": {"type": "boolean"}, "restarts": {"type": "integer", "minimum": 0},
+                   "stopped_early": {"type": "boolean"}},
+}
+
+RECORD_SCHEMA = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "type": "object",
+    "required": ["type"],
+    "oneOf": [RUN_START, STEP, EVENT, SUMMARY],
+}

@@ -412,14 +412,16 @@ class Worker:
         saved = self.run_dir / "update_profile.json"
         saved.write_text(json.dumps({
             "step": step, "planner": self.cfg.update.planner, "capacity_bytes": profile.capacity_bytes,
-            "peak_bytes_without_state": profile.peak_bytes, "layers_backward_order": [
+            "peak_bytes_without_state": profile.peak_bytes, "host_threads": profile.host_threads,
+            "plan_optimal": plan.optimal, "layers_backward_order": [
                 dataclasses.asdict(c) for c in profile.layers],
             "placement": updater.placement(), "predicted_makespan_ms": round(plan.makespan_ms, 3),
             "predicted_all_device_ms": others["device"], "predicted_all_host_ms": others["host"]}, indent=2))
         on_host = sorted(n for n, side in updater.placement().items() if side == "host")
         self.tel.event("update_plan", step, planner=self.cfg.update.planner, placement=updater.placement(),
                        predicted_ms=round(plan.makespan_ms, 3), all_device_ms=others["device"],
-                       all_host_ms=others["host"], profile=str(saved))
+                       all_host_ms=others["host"], host_threads=profile.host_threads, optimal=plan.optimal,
+                       profile=str(saved))
         self.tel.note(f"update plan ({self.cfg.update.planner}): {len(on_host)} of {len(updater.by_name)} layers "
                       f"on the host; modelled step {plan.makespan_ms:.1f} ms (all device {others['device']:.1f}, "
                       f"all host {others['host']:.1f}); profile in {saved}")

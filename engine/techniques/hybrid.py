@@ -301,7 +301,7 @@ class HybridUpdater:
             last = costs[-1]
             costs[-1] = dataclasses.replace(last, fwd_ms=last.fwd_ms + carry_fwd, bwd_ms=last.bwd_ms + carry_bwd)
         peak = min(t["peak"] for t in host) if host else self.device.ledger.peak_bytes
-        threads = len(self.executor._threads) if self.executor is not None else 1   # the host's servers
+        threads = self.executor.threads if self.executor is not None else 1   # the host's servers
         self.profile = Profile(tuple(costs), peak_bytes=peak, capacity_bytes=self.device.ledger.capacity_bytes,
                                host_threads=threads)
         planner = plan_global if self.cfg.planner == "global" else plan_local

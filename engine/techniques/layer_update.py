@@ -156,8 +156,9 @@ class HostExecutor:
         self.error: BaseException | None = None
         self.busy_s = 0.0   # summed over the threads
         self._lock = threading.Lock()
+        self.threads = max(1, threads)   # the host's servers in the update plan's cost model
         self._threads = [threading.Thread(target=self._run, name=f"trainyard-host-updates-{i}", daemon=True)
-                         for i in range(max(1, threads))]
+                         for i in range(self.threads)]
         for thread in self._threads:
             thread.start()
 

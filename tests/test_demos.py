@@ -157,7 +157,7 @@ ACTIONS = {
     "ps": press_sync,
     "ddp": press_pause,
 }
-SLOW = {"memory", "sharded", "ddp"}   # the tour covers policies; sharded and ddp have their own CLI tests
+SLOW = {"memory", "sharded", "ddp", "ps"}   # the tour covers policies; the others have their own CLI tests
 
 
 @pytest.mark.timeout(300)

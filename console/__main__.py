@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -120,7 +121,16 @@ def demo(name: str, steps: int | None) -> int:
         return code or 1
     result = None
     app = ConsoleApp(SocketSource(info["name"]))
-    signal.signal(signal.SIGHUP, lambda signum, frame: app.exit("hangup"))
+    ender = _Ender(proc)
+
+    def hang_up(signum, frame) -> None:
+        # The terminal is gone. Textual's shutdown can then block for ever on its output queue (its writer
+        # thread died writing to the closed terminal), so the run is stopped from a thread of our own,
+        # which then ends this process whatever the console is doing.
+        threading.Thread(target=ender.after_hangup, name="demo-hangup", daemon=True).start()
+        app.exit("hangup")
+
+    signal.signal(signal.SIGHUP, hang_up)
     try:
         result = app.run()
     finally:
@@ -134,9 +144,26 @@ def demo(name: str, steps: int | None) -> int:
                  f"  stop it:   trainyard ctl {info['name']} stop\n"
                  f"  its log:   {log}")
         else:
-            code = _end(proc, 60.0 if result == "stop" else 0)
+            code = ender.end(60.0 if result == "stop" else 0)
             _say(f"{cfg.run.name} ended (exit {code}); log: {log}")
     return 0
+
+
+class _Ender:
+    """Ends the demo's run once, whichever of the console's thread and the hang-up's asks first."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.proc, self.code, self.lock = proc, None, threading.Lock()
+
+    def end(self, grace_s: float) -> int:
+        with self.lock:
+            if self.code is None:
+                self.code = _end(self.proc, grace_s)
+            return self.code
+
+    def after_hangup(self) -> None:
+        self.end(0)
+        os._exit(0)
 
 
 def _say(text: str) -> None:

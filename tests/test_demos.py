@@ -29,6 +29,7 @@ class Terminal:
 
     def __init__(self, cwd: Path, runtime_dir: Path):
         self.cwd, self.socket = cwd, f"ty-test-{os.getpid()}-{time.monotonic_ns()}"
+        self.pid_file: Path | None = None
         self.env = {**os.environ, "TRAINYARD_RUNTIME_DIR": str(runtime_dir), "OMP_NUM_THREADS": "1",
                     "TERM": "xterm-256color"}
 
@@ -39,6 +40,7 @@ class Terminal:
     def start(self, *command: str, pid_file: Path | None = None) -> None:
         """`command` in the terminal; with `pid_file`, it replaces the shell (and its pid is written there),
         else the shell says how it exited and stays."""
+        self.pid_file = pid_file
         shell = (f"echo $$ > {pid_file}; exec " + " ".join(command) if pid_file else
                  " ".join(command) + "; echo DEMO-EXIT $?; sleep 600")
         self.tmux("new-session", "-d", "-s", "demo", "-x", "160", "-y", "50", shell)
@@ -83,6 +85,11 @@ def terminal(tmp_path, runtime_dir):
         try:
             os.killpg(os.getpgid(pid), signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
+            pass
+    if term.pid_file is not None and term.pid_file.exists():   # nor a demo command stuck after a hang-up
+        try:
+            os.kill(int(term.pid_file.read_text()), signal.SIGKILL)
+        except (ProcessLookupError, ValueError):
             pass
 
 

@@ -31,6 +31,7 @@ from engine.runtime.topology import Topology
 from engine.strategies.interface import make_strategy
 from engine.techniques.memory import ActivationPolicy
 from engine.telemetry.outlets import Telemetry
+from engine.timing import Clock
 
 PAUSED_POLL_S = 0.1   # how often paused ranks meet at the boundary to hear "resume" or "stop"
 
@@ -90,7 +91,7 @@ class Worker:
         self.first_step = self._resume()
         if self.first_step == 0:   # dropout streams differ per rank, reproducible from the seed
             torch.manual_seed(cfg.run.seed + 1000 * topo.rank)
-        self.profiler = LayerProfiler(self.model, self.device.ledger) if cfg.telemetry.layer_every else None
+        self.profiler = LayerProfiler(self.model, self.device.ledger, Clock(self.device.torch_device)) if cfg.telemetry.layer_every else None
 
         self.tel = Telemetry.open(job, self._hello(), topo.is_first, self.first_step)
         self.peaks = Peaks(topo.world_size)

@@ -48,6 +48,7 @@ from engine.runtime.devices import LedgerDevice
 from engine.runtime.profiler import LayerProfiler
 from engine.techniques.layer_update import HostExecutor, LayerUpdate, default_host_threads
 from engine.techniques.update_plan import LayerCost, Profile, fixed, plan_global, plan_local
+from engine.timing import Clock
 
 SIDES = ("device", "host")
 
@@ -64,11 +65,12 @@ class HybridUpdater:
         self._missing: dict[int, int] = {}
         self._dispatched: set[int] = set()
         self._device_ready: deque[LayerUpdate] = deque()
-        self._gate_s = self._device_s = 0.0
+        self._gate_s = 0.0
+        self._device_ran: list[LayerUpdate] = []   # this step's device updates
         self.trial_left = cfg.profile_steps if cfg.placement == "auto" else 0
         self._trial: list[dict] = []
         self._grads_at_start = 0
-        self._profiler = LayerProfiler(model, device.ledger) if self.trial_left else None
+        self._profiler = LayerProfiler(model, device.ledger, Clock(device.torch_device)) if self.trial_left else None
         self.plan = None              # the planner's Timeline once made (auto)
         self.new_plan = False         # set when a plan was just made; the worker reports it
         self.profile: Profile | None = None
@@ -181,7 +183,8 @@ class HybridUpdater:
             self._grads_at_start = self.device.ledger.bytes["gradients"]
         self._missing = {i: len(u.params) for i, u in self.updates.items()}
         self._dispatched = set()
-        self._gate_s = self._device_s = 0.0
+        self._gate_s = 0.0
+        self._device_ran: list[LayerUpdate] = []   # this step's device updates
 
     def params_reduced(self, params) -> None:
         """Called from any thread: these parameters' gradients are final for this step."""
@@ -211,9 +214,8 @@ class HybridUpdater:
         """Compute thread: the device updates whose gradients are final, inline, now."""
         while self._device_ready:
             u = self._device_ready.popleft()
-            t0 = time.perf_counter()
             u.step_device()
-            self._device_s += time.perf_counter() - t0
+            self._device_ran.append(u)   # its time is read on the device's clock, in timings()
 
     def end_backward(self) -> None:
         """Compute thread, after backward: dispatch layers not dispatched yet (all layers, in backward
@@ -254,7 +256,8 @@ class HybridUpdater:
         busy = 0.0
         if self.executor is not None:
             busy, self.executor.busy_s = self.executor.busy_s * 1000, 0.0
-        return {"update_device_ms": self._device_s * 1000, "host_busy_ms": busy, "host_gate_ms": self._gate_s * 1000,
+        device_ms = sum(u.device_ms for u in self._device_ran)
+        return {"update_device_ms": device_ms, "host_busy_ms": busy, "host_gate_ms": self._gate_s * 1000,
                 "host_bytes": self.host_bytes()}
 
     # --- the trial and the plan ----------------------------------------------------------------

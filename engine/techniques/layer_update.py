@@ -19,6 +19,7 @@ import torch
 from engine.config import OptimConfig
 from engine.optim import make_optimizer
 from engine.runtime.devices import tensor_bytes
+from engine.timing import Clock
 
 
 class LayerUpdate:
@@ -40,7 +41,10 @@ class LayerUpdate:
         self.stream = torch.cuda.Stream(params[0].device) if self.cuda else None   # the layer's copies
         self.landed = None              # CUDA: an event after the weights' copy up; the gate waits on it
         self.grads_final = None         # CUDA: an event after the gradients are final on the compute stream
-        self.device_ms = self.host_ms = self.copy_ms = 0.0   # the last measurement of each
+        self.host_ms = self.copy_ms = 0.0   # the last measurement of each
+        self.clock = Clock(params[0].device if params else None)   # the device step: events on a GPU
+        self._device_marks = None   # (before, after) the last device step, read by device_ms
+        self._device_ms = 0.0
 
     def move(self, side: str) -> None:
         """Carry the optimizer state (and, to the host, fp32 master weights) to `side`."""
@@ -74,10 +78,17 @@ class LayerUpdate:
                     m.copy_(p.detach())
 
     def step_device(self) -> None:
-        t0 = time.perf_counter()
+        t0 = self.clock.mark()
         self.optimizer.step()
         self._zero_grads()
-        self.device_ms = (time.perf_counter() - t0) * 1000
+        self._device_marks = (t0, self.clock.mark())
+
+    @property
+    def device_ms(self) -> float:
+        """The last device step's time, on the device's clock (read once its work has run)."""
+        if self._device_marks is not None:
+            self._device_ms, self._device_marks = self.clock.ms(*self._device_marks), None
+        return self._device_ms
 
     def mark_grads_final(self) -> None:
         """CUDA, when the layer is dispatched to the host: what the compute stream has queued so far

@@ -1,17 +1,22 @@
-"""The host link: copies between the device and host memory, off the compute thread.
+"""The host link: copies between the device and host memory, off the compute stream.
 
-    link = HostLink(torch.device("cuda", 0))          # on the CPU: HostLink(device, pace_gbps=5.0)
+    link = HostLink(torch.device("cpu"), pace_gbps=5.0)   # the CPU: a thread per direction
     link.submit("out", fn)                            # fn runs on the link's "out" thread, in order
     host = link.copy("out", device_buf)               # on a link thread: a host copy, landed on return
     link.flush("out"); link.close()
+
+    link = StreamLink(torch.device("cuda", 0))        # a GPU: copies issued by the thread that needs them
+    host, event = link.copy_out(device_buf)           # on the "out" side stream, after the kernels so far
+    link.done(event)                                  # landed? (never blocks)
+    back, event = link.copy_in(host); link.use(event, back)   # the compute stream waits for it, on the GPU
     gbps = measure_link_gbps(device)                  # the device-to-host rate the plan assumes
 
-One thread per direction (a real link is full duplex). On a GPU the copies run on a side CUDA stream
-into pinned host buffers, each waiting on its own CUDA event. On the CPU host and "device" are the
-same memory: a copy is a memcpy, paced to `host_link_gbps` when that is set (an emulated PCIe link);
-unset, the rate is measured (and on the CPU not paced). Host buffers come from a pool kept across
-steps. Swapper (swap.py) is what submits the copies; this module knows nothing of layers or the
-ledger, and imports only torch.
+On the CPU host and "device" are the same memory: a copy is a memcpy on a link thread, paced to
+`host_link_gbps` when that is set (an emulated PCIe link). On a GPU no Python thread waits for a
+copy: each is queued on its direction's side CUDA stream into pinned memory with a CUDA event
+(`CudaCopies`), so copies run behind the compute stream (stream_swap.py books them). Host buffers
+come from a pool kept across steps. This module knows nothing of layers or the ledger, and imports
+only torch.
 """
 
 from __future__ import annotations
@@ -56,19 +61,17 @@ class HostBufferPool:
 
 
 class HostLink:
-    """Copies between the device and host memory, off the compute thread: one thread per direction
-    (a real link is full duplex), each working through its queue in order. On CUDA the copies run on a
-    side stream into pinned memory; on the CPU they are memcpys, paced to `pace_gbps` when given."""
+    """Copies between the "device" and host memory on the CPU, off the compute thread: one thread per
+    direction (a real link is full duplex), each working through its queue in order, each copy a
+    memcpy paced to `pace_gbps` when given."""
 
     def __init__(self, device: torch.device, pace_gbps: float | None = None):
         self.device = device
         self.pace_bytes_per_s = pace_gbps * 1e9 if pace_gbps else None
-        self.cuda = device.type == "cuda"
         self._queues = {"out": queue.Queue(), "in": queue.Queue()}
         self._threads = [threading.Thread(target=self._loop, args=(q,), name=f"trainyard-host-link-{d}", daemon=True)
                          for d, q in self._queues.items()]
-        self._streams = {d: torch.cuda.Stream(device) for d in self._queues} if self.cuda else {}
-        self.pool = HostBufferPool(pinned=self.cuda)
+        self.pool = HostBufferPool(pinned=False)
         self.error: Exception | None = None   # the last copy that failed on a link thread
         for t in self._threads:
             t.start()
@@ -87,22 +90,6 @@ class HostLink:
         """On a link thread: a copy of the uint8 buffer `src` on the other side, complete on return. A copy
         out lands in a buffer of the pool (give it back when done with it)."""
         t0 = time.perf_counter()
-        if self.cuda:
-            stream, compute = self._streams[direction], torch.cuda.default_stream(self.device)
-            # the copy out must not read before the kernels that wrote `src` have run
-            stream.wait_stream(compute)
-            with torch.cuda.stream(stream):
-                if direction == "out":
-                    dst = self.pool.take(src.numel())
-                else:
-                    dst = torch.empty(src.numel(), dtype=torch.uint8, device=self.device)
-                dst.copy_(src, non_blocking=True)
-                landed = torch.cuda.Event()
-                landed.record(stream)
-            landed.synchronize()   # this copy only: the link thread books it when it has landed
-            if direction == "in":   # allocated on the side stream, used by backward on the compute stream
-                dst.record_stream(compute)
-            return dst
         if direction == "out":
             dst = self.pool.take(src.numel())
             dst.copy_(src)
@@ -129,6 +116,76 @@ class HostLink:
             q.put(None)
         for t in self._threads:
             t.join(timeout=5)
+
+
+class CudaCopies:
+    """The CUDA calls of a StreamLink: a side stream per direction, an event per copy. (Tests prove the
+    StreamLink's logic on the CPU with a stand-in that has these methods.)"""
+
+    pinned = True
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.streams = {d: torch.cuda.Stream(device) for d in ("out", "in")}
+
+    def copy(self, direction: str, src: torch.Tensor, dst: torch.Tensor | None = None):
+        """Queue a copy of `src` on `direction`'s side stream (into `dst`, else a new device buffer);
+        returns (dst, its event). A copy out starts after the kernels queued so far on the current
+        (compute) stream, which wrote `src`; a copy in reads a host buffer already landed."""
+        stream = self.streams[direction]
+        if direction == "out":
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            if dst is None:   # allocated on the side stream: `use` hands it to the compute stream
+                dst = torch.empty(src.numel(), dtype=torch.uint8, device=self.device)
+            dst.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        return dst, event
+
+    def done(self, event) -> bool:
+        return event.query()
+
+    def block(self, event) -> None:
+        event.synchronize()
+
+    def use(self, event, tensor: torch.Tensor) -> None:
+        """The current (compute) stream waits for the copy, on the GPU; the host does not."""
+        compute = torch.cuda.current_stream(self.device)
+        compute.wait_event(event)
+        tensor.record_stream(compute)
+
+
+class StreamLink:
+    """Copies between a GPU and pinned host memory, issued by the thread that needs them (the forward's
+    pack, the backward's prefetch and unpack): no Python thread waits for a copy to land. `copies` is
+    the CUDA calls (CudaCopies) or a stand-in with its methods."""
+
+    def __init__(self, device: torch.device, copies=None):
+        self.device = device
+        self.copies = copies if copies is not None else CudaCopies(device)
+        self.pool = HostBufferPool(pinned=self.copies.pinned)
+        self.error: Exception | None = None
+
+    def copy_out(self, src: torch.Tensor):
+        """(a pool buffer the copy lands in, its event)."""
+        return self.copies.copy("out", src, self.pool.take(src.numel()))
+
+    def copy_in(self, host: torch.Tensor):
+        """(a new device buffer the copy lands in, its event)."""
+        return self.copies.copy("in", host)
+
+    def done(self, event) -> bool:
+        return self.copies.done(event)
+
+    def block(self, event) -> None:
+        self.copies.block(event)
+
+    def use(self, event, tensor: torch.Tensor) -> None:
+        self.copies.use(event, tensor)
+
+    def close(self) -> None:
+        pass   # nothing runs on a thread of its own; a copy in flight finishes on its stream
 
 
 def measure_link_gbps(device: torch.device, nbytes: int = 16 * 2**20, repeats: int = 5) -> float:

@@ -1,24 +1,27 @@
 """The measuring step: per layer, per micro-batch, its forward and backward time and the bytes of its
 input, turned into the LayerCosts the planners take.
 
-    measure = Measure()                                   # ActivationPolicy.before_step, a plan due
-    measure.forward_ran(name, t0, link_wait_s, args)      # after each layer's forward, in that step
+    measure = Measure(Clock(device))                      # ActivationPolicy.before_step, a plan due
+    t0 = measure.clock.mark(); ...                        # before each layer's forward, in that step
+    measure.forward_ran(name, t0, link_wait_s, args)      # after it
     measure.time_backward(name, out, args, swapper)       # hooks timing that layer's backward
     costs = measure.costs(owned, policy, known, ledger)   # ActivationPolicy.after_step
 
-Times leave out the waits for the host link (a layer's own time is what recompute costs). The bytes a
-layer saves are the ledger's count (`activations_by_layer`, `shared_bytes`), read back in `costs`.
-Imports torch and cost.py only.
+Times are marks of the device's clock (engine/timing.py: CUDA events on a GPU, where a layer's
+kernels run after its Python returns), read in `costs` once the step's work has run. They leave out
+the host's waits for the link (a layer's own time is what recompute costs). The bytes a layer saves
+are the ledger's count (`activations_by_layer`, `shared_bytes`), read back in `costs`. Imports torch,
+engine.timing and cost.py only.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
 
 from engine.techniques.memory.cost import LayerCost
+from engine.timing import Clock
 
 
 def tensors(value) -> list[torch.Tensor]:
@@ -32,19 +35,18 @@ def tensors(value) -> list[torch.Tensor]:
 
 @dataclass
 class Measure:
-    """One measured step's sums, by layer name."""
+    """One measured step's marks, by layer name; `costs` reads them."""
 
+    clock: Clock = field(default_factory=Clock)
     calls: dict = field(default_factory=dict)
-    fwd_ms: dict = field(default_factory=dict)
-    bwd_ms: dict = field(default_factory=dict)
-    bwd_seen: dict = field(default_factory=dict)
+    fwd: list = field(default_factory=list)      # (name, mark before, mark after, host's link wait in s)
+    bwd: list = field(default_factory=list)      # the same for each backward timed
     in_bytes: dict = field(default_factory=dict)
 
-    def forward_ran(self, name: str, t0: float, link_wait_s: float, args) -> None:
-        """After one forward of `name` that began at perf_counter `t0` and waited `link_wait_s` for the link."""
+    def forward_ran(self, name: str, t0, link_wait_s: float, args) -> None:
+        """After one forward of `name` that began at mark `t0` and waited `link_wait_s` for the link."""
         self.calls[name] = self.calls.get(name, 0) + 1
-        t0 += link_wait_s   # the layer's own time: not its waits for the link
-        self.fwd_ms[name] = self.fwd_ms.get(name, 0.0) + (time.perf_counter() - t0) * 1000
+        self.fwd.append((name, t0, self.clock.mark(), link_wait_s))
         self.in_bytes[name] = max(self.in_bytes.get(name, 0),
                                   sum(t.numel() * t.element_size() for t in tensors(args)))
 
@@ -54,16 +56,22 @@ class Measure:
 
         def waited() -> float:
             return swapper.waited_s if swapper is not None else 0.0
-        out.register_hook(lambda grad: started.append(time.perf_counter() - waited()))
+        out.register_hook(lambda grad: started.append((self.clock.mark(), waited())))
         inputs = [t for t in tensors(args) if t.requires_grad]
 
         def ended(grad):   # minus any wait for a swapped storage to come back
             if started:
-                ms = (time.perf_counter() - waited() - started.pop()) * 1000
-                self.bwd_ms[name] = self.bwd_ms.get(name, 0.0) + ms
-                self.bwd_seen[name] = self.bwd_seen.get(name, 0) + 1
+                t0, w0 = started.pop()
+                self.bwd.append((name, t0, self.clock.mark(), waited() - w0))
         if inputs:
             inputs[0].register_hook(ended)
+
+    def _sums(self, marks: list) -> tuple[dict, dict]:
+        ms, seen = {}, {}
+        for name, a, b, wait_s in marks:
+            ms[name] = ms.get(name, 0.0) + max(0.0, self.clock.ms(a, b) - wait_s * 1000)
+            seen[name] = seen.get(name, 0) + 1
+        return ms, seen
 
     def passes(self) -> int:
         """Forward passes in the measured step (micro-batches): the most calls of any layer."""
@@ -73,14 +81,17 @@ class Measure:
         """The per-micro-batch costs of the `owned` layers that ran, each also recorded in `known`. A
         recomputed layer's activations are not seen in its forward: its last known cost stands in."""
         by_layer, shared = ledger.activations_by_layer, ledger.shared_bytes
+        self.clock.settle()
+        fwd_ms, _ = self._sums(self.fwd)
+        bwd_ms, bwd_seen = self._sums(self.bwd)
         costs = []
         for k, name in enumerate(owned):
             calls = self.calls.get(name, 0)
             if not calls:
                 continue
-            fwd = self.fwd_ms[name] / calls
-            seen = self.bwd_seen.get(name, 0)
-            bwd = self.bwd_ms[name] / seen if seen else 2 * fwd   # no input gradient to time it by
+            fwd = fwd_ms[name] / calls
+            seen = bwd_seen.get(name, 0)
+            bwd = bwd_ms[name] / seen if seen else 2 * fwd   # no input gradient to time it by
             last = known.get(name)
             if policy[name] == "recompute" and last is not None:
                 act = last.act_bytes   # a recomputed layer's activations are not seen in forward

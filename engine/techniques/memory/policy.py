@@ -10,9 +10,10 @@ Each layer of the LayerList runs through `ActivationPolicy._forward` (installed 
 layer's `forward`, so module hooks and state_dict keys are untouched):
 
 - keep: the ledger's saved-tensor hooks count what autograd saves; it stays on the device.
-- swap: the same hooks hand each saved storage to the Swapper (swap.py), which sends it to host
-  memory over the host link (link.py) and brings it back for the layer's backward; this module
-  starts the prefetch of the nearest earlier swap layer when a layer's output gradient is ready.
+- swap: the same hooks hand each saved storage to the Swapper (swap.py; on a GPU StreamSwapper,
+  stream_swap.py), which sends it to host memory over the host link (link.py) and brings it back
+  for the layer's backward; this module starts the prefetch of the nearest earlier swap layer when
+  a layer's output gradient is ready.
 - recompute: `torch.utils.checkpoint` (non-reentrant, RNG state preserved, so dropout
   draws the same mask): nothing the layer computes is saved, only its input, which
   the ledger counts until the layer's backward has run. While the forward is rerun in
@@ -28,7 +29,6 @@ free layer recomputed and its measured peak decides (the refusal floor, `_measur
 from __future__ import annotations
 
 import contextlib
-import time
 from functools import partial
 from typing import Callable
 
@@ -36,10 +36,12 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from engine.config import format_size
+from engine.timing import Clock
 from engine.techniques.memory.cost import POLICIES, LayerCost, estimate
-from engine.techniques.memory.link import HostLink, measure_link_gbps
+from engine.techniques.memory.link import HostLink, StreamLink, measure_link_gbps
 from engine.techniques.memory.measure import Measure, tensors
 from engine.techniques.memory.planner import Plan, PlanError, plan, round_up_mib
+from engine.techniques.memory.stream_swap import StreamSwapper
 from engine.techniques.memory.swap import SwapEntry, Swapper
 
 
@@ -47,8 +49,10 @@ class ActivationPolicy:
     """Applies, measures and (in `auto`) plans the per-layer policies of the layers this rank runs."""
 
     def __init__(self, model, device, cfg, owned: Callable[[], list[str]] | None = None,
-                 in_flight: Callable[[], int] | None = None):
+                 in_flight: Callable[[], int] | None = None, copies=None, clock: Clock | None = None):
         self.model, self.device, self.cfg = model, device, cfg
+        self.copies = copies   # a stand-in for the CUDA copy calls (tests): swap as on a GPU
+        self.clock = clock or Clock(device.torch_device)   # times the measuring step on the device
         self.ledger = device.ledger
         self.names = list(model.names)
         self.owned = owned or (lambda: self.names)
@@ -87,9 +91,13 @@ class ActivationPolicy:
         if needed and self.link is None:
             if not self.link_gbps:
                 self.link_gbps = measure_link_gbps(self.device.torch_device)
-            pace = self.cfg.host_link_gbps if self.device.torch_device.type == "cpu" else None
-            self.link = HostLink(self.device.torch_device, pace)
-            self.swapper = self.ledger.swapper = Swapper(self.ledger, self.link)
+            device = self.device.torch_device
+            if device.type == "cuda" or self.copies is not None:   # copies on side streams, booked by event
+                self.link = StreamLink(device, self.copies)
+                self.swapper = self.ledger.swapper = StreamSwapper(self.ledger, self.link)
+            else:   # the CPU: a thread per direction, paced to host_link_gbps
+                self.link = HostLink(device, self.cfg.host_link_gbps)
+                self.swapper = self.ledger.swapper = Swapper(self.ledger, self.link)
 
     @property
     def link_bytes_per_ms(self) -> float:
@@ -108,7 +116,7 @@ class ActivationPolicy:
         group = None
         ledger = self.ledger
         ledger.current_layer = name
-        t0 = time.perf_counter()
+        t0 = measure.clock.mark() if measure is not None else None
         try:
             if policy == "recompute":
                 out = self._recompute(name, forward, args, kwargs)
@@ -188,7 +196,7 @@ class ActivationPolicy:
             self.plan_due = self.plan_due or self.auto
         self._pass = (-1, None)
         if self.plan_due and self._warm:
-            self._measure = Measure()
+            self._measure = Measure(self.clock)
             self.ledger.activations_by_layer = {}
             self.ledger.shared_bytes = {}
             self.ledger.reset_peak()

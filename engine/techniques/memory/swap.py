@@ -36,7 +36,7 @@ class SwapEntry:
     then (prefetched) back on the device until autograd frees every tensor saved from it."""
 
     __slots__ = ("swap", "nbytes", "device_buf", "host_buf", "restored", "state", "handles", "ready",
-                 "ptr", "wanted", "urgent", "weak", "layer")
+                 "ptr", "wanted", "urgent", "weak", "layer", "event")
 
     def __init__(self, swap: "Swapper", buf: torch.Tensor):
         self.swap, self.nbytes, self.device_buf = swap, buf.numel(), buf
@@ -49,6 +49,7 @@ class SwapEntry:
         self.wanted = False   # prefetch asked for while still on its way out
         self.urgent = False   # backward is waiting for it
         self.ready = threading.Event()   # set when the storage is back on the device
+        self.event = None     # on a GPU: the CUDA event of its copy in flight (stream_swap.py)
 
 
 class _SwapHandle:
@@ -127,8 +128,12 @@ class Swapper:
         if fresh:
             if self.group is not None:
                 self.group.append(entry)
-            self.link.submit("out", partial(self._copy_out, entry))
+            self._send(entry)
         return handle
+
+    def _send(self, entry: SwapEntry) -> None:
+        """Start `entry`'s copy to the host (here: queued on the link's "out" thread)."""
+        self.link.submit("out", partial(self._copy_out, entry))
 
     def _copy_out(self, entry: SwapEntry) -> None:
         if entry.state != "out":

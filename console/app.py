@@ -61,7 +61,9 @@ class ConsoleApp(App[str]):
     CSS_PATH = "app.tcss"
     TITLE = "trainyard"
     HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (120, "-wide")]
-    BINDINGS = [
+    BINDINGS = [   # the footer's order: help and quit first, so a narrow screen never cuts them off
+        Binding("question_mark", "help", "Help", tooltip="this list of keys"),
+        Binding("q", "leave", "Quit", tooltip="quit: detach (training goes on) or stop the run"),
         Binding("space", "replay('toggle')", "Play/pause", tooltip="replay: play or pause"),
         Binding("n", "replay('step')", "Step", tooltip="replay: one record forward (pauses)"),
         Binding("plus", "replay('faster')", "Faster", tooltip="replay: faster"),
@@ -83,8 +85,6 @@ class ConsoleApp(App[str]):
         Binding("1", "page('devices')", "Devices", show=False, tooltip="narrow screens: devices, streams, stages"),
         Binding("2", "page('layers')", "Layers", show=False, tooltip="narrow screens: layers and events"),
         Binding("3", "page('curves')", "Curves", show=False, tooltip="narrow screens: curves and events"),
-        Binding("question_mark", "help", "Help", tooltip="this list of keys"),
-        Binding("q", "leave", "Quit", tooltip="quit: detach (training goes on) or stop the run"),
     ]
 
     link_state = reactive("connecting")
@@ -122,7 +122,7 @@ class ConsoleApp(App[str]):
                 yield from (self.devices, self.streams, self.stages)
             with Vertical(id="right"):
                 yield from (self.table, self.curves, self.event_log)
-        yield Footer()
+        yield Footer(show_command_palette=False, compact=True)   # the palette is on ctrl+p and in help
 
     def on_mount(self) -> None:
         for panel in (self.devices, self.streams, self.stages, self.table, self.curves, self.event_log):

@@ -388,6 +388,22 @@ def test_with_no_run_named_a_picker_lists_the_live_runs(engines):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["pipeline", "param_server"])
+def test_help_and_quit_stay_on_an_80_column_footer(mode):
+    async def scenario():
+        app = offline(mode)   # every command key of the mode on show
+        async with app.run_test(size=(80, 24)) as pilot:
+            footer = app.query_one(Footer)
+            await until(pilot, lambda: footer.query("FooterKey"), what="the footer's keys")
+            await pilot.pause(0.1)
+            keys = {key.key: key.region for key in footer.query("FooterKey")}
+            for key in ("question_mark", "q"):
+                assert key in keys and keys[key].right <= 80, (key, keys)
+            assert keys["p"].right <= 80   # and the first command keys after them
+    run(scenario())
+
+
+@pytest.mark.timeout(60)
 def test_help_lists_every_key_and_the_palette_every_working_one():
     async def scenario():
         app = ConsoleApp(ReplaySource(DDP_FEED, paused=True, preload=10))

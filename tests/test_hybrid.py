@@ -163,6 +163,27 @@ def test_layer_update_moves_state_and_weights_exactly():
 # --- through the CLI: the trial, the plan, the profile saved with the run ------------------------
 
 @pytest.mark.timeout(120)
+def test_a_sharded_runs_layer_table_shows_every_layers_update_from_its_owner(cli):
+    from tests.conftest import read_jsonl
+    from tests.test_training import DEMO
+    log = cli.tmp_path / "run.jsonl"
+    r = cli.run("run", DEMO, "--headless", "--steps", "6", *cli.base_args("owners"), "--set", "parallel.strategy=sharded",
+                "--set", "parallel.world_size=2", "--set", "update.placement={fc1 = \"host\", head = \"host\"}",
+                "--set", "telemetry.layer_every=3", "--telemetry-log", str(log))
+    assert r.returncode == 0, r.stderr
+    rows = [rec["layers"] for rec in read_jsonl(log) if rec.get("type") == "step" and "layers" in rec]
+    assert rows
+    for table in rows:
+        by_name = {e["name"]: e for e in table}
+        # each layer's update runs on its owner; rank 0 shows it for every layer, whichever rank owns it
+        assert {n for n, e in by_name.items() if "placement" in e} == {"fc0", "fc1", "head"}
+        assert {n: by_name[n]["placement"] for n in ("fc0", "fc1", "head")} == {"fc0": "device", "fc1": "host",
+                                                                                "head": "host"}
+        assert {by_name[n]["owner_rank"] for n in ("fc0", "fc1", "head")} == {0, 1}
+        assert all(by_name[n]["update_ms"] > 0 for n in ("fc0", "fc1", "head"))
+
+
+@pytest.mark.timeout(120)
 def test_auto_placement_plans_after_the_trial_and_saves_the_profile(cli):
     from engine.runtime.checkpoint import list_checkpoints, model_state
     from tests.conftest import read_jsonl

@@ -232,6 +232,11 @@ def test_auto_rebalancing_moves_layers_live_and_training_equals_one_process(cli)
     assert rows and all(e["stage"] == s for rec in rows for e in rec["layers"]
                         for s, names in enumerate(_stages_of(rec)) if e["name"] in names)
     assert all(len({e["name"] for e in rec["layers"]}) == len(rec["layers"]) for rec in rows)
+    # from the step a migration took effect, moved layers have rows too (times from where they ran before)
+    for m in moved:
+        table = {e["name"]: e for e in steps[m["step"]]["layers"]}
+        assert sorted(table) == sorted(NAMES_512) and all(e["fwd_ms"] > 0 for n, e in table.items()
+                                                          if n.startswith("fc")), table
     last_rows = rows[-1]["layers"]
     assert sorted(e["name"] for e in last_rows) == sorted(NAMES_512) and {e["stage"] for e in last_rows} == {0, 1}
     last = list_checkpoints(cli.tmp_path / "runs" / "auto")[-1]

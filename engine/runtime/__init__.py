@@ -4,14 +4,15 @@
   worker's refusal ends the run (exit 2) instead of a restart; compat.py: what this torch can do.
 - rank.py: what every rank sets up alike (Job, stop flag, pid file, device, data, model, run_start);
   worker.py: the data-parallel and pipeline step loop and its boundary; control.py: the boundary's
-  exchange (every rank's figures, the operator's commands).
+  exchange (every rank's figures, the operator's commands); layer_rows.py: the console's layer
+  table, gathered on rank 0 from the stages or the owners that know each layer.
 - topology.py: the one place that owns ranks and process groups (compute, streams, side group).
 - devices.py: CUDA GPU or CPU with the memory ledger; profiler.py: per-layer times; emulate.py: a
   layer made slow mid-run.
 - checkpoint.py: atomic checkpoints with checksums; procpool.py, cluster.py: process pools for tests
   and benches, and the emulated cluster (network namespaces, shaped links).
 
-Imports: engine.config, engine.data, engine.models, engine.optim, and each other. launch.py and
+Imports: engine.config, engine.data, engine.models, engine.optim, engine.timing, and each other. launch.py and
 worker.py sit on top of everything: they also import engine.strategies, engine.techniques and
 engine.telemetry; refusal.py knows the refusal errors of engine.techniques.memory. No strategy or
 technique imports launch.py or worker.py.

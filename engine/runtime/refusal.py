@@ -39,12 +39,22 @@ def refuse(path: str, launcher_pid: int, rank: int, error: BaseException, stoppe
     """Hand `error` to the launcher and wait for it to stop this worker; never returns. `stopped()` is
     true once the launcher's SIGTERM has arrived (worker.StopRequest)."""
     text = f"rank {rank}: {error}"
-    try:   # the first rank to refuse is the one reported
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
+    # The first rank to refuse is the one reported. Its text is written whole before the file takes the
+    # path (a link fails where one exists): a second rank signalling meanwhile must not make the launcher
+    # read an empty file ("run refused: " once came out alone).
+    mine = f"{path}.rank{rank}"
+    try:
+        with open(mine, "w") as f:
             f.write(text)
+        os.chmod(mine, 0o600)
+        os.link(mine, path)
     except FileExistsError:
         pass
+    finally:
+        try:
+            os.unlink(mine)
+        except FileNotFoundError:
+            pass
     os.kill(launcher_pid, REFUSAL_SIGNAL)
     deadline = time.monotonic() + WAIT_FOR_STOP_S
     while not stopped() and time.monotonic() < deadline:

@@ -24,6 +24,7 @@ from engine.data import batch_for
 from engine.runtime import checkpoint as ckpt
 from engine.runtime.control import COLUMN, Peaks, encode_commands, exchange, rank_rows, share_commands
 from engine.runtime.emulate import SlowLayer
+from engine.runtime.layer_rows import LayerRows
 from engine.runtime.profiler import LayerProfiler
 from engine.runtime.rank import Job, StopRequest, announce, build_rank, device_fields, place_on_host
 from engine.runtime.refusal import is_refusal, refuse
@@ -100,12 +101,7 @@ class Worker:
         self.stop_reason: str | None = None
         self.wait_ms = 0.0
         self.rebalance_requested, self.rebalance_command = False, None
-        self.last_layers: list[dict] | None = None   # the last layer rows reported (rank 0)
-        # a pipeline stage holds only its own layers: each stage measures them and rank 0 gathers the rows
-        self.stage_rows = hasattr(self.strategy, "layer_stages")
-        self.own_rows: list[dict] = []               # this stage's last rows (pipeline)
-        self.rows_layout: list[list[str]] | None = None   # the layout of the last gathered rows
-        self.rows_stale = False                      # a command changed a policy or placement since
+        self.layer_rows = LayerRows(self.strategy, self.memory, self.topo)   # the console's layer table
 
     def _hello(self) -> dict:
         cfg = self.cfg
@@ -140,10 +136,12 @@ class Worker:
         last = time.perf_counter()
         while True:
             trained, local_loss, layers, memory_plan, swapped_out = False, 0.0, None, None, 0
+            rows_due = False
             if not self.paused and step < cfg.run.steps:
                 share = (0, 1) if getattr(self.strategy, "global_batch", False) else (rank, world)
                 x, y = batch_for(self.data, step, cfg.data.batch_size, cfg.run.seed, *share)
-                profile = self._profile_due(step)
+                rows_due = self._rows_due(step)
+                profile = rows_due and (self.topo.is_first or self.layer_rows.by_stage)
                 if profile:
                     self.profiler.arm()
                 self.memory.before_step(step)
@@ -175,7 +173,7 @@ class Worker:
                 now = time.perf_counter()
                 losses = table[:, COLUMN["loss"]]
                 loss = float(losses[self.strategy.loss_rank] if hasattr(self.strategy, "loss_rank") else losses.mean())
-                layers = self._gather_stage_rows(layers, table) if self.stage_rows else layers
+                layers = self.layer_rows.gather(layers, table, rows_due)
                 self._report(step, loss, table, cfg.data.batch_size / max(now - last, 1e-9), layers)
                 last = now
                 if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step < cfg.run.steps:
@@ -243,10 +241,10 @@ class Worker:
         if command:
             self.tel.reply(command, "applied", step=step, reason=f"new layout took effect in step {step}: {move.new}")
 
-    def _profile_due(self, step: int) -> bool:
+    def _rows_due(self, step: int) -> bool:
+        """Layer rows are due after this step (the same on every rank; rank 0 or each stage measures it)."""
         every = self.cfg.telemetry.layer_every
-        return (bool(self.profiler) and (self.topo.is_first or self.stage_rows)
-                and (step == self.first_step or (step + 1) % every == 0))
+        return bool(self.profiler) and (step == self.first_step or (step + 1) % every == 0)
 
     def _apply(self, command: dict, step: int) -> None:
         """Every rank runs this for the same commands at the same boundary."""
@@ -266,12 +264,12 @@ class Worker:
             return
         elif name == "set-policy":
             self.memory.set(*command["args"])
-            self.rows_stale = True
+            self.layer_rows.stale = True
             self.tel.event("policy", step, layer=command["args"][0], policy=command["args"][1], source="command")
         elif name == "set-placement":
             self.strategy.sync()
             self.strategy.updater.set_placement(*command["args"])
-            self.rows_stale = True
+            self.layer_rows.stale = True
             self.tel.event("placement", step, layer=command["args"][0], placement=command["args"][1],
                            source="command")
         else:   # the hub rejects these in this mode; a command from elsewhere gets the same answer
@@ -350,57 +348,12 @@ class Worker:
         record["time_split"]["comm_ms"] = sum(s["busy_ms"] for s in record["streams"])
         if hasattr(self.strategy, "stage_rows"):
             record.update(self.strategy.stage_rows(ranks))
+        layers = self.layer_rows.report(layers)
         if layers is not None:
-            layers = layers if self.stage_rows else self._layer_rows(layers)
-        elif not self.stage_rows and self.last_layers and any(row.get("policy") != self.memory.policy[row["name"]]
-                                      for row in self.last_layers):
-            # a policy changed (set-policy, a plan): the last measured rows, with the policies now in force
-            layers = [{**row, "policy": self.memory.policy[row["name"]]} for row in self.last_layers]
-        if layers is not None:
-            self.last_layers = layers
             record["layers"] = layers
             self.tel.update_state(layers=layers)
         self.tel.update_state(step=step)
         self.tel.step(record)
-
-    def _layer_rows(self, layers: list[dict]) -> list[dict]:
-        """The profiler's rows (a pipeline stage: of its own layers) with what this rank knows of each
-        layer: its policy, owner or stage, update placement, and the update's measured time on that side."""
-        owners = self.strategy.layer_owners() if hasattr(self.strategy, "layer_owners") else {}
-        stages = self.strategy.layer_stages() if self.stage_rows else {}
-        updates = self.strategy.updater.by_name
-        rows = []
-        for entry in layers:
-            name, row = entry["name"], dict(entry)
-            if stages and stages[name] != self.topo.rank:
-                continue   # a stage measures its own layers only
-            row["policy"] = self.memory.policy[name]
-            if name in stages:
-                row["stage"] = stages[name]
-            if name in owners:
-                row["owner_rank"] = owners[name]
-            if name in updates:
-                u = updates[name]
-                row["placement"] = u.side
-                row["update_ms"] = round(u.device_ms if u.side == "device" else u.host_ms + u.copy_ms, 4)
-            rows.append(row)
-        return rows
-
-    def _gather_stage_rows(self, measured: list[dict] | None, table: torch.Tensor) -> list[dict] | None:
-        """Pipeline, every rank: every stage's layer rows, gathered on rank 0 (None elsewhere, and when
-        nothing changed). Due on the same steps everywhere: a measured step, a plan made on any stage, a
-        policy or placement command, a new layout. Between measurements a stage sends its last rows with
-        the policies and placements in force now."""
-        layout = self.strategy.stage_layers
-        changed = table[:, COLUMN["plan_made"]].max() > 0 or self.rows_layout != layout or self.rows_stale
-        if measured is None and not changed:
-            return None
-        self.rows_layout, self.rows_stale = [list(s) for s in layout], False
-        self.own_rows = self._layer_rows(measured if measured is not None else self.own_rows)
-        gathered = [None] * self.topo.world_size if self.topo.is_first else None
-        dist.gather_object(self.own_rows, gathered, dst=dist.get_global_rank(self.topo.side, 0),
-                           group=self.topo.side)
-        return [row for rows in gathered for row in rows] if self.topo.is_first else None
 
     def _report_plan(self, step: int) -> None:
         """A placement plan was just made (after the trial of `update.placement = "auto"`)."""

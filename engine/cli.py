@@ -119,6 +119,15 @@ def main(argv: list[str] | None = None) -> int:
         from engine.runtime import cluster
         return cluster.main(argv[1:])
     args = _parser().parse_args(argv)
+    from engine.telemetry.protocol import RuntimeDirError
+    try:
+        return _dispatch(args)
+    except RuntimeDirError as e:   # where live runs are registered: the demo, console, runs and ctl need it
+        err.print(f"[red]error:[/] {escape(str(e))}")
+        return 2
+
+
+def _dispatch(args) -> int:
     if args.command == "bench":
         from engine import bench
         return bench.run(args.name, args.bench_args)

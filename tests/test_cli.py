@@ -43,3 +43,12 @@ def test_unknown_key_in_the_file(cli):
     r = cli.run("run", str(bad), "--headless", timeout=40)
     assert r.returncode == 2
     assert "unknown key 'run.stpes' (did you mean 'run.steps'?)" in r.stderr
+
+
+@pytest.mark.parametrize("args", [("demo",), ("console",), ("runs",), ("ctl", "somerun", "pause")])
+def test_a_runtime_folder_others_can_read_is_refused_by_name(cli, runtime_dir, args):
+    runtime_dir.chmod(0o755)
+    r = cli.run(*args)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert f"{runtime_dir}: must belong to you and be private (mode 0700)" in r.stderr
+    assert "Traceback" not in r.stderr

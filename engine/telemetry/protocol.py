@@ -88,6 +88,10 @@ def check_command(msg: dict) -> tuple[str, list[str]]:
 
 # --- where live runs are found --------------------------------------------------
 
+class RuntimeDirError(PermissionError):
+    """The folder of live runs is not ours alone: nothing may be served or found there."""
+
+
 def runtime_dir() -> Path:
     """A per-user folder (0700) holding each live run's socket and registry file."""
     if os.environ.get("TRAINYARD_RUNTIME_DIR"):
@@ -99,7 +103,7 @@ def runtime_dir() -> Path:
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     info = path.stat()
     if info.st_uid != os.getuid() or stat.S_IMODE(info.st_mode) & 0o077:
-        raise PermissionError(f"{path}: must belong to you and be private (mode 0700); fix it or set "
+        raise RuntimeDirError(f"{path}: must belong to you and be private (mode 0700); fix it or set "
                               f"TRAINYARD_RUNTIME_DIR")
     return path
 

@@ -122,7 +122,7 @@ class ConsoleApp(App[str]):
                 yield from (self.devices, self.streams, self.stages)
             with Vertical(id="right"):
                 yield from (self.table, self.curves, self.event_log)
-        yield Footer(show_command_palette=False, compact=True)   # the palette is on ctrl+p and in help
+        yield Footer(show_command_palette=False)   # the palette is on ctrl+p and in help
 
     def on_mount(self) -> None:
         for panel in (self.devices, self.streams, self.stages, self.table, self.curves, self.event_log):

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, pid_alive, wait_for
+from conftest import pid_alive, wait_for
 
 pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux (Debian's tmux package)")
 

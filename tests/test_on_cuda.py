@@ -1,0 +1,65 @@
+"""The CUDA paths on a real GPU: swap copies on side streams booked by event (stream_swap.py) and the
+device clock (engine/timing.py). Skipped where torch sees no GPU (CI, this project's CPU machines); on
+a GPU machine run `python -m pytest tests/test_on_cuda.py`. tests/test_stream_swap.py and
+tests/test_timing.py prove the same logic on the CPU with stand-ins."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.config import MemoryConfig
+from engine.data import batch_for
+from engine.models import build_model
+from engine.runtime.devices import CudaDevice
+from engine.strategies.ddp import cross_entropy
+from engine.techniques.memory import ActivationPolicy, StreamSwapper
+from engine.timing import Clock
+from test_memory import ZOO, setup
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def cuda_step(zoo: str, policy, capacity: int = 1 << 34) -> dict:
+    cfg, data = setup(zoo)
+    torch.manual_seed(0)
+    model = build_model(cfg.model, data.meta, 0).cuda()
+    device = CudaDevice(capacity, 0)
+    device.ledger.track_module(model)
+    policies = ActivationPolicy(model, device, MemoryConfig(policy=policy, host_link_gbps=20.0))
+    x, y = (t.cuda() for t in batch_for(data, 0, cfg.data.batch_size, 0))
+    torch.manual_seed(3)
+    with device.ledger.saved_activations():
+        cross_entropy(model(x), y).backward()
+    torch.cuda.synchronize()
+    if policies.swapper is not None:
+        policies.swapper.reap()
+    out = {"grads": {n: p.grad.detach().cpu() for n, p in model.named_parameters()},
+           "end": dict(device.ledger.bytes), "swapper": policies.swapper, "link": policies.link}
+    policies.close()
+    return out
+
+
+@pytest.mark.parametrize("zoo", sorted(ZOO))
+def test_swap_on_side_streams_computes_the_gradients_of_keep(zoo):
+    keep = cuda_step(zoo, "keep")
+    got = cuda_step(zoo, "swap")
+    assert isinstance(got["swapper"], StreamSwapper)
+    for name, g in keep["grads"].items():
+        assert torch.equal(got["grads"][name], g), name
+    assert got["end"]["activations"] == 0 and got["end"]["swapped"] == 0
+    swapper, pool = got["swapper"], got["link"].pool
+    assert not swapper._outbound and not swapper._settling
+    assert sum(len(v) for v in pool._free.values()) == pool.made and pool.pinned
+
+
+def test_the_device_clock_times_the_kernels_not_their_launch():
+    clock = Clock(torch.device("cuda", 0))
+    a = torch.randn(4096, 4096, device="cuda")
+    torch.cuda.synchronize()
+    t0 = clock.mark()
+    for _ in range(20):
+        a = a @ a / 64
+    t1 = clock.mark()
+    clock.settle()
+    assert clock.on_device and clock.ms(t0, t1) > 0

@@ -101,6 +101,49 @@ def test_the_activation_plan_reads_the_devices_times():
         assert cost.fwd_ms == pytest.approx(fwd) and cost.bwd_ms == pytest.approx(bwd), (name, cost)
 
 
+class StallingCopies(FakeCopies):
+    """Copies out land as soon as asked about, copies in only when the compute stream waits for them,
+    and that wait costs the fake GPU `STALL_MS`: a link too slow for its prefetches."""
+
+    STALL_MS = 50.0
+
+    def __init__(self, gpu: FakeGPU):
+        super().__init__("never")
+        self.gpu = gpu
+
+    def done(self, event) -> bool:
+        if event.direction == "out" and not event.landed:
+            self._land(event)
+        return event.landed
+
+    def use(self, event, tensor) -> None:
+        if not event.landed:
+            self.gpu.now += self.STALL_MS
+        super().use(event, tensor)
+
+
+def test_a_layers_backward_leaves_out_the_compute_streams_waits_for_the_link():
+    gpu = FakeGPU()
+    model = model_on(gpu)
+    device = LedgerDevice(1 << 30)
+    device.ledger.track_module(model)
+    copies = StallingCopies(gpu)
+    policy = ActivationPolicy(model, device, MemoryConfig(policy="auto", host_link_gbps=5.0),
+                              copies=copies, clock=Clock(events=gpu.event))
+    x = torch.randn(8, 4, requires_grad=True)
+    for step in range(2):
+        policy.before_step(step)
+        with device.ledger.saved_activations():
+            model(x).sum().backward()
+        policy.after_step(step)
+    swapper = policy.swapper
+    policy.close()
+    assert swapper.stalls > 0 and copies.calls["use-unlanded"] == swapper.stalls
+    for name, (fwd, bwd) in SCRIPT.items():
+        cost = policy.known[name]
+        assert cost.fwd_ms == pytest.approx(fwd) and cost.bwd_ms == pytest.approx(bwd), (name, cost)
+
+
 def test_the_profilers_rows_are_the_devices_times():
     gpu = FakeGPU()
     model = model_on(gpu)

@@ -9,7 +9,8 @@ input, turned into the LayerCosts the planners take.
 
 Times are marks of the device's clock (engine/timing.py: CUDA events on a GPU, where a layer's
 kernels run after its Python returns), read in `costs` once the step's work has run. They leave out
-the host's waits for the link (a layer's own time is what recompute costs). The bytes a layer saves
+the waits for the link (a layer's own time is what recompute costs): the host's, and on a GPU the
+compute stream's, marked by the swapper (`device_waits`). The bytes a layer saves
 are the ledger's count (`activations_by_layer`, `shared_bytes`), read back in `costs`. Imports torch,
 engine.timing and cost.py only.
 """
@@ -40,7 +41,7 @@ class Measure:
     clock: Clock = field(default_factory=Clock)
     calls: dict = field(default_factory=dict)
     fwd: list = field(default_factory=list)      # (name, mark before, mark after, host's link wait in s)
-    bwd: list = field(default_factory=list)      # the same for each backward timed
+    bwd: list = field(default_factory=list)      # the same for each backward timed, and its device waits
     in_bytes: dict = field(default_factory=dict)
 
     def forward_ran(self, name: str, t0, link_wait_s: float, args) -> None:
@@ -54,22 +55,27 @@ class Measure:
         """Hooks timing `name`'s backward: from its output's gradient to its first input's."""
         started = []
 
-        def waited() -> float:
-            return swapper.waited_s if swapper is not None else 0.0
+        def waited() -> tuple[float, int]:   # the host's waits (s), and how many device waits so far
+            if swapper is None:
+                return 0.0, 0
+            return swapper.waited_s, len(swapper.device_waits or ())
         out.register_hook(lambda grad: started.append((self.clock.mark(), waited())))
         inputs = [t for t in tensors(args) if t.requires_grad]
 
         def ended(grad):   # minus any wait for a swapped storage to come back
             if started:
-                t0, w0 = started.pop()
-                self.bwd.append((name, t0, self.clock.mark(), waited() - w0))
+                t0, (w0, d0) = started.pop()
+                w1, d1 = waited()
+                stalls = swapper.device_waits[d0:d1] if d1 > d0 else ()
+                self.bwd.append((name, t0, self.clock.mark(), w1 - w0, tuple(stalls)))
         if inputs:
             inputs[0].register_hook(ended)
 
     def _sums(self, marks: list) -> tuple[dict, dict]:
         ms, seen = {}, {}
-        for name, a, b, wait_s in marks:
-            ms[name] = ms.get(name, 0.0) + max(0.0, self.clock.ms(a, b) - wait_s * 1000)
+        for name, a, b, wait_s, *stalls in marks:
+            stalled = sum(self.clock.ms(s0, s1) for s0, s1 in (stalls[0] if stalls else ()))
+            ms[name] = ms.get(name, 0.0) + max(0.0, self.clock.ms(a, b) - wait_s * 1000 - stalled)
             seen[name] = seen.get(name, 0) + 1
         return ms, seen
 

@@ -95,6 +95,7 @@ class ActivationPolicy:
             if device.type == "cuda" or self.copies is not None:   # copies on side streams, booked by event
                 self.link = StreamLink(device, self.copies)
                 self.swapper = self.ledger.swapper = StreamSwapper(self.ledger, self.link)
+                self.swapper.clock = self.clock
             else:   # the CPU: a thread per direction, paced to host_link_gbps
                 self.link = HostLink(device, self.cfg.host_link_gbps)
                 self.swapper = self.ledger.swapper = Swapper(self.ledger, self.link)
@@ -197,6 +198,8 @@ class ActivationPolicy:
         self._pass = (-1, None)
         if self.plan_due and self._warm:
             self._measure = Measure(self.clock)
+            if self.swapper is not None:   # the compute stream's waits for the link, marked (a GPU)
+                self.swapper.device_waits = []
             self.ledger.activations_by_layer = {}
             self.ledger.shared_bytes = {}
             self.ledger.reset_peak()
@@ -207,6 +210,8 @@ class ActivationPolicy:
         measure, self._measure = self._measure, None
         if measure is None:
             return None
+        if self.swapper is not None:
+            self.swapper.device_waits = None   # read through the marks the measure holds
         self.plan_due = False
         costs = measure.costs(self._last_owned, self.policy, self.known, self.ledger)
         owned = self._last_owned

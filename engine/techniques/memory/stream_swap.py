@@ -9,8 +9,10 @@ the compute stream (torchtune's activation offloading works the same way).
 
 An entry's states are Swapper's (swap.py): out (its copy out in flight; the device copy is held until
 the event says it has landed), host, in (its copy in queued), back, dead. `reap` books landed copies
-in the order they were queued, without blocking; it runs on every pack, prefetch and unpack. The one
-place the host waits is backpressure: a forward that would go over the capacity while copies out are
+in the order they were queued, without blocking; it runs on every pack, prefetch and unpack. While a
+step is measured, each time the compute stream has to wait for a copy in is marked on the device
+clock (`device_waits`), so a layer's measured backward leaves it out. The one place the host waits is
+backpressure: a forward that would go over the capacity while copies out are
 in flight waits for the oldest (`make_room`). A prefetch asked for while the copy out is still in
 flight keeps the device copy, so that storage never comes back over the link. A buffer a copy still
 reads or writes is given back only once its event is done. Imports torch, link.py and swap.py.
@@ -137,9 +139,17 @@ class StreamSwapper(Swapper):
                 self._start_in(entry)
             if entry.state != "in":
                 raise RuntimeError(f"a swapped activation of {entry.layer or 'a layer'} was used after it was freed")
+            waits = self.device_waits
             if not self.link.done(entry.event):
                 self.stalls += 1
-            self.link.use(entry.event, entry.restored)
+            else:
+                waits = None   # landed: the compute stream will not wait
+            if waits is not None and self.clock is not None:   # a measured step: the stall, on the device
+                before = self.clock.mark()
+                self.link.use(entry.event, entry.restored)
+                waits.append((before, self.clock.mark()))
+            else:
+                self.link.use(entry.event, entry.restored)
             self._settling.append((entry.event, entry.host_buf))
             entry.host_buf, entry.event, entry.state = None, None, "back"
             entry.ready.set()

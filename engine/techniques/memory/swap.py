@@ -88,6 +88,9 @@ class Swapper:
         self._by_ptr: dict[int, SwapEntry] = {}      # live entries by the address of their device storage
         self.pending_out = 0                         # bytes queued or copying out (still on the device)
         self.waited_s = 0.0                          # the compute thread's waits for the link, in total
+        self.clock = None                            # the device clock (stream_swap.py marks its stalls)
+        self.device_waits: list | None = None        # while a step is measured: (mark, mark) of each time
+                                                     # the compute stream waited for the link (on a GPU)
         self.urgent_fetches = 0                      # backward waiting for a storage now
         self._landed = threading.Condition(threading.Lock())
 

@@ -112,6 +112,7 @@ def test_commands_pause_resume_reject_and_stop(cli):
     assert swapping and all(e["swap_layers"] == 1 for r in swapping for e in r["ranks"])
     # a copy still queued when backward frees its tensor is skipped, so not every step copies
     assert sum(e["swapped_out_bytes"] for r in swapping for e in r["ranks"]) > 0
+    assert all(e["link_wait_ms"] >= 0 for r in swapping for e in r["ranks"])   # the compute's waits for the link
     moves = [r for r in records if r.get("kind") == "placement"]
     assert [(m["step"], m["layer"], m["placement"]) for m in moves] == [(moved_at, "fc1", "host")]
     # the step the reply named is where the update moved, and the result is the same computation

@@ -100,6 +100,20 @@ def test_swapped_bytes_leave_the_device_ledger_and_come_back():
     policies.close()
 
 
+def test_the_compute_threads_waits_for_a_slow_link_are_counted():
+    cfg, data = setup("transformer")
+    model = build_model(cfg.model, data.meta, 0)
+    device = LedgerDevice(1 << 30)
+    device.ledger.track_module(model)
+    policies = ActivationPolicy(model, device, MemoryConfig(policy="swap", host_link_gbps=0.05))   # 50 MB/s
+    x, y = batch_for(data, 0, cfg.data.batch_size, 0)
+    assert policies.link_wait_s() == 0.0
+    with device.ledger.saved_activations():
+        cross_entropy(model(x), y).backward()   # the last layer's storages are fetched the moment they are needed
+    assert policies.link_wait_s() > 0
+    policies.close()
+
+
 # --- the plan ------------------------------------------------------------------------------------------
 LINK = 1e6   # bytes per ms (1 GB/s)
 COSTS = [LayerCost("a", 4_000_000, 1000, fwd_ms=10.0, bwd_ms=20.0),    # swap 4 ms, ratio 0.4

@@ -141,9 +141,9 @@ def test_device_card_simulated_and_over_capacity():
         assert cards[0].size.height == before + 1
         # a rank whose layers swap or recompute says how many, and what it sent to the host in the step
         panel.update_ranks([rank_entry(0, owned_bytes=3 * MIB, gate_ms=1.25, swap_layers=3, recompute_layers=2,
-                                       swapped_out_bytes=5 * MIB), over], simulated=True)
+                                       swapped_out_bytes=5 * MIB, link_wait_ms=12.34), over], simulated=True)
         await pilot.pause(REPAINT_WAIT_S)
-        assert "swap 3  recompute 2  to host 5.0 MiB/step" in screen_text(pilot)
+        assert "swap 3  recompute 2  to host 5.0 MiB/step  wait 12.3 ms" in screen_text(pilot)
         assert cards[0].size.height == before + 2
 
     mounted(DevicesPanel(), test)

@@ -210,7 +210,9 @@ class DeviceCard(Widget):
             lines.append(Text.assemble(("swap ", "dim"), str(entry.get("swap_layers") or 0),
                                        ("  recompute ", "dim"), str(entry.get("recompute_layers") or 0),
                                        ("  to host ", "dim"),
-                                       (f"{human_bytes(entry.get('swapped_out_bytes') or 0)}/step", "cyan")))
+                                       (f"{human_bytes(entry.get('swapped_out_bytes') or 0)}/step", "cyan"),
+                                       *((("  wait ", "dim"), f"{entry['link_wait_ms']:.1f} ms")
+                                         if entry.get("link_wait_ms") is not None else ())))
         lines += self.gpu_lines(entry)
         cpu = entry.get("cpu_percent")
         lines.append(Text.assemble(("rss ", "dim"), human_bytes(entry.get("rss_bytes")),

@@ -26,7 +26,7 @@ FIELDS = ("stop", "command_bytes", "loss", "step_ms", "fwd_ms", "bwd_ms", "optim
           "parameters_bytes", "gradients_bytes", "optimizer_state_bytes", "activations_bytes",
           "swapped_bytes", "used_bytes", "peak_bytes", "capacity_bytes", "over_capacity",
           "rss_bytes", "cpu_percent", "migration_bytes", "migration_ms", "swap_layers", "recompute_layers",
-          "plan_made", "plan_estimate_bytes", "min_capacity_bytes", "swapped_out_bytes",
+          "plan_made", "plan_estimate_bytes", "min_capacity_bytes", "swapped_out_bytes", "link_wait_ms",
           *GPU_FIELDS)
 COLUMN = {name: i for i, name in enumerate(FIELDS)}
 

@@ -135,7 +135,7 @@ class Worker:
         step, loss = self.first_step, None
         last = time.perf_counter()
         while True:
-            trained, local_loss, layers, memory_plan, swapped_out = False, 0.0, None, None, 0
+            trained, local_loss, layers, memory_plan, swapped_out, link_wait_s = False, 0.0, None, None, 0, 0.0
             rows_due = False
             if not self.paused and step < cfg.run.steps:
                 share = (0, 1) if getattr(self.strategy, "global_batch", False) else (rank, world)
@@ -147,12 +147,13 @@ class Worker:
                 self.memory.before_step(step)
                 if self.slow_layer:
                     self.slow_layer.step = step
-                out_before = self.memory.swapped_out_bytes()
+                out_before, wait_before = self.memory.swapped_out_bytes(), self.memory.link_wait_s()
                 t0 = time.perf_counter()
                 local_loss = self.strategy.train_step(x, y) or 0.0   # None: a pipeline stage before the last
                 step_ms = (time.perf_counter() - t0) * 1000
                 memory_plan = self.memory.after_step(step)
                 swapped_out = self.memory.swapped_out_bytes() - out_before
+                link_wait_s = self.memory.link_wait_s() - wait_before
                 layers = self.profiler.finish() if profile else None
                 step, trained = step + 1, True
                 if self.strategy.updater.new_plan:
@@ -162,7 +163,7 @@ class Worker:
             table = exchange(self.topo, {"stop": float(self.stop.requested), "command_bytes": len(payload),
                                          "loss": local_loss, "step_ms": step_ms if trained else 0.0,
                                          "wait_ms": self.wait_ms, **self.strategy.timings,
-                                         **self._memory_fields(memory_plan, swapped_out),
+                                         **self._memory_fields(memory_plan, swapped_out, link_wait_s),
                                          **self.device.stats()})
             commands = share_commands(self.topo, payload, table)
             self.wait_ms = (time.perf_counter() - t_wait) * 1000
@@ -280,14 +281,15 @@ class Worker:
         else:
             self.stop_command = command
 
-    def _memory_fields(self, plan, swapped_out: int) -> dict:
+    def _memory_fields(self, plan, swapped_out: int, link_wait_s: float) -> dict:
         """This rank's policy figures for the step's exchange."""
         policies = self.memory.policies()
         error = self.memory.last_error
         return {"swap_layers": sum(p == "swap" for p in policies.values()),
                 "recompute_layers": sum(p == "recompute" for p in policies.values()),
                 "plan_made": float(plan is not None), "plan_estimate_bytes": plan.estimate_bytes if plan else 0,
-                "min_capacity_bytes": error.min_capacity_bytes if error else 0, "swapped_out_bytes": swapped_out}
+                "min_capacity_bytes": error.min_capacity_bytes if error else 0, "swapped_out_bytes": swapped_out,
+                "link_wait_ms": link_wait_s * 1000}
 
     def _check_memory(self, step: int, table: torch.Tensor) -> str | None:
         """Every rank, after the exchange: the reason to refuse the run when a stage's plan cannot fit

@@ -15,7 +15,8 @@ RANK_ENTRY = {
                  "over_capacity", "rss_bytes", "cpu_percent"],
     "properties": {
         "rank": {"type": "integer", "minimum": 0}, "loss": {"type": "number"},
-        **{k: {"type": "number", "minimum": 0} for k in ("step_ms", "fwd_ms", "bwd_ms", "optim_ms", "wait_ms")},
+        **{k: {"type": "number", "minimum": 0} for k in ("step_ms", "fwd_ms", "bwd_ms", "optim_ms", "wait_ms",
+                                                         "link_wait_ms")},
         **{k: _BYTES for k in ("parameters_bytes", "gradients_bytes", "optimizer_state_bytes",
                                "activations_bytes", "swapped_bytes", "used_bytes", "peak_bytes",
                                "capacity_bytes", "rss_bytes", "swapped_out_bytes")},

@@ -284,6 +284,10 @@ class ActivationPolicy:
     def swapped_out_bytes(self) -> int:
         return self.swapper.out_bytes if self.swapper is not None else 0
 
+    def link_wait_s(self) -> float:
+        """Seconds the compute thread has waited for the host link (for room, or for a swapped storage)."""
+        return self.swapper.waited_s if self.swapper is not None else 0.0
+
     def close(self) -> None:
         for i, layer in enumerate(self.model.layers):
             if self._replaced[i] is None:

@@ -46,6 +46,10 @@ class Clock:
             self._last.synchronize()
             self._last = None
 
+    def done(self, mark) -> bool:
+        """Has the work up to `mark` run? (Never blocks; always true on the CPU.)"""
+        return self.events is None or mark.query()
+
     def ms(self, a, b) -> float:
         """Milliseconds from mark `a` to mark `b` (on a GPU, waiting for `b` if `settle` has not)."""
         if self.events is None:

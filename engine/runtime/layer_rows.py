@@ -127,4 +127,4 @@ class LayerRows:
 
 def update_figures(u) -> tuple[str, float]:
     """A layer update's side and its last measured time on that side."""
-    return u.side, round(u.device_ms if u.side == "device" else u.host_ms + u.copy_ms, 4)
+    return u.side, round(u.device_ms_known() if u.side == "device" else u.host_ms + u.copy_ms, 4)

@@ -184,7 +184,7 @@ class HybridUpdater:
         self._missing = {i: len(u.params) for i, u in self.updates.items()}
         self._dispatched = set()
         self._gate_s = 0.0
-        self._device_ran: list[LayerUpdate] = []   # this step's device updates
+        self._device_ran = []
 
     def params_reduced(self, params) -> None:
         """Called from any thread: these parameters' gradients are final for this step."""
@@ -256,7 +256,7 @@ class HybridUpdater:
         busy = 0.0
         if self.executor is not None:
             busy, self.executor.busy_s = self.executor.busy_s * 1000, 0.0
-        device_ms = sum(u.device_ms for u in self._device_ran)
+        device_ms = sum(u.device_ms_known() for u in self._device_ran)   # no wait for the GPU here
         return {"update_device_ms": device_ms, "host_busy_ms": busy, "host_gate_ms": self._gate_s * 1000,
                 "host_bytes": self.host_bytes()}
 

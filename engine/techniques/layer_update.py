@@ -85,9 +85,16 @@ class LayerUpdate:
 
     @property
     def device_ms(self) -> float:
-        """The last device step's time, on the device's clock (read once its work has run)."""
+        """The last device step's time, on the device's clock (waiting for its work to have run)."""
         if self._device_marks is not None:
             self._device_ms, self._device_marks = self.clock.ms(*self._device_marks), None
+        return self._device_ms
+
+    def device_ms_known(self) -> float:
+        """The latest device step's time that has run, without waiting (telemetry: on a GPU the step
+        just queued may still be running, and then the one before it is reported)."""
+        if self._device_marks is not None and self.clock.done(self._device_marks[1]):
+            return self.device_ms
         return self._device_ms
 
     def mark_grads_final(self) -> None:

@@ -40,14 +40,15 @@ class Measure:
 
     clock: Clock = field(default_factory=Clock)
     calls: dict = field(default_factory=dict)
-    fwd: list = field(default_factory=list)      # (name, mark before, mark after, host's link wait in s)
-    bwd: list = field(default_factory=list)      # the same for each backward timed, and its device waits
+    fwd: list = field(default_factory=list)      # (name, mark before, mark after, host's link wait in s,
+                                                 #  the device's waits for the link: (mark, mark), ...)
+    bwd: list = field(default_factory=list)      # the same for each backward timed
     in_bytes: dict = field(default_factory=dict)
 
     def forward_ran(self, name: str, t0, link_wait_s: float, args) -> None:
         """After one forward of `name` that began at mark `t0` and waited `link_wait_s` for the link."""
         self.calls[name] = self.calls.get(name, 0) + 1
-        self.fwd.append((name, t0, self.clock.mark(), link_wait_s))
+        self.fwd.append((name, t0, self.clock.mark(), link_wait_s, ()))
         self.in_bytes[name] = max(self.in_bytes.get(name, 0),
                                   sum(t.numel() * t.element_size() for t in tensors(args)))
 
@@ -73,8 +74,8 @@ class Measure:
 
     def _sums(self, marks: list) -> tuple[dict, dict]:
         ms, seen = {}, {}
-        for name, a, b, wait_s, *stalls in marks:
-            stalled = sum(self.clock.ms(s0, s1) for s0, s1 in (stalls[0] if stalls else ()))
+        for name, a, b, wait_s, stalls in marks:
+            stalled = sum(self.clock.ms(s0, s1) for s0, s1 in stalls)
             ms[name] = ms.get(name, 0.0) + max(0.0, self.clock.ms(a, b) - wait_s * 1000 - stalled)
             seen[name] = seen.get(name, 0) + 1
         return ms, seen

@@ -33,16 +33,15 @@ class StreamSwapper(Swapper):
     def __init__(self, ledger, link: StreamLink):
         super().__init__(ledger, link)
         self._outbound: deque[SwapEntry] = deque()   # copies out in flight, in the order queued
-        self._settling: list[tuple] = []            # (event, host buffer) of copies in not known landed
-        self._deferred: list[SwapEntry] = []        # prefetches waiting for room on the device
+        self._settling: deque[tuple] = deque()      # (event, host buffer) of copies in not known landed
+        self._deferred: deque[SwapEntry] = deque()  # prefetches waiting for room on the device, in order
         self.stalls = 0                             # unpacks that found their copy in still running
 
     # --- forward --------------------------------------------------------------------------------
     def _send(self, entry: SwapEntry) -> None:
-        entry.host_buf, entry.event = self.link.copy_out(entry.device_buf)
+        entry.host_buf, entry.event = self.link.copy_out(entry.device_buf)   # make_room has just reaped
         with self.ledger._lock:
             self._outbound.append(entry)
-        self.reap()
 
     def make_room(self, nbytes: int) -> None:
         """While `nbytes` more would take the device over its capacity and copies out are in flight, wait
@@ -63,24 +62,17 @@ class StreamSwapper(Swapper):
 
     # --- booking what has landed ----------------------------------------------------------------
     def reap(self) -> None:
-        """Book every copy whose event is done: copies out in order, then the host buffers of copies in."""
+        """Book the copies whose events are done, each queue from its front (a side stream runs its copies
+        in order), so a call costs what has landed, not what is in flight: copies out, the host buffers
+        of copies in, then the prefetches that waited for room, in order."""
         with self.ledger._lock:
             while self._outbound and self.link.done(self._outbound[0].event):
                 self._landed_out(self._outbound.popleft())
-            settling = []
-            for event, host in self._settling:
-                if self.link.done(event):
-                    self.link.pool.give(host)
-                else:
-                    settling.append((event, host))
-            self._settling = settling
-            deferred, self._deferred = self._deferred, []
-            for entry in deferred:   # in order: the first that still has no room keeps the rest waiting
-                if entry.state != "host":
-                    continue
-                if self._deferred or not self._room_for(entry):
-                    self._deferred.append(entry)
-                else:
+            while self._settling and self.link.done(self._settling[0][0]):
+                self.link.pool.give(self._settling.popleft()[1])
+            while self._deferred and (self._deferred[0].state != "host" or self._room_for(self._deferred[0])):
+                entry = self._deferred.popleft()
+                if entry.state == "host":
                     self._start_in(entry)
 
     def _landed_out(self, entry: SwapEntry) -> None:   # the ledger's lock held

@@ -165,7 +165,6 @@ class StreamLink:
         self.device = device
         self.copies = copies if copies is not None else CudaCopies(device)
         self.pool = HostBufferPool(pinned=self.copies.pinned)
-        self.error: Exception | None = None
 
     def copy_out(self, src: torch.Tensor):
         """(a pool buffer the copy lands in, its event)."""

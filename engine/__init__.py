@@ -54,8 +54,11 @@ def train(config: Config | dict | str | Path, *, model: LayerList | None = None,
     """Train and return the run's summary (final_loss, test_accuracy, steps, wall_s, ...).
 
     `config` is a Config, a dict of sections (`{"run": {"steps": 100}}`) or a TOML path.
-    `model` replaces `[model]`, `data` replaces `[data]`; both are pickled to every worker,
-    so they must be picklable (define their classes at module level).
+    `model` replaces `[model]`, `data` replaces `[data]`. Workers never touch your objects: each
+    loads its own copy of `model` from a file the launcher saves (torch.save, so define your layers'
+    classes at module level), and they share one read-only copy of `data`'s tensors. When the run
+    ends, `model` is given the run's final weights, loaded in place from its final checkpoint, on
+    whatever devices its parameters are; if `train` raises, `model` keeps the weights it had.
     """
     from engine.config import Config, load_config
     from engine.runtime.launch import launch, prepare_run_dir
@@ -73,4 +76,8 @@ def train(config: Config | dict | str | Path, *, model: LayerList | None = None,
     job = Job(config=cfg, model=model, data=data, resume=Path(resume) if resume else None,
               telemetry_log=Path(telemetry_log) if telemetry_log else None, headless=headless)
     prepare_run_dir(job)
-    return launch(job)
+    summary = launch(job)
+    if model is not None:
+        from engine.runtime.handover import load_final_weights
+        load_final_weights(model, cfg.run_dir)
+    return summary

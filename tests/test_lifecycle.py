@@ -31,8 +31,8 @@ def read_pid(run_dir, who: str) -> int | None:
 
 
 @pytest.mark.timeout(150)
-# in CI the elastic restart is tested through a pipeline run (tests/test_rebalance.py: SIGKILL, restart from
-# the last checkpoint, parameters equal to one process); these two run with `pytest -m slow`
+# slow: the elastic restart is also tested through a pipeline run (tests/test_rebalance.py: SIGKILL, restart
+# from the last checkpoint, parameters equal to one process), which `pytest -m 'not slow'` keeps
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "sharded"])
 def test_a_worker_killed_by_sigkill_is_restarted_and_the_run_completes(cli, strategy):

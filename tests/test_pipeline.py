@@ -122,7 +122,7 @@ def test_two_stages_match_single_process(pool2):
     check(results, VARIANTS_2)
 
 
-@pytest.mark.slow   # k = 2 here and k = 4 in tests/test_rebalance.py run in CI
+@pytest.mark.slow   # k = 2 here and k = 4 in tests/test_rebalance.py are in the quick set
 @pytest.mark.timeout(120)
 def test_three_stages_match_single_process(pool3):
     results = pool3.run(pipe_job, timeout=90, variants=VARIANTS_3)
@@ -198,7 +198,7 @@ def test_schedules():
 # --- the pipeline strategy through the CLI -------------------------------------------------------
 
 @pytest.mark.timeout(120)
-# the CLI path (parity, schema, stages, evaluation across stages) runs in CI in tests/test_rebalance.py
+# the CLI path (parity, schema, stages, evaluation across stages) is in the quick set in tests/test_rebalance.py
 @pytest.mark.slow
 @pytest.mark.parametrize("world,schedule,optim", [(2, "1f1b", "adamw"), (3, "gpipe", "sgd")])
 def test_a_pipeline_run_equals_one_process_and_reports_its_stages(cli, world, schedule, optim):

@@ -68,7 +68,7 @@ def pool4():
         yield p
 
 
-@pytest.mark.slow   # the bench runs 4 stages: that case runs in CI
+@pytest.mark.slow   # the bench runs 4 stages: that case is in the quick set
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("optim,schedule", VARIANTS)
 def test_two_stages_match_single_process(pool2, optim, schedule):

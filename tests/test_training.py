@@ -60,7 +60,7 @@ def test_digits_reaches_090_test_accuracy(cli, world):
 
 
 @pytest.mark.timeout(120)
-# in CI, tests/test_cluster.py runs ddp (sgd) and sharded (adamw) on 2 emulated hosts x 2 workers against the
+# in the quick set, tests/test_cluster.py runs ddp (sgd) and sharded (adamw) on 2 emulated hosts x 2 workers against the
 # same reference, and tests/test_sharded.py compares sharded with DDP over a grid
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy,world,optim", [("ddp", 2, "sgd"), ("ddp", 4, "adamw"), ("sharded", 2, "adamw")])

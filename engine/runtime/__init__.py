@@ -2,6 +2,8 @@
 
 - launch.py: the launcher (torch's elastic agent: restarts, rendezvous, several hosts); refusal.py: a
   worker's refusal ends the run (exit 2) instead of a restart; compat.py: what this torch can do.
+- handover.py: a user's model and data handed to the workers as copies of their own (never the caller's
+  memory), and the run's final weights loaded back into the caller's model.
 - rank.py: what every rank sets up alike (Job, stop flag, pid file, device, data, model, run_start);
   worker.py: the data-parallel and pipeline step loop and its boundary; control.py: the boundary's
   exchange (every rank's figures, the operator's commands); layer_rows.py: the console's layer

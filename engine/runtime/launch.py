@@ -38,6 +38,7 @@ from engine.runtime import checkpoint as ckpt
 from engine.runtime import compat
 from engine.config import config_to_toml, format_size
 from engine.runtime.devices import choose_device, cuda_count, tensor_bytes
+from engine.runtime.handover import hand_over, release
 from engine.strategies.pipeline import configured_stages
 from engine.runtime.refusal import REFUSAL_SIGNAL, Refused
 from engine.runtime.rank import Job
@@ -267,6 +268,7 @@ def launch(job: Job) -> dict | None:
     agent_log.setLevel(logging.INFO)
     agent_log.propagate = False
     try:
+        hand_over(job)   # the user's model and data, as copies of the workers' own
         with _refusals(job):
             results = elastic_launch(launch_cfg, worker_main)(job)
     except ChildFailedError as e:
@@ -283,6 +285,7 @@ def launch(job: Job) -> dict | None:
         raise RunInterrupted(f"stopped by {signal.Signals(e.sigval).name}; {where}", int(e.sigval)) from None
     finally:
         agent_log.removeHandler(reporter)
+        release(job)
     summary = next((v for _, v in sorted(results.items()) if v), None)   # rank 0's, or a refusal
     if summary and summary.get("type") == "refused":
         raise RunRefused(summary["error"])

@@ -24,15 +24,18 @@ from engine.config import Config
 from engine.data import Dataset, load_dataset
 from engine.models import LayerList, build_model
 from engine.runtime.devices import open_device
+from engine.runtime.handover import received_model
 from engine.runtime.topology import Topology
 
 
 @dataclass
 class Job:
-    """Everything a worker needs; pickled to each worker process."""
+    """Everything a worker needs; pickled to each worker process (never with the caller's model: see
+    engine/runtime/handover.py)."""
     config: Config
-    model: LayerList | None = None       # a user's model (None: build cfg.model)
-    data: Dataset | None = None          # a user's data (None: load cfg.data)
+    model: LayerList | None = None       # a user's model, the caller's own object: the launcher's alone
+    data: Dataset | None = None          # a user's data (None: load cfg.data); handed over as a private copy
+    model_file: Path | None = None       # the user's model, saved by the launcher; each worker loads its own
     resume: Path | None = None           # a verified checkpoint folder
     telemetry_log: Path | None = None
     headless: bool = True
@@ -45,6 +48,13 @@ class Job:
     # (kind, capacity_bytes, local_rank, local_world_size) -> device; None: engine.runtime.devices.open_device.
     # Tests give one whose probe returns a GPU's figures, so the CUDA telemetry path runs on the CPU.
     open_device: Callable | None = None
+
+    def __getstate__(self) -> dict:
+        # Pickling the caller's model to a spawned worker would move its tensors into shared memory and make
+        # them the worker's: workers load model_file instead (handover.hand_over writes it first).
+        if self.model is not None and self.model_file is None:
+            raise RuntimeError("a Job with a user's model is pickled before handover.hand_over(job) saved it")
+        return {**self.__dict__, "model": None}
 
     def log_path(self) -> Path:
         if self.telemetry_log:
@@ -93,7 +103,7 @@ def build_rank(job: Job, topo: Topology):
                                               topo.local_world_size)
     data = job.data if job.data is not None else load_dataset(cfg.data, cfg.run.seed)
     torch.manual_seed(cfg.run.seed)
-    model = job.model if job.model is not None else build_model(cfg.model, data.meta, cfg.run.seed)
+    model = received_model(job) if job.model_file is not None else build_model(cfg.model, data.meta, cfg.run.seed)
     restart, device.rank_names = meet(topo, device.name)
     return restart, device, data, model.to(device.torch_device)
 

@@ -126,3 +126,19 @@ def test_a_dead_server_restarts_the_run_from_its_last_checkpoint(cli):
     assert restart["restart"] == 1 and resumed["step"] >= 10 and resumed["step"] % 10 == 0
     assert records[-1]["steps"] == 80 and records[-1]["restarts"] == 1
     wait_for(lambda: not any(pid_alive(p) for p in run_pids(run_dir)), 10, "every process of the run to be gone")
+
+
+def test_a_steps_loss_is_the_mean_of_its_iteration_once_every_live_worker_sent_it():
+    from engine.strategies.param_server.coordinator import StepLosses
+    book = StepLosses()
+    book.add(0, 2, 4.0)                                   # worker 2's loss of iteration 0 (step 1)
+    assert book.of_step(1, {2, 3}, global_step=1) is None   # worker 3's share is still on its way
+    book.add(0, 3, 5.0)
+    assert book.of_step(1, {2, 3}, global_step=1) == (4.5, 2)   # the global batch's mean
+    book.add(1, 2, 3.0)                                   # step 2: worker 3 is slow (asp, soft)
+    assert book.of_step(2, {2, 3}, global_step=2) is None
+    assert book.of_step(2, {2, 3}, global_step=3) == (3.0, 1)   # step 3 is done: no more waiting
+    assert book.of_step(2, {2}, global_step=2) == (3.0, 1)      # worker 3 was lost
+    assert book.of_step(3, {2, 3}, global_step=5, final=True) is None   # nothing ever came for it
+    book.forget_before(1)   # step 1's record is written: iteration 0's losses go
+    assert sorted(book.by_iteration) == [1]

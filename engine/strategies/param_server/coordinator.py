@@ -31,6 +31,37 @@ from engine.telemetry.outlets import Telemetry
 CONTROL_EVERY_S = 0.25     # the coordinator tells the servers the state at least this often
 
 
+class StepLosses:
+    """Each worker's training loss by iteration, and the loss a step's record carries.
+
+    Worker w's iteration i trains on its equal share of global batch i (setup.batch), and its loss arrives
+    with its next pull. The record of step s (1-based: iteration s - 1) carries the mean of the losses of
+    iteration s - 1 of every live worker, or, once step s + 1 has completed, of every worker that has
+    done that iteration. In bsp every live worker has by then (its pull for iteration s, with the loss of
+    s - 1, leaves before its gradients of iteration s, on the same link): the global batch's mean loss, as
+    in every other strategy. In asp, ssp and soft a worker that has not reached iteration s - 1 by then
+    (a slow one) is left out of that step's mean; the record's `ps.loss_workers` says how many are in it.
+    """
+
+    def __init__(self):
+        self.by_iteration: dict[int, dict[int, float]] = {}
+
+    def add(self, iteration: int, worker: int, loss: float) -> None:
+        self.by_iteration.setdefault(iteration, {})[worker] = loss
+
+    def of_step(self, step: int, live: set[int], global_step: int, final: bool = False) -> tuple[float, int] | None:
+        """(mean loss, workers in it) of step `step`'s record, or None while it must wait."""
+        got = self.by_iteration.get(step - 1, {})
+        if not got or not (live <= set(got) or global_step > step or final):
+            return None
+        return sum(got.values()) / len(got), len(got)
+
+    def forget_before(self, step: int) -> None:
+        """Records up to `step` are written: drop the losses of their iterations."""
+        for iteration in [i for i in self.by_iteration if i < step]:
+            del self.by_iteration[iteration]
+
+
 class Coordinator(PSServer):
     """Server 0: also counts the global step, applies commands, logs telemetry and ends the run."""
 
@@ -40,14 +71,16 @@ class Coordinator(PSServer):
         cfg = setup.cfg
         self.mode = cfg.parallel.sync
         self.paused = False
-        self.reported = setup.first_step
+        self.reported = setup.first_step         # the last step whose record is written
+        self.counted = setup.first_step          # the last global step seen (checkpoints, evaluations)
         self.rows: dict[int, list[float]] = {}
         self.info = {w: {"rank": w, "iterations": setup.first_step, "steps_per_s": 0.0, "wait_ms": 0.0,
                          "compute_ms": 0.0, "slow_factor": float(cfg.parallel.slow_workers.get(str(w), 1.0)),
                          "alive": True, "_t": None} for w in self.workers}
         self.server_rows: dict[int, torch.Tensor] = {}
-        self.losses: list[float] = []
+        self.losses = StepLosses()
         self.last_loss: float | None = None
+        self.loss_workers = 0                    # how many workers' losses the last record's loss averages
         self.acks: set[tuple[int, int]] = set()
         self.gathered: set[int] = set()
         self.stop_reason: str | None = None
@@ -62,7 +95,7 @@ class Coordinator(PSServer):
     def worker_stats(self, m: Message) -> None:
         row = m.payload.tolist()
         self.rows[m.peer] = row
-        self.losses.append(row[FIELDS.index("loss")])
+        self.losses.add(m.iteration - 1, m.peer, row[FIELDS.index("loss")])   # sent with the next iteration's pull
         info, now = self.info[m.peer], time.monotonic()
         if info["_t"] is not None and m.iteration > info["iterations"]:
             rate = (m.iteration - info["iterations"]) / max(now - info["_t"], 1e-6)
@@ -110,8 +143,10 @@ class Coordinator(PSServer):
         if self.s.stop.requested and self.stop_reason is None:
             self.begin_stop(f"signal {signal.Signals(self.s.stop.signal).name}")
         step = self.global_step()
-        if step > self.reported:
-            self.report(step)
+        if step > self.counted:
+            self.boundary(step)
+        elif self.reported < min(step, self.s.cfg.run.steps):
+            self.report(min(step, self.s.cfg.run.steps))   # records still waiting for their losses
         if step >= self.s.cfg.run.steps and self.stop_reason is None:
             self.begin_stop("finished")
         if now - self.last_control >= CONTROL_EVERY_S:
@@ -161,17 +196,33 @@ class Coordinator(PSServer):
         self.tell_servers()
 
     # --- telemetry -----------------------------------------------------------------------------
-    def report(self, step: int) -> None:
+    def report(self, step: int, final: bool = False) -> None:
+        """Step records up to global step `step`, each once its loss is known (StepLosses); `final`: the run
+        ends, and a step whose losses never came (its workers died) repeats the previous loss."""
         cfg = self.s.cfg
-        if self.last_loss is None and not self.losses:
-            return   # no worker's loss has arrived yet: the record waits for one
+        losses = []
+        for st in range(self.reported + 1, step + 1):
+            mean = self.losses.of_step(st, self.live, step, final)
+            if mean is None:
+                if not final or self.last_loss is None:
+                    break
+                mean = (self.last_loss, self.loss_workers)
+            losses.append(mean)
+            self.last_loss, self.loss_workers = mean
+        if not losses:
+            return
         now = time.perf_counter()
-        steps = step - self.reported
         dt = max(now - self.t_report, 1e-9)
         self.t_report = now
-        if self.losses:
-            self.last_loss = sum(self.losses) / len(self.losses)
-            self.losses = []
+        figures = self._figures(cfg.data.batch_size * len(losses) / dt, dt * 1000 / len(losses))
+        for (loss, n), st in zip(losses, range(self.reported + 1, step + 1)):
+            self.tel.step({"step": st, "loss": loss, **figures, "ps": {**figures["ps"], "loss_workers": n}})
+        self.reported += len(losses)
+        self.losses.forget_before(self.reported)
+
+    def _figures(self, samples_per_s: float, step_ms: float) -> dict:
+        """What a step record says besides its step and loss: every rank's row, the workers and the layers now."""
+        cfg = self.s.cfg
         table = self._table()
         ranks = rank_rows(table)
         for entry in ranks:
@@ -184,17 +235,20 @@ class Coordinator(PSServer):
                    for info in self.info.values()]
         alive = [w for w in workers if w["alive"]]
         mean = (lambda key: sum(w[key] for w in alive) / len(alive)) if alive else (lambda key: 0.0)
-        record = {"loss": self.last_loss,
-                  "samples_per_s": cfg.data.batch_size * steps / dt, "step_ms": dt * 1000 / steps, "ranks": ranks,
-                  "time_split": {"compute_ms": round(mean("compute_ms"), 4), "comm_ms": 0.0,
-                                 "wait_ms": round(mean("wait_ms"), 4)},
-                  "streams": [], "ps": {"mode": self.mode, "profiling": self.profiling,
-                                        "staleness_bound": cfg.parallel.staleness_bound,
-                                        "workers_live": len(self.live), "workers_lost": sorted(self.lost),
-                                        "workers": workers, "layers": self._layer_rows()}}
-        for st in range(self.reported + 1, step + 1):
-            self.tel.step({"step": st, **record})
-        self.reported = step
+        return {"samples_per_s": samples_per_s, "step_ms": step_ms, "ranks": ranks,
+                "time_split": {"compute_ms": round(mean("compute_ms"), 4), "comm_ms": 0.0,
+                               "wait_ms": round(mean("wait_ms"), 4)},
+                "streams": [], "ps": {"mode": self.mode, "profiling": self.profiling,
+                                      "staleness_bound": cfg.parallel.staleness_bound,
+                                      "workers_live": len(self.live), "workers_lost": sorted(self.lost),
+                                      "workers": workers, "layers": self._layer_rows()}}
+
+    def boundary(self, step: int) -> None:
+        """The global step moved on to `step` (from self.counted): records, checkpoints and evaluations due."""
+        cfg = self.s.cfg
+        steps = step - self.counted
+        self.counted = step
+        self.report(min(step, cfg.run.steps))
         self.tel.update_state(step=step)
         if time.monotonic() - self.last_control >= 0.05:
             self.tell_servers()   # and their figures come back for the next record
@@ -279,6 +333,7 @@ class Coordinator(PSServer):
         step = min(step, cfg.run.steps) if self.stop_reason == "finished" else step
         stopped_early = step < cfg.run.steps
         save = step > self.s.first_step or stopped_early
+        self.report(step, final=True)   # every worker has left: every loss that will come is in
         self.gathered = set(self.mine)
         for server in range(1, self.s.servers):
             self.s.links[server].send(FINISH, iteration=step, a=float(save))

@@ -214,7 +214,7 @@ class ConsoleApp(App[str]):
             self.devices.update_ranks(step.get("ranks"), bool(hello.get("simulated", True)), state.ps,
                                       names=state.device_names)
         if self.due(self.streams, state.version, now):
-            self.streams.update_streams(step.get("streams"), state.mode)
+            self.streams.update_streams(step.get("streams"), state.mode, state.take_stream_steps())
         if self.due(self.stages, state.version, now):
             self.stages.update_stages(step.get("stages"), state.mode, step.get("imbalance_ms"),
                                       step.get("threshold_ms"), bool(step.get("migrating")))

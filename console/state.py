@@ -16,8 +16,11 @@ so 20 steps a second cost 20 dict updates, not 20 redraws.
 from __future__ import annotations
 
 import time
+from collections import deque
 
 from rich.text import Text
+
+from widgets.streams import HISTORY as STREAM_HISTORY
 
 # The keys that send a command, in the order the keys line names them: (keys, command, what they do).
 # The technique's keys come first: a narrow screen cuts the line's end, and p, x and q are in the footer.
@@ -43,6 +46,8 @@ class RunState:
         self.version = self.layers_version = self.messages = 0
         self.new_run = False             # a different run: the curves start afresh
         self.points: list[tuple] = []    # (step, loss, samples/s) not yet drawn
+        # each step's `streams` not yet drawn: a lane's sparkline has a bar per step, however often it is drawn
+        self.stream_steps: deque[list[dict]] = deque(maxlen=STREAM_HISTORY)
         self.events: list[dict] = []     # events not yet shown
         self.notes: list[tuple[str, str, float | None]] = []   # (text, style, time or None: now) to say
         self._seen: set = set()          # events already shown (a reconnect's snapshot repeats them)
@@ -78,6 +83,7 @@ class RunState:
             fresh = self.hello.get("run") != msg.get("run") or self.summary is not None
             if fresh:
                 self.last_step, self.layers, self.step, self.summary, self._rate = None, None, None, None, []
+                self.stream_steps.clear()
                 self.sync_mode, self._sync_step = None, -1
             if self.sync_mode is None:   # a reconnect's hello has the configured mode, maybe changed since
                 self.sync_mode = (msg.get("layout") or {}).get("sync")
@@ -122,6 +128,7 @@ class RunState:
             return
         if self.last_step is None or step != self.last_step.get("step"):   # a snapshot repeats one
             self.points.append((step, msg.get("loss", 0.0), msg.get("samples_per_s", 0.0)))
+            self.stream_steps.append(msg.get("streams") or [])
         self.last_step, self.step = msg, step
         if msg.get("layers"):
             self.layers = msg["layers"]
@@ -151,6 +158,12 @@ class RunState:
         step = step if isinstance(step, int) else self._sync_step
         if isinstance(mode, str) and mode and (latest or step >= self._sync_step):
             self.sync_mode, self._sync_step = mode, step
+
+    def take_stream_steps(self) -> list[list[dict]]:
+        """Each step's `streams` since the last call, oldest first."""
+        taken = list(self.stream_steps)
+        self.stream_steps.clear()
+        return taken
 
     def take(self) -> tuple[list, list, list]:
         """(points, events, notes) not yet drawn; the caller draws them."""

@@ -474,3 +474,25 @@ def test_event_log_lines_written_before_it_has_a_size_wrap_at_its_width():
             log = app.log_
             assert len(log.lines) > 1 and log.virtual_size.width <= log.scrollable_content_region.width
     asyncio.run(run())
+
+
+@pytest.mark.timeout(60)
+def test_a_lane_has_one_bar_per_step_however_often_it_is_drawn():
+    from console.state import RunState
+    state = RunState()
+    for step in range(1, 6):   # five steps arrive between two draws
+        state.apply({"type": "step", "step": step, "loss": 1.0,
+                     "streams": [{"stream": 0, "bytes": 100 * step, "busy_fraction": 0.1, "in_flight": 0}]})
+    state.apply({"type": "snapshot", "last_step": state.last_step})   # a reconnect repeats the last step
+    pending = state.take_stream_steps()
+    assert [entries[0]["bytes"] for entries in pending] == [100, 200, 300, 400, 500]
+    assert state.take_stream_steps() == []
+
+    async def test(pilot, panel: StreamsPanel) -> None:
+        panel.update_streams(state.last_step["streams"], "ddp", pending)
+        panel.update_streams(state.last_step["streams"], "ddp", [])   # drawn again, no new step
+        await pilot.pause()
+        assert list(panel.lanes[0].history) == [100, 200, 300, 400, 500]
+        assert panel.lanes[0].spark.data == [100, 200, 300, 400, 500]
+
+    mounted(StreamsPanel(), test)

@@ -1,6 +1,8 @@
 """Communication streams: one lane per stream with its recent traffic as a sparkline.
 
-Feed it each step message's `streams` (docs/telemetry.md): `update_streams(msg.get("streams"), mode)`.
+Feed it each step message's `streams` (docs/telemetry.md): `update_streams(msg.get("streams"), mode)`, or,
+drawing less often than steps come, the latest step's and every step's since the last draw:
+`update_streams(latest, mode, steps)`, so that each lane's sparkline has one bar per step.
 """
 
 from __future__ import annotations
@@ -42,7 +44,11 @@ class StreamLane(Horizontal):
         yield self.stats
 
     def add_step(self, entry: dict) -> None:
+        """One step's bar, without drawing it."""
         self.history.append(float(entry.get("bytes") or 0))
+
+    def show(self, entry: dict) -> None:
+        """Draw the bars so far, and the latest step's figures."""
         self.spark.data = list(self.history)
         busy = entry.get("busy_fraction") or 0.0
         in_flight = entry.get("in_flight") or 0
@@ -69,7 +75,7 @@ class StreamsPanel(VerticalScroll):
         super().__init__(**kwargs)
         self.lanes: dict[int, StreamLane] = {}
         self.mode = ""
-        self.early: tuple[list[dict] | None, str] | None = None   # what came before on_mount
+        self.early: tuple | None = None   # (latest, mode, steps) that came before on_mount
         self.ready = False
 
     def compose(self) -> ComposeResult:
@@ -82,9 +88,14 @@ class StreamsPanel(VerticalScroll):
         if self.early is not None:
             self.update_streams(*self.early)
 
-    def update_streams(self, streams: list[dict] | None, mode: str) -> None:
-        if not self.ready:
-            self.early = (streams, mode)
+    def update_streams(self, streams: list[dict] | None, mode: str, steps: list[list[dict]] | None = None) -> None:
+        """`streams`: the latest step's entries; `steps`: every step's entries since the last call, oldest
+        first, the latest's included (None: the latest step alone)."""
+        if steps is None:
+            steps = [streams or []]
+        if not self.ready:   # keep every step until the lanes exist
+            earlier = self.early[2] if self.early is not None else []
+            self.early = (streams, mode, [*earlier, *steps][-HISTORY:])
             return
         empty, caption = self.query_one("#streams-empty", Static), self.query_one("#streams-caption")
         if mode != self.mode:
@@ -104,5 +115,9 @@ class StreamsPanel(VerticalScroll):
             for i, history in kept.items():
                 self.lanes[i].history = history
             self.mount_all(self.lanes.values())
+        for entries in steps:
+            for entry in entries:
+                if entry.get("stream") in self.lanes:   # a stream gone since has no lane
+                    self.lanes[entry["stream"]].add_step(entry)
         for entry in streams:
-            self.lanes[entry["stream"]].add_step(entry)
+            self.lanes[entry["stream"]].show(entry)

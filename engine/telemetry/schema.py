@@ -71,6 +71,7 @@ PS = {   # param_server: the sync mode, every worker, every layer with parameter
     "required": ["mode", "workers_live", "workers_lost", "workers", "layers"],
     "properties": {
         "mode": {"enum": list(SYNC_MODES)}, "workers_live": {"type": "integer", "minimum": 0},
+        "loss_workers": {"type": "integer", "minimum": 1},   # logs before it was added lack it
         "workers_lost": {"type": "array", "items": {"type": "integer"}},
         "workers": {"type": "array", "items": {
             "type": "object", "required": ["rank", "iterations", "steps_per_s", "wait_ms", "slow_factor", "alive"],

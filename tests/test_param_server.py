@@ -48,7 +48,10 @@ def test_bsp_equals_synchronous_data_parallel(cli):
     assert state.keys() == reference.keys()
     for key, value in reference.items():
         assert (state[key] - value).abs().max().item() <= 1e-5, key
-    last = [r for r in records if r["type"] == "step"][-1]
+    steps_logged = [r for r in records if r["type"] == "step"]
+    assert [r["step"] for r in steps_logged] == list(range(1, steps + 1))
+    assert all(r["ps"]["loss_workers"] == 2 for r in steps_logged)   # each loss is the whole global batch's
+    last = steps_logged[-1]
     assert last["ps"]["mode"] == "bsp"
     reported = [layer for layer in last["ps"]["layers"] if layer["version"]]   # server 1's figures may lag
     assert reported and all(layer["window_workers"] == 2 and layer["mean_staleness"] == 0 for layer in reported)

@@ -47,10 +47,14 @@ def write_file(directory: Path, name: str, obj) -> None:
     """torch.save into a temporary name, fsync, rename: never a half-written file under `name`."""
     directory.mkdir(parents=True, exist_ok=True)
     tmp = directory / f".{name}.partial"
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)   # an object that does not save leaves nothing behind
+        raise
     os.replace(tmp, directory / name)
 
 

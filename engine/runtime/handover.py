@@ -21,7 +21,6 @@ the caller's tensors are never moved or written.
 from __future__ import annotations
 
 import dataclasses
-import os
 from pathlib import Path
 
 import torch
@@ -42,23 +41,20 @@ def model_file(run_dir: Path, node_rank: int) -> Path:
 
 
 def hand_over(job) -> None:
-    """Before the workers start: the user's model to a file they load (job.model_file), and the user's
-    data to a private copy in shared memory (job.data). `job.model` stays the caller's object, for the
-    launcher alone: a Job that is pickled leaves it out (engine/runtime/rank.py, Job.__getstate__)."""
-    if job.model is not None and job.model_file is None:
+    """Once per launch, before the workers start: the user's model to a file they load (job.model_file),
+    and the user's data to a private copy in shared memory (job.data). `job.model` stays the caller's
+    object, for the launcher alone: a Job that is pickled leaves it out (engine/runtime/rank.py,
+    Job.__getstate__)."""
+    if job.model is not None:
         path = model_file(job.config.run_dir, job.config.cluster.node_rank)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        staged = path.with_suffix(".partial")
         try:
-            torch.save(job.model, staged)
+            ckpt.write_file(path.parent, path.name, job.model)
         except Exception as e:
-            staged.unlink(missing_ok=True)
             raise HandoverError(f"the model cannot be handed to the workers: torch.save failed with "
                                 f"{type(e).__name__}: {e} (define your layers' classes at module level, "
                                 f"and give them no lambdas or open files)") from None
-        os.replace(staged, path)
         job.model_file = path
-    if job.data is not None and not getattr(job.data, "_handed_over", False):
+    if job.data is not None:
         job.data = shared_copy(job.data)
 
 
@@ -69,9 +65,7 @@ def shared_copy(data: Dataset) -> Dataset:
     for name, value in fields.items():
         if isinstance(value, torch.Tensor):
             fields[name] = value.detach().to("cpu", copy=True).share_memory_()
-    copy = Dataset(**fields)
-    copy._handed_over = True
-    return copy
+    return Dataset(**fields)
 
 
 def received_model(job) -> LayerList:

@@ -143,10 +143,9 @@ class Coordinator(PSServer):
         if self.s.stop.requested and self.stop_reason is None:
             self.begin_stop(f"signal {signal.Signals(self.s.stop.signal).name}")
         step = self.global_step()
+        self.report(min(step, self.s.cfg.run.steps))   # the records whose losses are in
         if step > self.counted:
             self.boundary(step)
-        elif self.reported < min(step, self.s.cfg.run.steps):
-            self.report(min(step, self.s.cfg.run.steps))   # records still waiting for their losses
         if step >= self.s.cfg.run.steps and self.stop_reason is None:
             self.begin_stop("finished")
         if now - self.last_control >= CONTROL_EVERY_S:
@@ -215,7 +214,7 @@ class Coordinator(PSServer):
         dt = max(now - self.t_report, 1e-9)
         self.t_report = now
         figures = self._figures(cfg.data.batch_size * len(losses) / dt, dt * 1000 / len(losses))
-        for (loss, n), st in zip(losses, range(self.reported + 1, step + 1)):
+        for st, (loss, n) in enumerate(losses, self.reported + 1):
             self.tel.step({"step": st, "loss": loss, **figures, "ps": {**figures["ps"], "loss_workers": n}})
         self.reported += len(losses)
         self.losses.forget_before(self.reported)
@@ -244,11 +243,10 @@ class Coordinator(PSServer):
                                       "workers": workers, "layers": self._layer_rows()}}
 
     def boundary(self, step: int) -> None:
-        """The global step moved on to `step` (from self.counted): records, checkpoints and evaluations due."""
+        """The global step moved on to `step` (from self.counted): the checkpoints and evaluations due."""
         cfg = self.s.cfg
         steps = step - self.counted
         self.counted = step
-        self.report(min(step, cfg.run.steps))
         self.tel.update_state(step=step)
         if time.monotonic() - self.last_control >= 0.05:
             self.tell_servers()   # and their figures come back for the next record

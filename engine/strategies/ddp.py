@@ -2,7 +2,7 @@
 
     strategy = DDPStrategy(model, optim_cfg, topo, device)
     loss = strategy.train_step(x, y)      # forward, backward (all-reduce inside), optimizer step
-    strategy.timings                      # fwd_ms, bwd_ms, optim_ms of that step
+    strategy.timings                      # fwd_ms, bwd_ms, optim_ms, compute_ms of that step, on the device's clock
     strategy.stream_stats()               # the one communicator: bytes, busy time, in flight
     strategy.save(staged_dir); strategy.load(checkpoint, manifest)
 
@@ -12,12 +12,16 @@ optimizer over what it updates, and writes and reads its own checkpoint files.
 Each rank runs its slice of the global batch; DDP averages gradients, so a step
 equals a single-process step on the whole global batch. A communication hook
 around DDP's own all-reduce measures the traffic without changing it.
+
+Times are the device's (engine/timing.py: CUDA events on a GPU, perf_counter on the CPU), read after
+the step's loss: that read waits for the step's work, so `timings` is the step's own on a GPU as on
+the CPU, with no synchronize of its own. `device_clock`: the clock to read (by default the device's;
+tests pass a scripted GPU's).
 """
 
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 
 import torch
@@ -30,6 +34,7 @@ from engine.config import OptimConfig, UpdateConfig
 from engine.runtime.devices import LedgerDevice
 from engine.techniques.hybrid import HybridUpdater
 from engine.runtime.topology import Topology
+from engine.timing import Clock, StepTimes
 
 COMMANDS = ("pause", "resume", "stop", "checkpoint", "set-placement")   # what an operator can do in this mode
 
@@ -40,29 +45,37 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 class CommMeter:
-    """Bytes and busy time of one communicator, from launch to completion of each operation."""
+    """Bytes and busy time of one communicator, from launch to completion of each operation, on the
+    device's clock. On a GPU the launch is marked on the compute stream as the bucket is handed over,
+    and the completion on the stream its callback runs on (which waits for the all-reduce); `take`
+    reads the operations that have run and leaves the others to the next take, never waiting."""
 
-    def __init__(self):
+    def __init__(self, clock: Clock | None = None):
+        self.clock = clock or Clock()
         self._lock = threading.Lock()
         self.bytes = 0
-        self.busy_ms = 0.0
         self.in_flight = 0
+        self._spans: list = []   # (launch, completion) marks not read yet
 
-    def started(self, nbytes: int) -> float:
+    def started(self, nbytes: int):
         with self._lock:
             self.in_flight += 1
             self.bytes += nbytes
-        return time.perf_counter()
+        return self.clock.mark()
 
-    def finished(self, t0: float) -> None:
+    def finished(self, t0) -> None:
+        t1 = self.clock.mark()
         with self._lock:
             self.in_flight -= 1
-            self.busy_ms += (time.perf_counter() - t0) * 1000
+            self._spans.append((t0, t1))
 
     def take(self) -> dict:
         with self._lock:
-            out = {"bytes": self.bytes, "busy_ms": self.busy_ms, "in_flight": self.in_flight}
-            self.bytes, self.busy_ms = 0, 0.0
+            ran = [s for s in self._spans if self.clock.done(s[1])]
+            self._spans = [s for s in self._spans if not self.clock.done(s[1])]
+            busy_ms = sum(self.clock.ms(a, b) for a, b in ran)
+            out = {"bytes": self.bytes, "busy_ms": busy_ms, "in_flight": self.in_flight}
+            self.bytes = 0
         return out
 
 
@@ -78,8 +91,11 @@ class DDPStrategy:
     commands = COMMANDS
 
     def __init__(self, model: torch.nn.Module, optim_cfg: OptimConfig, topo: Topology,
-                 device: LedgerDevice, update_cfg: UpdateConfig | None = None, loss_fn=cross_entropy):
+                 device: LedgerDevice, update_cfg: UpdateConfig | None = None, loss_fn=cross_entropy,
+                 device_clock: Clock | None = None):
         self.model, self.topo, self.device, self.loss_fn = model, topo, device, loss_fn
+        clock = device_clock or Clock(device.torch_device)
+        self.times = StepTimes(clock, ("fwd_ms", "bwd_ms", "after_backward_ms", "compute_ms"))
         ids = [device.torch_device.index] if device.kind == "cuda" else None
         # DDP broadcasts rank 0's parameters here, so every rank starts from the same weights. With
         # gradients as views into DDP's buckets, a bucket's gradients are final when its all-reduce is.
@@ -89,7 +105,7 @@ class DDPStrategy:
         bucket_mb = 25.0 if update_cfg.placement == "device" else 1.0
         self.ddp = DistributedDataParallel(model, device_ids=ids, process_group=topo.compute,
                                            gradient_as_bucket_view=True, bucket_cap_mb=bucket_mb)
-        self.meter = CommMeter()
+        self.meter = CommMeter(clock)
         self.ddp.register_comm_hook(topo.compute, self._metered_allreduce)
         # each layer's update, on the device or the host, dispatched as its bucket's all-reduce completes
         self.updater = HybridUpdater(model, params_by_layer(model), optim_cfg, device, update_cfg)
@@ -97,6 +113,17 @@ class DDPStrategy:
         for p in model.parameters():    # device updates run inline on the compute thread, during backward
             p.register_post_accumulate_grad_hook(lambda _p: self.updater.run_device_ready())
         self.timings = {"fwd_ms": 0.0, "bwd_ms": 0.0, "optim_ms": 0.0}
+        # This rank's own compute ends with the last gradient autograd computes, the first layer's; after
+        # that, backward() only waits for the all-reduce of the last buckets, which waits for the slowest
+        # rank. compute_ms leaves that wait out, so a straggler stands out from the peers that wait for it.
+        self._grads_done = None
+        first = next((layer for layer in getattr(model, "layers", [model]) if any(True for _ in layer.parameters())),
+                     None)
+        for p in first.parameters() if first is not None else ():
+            p.register_post_accumulate_grad_hook(self._gradient_done)
+
+    def _gradient_done(self, _param) -> None:
+        self._grads_done = self.times.clock.mark()
 
     def _metered_allreduce(self, group, bucket):
         buffer = bucket.buffer()
@@ -111,19 +138,24 @@ class DDPStrategy:
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         x, y = x.to(self.device.torch_device), y.to(self.device.torch_device)
         self.updater.begin_step()   # gradients were zeroed by the updates that used them
-        t0 = time.perf_counter()
+        times = self.times
+        self._grads_done = None
+        t0 = times.mark()
         with self.device.ledger.saved_activations():
             loss = self.loss_fn(self.ddp(x), y)
-            t1 = time.perf_counter()
+            t1 = times.mark()
             loss.backward()
-        t2 = time.perf_counter()
+        t2 = times.mark()
         self.updater.end_backward()
-        t3 = time.perf_counter()
+        times.add("fwd_ms", t0, t1)
+        times.add("bwd_ms", t1, t2)
+        times.add("compute_ms", t0, self._grads_done if self._grads_done is not None else t2)
+        times.add("after_backward_ms", t2, times.mark())
+        value = loss.item()   # waits for the step's work: its marks are read without a synchronize
         hybrid = self.updater.timings()
-        self.timings = {"fwd_ms": (t1 - t0) * 1000, "bwd_ms": (t2 - t1) * 1000,
-                        "optim_ms": hybrid["update_device_ms"], **hybrid, "after_backward_ms": (t3 - t2) * 1000}
+        self.timings = {**times.end_step(), "optim_ms": hybrid["update_device_ms"], **hybrid}
         self.device.ledger.refresh()
-        return loss.item()
+        return value
 
     def stream_stats(self, step_ms: float) -> list[dict]:
         return [stream_entry(0, self.meter.take(), step_ms)]

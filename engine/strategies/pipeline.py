@@ -44,6 +44,14 @@ Schedules:
 - "gpipe": all micro-batches forward, then all backward (in reverse order).
 - "1f1b": warm-up of min(stages - rank - 1, micro_batches) forwards, then alternate
   one forward and one backward, then the remaining backwards (non-interleaved 1F1B).
+
+Times: `timings` holds this stage's own compute on the device's clock (engine/timing.py: CUDA events
+on a GPU, perf_counter on the CPU): each micro-batch's forward and backward from the moment its
+input (or gradient) has arrived to its send queued, and the update. Waiting for a neighbour is left
+out of them; it is `recv_wait_ms`, host time (a blocking receive). On the CPU they are the step's own;
+on a GPU the last stage's are too (reading its loss waits for its work), while a stage before the
+last, which reads nothing of its own step, reports the step before (engine/timing.py StepTimes: no
+synchronize). `device_clock`: the clock to read (by default the device's; tests pass a scripted GPU's).
 """
 
 from __future__ import annotations
@@ -60,6 +68,7 @@ from engine.techniques.migration import Migration
 from engine.optim import make_optimizer
 from engine.techniques.partition import Cluster, threshold_in_ms, uniform
 from engine.techniques.rebalance import LayerClock, Rebalancer
+from engine.timing import Clock, StepTimes
 
 SCHEDULES = ("gpipe", "1f1b")
 HEADER_LEN = 8
@@ -153,7 +162,7 @@ class PipelineStage:
     def __init__(self, model, stage_layers: list[list[str]] | str, topo, device, optim_cfg: OptimConfig,
                  micro_batches: int, schedule: str = "1f1b", loss_fn=cross_entropy,
                  update_cfg: UpdateConfig | None = None, rebalance: str = "off", threshold: float = 0.2,
-                 check_every: int = 10):
+                 check_every: int = 10, device_clock: Clock | None = None):
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
         if not isinstance(micro_batches, int) or micro_batches < 1:
@@ -179,7 +188,8 @@ class PipelineStage:
         self.loss_rank = self.stages - 1   # the rank whose loss is the step's
         self.optimizer = self.updater
         self.timings = {"fwd_ms": 0.0, "bwd_ms": 0.0, "optim_ms": 0.0}
-        self.clock = LayerClock(model.names)
+        self.times = StepTimes(device_clock or Clock(device.torch_device), ("fwd_ms", "bwd_ms", "optim_ms"))
+        self.clock = LayerClock(model.names, self.times.clock)   # the layer times the rebalance plans with
         self.clock.armed = rebalance != "off"
         self._steps = 0   # steps run, for the clock's sampling
         self._deferred = False   # an operator's check waits for one timed step
@@ -255,7 +265,9 @@ class PipelineStage:
                       if self._move is not None else "")
             raise RuntimeError(f"pipeline stage {self.rank}: receiving {what} from stage "
                                f"{dist.get_group_rank(self.group, src)} failed{during}: {type(e).__name__}: {e}") from e
-        self._recv_s += time.perf_counter() - t0   # waiting for a neighbour: the stage's idle time
+        # waiting for a neighbour, the stage's idle time: host time, as the host blocks in the receive (gloo;
+        # with NCCL the host does not, and the stream's wait falls before the op's first mark, in no op's time)
+        self._recv_s += time.perf_counter() - t0
         return out
 
     # --- a step --------------------------------------------------------------------------------
@@ -274,7 +286,8 @@ class PipelineStage:
         outputs: dict[int, torch.Tensor] = {}
         losses: list[torch.Tensor] = []
         self._pending, self._shapes = [], {}
-        fwd_s = bwd_s = 0.0
+        times = self.times
+        times.begin_step()
         self._recv_s = 0.0
         self.updater.begin_step()
         move, self.pending = (Migration(self, self.pending) if self.pending else None), None
@@ -286,14 +299,16 @@ class PipelineStage:
             ranges.append(check_stages(self.model.names, move.new)[self.rank])
         with self.device.ledger.saved_activations():
             for op, i in schedule_ops(self.schedule, self.stages, self.rank, m):
-                t0, r0 = time.perf_counter(), self._recv_s
                 new_layout = move is not None and move.use_new(i)
                 if op == "F":
+                    # each op is marked from its input's arrival (after any receive) to its send queued
+                    received = None if self.is_first else self._recv(self.prev, FWD_TAG, new_layout)
+                    t0 = times.mark()
                     if self.is_first:
                         # its own copy, as on a GPU: a view would keep (and swap) the whole batch's storage
                         inp = x[i * size:(i + 1) * size].to(dev, copy=True)
                     else:
-                        inp = self._recv(self.prev, FWD_TAG, new_layout).requires_grad_(True)
+                        inp = received.requires_grad_(True)
                     start, end = ranges[1] if new_layout else ranges[0]
                     out = self.clock.forward(self.model.layers, start, end, inp)
                     if self.is_last:
@@ -304,16 +319,17 @@ class PipelineStage:
                         self._send(out, self.next, FWD_TAG, new_layout)
                         outputs[i] = out
                     inputs[i] = inp
-                    fwd_s += time.perf_counter() - t0 - (self._recv_s - r0)
+                    times.add("fwd_ms", t0, times.mark())
                 else:
                     out, inp = outputs.pop(i), inputs.pop(i)
                     grad = None if self.is_last else self._recv(self.next, BWD_TAG, new_layout)
+                    t0 = times.mark()
                     if out.requires_grad:   # a stage of layers without parameters on stage 0 has no graph
                         self.clock.backward(out, grad)
                     if not self.is_first:
                         self._send(inp.grad if inp.grad is not None else torch.zeros_like(inp), self.prev, BWD_TAG,
                                    new_layout)
-                    bwd_s += time.perf_counter() - t0 - (self._recv_s - r0)
+                    times.add("bwd_ms", t0, times.mark())
         if move is not None:
             move.finish()   # partial gradients change hands before the update
             self._set_layout(move.new)
@@ -325,19 +341,19 @@ class PipelineStage:
         else:
             self.clock.end_step()
         self._steps += 1
-        t0 = time.perf_counter()
+        t0 = times.mark()
         self.updater.end_backward()
-        optim_s = time.perf_counter() - t0
+        times.add("optim_ms", t0, times.mark())
         for work, _ in self._pending:
             work.wait()
         self._pending = []
+        loss = float(torch.stack(losses).sum()) if self.is_last else None   # waits for the last stage's work
         # fwd/bwd: this stage's own compute; waiting for neighbours is recv_wait_ms (idle in the stages panel)
-        self.timings = {"fwd_ms": fwd_s * 1000, "bwd_ms": bwd_s * 1000, "optim_ms": optim_s * 1000,
-                        "recv_wait_ms": self._recv_s * 1000,
+        self.timings = {**times.end_step(), "recv_wait_ms": self._recv_s * 1000,
                         "migration_bytes": move.sent_bytes if move else 0,
                         "migration_ms": move.duration_ms if move else 0.0}
         self.device.ledger.refresh()
-        return float(torch.stack(losses).sum()) if self.is_last else None
+        return loss
 
     # --- rebalancing -----------------------------------------------------------------------------
     def boundary(self, step: int, requested: bool = False):

@@ -9,6 +9,13 @@ with the others, where the agent would otherwise restart everything. Its first s
 iterations measure, per layer, the time it had between pushing a gradient and needing the layer again
 (its slack); the servers set each layer's window from it. SlowMachine stretches the worker's own work
 to emulate a slower machine (parallel.slow_workers).
+
+Times: an iteration's `fwd_ms` and `bwd_ms` (the coordinator's `compute_ms`) are the worker's own work
+on the device's clock (engine/timing.py: CUDA events on a GPU, perf_counter on the CPU), read after the
+iteration's loss, which waits for that work: the iteration's own on a GPU as on the CPU. Waiting for
+weights is left out of `fwd_ms`; it is `wait_ms`, host time (the host blocks on the receive), and
+`step_ms` is the iteration's wall time on the host, waits included. SlowMachine stretches by host time
+(the CPU's emulation). `PSWorker(setup, device_clock=...)`: the clock to read (tests: a scripted GPU's).
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from engine.strategies.param_server.links import (
     ALL_LAYERS, BYE, GRAD, PAUSED, PING, PROFILE, PULL, STOP, TAG_PING, TAG_WEIGHTS, flatten, transport_failure,
     unflatten_into)
 from engine.strategies.param_server.setup import Setup
+from engine.timing import Clock, StepTimes
 
 PAUSED_POLL_S = 0.25       # a paused worker asks the servers this often whether to go on
 
@@ -85,8 +93,9 @@ class PSWorker:
     """Trains on its shard of each global batch, pulling each layer just before its forward and
     pushing each layer's gradient the moment its backward completes."""
 
-    def __init__(self, setup: "Setup"):
+    def __init__(self, setup: "Setup", device_clock: Clock | None = None):
         self.s = setup
+        self.times = StepTimes(device_clock or Clock(setup.device.torch_device), ("fwd_ms", "bwd_ms"))
         cfg, topo = setup.cfg, setup.topo
         self.index = topo.rank - setup.servers
         self.factor = float(cfg.parallel.slow_workers.get(str(topo.rank), 1.0))
@@ -120,10 +129,11 @@ class PSWorker:
     def run(self) -> None:
         s, cfg = self.s, self.s.cfg
         model, device = s.model, s.device
-        flags, t_idle = 0, 0.0
+        flags, t_idle, times = 0, 0.0, self.times
         try:
             while not s.stop.requested:
-                t_start = time.perf_counter()
+                t_start = time.perf_counter()   # host: the iteration's wall time, idle and slack
+                fwd_from = times.mark()         # the device: forward runs from here to each wait for weights
                 idle_s = t_start - t_idle if flags & PAUSED or cfg.run.step_pause_ms else 0.0
                 buffers = {j: torch.empty(self.sizes[j] + 2) for j in self.layers}
                 works = {j: s.links[s.owner[j]].expect(buffers[j], TAG_WEIGHTS + j) for j in self.layers}
@@ -137,11 +147,13 @@ class PSWorker:
                 with device.ledger.saved_activations():
                     for j, layer in enumerate(model.layers):
                         if j in works:
+                            times.add("fwd_ms", fwd_from, times.mark())   # waiting for weights is not forward
                             t0 = time.perf_counter()
                             if j in self.pushed_at:   # the time this worker had for layer j: no waiting
                                 self.slack[j] = (t0 - self.pushed_at[j] - idle_s) * 1000 - wait_ms
                             works[j].wait()
-                            wait_ms += (time.perf_counter() - t0) * 1000
+                            wait_ms += (time.perf_counter() - t0) * 1000   # host time: the host blocks here
+                            fwd_from = times.mark()
                             reply = buffers[j]
                             flags |= int(reply[-1])
                             if flags & STOP:
@@ -153,15 +165,17 @@ class PSWorker:
                         break
                     loss = cross_entropy(out, y)
                     self._left = {j: len(ps) for j, ps in self.params.items()}
-                    t_fwd = time.perf_counter()
+                    bwd_from = times.mark()
+                    times.add("fwd_ms", fwd_from, bwd_from)
                     self.clock.backward_started()
                     loss.backward()
+                times.add("bwd_ms", bwd_from, times.mark())
                 t_end = time.perf_counter()
                 device.ledger.refresh()
                 step_ms = (t_end - t_start) * 1000
                 self.iteration += 1
-                row = {"loss": loss.item(), "step_ms": step_ms, "fwd_ms": (t_fwd - t_start) * 1000 - wait_ms,
-                       "bwd_ms": (t_end - t_fwd) * 1000, "wait_ms": wait_ms, **device.stats()}
+                value = loss.item()   # waits for the iteration's work: its marks are read without a synchronize
+                row = {"loss": value, "step_ms": step_ms, **times.end_step(), "wait_ms": wait_ms, **device.stats()}
                 self.stats = torch.tensor(row_values(row), dtype=torch.float64)
                 self._profile()
                 self.clock.stretch_rest((time.perf_counter() - t_start) * 1000 - wait_ms)

@@ -1,6 +1,13 @@
 """ShardedStrategy: the step (forward gated per layer, backward, gradients to their owners, the owners'
 updates, the sliced broadcast), its checkpoints and its telemetry. The technique is described in
-engine/strategies/sharded/__init__.py; the plan and the streams are its neighbours here."""
+engine/strategies/sharded/__init__.py; the plan and the streams are its neighbours here.
+
+Times are the device's (engine/timing.py: CUDA events on a GPU, perf_counter on the CPU), read after
+the step's loss: that read waits for the step's work, so `timings` is the step's own on a GPU as on
+the CPU, with no synchronize of its own. `fwd_ms` holds the gates' waits (`gate_ms`, on the same clock:
+on a GPU the compute stream's wait for a slice's broadcast); `host_wait_ms` is host time (waiting for
+host updates, on this thread). `device_clock`: the clock to read (by default the device's; tests pass a
+scripted GPU's)."""
 
 from __future__ import annotations
 
@@ -20,6 +27,9 @@ from engine.techniques.hybrid import HybridUpdater
 from engine.runtime.topology import Topology
 from engine.strategies.sharded.plan import assign_owners, plan_slices
 from engine.strategies.sharded.streams import StreamMeter, Tiers
+from engine.timing import Clock, StepTimes
+
+PHASES = ("fwd_ms", "bwd_ms", "reduce_ms", "optim_ms", "gate_ms", "broadcast_wait_ms")   # a step's, on the device
 
 
 # --- the strategy -----------------------------------------------------------------------
@@ -31,13 +41,15 @@ class ShardedStrategy:
     def __init__(self, model, optim_cfg: OptimConfig, topo: Topology, device: LedgerDevice, *,
                  streams: int = 2, slices: int = 4, assignment: str = "balanced", overlap_forward: bool = True,
                  main_stream_communicates: bool = False, seed: int = 0, update_cfg: UpdateConfig | None = None,
-                 loss_fn=cross_entropy, hierarchical: bool = True):
+                 loss_fn=cross_entropy, hierarchical: bool = True, device_clock: Clock | None = None):
         if slices < streams:
             raise ValueError(f"parallel.slices = {slices} is smaller than parallel.streams = {streams}; "
                              f"every stream needs at least one slice")
         self.model, self.topo, self.device, self.loss_fn = model, topo, device, loss_fn
         self.overlap_forward = overlap_forward
         self.world, self.rank = topo.world_size, topo.rank
+        clock = device_clock or Clock(device.torch_device)
+        self.times = StepTimes(clock, PHASES)
 
         # parameters in forward-use order (a shared one at its first use)
         order = [p for params in params_by_layer(model).values() for p in params]
@@ -78,7 +90,7 @@ class ShardedStrategy:
 
         # streams: process groups; with main_stream_communicates the compute group is stream 0
         self.groups = topo.stream_groups(streams, include_compute=main_stream_communicates)
-        self.meters = [StreamMeter() for _ in range(streams)]
+        self.meters = [StreamMeter(clock) for _ in range(streams)]
         self.plan = plan_slices(spans, slices, streams, assignment, seed)
         self.gates: dict[int, list[int]] = {}   # layer -> the slices it waits for
         for i, s in enumerate(self.plan):
@@ -122,7 +134,6 @@ class ShardedStrategy:
             p.register_post_accumulate_grad_hook(self._grad_ready(owner))
         self._works: list = []                  # slice index -> work of the broadcast in flight
         self._pending: dict[int, list[int]] = {}
-        self._gate_s = 0.0
         for index, layer in enumerate(model.layers):
             layer.register_forward_pre_hook(self._gate(index))
         self.timings = {"fwd_ms": 0.0, "bwd_ms": 0.0, "optim_ms": 0.0, "gate_ms": 0.0, "reduce_ms": 0.0,
@@ -215,10 +226,10 @@ class ShardedStrategy:
         def hook(module, args) -> None:
             waiting = self._pending.pop(index, None)
             if waiting:
-                t0 = time.perf_counter()
+                t0 = self.times.mark()
                 for i in waiting:
                     self._wait(i)
-                self._gate_s += time.perf_counter() - t0
+                self.times.add("gate_ms", t0, self.times.mark())
         return hook
 
     def _wait(self, i: int) -> None:
@@ -245,37 +256,44 @@ class ShardedStrategy:
             if owner != self.rank:   # this rank's own shard: each update zeroed its gradients already
                 buffer.zero_()
         self.updater.begin_step()
-        self._remaining, self._sent, self._gate_s = list(self._expected), set(), 0.0
+        self._remaining, self._sent = list(self._expected), set()
         self._relay_left, self._relay_error = len(self.relayed), None
         self._relay_done.clear()
         self._recvs = {o: [dist.irecv(buffer, src=q, group=self.topo.compute, tag=o) for q, buffer in bufs.items()]
                        for o, bufs in self.incoming.items()}
-        t0 = time.perf_counter()
+        times = self.times
+        times.begin_step()   # gates passed outside a step (an evaluation) are not this step's
+        t0 = times.mark()
         with self.device.ledger.saved_activations():
             loss = self.loss_fn(self.model(x), y)
-            t1 = time.perf_counter()
+            t1 = times.mark()
             loss.backward()
-        t2 = time.perf_counter()
+        t2 = times.mark()
         if self._works:   # a layer the forward never ran: its slices land before the update
             self.sync()
         for owner in reversed(range(self.world)):   # buffers whose gradients never all came
             if owner not in self._sent:
                 self._reduce(owner)
         self._sum_onto_owner()
-        t3 = time.perf_counter()
+        t3 = times.mark()
         self.updater.end_backward()   # device updates inline, host ones on the executor meanwhile
         host_wait = self.updater.wait_host()   # a slice goes out only once all of it is updated
         for _, buffer in self.buffers:
             dist.broadcast(buffer, src=0, group=self.topo.compute)
-        t4 = time.perf_counter()
+        t4 = times.mark()
         self._broadcast()
-        waited = 0.0 if self.overlap_forward else self.sync()
-        self.timings = {"fwd_ms": (t1 - t0) * 1000, "bwd_ms": (t2 - t1) * 1000, "optim_ms": (t4 - t3) * 1000,
-                        "gate_ms": self._gate_s * 1000, "reduce_ms": (t3 - t2) * 1000,
-                        "broadcast_wait_ms": waited * 1000, "owned_bytes": self.owned_bytes,
+        if not self.overlap_forward:   # the step waits for the whole broadcast
+            t5 = times.mark()
+            self.sync()
+            times.add("broadcast_wait_ms", t5, times.mark())
+        for name, a, b in (("fwd_ms", t0, t1), ("bwd_ms", t1, t2), ("reduce_ms", t2, t3), ("optim_ms", t3, t4)):
+            times.add(name, a, b)
+        value = loss.item()   # waits for the step's work: its marks are read without a synchronize
+        # host_wait_ms: host time, as the host executor's updates are the host's work
+        self.timings = {**times.end_step(), "owned_bytes": self.owned_bytes,
                         "host_wait_ms": host_wait * 1000, **self.updater.timings()}
         self.device.ledger.refresh()
-        return loss.item()
+        return value
 
     def stream_stats(self, step_ms: float) -> list[dict]:
         return [stream_entry(i, meter.take(), step_ms) for i, meter in enumerate(self.meters)]

@@ -1,20 +1,20 @@
 """The sharded strategy's communication: a meter per stream (bytes, busy time, operations in flight), and
 across hosts the two-level sum and broadcast (Tiers: one relay per host, each byte crosses once).
 
-    meter = StreamMeter(); t0 = meter.started(nbytes); ...; meter.finished(t0); meter.take()
+    meter = StreamMeter(clock); t0 = meter.started(nbytes); ...; meter.finished(t0); meter.take()
 """
 
 from __future__ import annotations
 
 import queue
 import threading
-import time
 
 import torch
 import torch.distributed as dist
 
 from engine.runtime.devices import tensor_bytes
 from engine.strategies.sharded.plan import Slice
+from engine.timing import Clock
 
 
 # --- stream meters ----------------------------------------------------------------------
@@ -22,29 +22,42 @@ from engine.strategies.sharded.plan import Slice
 class StreamMeter:
     """Bytes, busy time (the union of its operations' launch-to-completion intervals) and
     operations in flight of one communication stream. Completions arrive on the
-    backend's threads, hence the lock."""
+    backend's threads, hence the lock. Intervals are on the device's clock (engine/timing.py): on a
+    GPU the launch is marked on the launching thread's stream and the completion on the stream its
+    callback runs on (which waits for the operation); `take` counts those that have run, in the
+    order they completed, and leaves the others to the next take, never waiting."""
 
-    def __init__(self):
+    def __init__(self, clock: Clock | None = None):
+        self.clock = clock or Clock()
         self._lock = threading.Lock()
-        self.bytes, self.busy_s, self.in_flight, self._busy_until = 0, 0.0, 0, 0.0
+        self.bytes, self.in_flight = 0, 0
+        self._spans: list = []   # (launch, completion) marks not counted yet, in completion order
+        self._until = None       # the latest completion counted so far
 
-    def started(self, nbytes: int) -> float:
+    def started(self, nbytes: int):
         with self._lock:
             self.bytes += nbytes
             self.in_flight += 1
-        return time.perf_counter()
+        return self.clock.mark()
 
-    def finished(self, t0: float) -> None:
-        t1 = time.perf_counter()
+    def finished(self, t0) -> None:
+        t1 = self.clock.mark()
         with self._lock:
             self.in_flight -= 1
-            self.busy_s += max(0.0, t1 - max(t0, self._busy_until))
-            self._busy_until = max(self._busy_until, t1)
+            self._spans.append((t0, t1))
 
     def take(self) -> dict:
+        clock, busy_ms = self.clock, 0.0
         with self._lock:
-            out = {"bytes": self.bytes, "busy_ms": self.busy_s * 1000, "in_flight": self.in_flight}
-            self.bytes, self.busy_s = 0, 0.0
+            while self._spans and clock.done(self._spans[0][1]):
+                t0, t1 = self._spans.pop(0)
+                # the part of [t0, t1] after the latest completion counted: t1 - max(t0, until)
+                overlap = max(0.0, clock.ms(t0, self._until)) if self._until is not None else 0.0
+                busy_ms += max(0.0, clock.ms(t0, t1) - overlap)
+                if self._until is None or clock.ms(self._until, t1) > 0:
+                    self._until = t1
+            out = {"bytes": self.bytes, "busy_ms": busy_ms, "in_flight": self.in_flight}
+            self.bytes = 0
         return out
 
 

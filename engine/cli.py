@@ -15,7 +15,7 @@ parallel.max_restarts allows); 2 a bad config, command line or checkpoint
 (nothing was started); 128+N stopped by signal N after the final checkpoint.
 `ctl`: 0 applied, 1 rejected, 2 a bad command or no such run.
 `demo` starts its run (demo/__init__.py says which config and what to press) in the background and
-opens the console on it (console/__main__.py); `demo --headless` trains in the foreground with a
+opens the console on it (demo/launch.py); `demo --headless` trains in the foreground with a
 progress bar, as `run --headless` does. A demo run is named demo-NAME and overwrites its previous
 run, unless that one is still training: then demo-NAME-2, and so on.
 """
@@ -101,18 +101,6 @@ def _usages() -> list[str]:
     return [usage(name) for name in COMMANDS]
 
 
-def demo_overrides(name: str) -> list[str]:
-    """What `trainyard demo NAME` sets over the demo's config: its own overrides and a run name of its own."""
-    from demo import DEMOS, run_name
-    from engine.config import ConfigError, load_config
-    demo = DEMOS[name]
-    try:
-        runs_dir = Path(load_config(demo.path, list(demo.overrides)).run.dir)
-    except ConfigError:   # reported when the run loads it
-        runs_dir = Path("runs")
-    return ["run.overwrite=true", *demo.overrides, f"run.name={run_name(name, runs_dir)}"]
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["cluster"]:   # its own parser, `--help` included
@@ -142,11 +130,12 @@ def _dispatch(args) -> int:
     if args.command == "demo":
         from demo import DEMOS
         if not args.headless and sys.stdout.isatty():
-            from console.__main__ import demo
+            from demo.launch import demo
             return demo(args.name, args.steps)
         if not args.headless:
             err.print("note: not a terminal, so no console; running the demo headless")
         demo = DEMOS[args.name]
+        from demo.launch import demo_overrides
         return _run(demo.path, demo_overrides(args.name), args.steps, None, None, headless=True)
     if not args.headless:
         err.print("note: running headless; watch the run live with `trainyard console` in another terminal")

@@ -94,15 +94,16 @@ def terminal(tmp_path, runtime_dir):
 
 
 def select(term: Terminal, layer: str, rows: list[str]) -> str:
-    """Move the Layers cursor (on the first row, sorted by name) down to `layer`, once the table has its
+    """Move the Layers cursor (on the first row, in the model's order) down to `layer`, once the table has its
     rows (they come with the first timed step); returns the layer's row."""
     row = wait_screen(term, rf"│ {re.escape(layer)} [^\n]*", 60, f"{layer}'s row in the Layers panel").group(0)
     term.keys(*["Down"] * rows.index(layer))
     return row
 
 
-TRANSFORMER_ROWS = sorted(["embed", "block0.attn", "block0.mlp", "block1.attn", "block1.mlp", "block2.attn",
-                           "block2.mlp", "block3.attn", "block3.mlp", "norm", "head"])
+# the Layers table opens in the model's order
+TRANSFORMER_ROWS = ["embed", "block0.attn", "block0.mlp", "block1.attn", "block1.mlp", "block2.attn",
+                    "block2.mlp", "block3.attn", "block3.mlp", "norm", "head"]
 
 
 def press_policy(term: Terminal, layer: str, rows: list[str]) -> None:
@@ -196,7 +197,7 @@ def test_closing_the_terminal_stops_the_demo_run_after_its_final_checkpoint(term
 
 def test_every_demo_is_tested_and_its_config_loads():
     from demo import DEMOS
-    from engine.cli import demo_overrides
+    from demo.launch import demo_overrides
     from engine.config import load_config
     assert set(DEMOS) == set(ACTIONS)
     for name, demo in DEMOS.items():

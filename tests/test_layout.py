@@ -109,3 +109,21 @@ def test_packages_import_only_the_layers_below_them():
                 broken += [f"{name} imports {m}" for m in sorted(imports(path, set(mods)))
                            if m.startswith(forbidden) and not m.startswith(package)]
     assert broken == []
+
+
+def test_the_console_and_widgets_import_nothing_of_the_engine_but_its_protocol():
+    """DESIGN.md: the console and widgets read `engine.protocol` alone, so a console never pulls torch in and
+    nothing in the engine waits on the console's code (`trainyard demo`, which needs both, is demo/launch.py)."""
+    broken = []
+    for folder in ("console", "widgets"):
+        for path in (ENGINE.parent / folder).rglob("*.py"):
+            if path.name == "bench.py":   # `trainyard bench console`: its child serves the feed through the real hub
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                    [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else []
+                if isinstance(node, ast.ImportFrom) and node.module == "engine":
+                    names = [f"engine.{a.name}" for a in node.names]
+                broken += [f"{path.relative_to(ENGINE.parent)} imports {n}" for n in names
+                           if n.startswith("engine") and n not in ("engine.protocol",)]
+    assert broken == []

@@ -142,7 +142,7 @@ def replay_messages(records: list[dict]) -> list[dict]:
                    "run": record.get("name"), "mode": record.get("mode") or record.get("strategy"),
                    "world_size": record.get("world_size"), "backend": record.get("backend"),
                    "device": record.get("device"), "simulated": record.get("simulated", True),
-                   **{key: record[key] for key in ("devices", "device_note") if key in record},
+                   **{key: record[key] for key in ("devices", "device_note", "hosts") if key in record},
                    "layers": record.get("layers", []), "capabilities": [],   # a replay takes no commands
                    **({"layout": record["layout"]} if "layout" in record else {}),
                    "steps": config.get("run", {}).get("steps"), "config": config,
@@ -163,8 +163,10 @@ class ReplaySource:
     connected = False
 
     def __init__(self, path: Path, *, paused: bool = False, preload: int = 0, speed: float = 1.0):
-        with open(path) as f:
-            records = [json.loads(line) for line in f if line.strip()]
+        records = []
+        for part in protocol.log_parts(path) or [path]:   # a rotated log's parts, in order (no part: say so)
+            with open(part) as f:
+                records += [json.loads(line) for line in f if line.strip()]
         self.path = Path(path)
         self.messages = replay_messages(records)
         self.total = len(self.messages)

@@ -20,6 +20,7 @@ from collections import deque
 
 from rich.text import Text
 
+from engine import protocol
 from widgets.streams import HISTORY as STREAM_HISTORY
 
 # The keys that send a command, in the order the keys line names them: (keys, command, what they do).
@@ -126,6 +127,8 @@ class RunState:
         step = msg.get("step")
         if not isinstance(step, int):
             return
+        # the steps between full rank rows carry `per_rank` columns: overlaid on the rows before them
+        msg = protocol.with_ranks(msg, self.last_step)
         if self.last_step is None or step != self.last_step.get("step"):   # a snapshot repeats one
             self.points.append((step, msg.get("loss", 0.0), msg.get("samples_per_s", 0.0)))
             self.stream_steps.append(msg.get("streams") or [])

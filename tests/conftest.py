@@ -6,7 +6,6 @@ so whatever happens to a test, the whole process tree is killed at teardown.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import shutil
@@ -95,8 +94,9 @@ def cli(tmp_path, runtime_dir):
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """A telemetry log's records (every part), each step's rank rows in full (engine.telemetry.log.read_log)."""
+    from engine.telemetry.log import read_log
+    return read_log(path)
 
 
 def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):

@@ -110,6 +110,9 @@ listen = "tcp://127.0.0.1:7077"
 queue_len = 32
 live_hz = 5.0
 layer_every = 0
+rank_every = 20
+log_every = 2
+log_max_mb = 64
 
 [cluster]
 nnodes = 2
@@ -123,6 +126,8 @@ interface = "eth1"
 slow_layer = "fc1"
 slow_layer_ms = 5.0
 slow_from_step = 20
+slow_rank = 1
+slow_rank_ms = 2.0
 """
 
 
@@ -308,6 +313,13 @@ def test_unknown_key_from_override_and_file(tmp_path):
       "parallel": {"strategy": "param_server", "world_size": 2, "servers": 1, "workers": 1}},
      'emulate.slow_layer = "fc1": not available with parallel.strategy = "param_server" (emulate a slow worker '
      'with parallel.slow_workers)'),
+    ({"emulate": {"slow_rank": 1}},
+     "emulate.slow_rank = 1 needs emulate.slow_rank_ms > 0 (how many milliseconds its forward sleeps each step)"),
+    ({"emulate": {"slow_rank": 2, "slow_rank_ms": 5.0}},
+     "emulate.slow_rank = 2: no such rank; parallel.world_size = 2 has ranks 0 to 1"),
+    ({"emulate": {"slow_rank": 1, "slow_rank_ms": 5.0}, "parallel": {"strategy": "pipeline"}},
+     'emulate.slow_rank = 1: only with parallel.strategy = "ddp" or "sharded" (a pipeline\'s slow stage is '
+     "emulate.slow_layer; a parameter server's slow workers are parallel.slow_workers)"),
 ])
 def test_cross_field_rules(data, expected):
     assert error_of(data) == expected

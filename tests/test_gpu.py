@@ -200,8 +200,9 @@ def launch_script(tmp_path, overrides: list[str], stub: bool) -> subprocess.Comp
 
 @pytest.mark.timeout(120)
 def test_a_gpus_figures_reach_the_log_by_rank(tmp_path):
+    # every step with full rank rows (rank_every=1): the GPU's own figures, exact, in each
     r = launch_script(tmp_path, [f"run.dir={tmp_path}", "run.steps=4", "checkpoint.every=0",
-                                 "run.eval_every=0"], stub=True)
+                                 "run.eval_every=0", "telemetry.rank_every=1"], stub=True)
     assert r.returncode == 0, r.stderr
     records = read_jsonl(tmp_path / "digits-ddp" / "telemetry.jsonl")
     validator = jsonschema.Draft202012Validator(RECORD_SCHEMA)

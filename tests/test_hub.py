@@ -80,6 +80,19 @@ def step(n: int, **fields) -> dict:
             "ranks": [], **fields}
 
 
+def test_a_console_joining_between_full_rows_gets_every_ranks_row_in_its_snapshot(hubs, clients):
+    hub = hubs()
+    rows = [{"rank": r, "step_ms": 5.0, "compute_ms": 4.0, "wait_ms": 0.1, "used_bytes": 100, "peak_bytes": 200,
+             "capacity_bytes": 1000, "rss_bytes": 7} for r in range(2)]
+    hub.publish(step(1, ranks=rows))
+    columns = protocol.rank_columns([{**e, "used_bytes": 150} for e in rows])
+    hub.publish({k: v for k, v in step(2, per_rank=columns).items() if k != "ranks"})   # a step between full rows
+    conn = clients(hub.socket_path)
+    last = conn.read(5)["last_step"]
+    assert last["step"] == 2 and "per_rank" not in last
+    assert [(e["used_bytes"], e["capacity_bytes"], e["rss_bytes"]) for e in last["ranks"]] == [(150, 1000, 7)] * 2
+
+
 def test_hello_then_snapshot_then_live_steps(hubs, clients):
     hub = hubs()
     hub.update_state(step=1, steps=100, paused=False, layers=[{"name": "fc0", "policy": "keep"}])

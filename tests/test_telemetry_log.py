@@ -1,10 +1,14 @@
-"""Every record a run writes validates against the documented schema."""
+"""Every record a run writes validates against the documented schema; full rank rows every
+`telemetry.rank_every` steps and `per_rank` columns between; a log that rotates by size and is read whole."""
 
 from __future__ import annotations
 
 import jsonschema
 import pytest
 
+from engine import protocol
+from engine.telemetry.log import TelemetryLog, fill_ranks, read_log, read_raw
+from engine.telemetry.outlets import RankRows
 from engine.telemetry.schema import RECORD_SCHEMA
 from tests.conftest import ROOT, read_jsonl
 
@@ -17,12 +21,20 @@ def test_a_runs_records_follow_the_schema(cli):
     # a tiny capacity, so the over-capacity event is written too
     r = cli.run("run", DEMO, "--headless", "--steps", "12", *cli.base_args("schema"), "--set",
                 "checkpoint.every=5", "--set", "run.eval_every=6", "--set", "device.memory=100KiB",
-                "--telemetry-log", str(log))
+                "--set", "telemetry.rank_every=4", "--set", "telemetry.layer_every=0", "--telemetry-log", str(log))
     assert r.returncode == 0, r.stderr
-    records = read_jsonl(log)
+    raw = read_raw(log)
     validator = jsonschema.Draft202012Validator(RECORD_SCHEMA)
-    for record in records:
+    for record in raw + read_jsonl(log):   # as written, and each step's rows filled in
         validator.validate(record)
+    # full rows on the first step and every 4 (the over-capacity event is step 1's, written before it); columns between
+    full = [r["step"] for r in raw if r["type"] == "step" and "ranks" in r]
+    assert full == [1, 5, 9]
+    records = read_jsonl(log)
+    for record in (r for r in records if r["type"] == "step"):   # every step: each rank's time and memory
+        assert [e["rank"] for e in record["ranks"]] == [0, 1]
+        assert all({"step_ms", "compute_ms", "wait_ms", "used_bytes", "peak_bytes", "capacity_bytes"} <= set(e)
+                   for e in record["ranks"])
     kinds = [r.get("kind") for r in records if r["type"] == "event"]
     assert {"checkpoint", "eval", "memory_over_capacity"} <= set(kinds)
     assert records[0]["type"] == "run_start" and records[-1]["type"] == "summary"
@@ -35,3 +47,88 @@ def test_the_schema_rejects_a_step_record_without_loss():
               "ranks": []}
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(record, RECORD_SCHEMA)
+
+
+FULL = [{"rank": r, "step_ms": 10.0 + r, "fwd_ms": 3.0, "bwd_ms": 6.0, "compute_ms": 9.0, "wait_ms": 0.5,
+         "used_bytes": 100 + r, "peak_bytes": 200 + r, "capacity_bytes": 1000, "rss_bytes": 5} for r in range(3)]
+
+
+def test_columns_overlay_the_last_full_rows_and_a_missing_rank_goes_stale():
+    columns = protocol.rank_columns([{**e, "step_ms": 20.0, "used_bytes": 150} for e in FULL])
+    assert columns == {"step_ms": [20.0] * 3, "compute_ms": [9.0] * 3, "wait_ms": [0.5] * 3, "memory_unit": 1,
+                       "used": [150] * 3, "peak": [200, 201, 202]}
+    first = {"step": 1, "ranks": FULL}
+    second = protocol.with_ranks({"step": 2, "per_rank": columns}, first)
+    assert [e["used_bytes"] for e in second["ranks"]] == [150] * 3
+    assert all(e["capacity_bytes"] == 1000 and e["rss_bytes"] == 5 and e["stale_steps"] == 0 for e in second["ranks"])
+    # rank 1 left out for two steps (a gap): its older figures stay, counted stale
+    gap = {"step": 4, "per_rank": {"rank": [0, 2], **{k: v if k == "memory_unit" else [v[0], v[2]]
+                                                 for k, v in columns.items()}}}
+    third = protocol.with_ranks(gap, second)
+    assert [e["stale_steps"] for e in third["ranks"]] == [0, 2, 0]
+    assert third["ranks"][1]["used_bytes"] == 150
+
+
+def test_memory_columns_count_units_of_the_capacity_and_the_peak_rounds_up():
+    gib, mib = 1 << 30, 1 << 20
+    rows = [{"rank": 0, "step_ms": 1.0, "compute_ms": 1.0, "wait_ms": 0.0, "used_bytes": 33 * gib + 3,
+             "peak_bytes": 40 * gib + 1, "capacity_bytes": 80 * gib, "nvml_used_bytes": 78 * gib}]
+    columns = protocol.rank_columns(rows)
+    assert columns["memory_unit"] == mib   # 80 GiB / 65536 = 1.25 MiB: the power of two below
+    assert columns["used"] == [33 * 1024] and columns["peak"] == [40 * 1024 + 1] and columns["nvml_used"] == [78 * 1024]
+    back = protocol.expand_ranks({"step": 2, "per_rank": columns}, {"step": 1, "ranks": rows})[0]
+    assert back["used_bytes"] == 33 * gib and back["peak_bytes"] == 40 * gib + mib >= rows[0]["peak_bytes"]
+    assert back["nvml_used_bytes"] == 78 * gib and back["capacity_bytes"] == 80 * gib
+    assert protocol.memory_unit([{"capacity_bytes": 100 << 10}]) == 1   # a tiny CPU capacity: exact bytes
+
+
+def test_full_rows_every_n_steps_and_after_a_change():
+    rows = RankRows(every=5)
+    shaped = []
+    for step in range(1, 13):
+        if step == 8:
+            rows.noted("policy")      # an operator's set-policy: the next step shows it in full
+        rows.noted("checkpoint")      # changes nothing in the rows
+        record, full = rows.shape({"step": step, "ranks": FULL})
+        shaped.append(full)
+        assert ("ranks" in record) == full and ("per_rank" in record) != full
+    assert [s for s, full in enumerate(shaped, 1) if full] == [1, 6, 8]
+
+
+def test_the_log_rotates_by_size_and_is_read_whole(tmp_path):
+    path = tmp_path / "run.jsonl"
+    log = TelemetryLog(path, max_bytes=2000)
+    rows = RankRows(every=10)
+    log.write({"type": "run_start", "name": "r"})
+    for step in range(1, 41):
+        record, _ = rows.shape({"step": step, "loss": 1.0, "ranks": FULL})
+        log.write({"type": "step", **record})
+    log.close()
+    parts = protocol.log_parts(path)
+    assert parts[0] == path and [p.name for p in parts[1:3]] == ["run.1.jsonl", "run.2.jsonl"]
+    assert all(p.stat().st_size <= 2000 for p in parts)
+    records = read_log(path)
+    assert [r["step"] for r in records if r["type"] == "step"] == list(range(1, 41))
+    assert all(r["ranks"][2]["capacity_bytes"] == 1000 for r in records if r["type"] == "step")
+    # a restarted run appends to the newest part
+    TelemetryLog(path, max_bytes=2000).write({"type": "event", "kind": "restart", "step": 40})
+    assert read_raw(parts[-1])[-1]["kind"] == "restart" and len(protocol.log_parts(path)) == len(parts)
+    assert fill_ranks(read_raw(path)) == read_log(path)
+
+
+def test_a_64_rank_feed_logs_under_4_kb_a_step_and_replays_with_every_ranks_figures(tmp_path):
+    """The synthetic 64-GPU, 200-layer feed of `trainyard bench telemetry --bytes`, written through the engine's
+    RankRows and TelemetryLog; the console's state, fed the log as a replay would, has each step's 64 rows."""
+    from console.client import replay_messages
+    from console.state import RunState
+    from engine.bench.telemetry import LOG_GOAL_BYTES, synthetic_bytes
+    sizes = synthetic_bytes(64, 200, 300, layer_every=10, rank_every=100, work=tmp_path)
+    assert sizes["log_bytes_per_step"] <= LOG_GOAL_BYTES and sizes["full_rows_records"] == 3
+    state = RunState()
+    for msg in replay_messages(read_raw(tmp_path / "synthetic64.jsonl")):
+        state.apply(msg)
+        ranks = state.last_step["ranks"]
+        assert len(ranks) == 64 and all({"used_bytes", "peak_bytes", "capacity_bytes", "step_ms", "wait_ms",
+                                          "compute_ms", "nvml_used_bytes"} <= set(e) for e in ranks)
+        assert ranks[41]["nvml_used_bytes"] / ranks[41]["nvml_total_bytes"] >= 0.98 - 1e-4
+    assert state.step == 300

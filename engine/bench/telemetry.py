@@ -1,4 +1,4 @@
-"""`trainyard bench telemetry`: does watching a run slow it down?
+"""`trainyard bench telemetry`: does watching a run slow it down? And how big is its telemetry?
 
 The same digits DDP run (2 workers) trains with no console, with 1 and with 10
 attached, in rounds (none, 1, 10, none, 1, 10, ...) so that drift of the machine
@@ -7,6 +7,13 @@ message, as the Textual console does. Throughput is measured from the telemetry
 log over the steps after every console is attached; the figure is each variant's
 median throughput over the rounds, divided by the median with no console. Every
 variant is timed past the same warm-up (WARMUP_STEPS).
+
+`--bytes` measures size instead: real digits DDP runs at `--world` ranks (default 8 and 16) with one
+console attached counting what it receives, and a synthetic 64-rank, 200-layer GPU feed
+(console/bench.py's, written through the engine's own RankRows and TelemetryLog): the log's bytes per
+step and per 1000 steps, a full-rows record beside a columns one, and the live feed's bytes per message.
+
+    trainyard bench telemetry --bytes [--world 8 16] [--steps 300] [--json]
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from rich.table import Table
 
 DEMO = Path(__file__).resolve().parents[2] / "demo" / "configs" / "digits_ddp.toml"
 GOAL = 0.97
+LOG_GOAL_BYTES = 4096      # the log's bytes per step, averaged, at 64 ranks
 WARMUP_STEPS = 300
 
 
@@ -44,24 +52,34 @@ def _reader(target: str, stop: threading.Event, counts: list, ready: threading.B
                 return
 
 
+def start_run(name: str, steps: int, work: Path, runtime: Path, log: Path, *overrides: str) -> subprocess.Popen:
+    """The digits DDP run, headless, in a session of its own, its hub in `runtime`."""
+    env = {**os.environ, "TRAINYARD_RUNTIME_DIR": str(runtime), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "engine.cli", "run", str(DEMO), "--headless", "--steps", str(steps),
+           "--set", f"run.dir={work}", "--set", f"run.name={name}", "--set", "run.eval_every=0",
+           "--set", "checkpoint.every=0", *(a for o in overrides for a in ("--set", o)), "--telemetry-log", str(log)]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def wait_for_hub(proc: subprocess.Popen, name: str, runtime: Path) -> None:
+    from engine.telemetry import protocol
+    os.environ["TRAINYARD_RUNTIME_DIR"] = str(runtime)
+    while not any(r["name"] == name for r in protocol.list_runs()):
+        if proc.poll() is not None:
+            raise RuntimeError(f"benchmark run failed: {proc.stderr.read()}")
+        time.sleep(0.05)
+
+
 def measure(clients: int, steps: int, warmup: int, work: Path, runtime: Path, index: int) -> dict:
     """One run; samples/s over the steps after every client is attached."""
     from engine.telemetry import protocol
     name = f"bench{index}"
     log = work / f"{name}.jsonl"
-    env = {**os.environ, "TRAINYARD_RUNTIME_DIR": str(runtime), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "engine.cli", "run", str(DEMO), "--headless", "--steps", str(steps),
-           "--set", f"run.dir={work}", "--set", f"run.name={name}", "--set", "run.eval_every=0",
-           "--set", "checkpoint.every=0", "--telemetry-log", str(log)]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = start_run(name, steps, work, runtime, log)
     stop, threads, counts = threading.Event(), [], [[0] for _ in range(clients)]
     try:
-        os.environ["TRAINYARD_RUNTIME_DIR"] = str(runtime)
-        while not any(r["name"] == name for r in protocol.list_runs()):
-            if proc.poll() is not None:
-                raise RuntimeError(f"benchmark run failed: {proc.stderr.read()}")
-            time.sleep(0.05)
+        wait_for_hub(proc, name, runtime)
         ready = threading.Barrier(clients + 1)
         for i in range(clients):
             t = threading.Thread(target=_reader, args=(name, stop, counts[i], ready), daemon=True)
@@ -91,13 +109,132 @@ def measure(clients: int, steps: int, warmup: int, work: Path, runtime: Path, in
             "steps_timed": last["step"] - first["step"], "messages_per_client": [c[0] for c in counts]}
 
 
+def _counter(target: str, stop: threading.Event, got: dict, ready: threading.Event) -> None:
+    """A console's share of the feed: step messages and their bytes on the wire."""
+    from engine.telemetry import protocol
+    with protocol.connect(target, client="bench", read_only=True) as conn:
+        ready.set()
+        while not stop.is_set():
+            try:
+                msg = conn.read(timeout=0.5)
+            except TimeoutError:
+                continue
+            except EOFError:
+                return
+            if msg.get("type") == "step":
+                got["messages"] += 1
+                got["bytes"] += len(protocol.encode(msg))
+
+
+def log_sizes(records: list[dict]) -> dict:
+    """Bytes of the step records as written: on average, per 1000 steps, a full-rows one, a columns one."""
+    steps = [r for r in records if r.get("type") == "step"]
+    size = [len(json.dumps(r, separators=(",", ":"))) + 1 for r in steps]
+    full = [n for r, n in zip(steps, size) if "ranks" in r]
+    columns = [n for r, n in zip(steps, size) if "per_rank" in r and "layers" not in r]
+    return {"steps": len(steps), "log_bytes_per_step": round(statistics.mean(size)),
+            "log_mb_per_1000_steps": round(sum(size) / len(size) * 1000 / 2**20, 3),
+            "full_rows_record_bytes": round(statistics.median(full)) if full else None,
+            "columns_record_bytes": round(statistics.median(columns)) if columns else None,
+            "full_rows_records": len(full)}
+
+
+def measure_bytes(world: int, steps: int, work: Path, runtime: Path) -> dict:
+    """A real digits DDP run at `world` ranks, one console attached: its log and its live feed."""
+    from engine.telemetry import protocol
+    from engine.telemetry.log import read_raw
+    name = f"bytes{world}"
+    log = work / f"{name}.jsonl"
+    proc = start_run(name, steps, work, runtime, log, f"parallel.world_size={world}",
+                     f"data.batch_size={32 * world}", "parallel.collective_timeout_s=300")
+    stop, ready, got = threading.Event(), threading.Event(), {"messages": 0, "bytes": 0}
+    thread = None
+    try:
+        wait_for_hub(proc, name, runtime)
+        thread = threading.Thread(target=_counter, args=(name, stop, got, ready), daemon=True)
+        thread.start()
+        ready.wait(timeout=30)
+        proc.wait(timeout=900)
+    finally:
+        stop.set()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if thread is not None:
+            thread.join(timeout=5)
+    if proc.returncode != 0:
+        raise RuntimeError(f"benchmark run exited {proc.returncode}: {proc.stderr.read()}")
+    records = read_raw(log)
+    steps_written = [r for r in records if r.get("type") == "step"]
+    wall = max(steps_written[-1]["time"] - steps_written[0]["time"], 1e-9)
+    return {"source": f"ddp x{world} (CPU)", "ranks": world, "layers": len(records[0]["layers"]),
+            **log_sizes(records), "steps_per_s": round(len(steps_written) / wall, 1),
+            "live_messages": got["messages"],
+            "live_bytes_per_message": round(got["bytes"] / got["messages"]) if got["messages"] else None,
+            "live_kb_per_s": round(got["bytes"] / wall / 1024, 1)}
+
+
+def synthetic_bytes(ranks: int, layers: int, steps: int, layer_every: int, rank_every: int, work: Path) -> dict:
+    """The synthetic GPU feed through the engine's RankRows and TelemetryLog: what such a run would write."""
+    from console.bench import synthetic_step
+    from engine.protocol import encode
+    from engine.telemetry.log import TelemetryLog, read_raw
+    from engine.telemetry.outlets import RankRows
+    path = work / f"synthetic{ranks}.jsonl"
+    log, rows, live = TelemetryLog(path), RankRows(rank_every), []
+    for step in range(1, steps + 1):
+        record, full = rows.shape(synthetic_step(step, ranks, layers, outlier=41 if ranks > 41 else None,
+                                                 with_layers=step % layer_every == 0 or step == 1))
+        stamped = log.stamp({"type": "step", **record})
+        live.append(len(encode(stamped)))
+        log.write(stamped if rows.keep_layers(record) else {k: v for k, v in stamped.items() if k != "layers"},
+                  stamped=True)
+    log.close()
+    return {"source": f"synthetic {ranks} GPUs", "about": f"{ranks} ranks on {ranks // 8} hosts, {layers} "
+                      f"layers timed every {layer_every} steps, full rank rows every {rank_every}", "ranks": ranks, "layers": layers, **log_sizes(read_raw(path)),
+            "live_messages": steps, "live_bytes_per_message": round(statistics.mean(live)),
+            "live_kb_per_s": round(statistics.mean(live) * 10 / 1024, 1), "steps_per_s": 10.0}
+
+
+def main_bytes(args) -> int:
+    with tempfile.TemporaryDirectory(prefix="tyb", dir="/tmp") as tmp:
+        work, runtime = Path(tmp) / "runs", Path(tmp) / "rt"
+        work.mkdir()
+        runtime.mkdir(mode=0o700)
+        rows = [measure_bytes(world, args.steps, work, runtime) for world in args.world]
+        rows.append(synthetic_bytes(64, 200, 1000, 10, 100, work))
+    report = {"bench": "telemetry-bytes", "goal_log_bytes_per_step_64_ranks": LOG_GOAL_BYTES, "runs": rows}
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    table = Table(title="bench telemetry --bytes: the log and the live feed per step")
+    for col in ("source", "log B/step", "log MB/1000 steps", "full rows record B", "columns record B",
+                "live B/message", "live KB/s"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(r["source"], f"{r['log_bytes_per_step']:,}", f"{r['log_mb_per_1000_steps']:.2f}",
+                      f"{r['full_rows_record_bytes'] or 0:,}", f"{r['columns_record_bytes'] or 0:,}",
+                      f"{r['live_bytes_per_message'] or 0:,}", f"{r['live_kb_per_s']:.1f} ({r['steps_per_s']:g} steps/s)")
+    Console().print(table)
+    Console().print(f"ddp: digits on CPU ranks, telemetry defaults; synthetic: {rows[-1]['about']}")
+    Console().print(f"goal: log <= {LOG_GOAL_BYTES:,} B per step averaged at 64 ranks "
+                    f"({'met' if rows[-1]['log_bytes_per_step'] <= LOG_GOAL_BYTES else 'missed'})")
+    return 0
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="trainyard bench telemetry")
     parser.add_argument("--json", action="store_true", help="print one JSON object with every figure")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of (0, 1, 10 clients)")
     parser.add_argument("--steps", type=int, default=3000, help="steps per run")
     parser.add_argument("--warmup", type=int, default=WARMUP_STEPS, help="steps not timed at the start")
+    parser.add_argument("--bytes", action="store_true", help="measure the telemetry's size instead (see above)")
+    parser.add_argument("--world", type=int, nargs="+", default=[8, 16], help="--bytes: the real runs' ranks")
     args = parser.parse_args(argv)
+    if args.bytes:
+        if "--steps" not in argv:
+            args.steps = 300
+        return main_bytes(args)
     variants = (0, 1, 10)
     results: dict[int, list[dict]] = {n: [] for n in variants}
     with tempfile.TemporaryDirectory(prefix="tyb", dir="/tmp") as tmp:

@@ -419,6 +419,24 @@ def slow_layer_is_whole(cfg: Config) -> str | None:
     return None
 
 
+def slow_rank_is_whole(cfg: Config) -> str | None:
+    """`emulate.slow_rank` names a rank of a data-parallel run and needs `emulate.slow_rank_ms` > 0."""
+    e = cfg.emulate
+    if e.slow_rank < 0:
+        return None
+    if cfg.parallel.strategy not in ("ddp", "sharded"):
+        return (f"emulate.slow_rank = {e.slow_rank}: only with parallel.strategy = \"ddp\" or \"sharded\" "
+                f"(a pipeline's slow stage is emulate.slow_layer; a parameter server's slow workers are "
+                f"parallel.slow_workers)")
+    if e.slow_rank >= cfg.parallel.world_size:
+        return (f"emulate.slow_rank = {e.slow_rank}: no such rank; parallel.world_size = "
+                f"{cfg.parallel.world_size} has ranks 0 to {cfg.parallel.world_size - 1}")
+    if e.slow_rank_ms <= 0:
+        return (f"emulate.slow_rank = {e.slow_rank} needs emulate.slow_rank_ms > 0 (how many milliseconds its "
+                f"forward sleeps each step)")
+    return None
+
+
 CROSS_CHECKS = [hosts_split_workers, listen_is_loopback, slices_cover_streams, model_matches_data,
                 branchy_has_square_images, param_server_ranks, batch_splits_over_ranks, heads_split_width,
-                slow_layer_is_whole]
+                slow_layer_is_whole, slow_rank_is_whole]

@@ -290,6 +290,15 @@ class TelemetryConfig:
                                    "wins; events always go out). 0: every step. The log always has every step.",
                              min=0.0)
     layer_every: int = setting(10, "Time every layer's forward and backward every N steps (0: never).", min=0)
+    rank_every: int = setting(100, "A step record carries every rank's full row (ledger categories, allocator, "
+                                   "RSS, ...) every N steps, on the first step and after a change of policy, "
+                                   "placement, plan or layout; the steps between carry each rank's step, compute "
+                                   "and wait ms and memory used and peak (`per_rank`, docs/telemetry.md). The log "
+                                   "keeps the layer rows measured next; consoles get them every `layer_every`.", min=1)
+    log_every: int = setting(1, "Write every Nth step record to the log (steps with full rank rows always; events "
+                                "and the summary always). 1: every step.", min=1)
+    log_max_mb: int = setting(1024, "Start a new part of the log once this one holds this many MiB: `telemetry.jsonl`, "
+                                    "`telemetry.1.jsonl`, ...; `--replay` reads them all. 0: one file.", min=0)
 
 
 @dataclass
@@ -316,8 +325,8 @@ class ClusterConfig:
 
 @dataclass
 class EmulateConfig:
-    """Emulated trouble, to watch the engine answer it (demos, tests): a layer that turns slow mid-run.
-    A parameter server's slow machines are `parallel.slow_workers`."""
+    """Emulated trouble, to watch the engine answer it (demos, tests): a layer that turns slow mid-run, a rank
+    that computes slower than its peers. A parameter server's slow machines are `parallel.slow_workers`."""
 
     slow_layer: str = setting("", "A layer (by name, e.g. `fc2`) whose every forward sleeps `slow_layer_ms` from "
                                   "step `slow_from_step` on, wherever it runs: a pipeline sees its stage fall "
@@ -325,6 +334,11 @@ class EmulateConfig:
     slow_layer_ms: float = setting(0.0, "Milliseconds each forward of `slow_layer` sleeps (per micro-batch).",
                                    min=0.0, max=10_000.0)
     slow_from_step: int = setting(0, "The first step (counted from 0) at which `slow_layer` is slow.", min=0)
+    slow_rank: int = setting(-1, "A rank (data parallel: ddp, sharded) whose forward sleeps `slow_rank_ms` once a "
+                                 "step from step `slow_from_step` on: a straggler, whose peers wait for it at the "
+                                 "boundary (the Devices panel flags both). -1: none.", min=-1)
+    slow_rank_ms: float = setting(0.0, "Milliseconds the forward of `slow_rank` sleeps each step.", min=0.0,
+                                  max=10_000.0)
 
 
 @dataclass

@@ -22,7 +22,7 @@ from engine.runtime.topology import Topology
 # A CUDA device's own figures (engine/runtime/devices.py CudaProbe): absent on the CPU, so sent as NaN and left out
 GPU_FIELDS = ("allocated_bytes", "reserved_bytes", "allocator_peak_bytes", "nvml_used_bytes", "nvml_total_bytes",
               "gpu_util_percent")
-FIELDS = ("stop", "command_bytes", "loss", "step_ms", "fwd_ms", "bwd_ms", "optim_ms", "wait_ms", "gate_ms", "owned_bytes", "host_bytes", "host_busy_ms",
+FIELDS = ("stop", "command_bytes", "loss", "step_ms", "fwd_ms", "bwd_ms", "optim_ms", "compute_ms", "wait_ms", "gate_ms", "owned_bytes", "host_bytes", "host_busy_ms",
           "parameters_bytes", "gradients_bytes", "optimizer_state_bytes", "activations_bytes",
           "swapped_bytes", "used_bytes", "peak_bytes", "capacity_bytes", "over_capacity",
           "rss_bytes", "cpu_percent", "migration_bytes", "migration_ms", "swap_layers", "recompute_layers",
@@ -77,6 +77,11 @@ def rank_rows(table: torch.Tensor) -> list[dict]:
                 entry[name] = int(value)
             else:
                 entry[name] = round(value, 4) if name.endswith("_ms") else value
+        # the rank's own work (forward + backward, on the device's clock, less its waits for peers): a straggler
+        # shows here, while its peers' wall step times equal its own (they wait for it). A strategy whose
+        # backward holds a wait for peers (ddp's all-reduce) reports its own; the others' is fwd + bwd - gate.
+        if not entry.get("compute_ms"):
+            entry["compute_ms"] = round(max(entry["fwd_ms"] + entry["bwd_ms"] - entry["gate_ms"], 0.0), 4)
         rows.append(entry)
     return rows
 

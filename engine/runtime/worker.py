@@ -23,7 +23,7 @@ import torch.distributed as dist
 from engine.data import batch_for
 from engine.runtime import checkpoint as ckpt
 from engine.runtime.control import COLUMN, Peaks, encode_commands, exchange, rank_rows, share_commands
-from engine.runtime.emulate import SlowLayer
+from engine.runtime.emulate import SlowLayer, SlowRank
 from engine.runtime.layer_rows import LayerRows
 from engine.runtime.profiler import LayerProfiler
 from engine.runtime.rank import Job, StopRequest, announce, build_rank, device_fields, place_on_host
@@ -81,6 +81,7 @@ class Worker:
         self.run_dir = cfg.run_dir
         self.restart, self.device, self.data, self.model = build_rank(job, topo)
         self.slow_layer = SlowLayer.install(self.model, cfg.emulate)   # before any timing hook, so timed with it
+        self.slow_rank = SlowRank.install(self.model, cfg.emulate, self.topo.rank)
         self.strategy = make_strategy(cfg, self.model, topo, self.device)
         # a pipeline stage counts only its own layers (and follows them when they migrate)
         self.device.ledger.track_module(getattr(self.strategy, "ledger_module", self.model), self.strategy.optimizer)
@@ -106,7 +107,7 @@ class Worker:
     def _hello(self) -> dict:
         cfg = self.cfg
         return {"run": cfg.run.name, "mode": cfg.parallel.strategy, "world_size": self.topo.world_size,
-                "backend": self.topo.backend, **device_fields(self.device),
+                "hosts": self.topo.hosts(), "backend": self.topo.backend, **device_fields(self.device),
                 "layers": list(getattr(self.model, "names", [])), "layout": self.strategy.layout(),
                 "updated_layers": [n for n, layer in zip(self.model.names, self.model.layers)
                                    if any(True for _ in layer.parameters())],
@@ -147,6 +148,8 @@ class Worker:
                 self.memory.before_step(step)
                 if self.slow_layer:
                     self.slow_layer.step = step
+                if self.slow_rank:
+                    self.slow_rank.step = step
                 out_before, wait_before = self.memory.swapped_out_bytes(), self.memory.link_wait_s()
                 t0 = time.perf_counter()
                 local_loss = self.strategy.train_step(x, y) or 0.0   # None: a pipeline stage before the last

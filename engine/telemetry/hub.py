@@ -264,8 +264,8 @@ class Hub:
         if kind not in protocol.SERVER_TYPES:   # a client would refuse it (a log-only record, say)
             return
         data = encode(msg)                      # once, shared by every client
-        if kind == "step":
-            self._last_step = msg
+        if kind == "step":   # a snapshot's last step has every rank's full row, whenever a console joins
+            self._last_step = protocol.with_ranks(msg, self._last_step)
             if "step" in msg:
                 self._state["step"] = msg["step"]
         elif kind == "event":

@@ -6,6 +6,13 @@
 
 The hub gets the same records as the log. It never holds training up: if it cannot
 start (no private runtime directory, say), the run goes on without it and says so.
+
+A step record keeps every rank's full row (`ranks`) only every `telemetry.rank_every` steps, on
+the first step and on the step after a change (a policy, a placement, a plan, a migration, a
+restart); the steps between carry the compact `per_rank` columns (engine.protocol.rank_columns),
+which a reader overlays on the last full rows (engine.protocol.expand_ranks). The log keeps the
+layer rows measured next after a full step or a change; consoles get them whenever they are measured. At 64 ranks and 200 layers
+that is the difference between ~75 KB and ~3.5 KB a step.
 """
 
 from __future__ import annotations
@@ -16,6 +23,50 @@ import time
 
 from engine.telemetry.headless import HeadlessProgress
 from engine.telemetry.log import TelemetryLog
+from engine.telemetry.protocol import rank_columns
+
+# events after which the next step carries every rank's full row (and the log its layer rows): what they
+# change shows in the rows
+FULL_ROWS_AFTER = frozenset({"policy", "placement", "memory_plan", "update_plan", "migration", "rebalance",
+                             "resume", "restart", "worker_lost", "sync_mode", "memory_over_capacity"})
+
+
+class RankRows:
+    """Which step records carry every rank's full row: the first, every `every` steps, and the first after
+    an event that changes what the rows say (FULL_ROWS_AFTER). The others get `per_rank` columns.
+
+        rows = RankRows(every=50)
+        record, full = rows.shape(record)      # before writing a step record
+        rows.noted(event_kind)                 # for every event written
+    """
+
+    def __init__(self, every: int):
+        self.every, self.due, self.next_full = every, True, 0
+        self.layers_due = True   # the log keeps the next layer rows: the first, and the first after a full step
+
+    def noted(self, kind: str) -> None:
+        changed = kind in FULL_ROWS_AFTER
+        self.due |= changed
+        self.layers_due |= changed
+
+    def keep_layers(self, record: dict) -> bool:
+        """Whether the log keeps this record's layer rows (consoles get them all): the first after the run's
+        start, after every full step and after every change, so the log shows each change's layer rows."""
+        if "layers" not in record or not self.layers_due:
+            return False
+        self.layers_due = False
+        return True
+
+    def shape(self, record: dict) -> tuple[dict, bool]:
+        step = record["step"]
+        if self.due or step >= self.next_full:
+            self.due, self.next_full, self.layers_due = False, step + self.every, True
+            return record, True
+        if "ranks" not in record:
+            return record, False
+        record = {**record, "per_rank": rank_columns(record["ranks"])}
+        del record["ranks"]
+        return record, False
 
 
 class Telemetry:
@@ -38,7 +89,8 @@ class Telemetry:
 class RankZeroTelemetry(Telemetry):
     def __init__(self, job, hello: dict, first_step: int):
         cfg = job.config
-        self.log = TelemetryLog(job.log_path())
+        self.log = TelemetryLog(job.log_path(), max_bytes=cfg.telemetry.log_max_mb << 20)
+        self.rank_rows, self.log_every = RankRows(cfg.telemetry.rank_every), cfg.telemetry.log_every
         self._lock = threading.Lock()   # the hub thread logs rejected commands too
         self.progress = HeadlessProgress(cfg.run.name, cfg.run.steps, first_step) if job.headless else None
         self.capabilities = set(hello["capabilities"])
@@ -87,19 +139,30 @@ class RankZeroTelemetry(Telemetry):
         return reason
 
     def step(self, record: dict) -> None:
-        self.current_step = record["step"]
+        step = self.current_step = record["step"]
+        record, full = self.rank_rows.shape(record)
         now = time.monotonic()
-        # Consoles get a sample of the steps (every step with layer times included);
-        # the log gets them all.
-        live = now - self._last_live >= self.live_interval_s or "layers" in record
+        # Consoles get a sample of the steps (every step with layer times or full rank rows included);
+        # the log every `log_every`-th step and every full one. Layer times go to consoles whenever measured,
+        # to the log once per full step and once per change (a 200-layer table every 10 steps would be most
+        # of the log).
+        live = now - self._last_live >= self.live_interval_s or "layers" in record or full
         if live:
             self._last_live = now
-        stamped = self._write({"type": "step", **record}, live=live)
+        layers = self.rank_rows.keep_layers(record)
+        with self._lock:
+            stamped = self.log.stamp({"type": "step", **record})
+            if full or layers or step % self.log_every == 0:
+                self.log.write(stamped if layers else {k: v for k, v in stamped.items() if k != "layers"},
+                               stamped=True)
+        if self.hub and live:
+            self.hub.publish(stamped)
         self._unsent = None if live else stamped
         if self.progress:
             self.progress.update(record["step"], record["loss"], record["samples_per_s"])
 
     def event(self, kind: str, step: int | None, **fields) -> None:
+        self.rank_rows.noted(kind)
         self._write({"type": "event", "kind": kind, "step": step, **fields})
 
     def _write(self, record: dict, live: bool = True) -> dict:

@@ -4,7 +4,8 @@ Tests validate every record a run writes against RECORD_SCHEMA, so the documenta
 the schema and the writer cannot drift apart.
 """
 
-from engine.telemetry.protocol import SYNC_MODES
+from engine.telemetry.protocol import (MEMORY_COLUMNS, OPTIONAL_MEMORY_COLUMNS, OPTIONAL_RANK_COLUMNS,
+                                       RANK_COLUMNS, SYNC_MODES)
 
 _BYTES = {"type": "integer", "minimum": 0}
 
@@ -16,7 +17,8 @@ RANK_ENTRY = {
     "properties": {
         "rank": {"type": "integer", "minimum": 0}, "loss": {"type": "number"},
         **{k: {"type": "number", "minimum": 0} for k in ("step_ms", "fwd_ms", "bwd_ms", "optim_ms", "wait_ms",
-                                                         "link_wait_ms")},
+                                                         "link_wait_ms", "compute_ms")},
+        "stale_steps": {"type": "integer", "minimum": 0},
         **{k: _BYTES for k in ("parameters_bytes", "gradients_bytes", "optimizer_state_bytes",
                                "activations_bytes", "swapped_bytes", "used_bytes", "peak_bytes",
                                "capacity_bytes", "rss_bytes", "swapped_out_bytes")},
@@ -87,13 +89,25 @@ PS = {   # param_server: the sync mode, every worker, every layer with parameter
                            "window_ms": {"type": "number", "minimum": 0}}}}},
 }
 
+# the steps between full rank rows: one column per figure, by rank (engine.protocol.rank_columns)
+_COLUMN = {"type": "array", "minItems": 1, "items": {"type": "number", "minimum": 0}}
+_UNITS = {"type": "array", "minItems": 1, "items": {"type": ["integer", "null"], "minimum": 0}}
+PER_RANK = {
+    "type": "object", "required": [*RANK_COLUMNS, "memory_unit", *MEMORY_COLUMNS], "additionalProperties": False,
+    "properties": {"rank": {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}},
+                   **{k: _COLUMN for k in RANK_COLUMNS + OPTIONAL_RANK_COLUMNS},
+                   "memory_unit": {"type": "integer", "minimum": 1},
+                   **{k: _UNITS for k in [*MEMORY_COLUMNS, *OPTIONAL_MEMORY_COLUMNS]}},
+}
+
 STEP = {
     "type": "object",
-    "required": ["schema", "time", "type", "step", "loss", "samples_per_s", "step_ms", "ranks"],
+    "required": ["schema", "time", "type", "step", "loss", "samples_per_s", "step_ms"],
+    "oneOf": [{"required": ["ranks"]}, {"required": ["per_rank"]}],
     "properties": {**_COMMON, "type": {"const": "step"}, "step": {"type": "integer", "minimum": 1},
                    "loss": {"type": "number"}, "samples_per_s": {"type": "number", "minimum": 0},
                    "step_ms": {"type": "number", "minimum": 0},
-                   "ranks": {"type": "array", "minItems": 1, "items": RANK_ENTRY},
+                   "ranks": {"type": "array", "minItems": 1, "items": RANK_ENTRY}, "per_rank": PER_RANK,
                    "time_split": TIME_SPLIT, "streams": {"type": "array", "items": STREAM},
                    "layers": {"type": "array", "items": LAYER}, "ps": PS},
 }

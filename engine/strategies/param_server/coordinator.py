@@ -29,6 +29,7 @@ from engine.strategies.param_server.setup import ParamServerError, Setup
 from engine.telemetry.outlets import Telemetry
 
 CONTROL_EVERY_S = 0.25     # the coordinator tells the servers the state at least this often
+STALE_AFTER_S = 2.0        # a worker silent this long (and for 5 of its iterations) has a stale row
 
 
 class StepLosses:
@@ -76,7 +77,7 @@ class Coordinator(PSServer):
         self.rows: dict[int, list[float]] = {}
         self.info = {w: {"rank": w, "iterations": setup.first_step, "steps_per_s": 0.0, "wait_ms": 0.0,
                          "compute_ms": 0.0, "slow_factor": float(cfg.parallel.slow_workers.get(str(w), 1.0)),
-                         "alive": True, "_t": None} for w in self.workers}
+                         "alive": True, "_t": None, "_step": setup.first_step} for w in self.workers}
         self.server_rows: dict[int, torch.Tensor] = {}
         self.losses = StepLosses()
         self.last_loss: float | None = None
@@ -100,7 +101,7 @@ class Coordinator(PSServer):
         if info["_t"] is not None and m.iteration > info["iterations"]:
             rate = (m.iteration - info["iterations"]) / max(now - info["_t"], 1e-6)
             info["steps_per_s"] = rate if not info["steps_per_s"] else 0.8 * info["steps_per_s"] + 0.2 * rate
-        info.update(iterations=m.iteration, _t=now, wait_ms=row[FIELDS.index("wait_ms")],
+        info.update(iterations=m.iteration, _t=now, _step=self.global_step(), wait_ms=row[FIELDS.index("wait_ms")],
                     compute_ms=row[FIELDS.index("fwd_ms")] + row[FIELDS.index("bwd_ms")])
 
     def coordinate(self, m: Message) -> None:
@@ -229,8 +230,9 @@ class Coordinator(PSServer):
             entry["role"] = "server" if r < self.s.servers else "worker"
             if r >= self.s.servers:
                 entry["alive"] = self.info[r]["alive"]
+                entry["stale_steps"] = self._stale_steps(self.info[r])
         self.peaks.note(ranks)
-        workers = [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in info.items() if k != "_t"}
+        workers = [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in info.items() if not k.startswith("_")}
                    for info in self.info.values()]
         alive = [w for w in workers if w["alive"]]
         mean = (lambda key: sum(w[key] for w in alive) / len(alive)) if alive else (lambda key: 0.0)
@@ -241,6 +243,16 @@ class Coordinator(PSServer):
                                       "staleness_bound": cfg.parallel.staleness_bound,
                                       "workers_live": len(self.live), "workers_lost": sorted(self.lost),
                                       "workers": workers, "layers": self._layer_rows()}}
+
+    def _stale_steps(self, info: dict) -> int:
+        """Global steps since a worker's figures came, once they are overdue: it is lost, or has sent nothing for
+        5 of its own iterations (and at least STALE_AFTER_S). 0 while it reports at its own pace, however slow."""
+        if info["_t"] is None:
+            return 0
+        overdue = max(STALE_AFTER_S, 5 / info["steps_per_s"] if info["steps_per_s"] else STALE_AFTER_S)
+        if info["alive"] and time.monotonic() - info["_t"] < overdue:
+            return 0
+        return max(self.global_step() - info["_step"], 0)
 
     def boundary(self, step: int) -> None:
         """The global step moved on to `step` (from self.counted): the checkpoints and evaluations due."""

@@ -116,7 +116,7 @@ class Setup:
     def hello(self) -> dict:
         cfg = self.cfg
         return {"run": cfg.run.name, "mode": "param_server", "world_size": self.topo.world_size,
-                "backend": self.topo.backend, **device_fields(self.device),
+                "hosts": self.topo.hosts(), "backend": self.topo.backend, **device_fields(self.device),
                 "layers": list(self.model.names), "layout": self.layout(),
                 "updated_layers": [self.model.names[j] for j in sorted(self.params)],
                 "capabilities": ["pause", "resume", "stop", "checkpoint", "set-sync"], "steps": cfg.run.steps,

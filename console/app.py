@@ -32,10 +32,11 @@ from textual.widgets import Footer, Static, Tab, Tabs
 from textual.worker import get_current_worker
 
 from console.client import Feed, Link, ReplaySource, SocketSource
-from console.screens import FilterScreen, HelpScreen, QuitScreen, RunPicker, SyncScreen
+from console.screens import DeviceCardScreen, FilterScreen, HelpScreen, QuitScreen, RunPicker, SyncScreen
 from console.state import RunState, headline, keys_line, link_label, replay_label
 from engine.protocol import SYNC_MODES
 from widgets.curves import Curves
+from widgets.device_table import FleetTable
 from widgets.devices import DevicesPanel
 from widgets.events import EventLog
 from widgets.layers import LayerTable
@@ -81,7 +82,8 @@ class ConsoleApp(App[str]):
                                                    "(set-sync)"),
         Binding("slash", "filter", "Filter", tooltip="filter the layers by name"),
         Binding("o", "sort", "Sort", show=False,
-                tooltip="sort the layers: name, fwd, bwd, activations (parameter server: staleness, window)"),
+                tooltip="sort the layers: model order, fwd, bwd, activations, update (parameter server: "
+                        "staleness, window), name"),
         Binding("1", "page('devices')", "Devices", show=False, tooltip="narrow screens: devices, streams, stages"),
         Binding("2", "page('layers')", "Layers", show=False, tooltip="narrow screens: layers and events"),
         Binding("3", "page('curves')", "Curves", show=False, tooltip="narrow screens: curves and events"),
@@ -128,7 +130,7 @@ class ConsoleApp(App[str]):
         for panel in (self.devices, self.streams, self.stages, self.table, self.curves, self.event_log):
             panel.add_class("panel")
             panel.border_title = panel.id.title()
-        self.table.border_subtitle = "sort name"
+        self.table.border_subtitle = self.table.caption()
         self.table.focus()    # the layer keys act on its cursor row
         self.set_interval(REFRESH_S, self.refresh_panels)
         if self.source is None:
@@ -212,7 +214,8 @@ class ConsoleApp(App[str]):
         step, now = state.last_step or {}, float("inf") if force else time.monotonic()
         if self.due(self.devices, state.version, now):
             self.devices.update_ranks(step.get("ranks"), bool(hello.get("simulated", True)), state.ps,
-                                      names=state.device_names)
+                                      names=state.device_names, hosts=hello.get("hosts"))
+        self.panels.set_class(self.devices.tabular, "-fleet")   # the table gets half the width (app.tcss)
         if self.due(self.streams, state.version, now):
             self.streams.update_streams(step.get("streams"), state.mode, state.take_stream_steps())
         if self.due(self.stages, state.version, now):
@@ -353,14 +356,22 @@ class ConsoleApp(App[str]):
 
     def action_sort(self, cycle: bool = True) -> None:
         table = self.table
-        key = table.cycle_sort() if cycle else table.sort_key
-        table.border_subtitle = f"sort {key}" + (f" · filter '{table.filter_text}'" if table.filter_text else "")
+        if cycle:
+            table.cycle_sort()
+        table.border_subtitle = table.caption()
 
     def action_page(self, page: str) -> None:
         self.page = page
 
+    @on(FleetTable.RankChosen)
+    def rank_chosen(self, event: FleetTable.RankChosen) -> None:
+        """Enter on the Devices table: that rank's full card, following the run."""
+        self.push_screen(DeviceCardScreen(event.rank, partial(self.devices.card_data, event.rank)))
+
     def action_help(self) -> None:
-        keys = [(KEY_NAMES.get(b.key, b.key), b.tooltip or b.description) for b in self.BINDINGS]
+        keys = [(KEY_NAMES.get(b.key, b.key), b.tooltip or b.description)
+                for b in (*self.BINDINGS, *LayerTable.BINDINGS)]   # the table's own: g, enter, z
+        keys += [(KEY_NAMES.get(b.key, b.key), b.tooltip) for b in FleetTable.BINDINGS if b.show]   # Devices table
         self.push_screen(HelpScreen([*keys, ("ctrl+p", "command palette: every action by name")]))
 
     def action_leave(self) -> None:

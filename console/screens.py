@@ -1,4 +1,5 @@
-"""The console's dialogs: help, quit (detach or stop), run picker, layer filter, sync mode chooser.
+"""The console's dialogs: help, quit (detach or stop), run picker, layer filter, sync mode chooser,
+and one rank's full device card (from the Devices table).
 
 Each is a ModalScreen that dismisses with its answer; the app decides what the answer does.
 Their styles live in app.tcss with the rest.
@@ -18,6 +19,7 @@ from textual.widgets import Button, Input, Label, OptionList, Static
 from textual.widgets.option_list import Option
 
 from engine import protocol
+from widgets.devices import DeviceCard
 
 
 class HelpScreen(ModalScreen[None]):
@@ -95,6 +97,36 @@ class FilterScreen(ModalScreen[str | None]):
         self.dismiss(event.value.strip())
 
     def action_cancel(self) -> None:
+        self.dismiss(None)
+
+
+class DeviceCardScreen(ModalScreen[None]):
+    """One rank's full card (the ledger's categories, the allocator, the bytes the ledger does not
+    explain), opened with enter on the Devices table. `fetch()` gives what the card shows now, as
+    DevicesPanel.card_data does: the card follows the run every second. Esc closes it."""
+
+    BINDINGS = [Binding("escape,q", "dismiss", "Close")]
+    FOLLOW_S = 1.0   # the devices panel gets new data at most once a second
+
+    def __init__(self, rank: int, fetch) -> None:
+        super().__init__()
+        self.rank, self.fetch = rank, fetch
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="card-box", classes="dialog"):
+            yield DeviceCard(self.rank, id="card")
+            yield Label("esc closes · the figures follow the run", classes="dialog-hint")
+
+    def on_mount(self) -> None:
+        self.follow()
+        self.set_interval(self.FOLLOW_S, self.follow)
+
+    def follow(self) -> None:
+        data = self.fetch()
+        if data is not None:
+            self.query_one(DeviceCard).update_data(*data)
+
+    def action_dismiss(self) -> None:
         self.dismiss(None)
 
 

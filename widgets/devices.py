@@ -7,19 +7,29 @@ then named by role (`server 0`, `worker 1`), a worker's card shows its step rate
 and its emulated slowness, and a lost worker's card says so. A run on GPUs passes hello's
 `devices` (`update_ranks(ranks, False, names=hello["devices"])`): a rank whose entry carries
 the GPU's own figures (GPU_FIELDS) shows its GPU's name, the allocator's and NVML's figures,
-and how far the allocator is from the ledger.
+and how far the allocator is from the ledger. Hello's `hosts` places each rank on its host
+(`update_ranks(ranks, simulated, names=..., hosts=hello["hosts"])`).
+
+Above MAX_CARDS ranks the panel shows the Devices table instead (widgets/device_table.py: a line per
+rank, grouped by host, the outliers pinned on top; docs/devices.md); `card_data(rank)` is what a
+rank's card would show, for the console's card dialog.
 """
 
 from __future__ import annotations
 
-from itertools import groupby
 from time import monotonic
 
 from rich.text import Text
+from textual import on
 from textual.app import ComposeResult, RenderResult
+from textual.binding import Binding
 from textual.containers import Grid, VerticalScroll
 from textual.widget import Widget
-from textual.widgets import Static
+from textual.widgets import Input, Static
+
+from .bars import bytes_of, human_bytes, segment_bar, signed_bytes
+from .device_table import FleetTable
+from .fleet import GPU_FIELDS, fleet_rows, roles_of, with_lost_ranks
 
 CARD_WIDTH = 36   # cells, border included; the grid fits as many per row as it can
 
@@ -32,38 +42,7 @@ CATEGORIES = [
 ]
 WARN_FRACTION, CRIT_FRACTION = 0.80, 0.95
 LEDGER_FIELDS = ("used_bytes", "capacity_bytes")   # a card without them has no memory to draw
-# a CUDA rank's own figures (the torch allocator's, then NVML's; engine/runtime/control.py sends them): a CPU
-# rank has none of them, absent rather than zero
-GPU_FIELDS = ("allocated_bytes", "reserved_bytes", "allocator_peak_bytes",
-              "nvml_used_bytes", "nvml_total_bytes", "gpu_util_percent")
 LEGEND = Text(" ").join(Text.assemble(("■", colour), label) for _, label, colour in CATEGORIES)
-
-
-def human_bytes(n: float | None) -> str:
-    """1536 -> '1.5 KiB'; three significant-ish digits, binary units."""
-    if n is None:
-        return "—"
-    value, unit = float(n), "B"
-    for next_unit in ("KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024:
-            break
-        value, unit = value / 1024, next_unit
-    if unit == "B":
-        return f"{int(value)} B"
-    return f"{value:.0f} {unit}" if abs(value) >= 100 else f"{value:.1f} {unit}"
-
-
-def bytes_of(part: float | None, whole: float | None) -> str:
-    """'6.7 / 79.6 GiB': one unit when both have it, so the line fits a narrow card."""
-    a, b = human_bytes(part), human_bytes(whole)
-    if a.partition(" ")[2] == b.partition(" ")[2] != "":
-        a = a.partition(" ")[0]
-    return f"{a} / {b}"
-
-
-def signed_bytes(n: int) -> str:
-    """512 MiB -> '+512 MiB': a difference, whose sign says which side holds more."""
-    return f"+{human_bytes(n)}" if n > 0 else human_bytes(n)
 
 
 class Throttle:
@@ -88,36 +67,6 @@ class Throttle:
     def fire(self) -> None:
         self.timer, self.last = None, monotonic()
         self.apply()
-
-
-def segment_bar(parts: list[tuple[int, str]], capacity: int, width: int,
-                peak: int | None) -> Text:
-    """A `width`-cell bar whose full width is `capacity`: one coloured run per part
-    (bytes, style), `░` for the free rest, `┃` at the peak, `▶` in the last cell when
-    the parts overflow the capacity. Boundaries round the running total, so the
-    segments always add up to the used width."""
-    width = max(1, width)
-    total = sum(max(0, n) for n, _ in parts)
-    scale = capacity if capacity > 0 else max(total, peak or 0, 1)
-    cells: list[tuple[str, str]] = []
-    running = 0
-    for n, style in parts:
-        start = min(width, round(running / scale * width))
-        running += max(0, n)
-        end = min(width, round(running / scale * width))
-        cells.extend(("█", style) for _ in range(end - start))
-    cells.extend(("░", "grey30") for _ in range(width - len(cells)))
-    if peak is not None and peak > 0:
-        col = min(width - 1, int(peak / scale * width))
-        over = peak > scale
-        bg = cells[col][1] if cells[col][0] == "█" else ""
-        cells[col] = ("┃", ("bold red" if over else "bold bright_white") + (f" on {bg}" if bg else ""))
-    if total > scale:
-        cells[-1] = ("▶", "bold red")
-    text = Text()
-    for (char, style), run in groupby(cells):   # one span per run: cheap to render
-        text.append(char * len(list(run)), style)
-    return text
 
 
 class DeviceCard(Widget):
@@ -302,26 +251,39 @@ class DeviceCard(Widget):
 
 
 class DevicesPanel(VerticalScroll):
-    """Every rank's card in a grid that fits as many ~36-cell cards per row as it can."""
+    """Every rank's card in a grid that fits as many ~36-cell cards per row as it can; above
+    MAX_CARDS ranks the Devices table (widgets/device_table.py) instead, a line per rank."""
 
     DEFAULT_CSS = """
     DevicesPanel { height: 1fr; }
     DevicesPanel > #devices-empty { width: 1fr; height: 1fr; content-align: center middle; color: $text-muted; }
     DevicesPanel > Grid { height: auto; grid-size: 1; grid-rows: auto; grid-gutter: 0 1; }
+    DevicesPanel > FleetTable { display: none; }
+    DevicesPanel.-table { overflow-y: hidden; }
+    DevicesPanel.-table > FleetTable { display: block; }
+    DevicesPanel > #devices-filter { display: none; }
+    DevicesPanel > #devices-filter.-asked { display: block; }
     """
 
     REPAINT_S = 0.25   # memory moves slowly; 4 repaints a second are plenty
+    # Cards up to this many ranks, the table above: four cards fit a 160x48 screen's panel; from 5 ranks
+    # on, cards would hide ranks below the fold, and 64 ranks need a line each.
+    MAX_CARDS = 4
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
         self.cards: dict[int, DeviceCard] = {}
-        self.latest: tuple[list[dict], bool, dict | None, list] = ([], True, None, [])
+        self.latest: tuple[list[dict], bool, dict | None, list, list] = ([], True, None, [], [])
         self.ready = False   # composed and mounted: before that, updates wait for on_mount
+        self.tabular = False  # the table is on show, not the cards
         self.repaint = Throttle(self, self.REPAINT_S, self.apply)
 
     def compose(self) -> ComposeResult:
         yield Static("no device data yet", id="devices-empty")
         yield Grid(id="devices-grid")
+        yield FilterInput(placeholder="filter: h3, host 3, 41, worker — enter applies, esc cancels",
+                          id="devices-filter", compact=True)
+        yield FleetTable(id="devices-table")
 
     def on_mount(self) -> None:
         self.query_one(Grid).display = False
@@ -336,22 +298,26 @@ class DevicesPanel(VerticalScroll):
         self.query_one(Grid).styles.grid_size_columns = max(1, min(fit, len(self.cards)))
 
     def update_ranks(self, ranks: list[dict] | None, simulated: bool, ps: dict | None = None, *,
-                     names: list[str] | None = None) -> None:
+                     names: list[str] | None = None, hosts: list[int] | None = None) -> None:
         """`ranks`: a step's `ranks`; `ps`: a parameter-server step's `ps` (None in other modes);
-        `names`: each rank's device, by rank (hello's `devices`; None when the run did not say)."""
-        self.latest = (list(ranks or []), simulated, ps, list(names or []))
+        `names`: each rank's device, by rank (hello's `devices`; None when the run did not say);
+        `hosts`: each rank's host, by rank (hello's `hosts`; None: every rank on host 0)."""
+        self.latest = (list(ranks or []), simulated, ps, list(names or []), list(hosts or []))
         self.repaint()
 
     def apply(self) -> None:
         if not self.ready:
             return
-        ranks, simulated, ps, names = self.latest
-        roles = ps_roles(ranks, ps or {}) if ps is not None or any("role" in entry for entry in ranks) else {}
-        missing = set(roles) - {entry["rank"] for entry in ranks}
-        if missing:   # a lost worker may send no ledger row any more: its card stays, saying it is lost
-            ranks = sorted([*ranks, *({"rank": rank} for rank in missing)], key=lambda entry: entry["rank"])
+        ranks, simulated, ps, names, hosts = self.latest
+        roles = roles_of(ranks, ps)
+        # a lost worker may send no ledger row any more: its card stays, saying it is lost
+        ranks = with_lost_ranks(ranks, roles)
+        self.show_table(len(ranks) > self.MAX_CARDS)
         grid, empty = self.query_one(Grid), self.query_one("#devices-empty")
-        empty.display, grid.display = not ranks, bool(ranks)
+        empty.display, grid.display = not ranks, bool(ranks) and not self.tabular
+        if self.tabular:
+            self.query_one(FleetTable).update_rows(fleet_rows(ranks, simulated, ps, names, hosts))
+            return
         if not ranks:
             return
         ids = [entry["rank"] for entry in ranks]
@@ -362,33 +328,65 @@ class DevicesPanel(VerticalScroll):
             self.fit_columns()
         for entry in ranks:
             rank = entry["rank"]
-            name = names[rank] if 0 <= rank < len(names) and isinstance(names[rank], str) else None
-            self.cards[rank].update_data(entry, simulated, roles.get(rank), name)
+            self.cards[rank].update_data(entry, simulated, roles.get(rank), self.name_of(rank))
+
+    def name_of(self, rank: int) -> str | None:
+        names = self.latest[3]
+        return names[rank] if 0 <= rank < len(names) and isinstance(names[rank], str) else None
+
+    def show_table(self, tabular: bool) -> None:
+        """Cards or the table: the cards go when the table comes (64 of them cost a layout a second)."""
+        if tabular == self.tabular:
+            return
+        self.tabular = tabular
+        self.can_focus = not tabular   # the table takes the focus, and the keys; the panel no longer scrolls
+        self.set_class(tabular, "-table")
+        if tabular:
+            self.query_one(Grid).remove_children()
+            self.cards = {}
+            self.scroll_home(animate=False)
+        self.describe_table()
+
+    def describe_table(self) -> None:
+        """The sort and the filter in the border's subtitle (the table's only)."""
+        table = self.query_one(FleetTable)
+        text = table.filter_text
+        self.border_subtitle = (f"sort {table.sort_key}" + (f" · filter '{text}'" if text else "")) \
+            if self.tabular else ""
+
+    def card_data(self, rank: int) -> tuple[dict, bool, dict | None, str | None] | None:
+        """What `rank`'s DeviceCard shows now: (entry, simulated, role, name); None once it has gone."""
+        ranks, simulated, ps = self.latest[:3]
+        roles = roles_of(ranks, ps)
+        entry = next((entry for entry in with_lost_ranks(ranks, roles) if entry["rank"] == rank), None)
+        return None if entry is None else (entry, simulated, roles.get(rank), self.name_of(rank))
+
+    @on(FleetTable.FilterAsked)
+    def ask_filter(self) -> None:
+        field = self.query_one(FilterInput)
+        field.value = self.query_one(FleetTable).filter_text
+        field.add_class("-asked")
+        field.focus()
+
+    @on(Input.Submitted, "#devices-filter")
+    def filter_chosen(self, event: Input.Submitted) -> None:
+        self.query_one(FleetTable).set_filter(event.value)
+        self.close_filter()
+
+    @on(FleetTable.Arranged)
+    def arranged(self) -> None:
+        self.describe_table()
+
+    def close_filter(self) -> None:
+        self.query_one(FilterInput).remove_class("-asked")
+        self.query_one(FleetTable).focus()
 
 
-def ps_roles(ranks: list[dict], ps: dict) -> dict[int, dict]:
-    """rank -> {"label": "server 0", "serves": [...]} or {"label": "worker 1", "worker": {...}}.
+class FilterInput(Input):
+    """The Devices table's filter, a line above it while asked for; esc leaves the filter as it was."""
 
-    Roles come from the rank rows' `role`; a rank in `ps.workers` is a worker whatever its row says.
-    Servers and workers are numbered apart, in rank order; a server's number is the `server` of the
-    layers it holds."""
-    workers = {w["rank"]: w for w in ps.get("workers") or [] if isinstance(w.get("rank"), int)}
-    lost = set(ps.get("workers_lost") or [])
-    role_of = {entry["rank"]: entry.get("role") for entry in ranks}
-    role_of.update({rank: "worker" for rank in [*workers, *lost] if isinstance(rank, int)})
-    roles, counts = {}, {"server": 0, "worker": 0}
-    for rank in sorted(role_of):
-        role = role_of[rank]
-        if role not in counts:
-            continue
-        label = f"{role} {counts[role]}"
-        if role == "server":
-            serves = [str(layer.get("name")) for layer in ps.get("layers") or [] if layer.get("server") == counts[role]]
-            roles[rank] = {"label": label, **({"serves": serves} if ps.get("layers") else {})}
-        else:
-            worker = workers.get(rank)
-            if rank in lost:
-                worker = {**(worker or {"rank": rank}), "alive": False}
-            roles[rank] = {"label": label, "worker": worker}
-        counts[role] += 1
-    return roles
+    BINDINGS = [Binding("escape", "cancel", "Cancel", tooltip="keep the filter as it was")]
+
+    def action_cancel(self) -> None:
+        if isinstance(self.parent, DevicesPanel):
+            self.parent.close_filter()

@@ -5,18 +5,26 @@ Feed it a step message's `layers` (`update_layers(msg["layers"])`); `cycle_sort(
 A parameter-server run also passes the step's `ps` (`update_layers(layers, ps=msg["ps"])`):
 the table then shows each layer's server, version and last sync window instead of the
 activation-policy columns, which that mode leaves empty.
+
+The rows start in the model's order (the step's own); `g` groups them under a header per
+stage, owner or server, Enter folds the group under the cursor and `z` every group
+(widgets/layer_order.py decides the lines). An update with the same lines changes cells
+in place and, when only their order changed, moves the rows: 200 rows are not rebuilt
+each second.
 """
 
 from __future__ import annotations
 
-import re
-
 from rich.text import Text
+from textual.binding import Binding
+from textual.coordinate import Coordinate
 from textual.widgets import DataTable
+from textual.widgets.data_table import CellDoesNotExist
 
 from .devices import Throttle
+from .layer_order import ALIASES, HEADER, SORTS, Header, arrange, group_field, headers_of, line_key
 
-# (column key, title); the sort keys below index into the same figures
+# (column key, title); the sort keys (layer_order.SORTS) index into the same figures
 COLUMNS = [("name", "layer"), ("where", "stage/owner"), ("fwd", "fwd ms"), ("bwd", "bwd ms"),
            ("act", "act MiB"), ("policy", "policy"), ("placement", "placement"), ("update", "upd ms")]
 # parameter server: the sync figures take the place of the activation and policy columns (the
@@ -25,25 +33,15 @@ COLUMNS = [("name", "layer"), ("where", "stage/owner"), ("fwd", "fwd ms"), ("bwd
 PS_COLUMNS = [("name", "layer"), ("server", "server"), ("fwd", "fwd ms"), ("bwd", "bwd ms"),
               ("version", "version"), ("workers", "workers"), ("staleness", "stale"), ("window", "win ms")]
 PS_OPTIONAL = {"policy": "policy", "placement": "placement", "update": "update_ms"}   # column -> row field
-SORTS = ["name", "fwd", "bwd", "act", "update", "staleness", "window"]
-SORT_FIELDS = {"name": "name", "fwd": "fwd_ms", "bwd": "bwd_ms", "act": "activation_bytes", "update": "update_ms",
-               "staleness": "mean_staleness", "window": "window_ms"}
-ALIASES = {"fwd_ms": "fwd", "bwd_ms": "bwd", "activation_bytes": "act", "act_mib": "act", "layer": "name",
-           "update_ms": "update", "mean_staleness": "staleness", "window_ms": "window"}
 POLICY_STYLES = {"keep": "", "swap": "cyan", "recompute": "magenta", "host": "cyan"}
 EMPTY_KEY = "\0empty"   # the key of the one dim "nothing to show" row; never a layer name
+GROUP_NAMES = {"stage": "stage", "owner_rank": "owner", "server": "server"}   # the caption's "by ..."
 
 
-def _natural(name: str) -> list:
-    """'fc10' after 'fc9': digit runs compare as numbers."""
-    return [(0, int(part), "") if part.isdigit() else (1, 0, part)
-            for part in re.split(r"(\d+)", name) if part]
-
-
-def _number(value: float | None, scale: float = 1.0) -> Text:
+def _number(value: float | None, scale: float = 1.0, style: str = "") -> Text:
     if value is None:
         return Text("—", style="dim", justify="right")
-    return Text(f"{value / scale:.2f}", justify="right")
+    return Text(f"{value / scale:.2f}", style=style, justify="right")
 
 
 def _where(row: dict) -> Text:
@@ -91,8 +89,22 @@ CELLS = {
 }
 
 
-def _cells(row: dict, columns: list[tuple[str, str]] = COLUMNS) -> tuple:
-    return tuple(CELLS[key](row) for key, _ in columns)
+def _cells(row: dict, columns: list[tuple[str, str]] = COLUMNS, indent: str = "") -> tuple:
+    cells = tuple(CELLS[key](row) for key, _ in columns)
+    return (Text(indent) + cells[0], *cells[1:]) if indent else cells
+
+
+def _header_cells(header: Header, columns: list[tuple[str, str]]) -> tuple:
+    """`▾ stage 3   13 layers   20.12   40.24   312.00`: a group's count and its layers' sums."""
+    count = Text(f"{header.layers} layer{'' if header.layers == 1 else 's'}", style="dim")
+    cells = {"name": Text(("▸ " if header.folded else "▾ ") + header.label, style="bold"),
+             "where": count, "server": count, "fwd": _number(header.fwd_ms, style="bold"),
+             "bwd": _number(header.bwd_ms, style="bold"), "act": _number(header.activation_bytes, 2**20, "bold")}
+    return tuple(cells.get(key, Text("")) for key, _ in columns)
+
+
+def _same(before: Text, after: Text) -> bool:
+    return before == after and before.style == after.style   # Text's == leaves the base style out
 
 
 def ps_rows(rows: list[dict], ps: dict) -> list[dict]:
@@ -121,11 +133,21 @@ def columns_for(rows: list[dict], ps: dict | None) -> list[tuple[str, str]]:
 
 
 class LayerTable(DataTable):
-    """One row per layer; sorted by name or by a figure (largest first), filtered by name."""
+    """One row per layer, in the model's order or sorted by a figure (largest first) or by name,
+    filtered by name, and grouped under a header per stage, owner or server on `g`."""
 
     DEFAULT_CSS = """
     LayerTable { height: 1fr; }
     """
+    # the table's own keys: a focused widget's bindings come before the App's (console/app.py's help lists them)
+    BINDINGS = [
+        Binding("g", "group", "Group", show=False,
+                tooltip="layers: group by pipeline stage, owner rank or server (again: ungroup)"),
+        Binding("enter", "fold", "Fold", show=False,
+                tooltip="layers, grouped: fold or unfold the group under the cursor"),
+        Binding("z", "fold_all", "Fold all", show=False,
+                tooltip="layers, grouped: fold every group (again: unfold them all)"),
+    ]
     REPAINT_S = 0.25   # a DataTable repaint redraws every visible cell: at most 4 a second
 
     def __init__(self, **kwargs) -> None:
@@ -133,10 +155,13 @@ class LayerTable(DataTable):
         kwargs.setdefault("zebra_stripes", True)
         super().__init__(**kwargs)
         self.rows_in: list[dict] = []
-        self.sort_key = "name"
+        self.sort_key = "model"
         self.filter_text = ""
-        self.shown: list[str] | None = None   # the layer names in the table, in order
+        self.grouped = False
+        self.folded: set[str] = set()         # the labels of the folded groups ("stage 3"): kept across updates
+        self.shown: list[str] | None = None   # the row keys in the table, in order: layer names, header keys
         self.cells: dict[str, tuple] = {}
+        self.group_of: dict[str, str] = {}    # grouped: a layer's header key
         self.columns_shown = COLUMNS           # (key, title): COLUMNS, or the parameter server's
         self.repaint = Throttle(self, self.REPAINT_S, self.refill)
 
@@ -150,12 +175,28 @@ class LayerTable(DataTable):
                 title += " ▲" if key == "name" else " ▼"
             self.add_column(title, key=key)
 
+    def caption(self) -> str:
+        """The panel's subtitle: `sort model · by stage · filter 'attn'`."""
+        field = group_field(self.rows_in) if self.grouped else None
+        return (f"sort {self.sort_key}" + (f" · by {GROUP_NAMES[field]}" if field else "")
+                + (f" · filter '{self.filter_text}'" if self.filter_text else ""))
+
+    @property
+    def selected_key(self) -> str | None:
+        """The row key under the cursor: a layer's name, a group header's key, or None."""
+        if not self.row_count:
+            return None
+        try:
+            row_key, _ = self.coordinate_to_cell_key(Coordinate(self.cursor_row, 0))
+        except CellDoesNotExist:
+            return None
+        return None if row_key.value == EMPTY_KEY else row_key.value
+
     @property
     def selected_layer(self) -> str | None:
-        if not self.shown or not self.row_count:
-            return None
-        row = min(max(self.cursor_row, 0), len(self.shown) - 1)
-        return self.shown[row]
+        """The layer under the cursor; None on a group's header (the layer keys need a layer)."""
+        key = self.selected_key
+        return None if key is None or key.startswith(HEADER) else key
 
     def update_layers(self, rows: list[dict] | None, ps: dict | None = None) -> None:
         """`rows`: a step's `layers`; `ps`: a parameter-server step's `ps` (None in other modes)."""
@@ -164,7 +205,7 @@ class LayerTable(DataTable):
         if columns != self.columns_shown:
             self.columns_shown = columns
             self.shown = None   # rebuild, titles included
-        self.repaint()   # sorting and filtering apply at once: they are the operator's keys
+        self.repaint()   # sorting, filtering, grouping and folding apply at once: they are the operator's keys
 
     def sort_by(self, key: str) -> None:
         key = ALIASES.get(key, key)
@@ -177,7 +218,7 @@ class LayerTable(DataTable):
 
     def cycle_sort(self) -> str:
         """The next sort key among the columns on show."""
-        keys = [key for key in SORTS if key == "name" or key in dict(self.columns_shown)]
+        keys = [key for key in SORTS if key in ("model", "name") or key in dict(self.columns_shown)]
         at = keys.index(self.sort_key) if self.sort_key in keys else -1
         self.sort_by(keys[(at + 1) % len(keys)])
         return self.sort_key
@@ -186,40 +227,74 @@ class LayerTable(DataTable):
         self.filter_text = text.strip().lower()
         self.refill()
 
-    def visible_rows(self) -> list[dict]:
-        rows = [r for r in self.rows_in if self.filter_text in str(r.get("name", "")).lower()]
-        field = SORT_FIELDS[self.sort_key]
-        if self.sort_key == "name":
-            return sorted(rows, key=lambda r: _natural(str(r["name"])))
-        return sorted(rows, key=lambda r: -(r.get(field) or 0.0))   # the costliest first
+    def action_group(self) -> None:
+        if not self.grouped and group_field(self.rows_in) is None:
+            self.notify("layers: no stage, owner or server to group by in this run", timeout=3)
+            return
+        self.grouped = not self.grouped
+        self.refill()
+
+    def action_fold(self) -> None:
+        """Fold or unfold the group of the row under the cursor: its header, or one of its layers."""
+        key = self.selected_key
+        header = key if key and key.startswith(HEADER) else self.group_of.get(key)
+        if header is None:   # not grouped: Enter selects, as in any DataTable
+            self.action_select_cursor()
+            return
+        self.folded ^= {header.removeprefix(HEADER)}
+        self.refill()
+
+    def action_fold_all(self) -> None:
+        labels = {key.removeprefix(HEADER) for key in self.shown or [] if key.startswith(HEADER)}
+        self.folded = set() if labels and labels <= self.folded else self.folded | labels
+        self.refill()
+
+    def line_cells(self, line: dict | Header, indent: str) -> tuple:
+        if isinstance(line, Header):
+            return _header_cells(line, self.columns_shown)
+        return _cells(line, self.columns_shown, indent)
 
     def refill(self) -> None:
         if not self.columns:   # not mounted yet: on_mount fills
             return
-        rows = self.visible_rows()
-        names = [str(r["name"]) for r in rows]
-        if names and names == self.shown:   # same layers, same order: change cells in place
-            for row in rows:
-                new = _cells(row, self.columns_shown)
-                old = self.cells[row["name"]]
-                for (key, _), before, after in zip(self.columns_shown, old, new, strict=True):
-                    if before != after:   # measuring every cell costs more than the rest: only a wider one
-                        wider = after.cell_len > self.columns[key].content_width
-                        self.update_cell(row["name"], key, after, update_width=wider)
-                self.cells[row["name"]] = new
+        lines = arrange(self.rows_in, self.sort_key, self.filter_text, self.grouped, self.folded)
+        keys = [line_key(line) for line in lines]
+        selected, group_of, self.group_of = self.selected_key, self.group_of, headers_of(lines)
+        indent = "  " if self.group_of else ""   # grouped: a layer's name stands under its header
+        if self.border_subtitle != (caption := self.caption()):
+            self.border_subtitle = caption
+        if keys and self.shown is not None and len(keys) == len(self.shown) and set(keys) == set(self.shown):
+            self.change_cells(lines, keys, indent)
+            if keys != self.shown:   # the same rows in another order: move them, their cells and widths kept
+                at = {self.cells[key][0].plain: i for i, key in enumerate(keys)}
+                self.sort("name", key=lambda cell: at[cell.plain])
+                self.shown = keys
+                self.keep_cursor(selected)
             return
-        selected = self.selected_layer
         self.clear(columns=True)   # and the columns, so their widths fit the new rows
         self.add_titles()
         self.cells = {}
-        if not rows:
+        if not lines:
             self.shown = []
             message = "no layer timings yet" if not self.rows_in else f"no layer matches '{self.filter_text}'"
             self.add_row(Text(message, style="dim italic"), *[""] * (len(self.columns_shown) - 1), key=EMPTY_KEY)
             return
-        for row in rows:
-            self.cells[row["name"]] = _cells(row, self.columns_shown)
-            self.add_row(*self.cells[row["name"]], key=row["name"])
-        self.shown = names
-        if selected in names:
-            self.move_cursor(row=names.index(selected), animate=False)
+        for line, key in zip(lines, keys):
+            self.cells[key] = self.line_cells(line, indent)
+            self.add_row(*self.cells[key], key=key)
+        self.shown = keys
+        # a layer folded away: the cursor goes to its group's header
+        self.keep_cursor(selected if selected in keys else group_of.get(selected))
+
+    def change_cells(self, lines: list[dict | Header], keys: list[str], indent: str) -> None:
+        for line, key in zip(lines, keys):
+            new = self.line_cells(line, indent)
+            for (column, _), before, after in zip(self.columns_shown, self.cells[key], new, strict=True):
+                if not _same(before, after):   # measuring every cell costs more than the rest: only a wider one
+                    wider = after.cell_len > self.columns[column].content_width
+                    self.update_cell(key, column, after, update_width=wider)
+            self.cells[key] = new
+
+    def keep_cursor(self, key: str | None) -> None:
+        if key in self.shown:
+            self.move_cursor(row=self.shown.index(key), animate=False)

@@ -1,11 +1,15 @@
-"""Pipeline stages: forward / backward / idle time per stage, scaled to the slowest stage.
+"""Pipeline stages: each stage's layers, and its forward / backward / idle time scaled to the slowest.
 
 Feed it the pipeline's per-stage figures: `update_stages(stages, mode, imbalance_ms,
-threshold_ms, migrating)`. One widget that renders its rows itself: a pipeline has a
-handful of stages, and a single render is cheaper than a widget per bar.
+threshold_ms, migrating)`. One widget that renders its rows itself: a pipeline has at most
+a few dozen stages, and a single render is cheaper than a widget per bar. A stage's layers
+are summarised (`embed, blocks.0-11 (73)`: layer_span), and when the panel is shorter than
+its stages, its last line says how many more there are.
 """
 
 from __future__ import annotations
+
+import re
 
 from rich.text import Text
 from textual.app import RenderResult
@@ -14,10 +18,44 @@ from textual.widget import Widget
 from .devices import segment_bar
 
 PARTS = [("fwd_ms", "fwd", "#4c8dff"), ("bwd_ms", "bwd", "#b07cff"), ("idle_ms", "idle", "grey42")]
+MIN_BAR = 10   # cells a bar keeps before the layer summaries give way
+
+
+def ranges(numbers: list[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> '0-2,5,7-8'."""
+    runs: list[list[int]] = []
+    for n in sorted(set(numbers)):
+        if runs and n == runs[-1][1] + 1:
+            runs[-1][1] = n
+        else:
+            runs.append([n, n])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def layer_span(names: list[str]) -> str:
+    """A stage's layers in a few characters: each name's stem (up to its first number) once, with
+    its numbers as ranges, in the order the stems first come.
+
+    ['embed', 'blocks.0.ln1', 'blocks.0.attn', ..., 'blocks.11.mlp.proj'] -> 'embed, blocks.0-11'
+    ['fc0', 'act0', 'fc1', 'act1', 'head'] -> 'fc0-1, act0-1, head'
+    """
+    stems: dict[str, list[int]] = {}
+    for name in names:
+        match = re.match(r"(\D*)(\d+)", name)
+        numbers = stems.setdefault(match.group(1) if match else name, [])
+        if match:
+            numbers.append(int(match.group(2)))
+    return ", ".join(stem + ranges(numbers) for stem, numbers in stems.items())
+
+
+def fitted(span: str, count: int, width: int) -> str:
+    """`span (count)` in `width` cells: the span cut with an ellipsis, the count always whole."""
+    tail = f" ({count})"
+    return span + tail if len(span) + len(tail) <= width else span[:max(0, width - len(tail) - 1)] + "…" + tail
 
 
 class StagesPanel(Widget):
-    """`stage 0 ████████▓▓▓▓▓▓▓▓▓▓░░  1.2 / 3.4 / 0.5 ms  mb 2`, one row per stage."""
+    """`stage 0 embed, blocks.0-2 (19)  ████████▓▓▓▓▓▓▓▓▓▓░░  1.2/3.4/0.5 ms  mb 2`, one row per stage."""
 
     DEFAULT_CSS = """
     StagesPanel { height: auto; min-height: 1; padding: 0 1; }
@@ -65,24 +103,47 @@ class StagesPanel(Widget):
     def render(self) -> RenderResult:
         if not self.stages:
             return Text(f"no pipeline stages in mode {self.mode}")
-        width = self.size.width
-        longest = max(sum(s.get(f) or 0 for f, _, _ in PARTS) for s in self.stages) or 1.0
-        label_w = max(len(f"stage {s.get('stage', '?')}") for s in self.stages) + 1
-        lines = [self.header(width)]
-        for s in self.stages:
-            figures = Text.assemble(
-                "  ", (f"{s.get('fwd_ms') or 0:.1f}", "#4c8dff"), "/",
-                (f"{s.get('bwd_ms') or 0:.1f}", "#b07cff"), "/",
-                (f"{s.get('idle_ms') or 0:.1f}", "grey62"), " ms")
-            if s.get("micro_batches_in_flight") is not None:
-                figures.append(f"  mb {s['micro_batches_in_flight']}", "dim")
-            bar_w = max(4, width - label_w - figures.cell_len)
-            line = Text.assemble((f"stage {s.get('stage', '?')}".ljust(label_w), "bold"),
-                                 self.bar(s, longest, bar_w), figures)
-            lines.append(line)
+        width, height = self.size.width, self.size.height
+        lines = [self.header(width), *self.stage_lines(width)]
+        if 1 < height < len(lines):   # shorter than its stages: the last line says which are left out
+            hidden = self.stages[height - 2:]
+            first, last = hidden[0].get("stage", "?"), hidden[-1].get("stage", "?")
+            lines = [*lines[:height - 1], Text(f"… {len(hidden)} more: stages {first}-{last}", "dim italic")]
         for line in lines:
             line.truncate(width, overflow="ellipsis")
         return Text("\n").join(lines)
+
+    def stage_lines(self, width: int) -> list[Text]:
+        """`stage 3 blocks.8-11 (24)  ████▓▓▓▓░░  25.4/50.8/9.2 ms`: every bar on one scale and of one
+        width; the layer summaries take what the bars leave, or go when that is too little."""
+        longest = max(sum(s.get(f) or 0 for f, _, _ in PARTS) for s in self.stages) or 1.0
+        label_w = max(len(f"stage {s.get('stage', '?')}") for s in self.stages) + 1
+        figures = [self.figures(s) for s in self.stages]
+        figures_w = max(f.cell_len for f in figures)
+        spans = [(layer_span(s["layers"]), len(s["layers"])) if s.get("layers") else ("", 0) for s in self.stages]
+        span_w = min(max(len(span) + len(f" ({n})") if n else 0 for span, n in spans),
+                     width - label_w - figures_w - MIN_BAR - 2)
+        span_w = span_w if span_w >= 8 else 0   # too narrow for a useful summary: the bars alone
+        bar_w = max(4, width - label_w - (span_w + 2 if span_w else 0) - figures_w)
+        lines = []
+        for s, figure, (span, count) in zip(self.stages, figures, spans):
+            line = Text(f"stage {s.get('stage', '?')}".ljust(label_w), "bold")
+            if span_w:
+                line.append((fitted(span, count, span_w) if count else "").ljust(span_w + 2), "grey70")
+            figure.align("right", figures_w)
+            lines.append(line + self.bar(s, longest, bar_w) + figure)
+        return lines
+
+    @staticmethod
+    def figures(stage: dict) -> Text:
+        """`  25.4/50.8/9.2 ms  mb 4`: fwd / bwd / idle, and the micro-batches in flight where known."""
+        text = Text.assemble(
+            "  ", (f"{stage.get('fwd_ms') or 0:.1f}", "#4c8dff"), "/",
+            (f"{stage.get('bwd_ms') or 0:.1f}", "#b07cff"), "/",
+            (f"{stage.get('idle_ms') or 0:.1f}", "grey62"), " ms")
+        if stage.get("micro_batches_in_flight") is not None:
+            text.append(f"  mb {stage['micro_batches_in_flight']}", "dim")
+        return text
 
     @staticmethod
     def bar(stage: dict, longest: float, width: int) -> Text:

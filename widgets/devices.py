@@ -128,7 +128,11 @@ class DeviceCard(Widget):
         return high / capacity if capacity else 0.0
 
     def level(self) -> str:
-        fraction = self.fraction()
+        """The border's colour: the ledger's high mark against the capacity, or on a GPU NVML's used memory
+        against its total when that is higher (what the operator trusts; the table flags it the same way)."""
+        entry = self.entry
+        nvml = (entry.get("nvml_used_bytes") or 0) / entry["nvml_total_bytes"] if entry.get("nvml_total_bytes") else 0.0
+        fraction = max(self.fraction(), nvml)
         if self.entry.get("over_capacity") or fraction > CRIT_FRACTION:
             return "crit"
         return "warn" if fraction > WARN_FRACTION else "ok"

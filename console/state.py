@@ -63,6 +63,11 @@ class RunState:
         return set(self.hello.get("capabilities") or [])
 
     @property
+    def precision(self) -> str:
+        """What the run computes in (`[precision] compute`): `fp32`, or `bf16` (shown on the header line)."""
+        return str(((self.hello.get("config") or {}).get("precision") or {}).get("compute") or "fp32")
+
+    @property
     def ps(self) -> dict | None:
         """The latest step's parameter-server figures (None in other modes)."""
         return (self.last_step or {}).get("ps")
@@ -197,6 +202,7 @@ def headline(state: RunState, wide: bool, live: bool) -> Text:
     hello, step = state.hello, state.last_step or {}
     parts = [(hello.get("run") or "no run yet", "bold #ffb000"),
              (f"{state.mode}×{hello.get('world_size', '?')}", "bold"),
+             *([(precision, "bold #a29bfe")] if (precision := state.precision) != "fp32" else []),
              *([(f"sync {state.sync_mode}", "bold cyan")] if state.mode == "param_server" and state.sync_mode
                else []),
              (f"step {state.step if state.step is not None else '—'}"

@@ -103,6 +103,9 @@ planner = "exhaustive"
 every = 5
 keep = 1
 
+[precision]
+compute = "bf16"
+
 [telemetry]
 log = "t.jsonl"
 hub = false

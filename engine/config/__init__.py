@@ -16,10 +16,10 @@ from engine.config.load import config_from_dict, load_config, read_toml
 from engine.config.reference import markdown_reference
 from engine.config.settings import (CheckpointConfig, ClusterConfig, Config, ConfigError, DataConfig, DeviceConfig,
                                     EmulateConfig, MemoryConfig, ModelConfig, OptimConfig, ParallelConfig,
-                                    RunConfig, TelemetryConfig, UpdateConfig, config_to_toml, format_size,
+                                    PrecisionConfig, RunConfig, TelemetryConfig, UpdateConfig, config_to_toml, format_size,
                                     parse_size, save_config, setting)
 
 __all__ = ["CheckpointConfig", "ClusterConfig", "Config", "ConfigError", "DataConfig", "DeviceConfig", "EmulateConfig",
-           "MemoryConfig", "ModelConfig", "OptimConfig", "ParallelConfig", "RunConfig", "TelemetryConfig",
+           "MemoryConfig", "ModelConfig", "OptimConfig", "ParallelConfig", "PrecisionConfig", "RunConfig", "TelemetryConfig",
            "UpdateConfig", "config_from_dict", "config_to_toml", "format_size", "load_config", "markdown_reference",
            "parse_size", "read_toml", "save_config", "setting"]

@@ -246,6 +246,17 @@ class DeviceConfig:
 
 
 @dataclass
+class PrecisionConfig:
+    """The dtype training computes in (docs/precision.md)."""
+
+    compute: str = setting("fp32", "`bf16`: every forward and backward runs under `torch.autocast(dtype=torch."
+                                   "bfloat16)` (matmuls and convolutions in bf16, reductions and the loss in "
+                                   "fp32), on the CPU as on a GPU, in every strategy; the weights, their "
+                                   "gradients, the optimizer state and the reduction stay fp32. `fp32`: no "
+                                   "autocast, bit for bit as before.", choices=("fp32", "bf16"))
+
+
+@dataclass
 class MemoryConfig:
     """What happens to each layer's saved activations between its forward and its backward."""
 
@@ -350,6 +361,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     update: UpdateConfig = field(default_factory=UpdateConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)

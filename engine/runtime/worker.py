@@ -23,6 +23,7 @@ import torch.distributed as dist
 from engine.data import batch_for
 from engine.runtime import checkpoint as ckpt
 from engine.runtime.control import COLUMN, Peaks, encode_commands, exchange, rank_rows, share_commands
+from engine.precision import compute_in
 from engine.runtime.emulate import SlowLayer, SlowRank
 from engine.runtime.layer_rows import LayerRows
 from engine.runtime.profiler import LayerProfiler
@@ -152,7 +153,8 @@ class Worker:
                     self.slow_rank.step = step
                 out_before, wait_before = self.memory.swapped_out_bytes(), self.memory.link_wait_s()
                 t0 = time.perf_counter()
-                local_loss = self.strategy.train_step(x, y) or 0.0   # None: a pipeline stage before the last
+                with compute_in(cfg.precision, self.device.torch_device):   # bf16: under autocast
+                    local_loss = self.strategy.train_step(x, y) or 0.0   # None: a pipeline stage before the last
                 step_ms = (time.perf_counter() - t0) * 1000
                 memory_plan = self.memory.after_step(step)
                 swapped_out = self.memory.swapped_out_bytes() - out_before
@@ -419,7 +421,8 @@ class Worker:
         for i in range(0, len(ds.x_test), 1024):
             x = ds.x_test[i:i + 1024].to(self.device.torch_device)
             y = ds.y_test[i:i + 1024].to(self.device.torch_device)
-            pred = self.model(x).argmax(dim=-1)
+            with compute_in(self.cfg.precision, self.device.torch_device):   # as it trains
+                pred = self.model(x).argmax(dim=-1)
             correct += int((pred == y).sum())
             total += y.numel()
         self.model.train()

@@ -29,9 +29,10 @@ Shape exchange: the first message of a step in each direction (and, in a step
 that migrates layers, the first one under the new layout) is a header then a
 payload; the others are the payload alone, since the micro-batches of a step are
 equal and run the same layers. The header is a fixed int64 tensor of HEADER_LEN
-entries, [ndim, d0, d1, ...] (zero-padded); the payload is the float32 tensor of
-that shape. So stages may emit any shape (up to HEADER_LEN - 1 dimensions), and
-shapes may change from step to step, at the cost of one small message per step.
+entries, [ndim, d0, d1, ..., dtype] (zero-padded; the last entry is engine/precision.py's dtype code);
+the payload is the tensor of that shape and dtype: fp32, or bf16 activations and gradients under
+`precision.compute = "bf16"` (half the bytes). So stages may emit any shape (up to HEADER_LEN - 2
+dimensions), and shapes may change from step to step, at the cost of one small message per step.
 
 Ordering: sends are non-blocking (isend), receives are blocking (recv). Both
 schedules are then deadlock-free: a rank only ever blocks on a receive whose
@@ -68,6 +69,7 @@ from engine.techniques.migration import Migration
 from engine.optim import make_optimizer
 from engine.techniques.partition import Cluster, threshold_in_ms, uniform
 from engine.techniques.rebalance import LayerClock, Rebalancer
+from engine.precision import DTYPES, dtype_code
 from engine.timing import Clock, StepTimes
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -188,6 +190,7 @@ class PipelineStage:
         self.loss_rank = self.stages - 1   # the rank whose loss is the step's
         self.optimizer = self.updater
         self.timings = {"fwd_ms": 0.0, "bwd_ms": 0.0, "optim_ms": 0.0}
+        self._sent_bytes = 0   # payload bytes sent to the neighbours in the step (activations, gradients)
         self.times = StepTimes(device_clock or Clock(device.torch_device), ("fwd_ms", "bwd_ms", "optim_ms"))
         self.clock = LayerClock(model.names, self.times.clock)   # the layer times the rebalance plans with
         self.clock.armed = rebalance != "off"
@@ -235,15 +238,18 @@ class PipelineStage:
     # --- point to point ------------------------------------------------------------------------
     def _send(self, tensor: torch.Tensor, dst: int, tag: int, layout: int = 0) -> None:
         dev = self.device.torch_device   # gloo sends CPU tensors, nccl device tensors: the stage's own device
-        tensor = tensor.detach().to(dev, torch.float32).contiguous()
-        if tensor.dim() > HEADER_LEN - 1:
-            raise ValueError(f"pipeline messages carry at most {HEADER_LEN - 1} dimensions, got {tensor.dim()}")
+        # in its own dtype: bf16 activations and gradients under `precision.compute = "bf16"`, half the bytes
+        tensor = tensor.detach().to(dev).contiguous()
+        if tensor.dim() > HEADER_LEN - 2:
+            raise ValueError(f"pipeline messages carry at most {HEADER_LEN - 2} dimensions, got {tensor.dim()}")
         sends = [tensor]
-        if ("to", tag, layout) not in self._shapes:   # the first message of its kind this step says its shape
+        self._sent_bytes += tensor.numel() * tensor.element_size()   # the boundary's payload, in its dtype
+        if ("to", tag, layout) not in self._shapes:   # the first message of its kind this step: shape and dtype
             self._shapes[("to", tag, layout)] = tuple(tensor.shape)
             header = torch.zeros(HEADER_LEN, dtype=torch.int64, device=dev)
             header[0] = tensor.dim()
             header[1:1 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+            header[-1] = dtype_code(tensor.dtype)
             sends.insert(0, header)
         for t in sends:   # keep the tensor alive until its send is waited on
             self._pending.append((dist.isend(t, dst, group=self.group, tag=tag), t))
@@ -252,12 +258,14 @@ class PipelineStage:
         t0 = time.perf_counter()
         dev = self.device.torch_device
         try:
-            shape = self._shapes.get(("from", tag, layout))
-            if shape is None:
+            kind = self._shapes.get(("from", tag, layout))
+            if kind is None:
                 header = torch.empty(HEADER_LEN, dtype=torch.int64, device=dev)
                 dist.recv(header, src, group=self.group, tag=tag)
-                shape = self._shapes[("from", tag, layout)] = tuple(int(d) for d in header[1:1 + int(header[0])].tolist())
-            out = torch.empty(shape, dtype=torch.float32, device=dev)
+                kind = self._shapes[("from", tag, layout)] = (
+                    tuple(int(d) for d in header[1:1 + int(header[0])].tolist()), DTYPES[int(header[-1])])
+            shape, dtype = kind
+            out = torch.empty(shape, dtype=dtype, device=dev)
             dist.recv(out, src, group=self.group, tag=tag)
         except Exception as e:   # a neighbour died or went silent: say who and what, within the timeout
             what = "activations" if tag == FWD_TAG else "gradients"
@@ -285,7 +293,7 @@ class PipelineStage:
         inputs: dict[int, torch.Tensor] = {}
         outputs: dict[int, torch.Tensor] = {}
         losses: list[torch.Tensor] = []
-        self._pending, self._shapes = [], {}
+        self._pending, self._shapes, self._sent_bytes = [], {}, 0
         times = self.times
         times.begin_step()
         self._recv_s = 0.0
@@ -349,7 +357,7 @@ class PipelineStage:
         self._pending = []
         loss = float(torch.stack(losses).sum()) if self.is_last else None   # waits for the last stage's work
         # fwd/bwd: this stage's own compute; waiting for neighbours is recv_wait_ms (idle in the stages panel)
-        self.timings = {**times.end_step(), "recv_wait_ms": self._recv_s * 1000,
+        self.timings = {**times.end_step(), "recv_wait_ms": self._recv_s * 1000, "sent_bytes": self._sent_bytes,
                         "migration_bytes": move.sent_bytes if move else 0,
                         "migration_ms": move.duration_ms if move else 0.0}
         self.device.ledger.refresh()
@@ -414,7 +422,7 @@ class PipelineStage:
             busy = r["fwd_ms"] + r["bwd_ms"] + r["optim_ms"]
             rows.append({"stage": stage, "rank": stage, "layers": names, "fwd_ms": r["fwd_ms"],
                          "bwd_ms": r["bwd_ms"], "idle_ms": round(max(0.0, r["step_ms"] - busy), 4),
-                         "micro_batches": self.micro_batches})
+                         "micro_batches": self.micro_batches, "sent_bytes": r.get("sent_bytes", 0)})
         busy = [row["fwd_ms"] + row["bwd_ms"] for row in rows]
         # the threshold a check would apply to these stage times (a fraction is of their mean)
         threshold_ms = threshold_in_ms(self.rebalancer.threshold, busy)

@@ -20,6 +20,7 @@ import torch
 from rich.markup import escape
 
 from engine.runtime import checkpoint as ckpt
+from engine.precision import compute_in
 from engine.runtime.control import FIELDS, Peaks, rank_rows, row_values
 from engine.runtime.rank import announce
 from engine.strategies.param_server.links import (
@@ -333,7 +334,8 @@ class Coordinator(PSServer):
         correct = total = 0
         for i in range(0, len(ds.x_test), 1024):
             x, y = ds.x_test[i:i + 1024].to(device.torch_device), ds.y_test[i:i + 1024].to(device.torch_device)
-            correct += int((model(x).argmax(dim=-1) == y).sum())
+            with compute_in(self.s.cfg.precision, device.torch_device):   # as the workers train
+                correct += int((model(x).argmax(dim=-1) == y).sum())
             total += y.numel()
         model.train()
         return correct / total

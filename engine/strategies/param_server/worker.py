@@ -37,6 +37,7 @@ from engine.strategies.param_server.links import (
     ALL_LAYERS, BYE, GRAD, PAUSED, PING, PROFILE, PULL, STOP, TAG_PING, TAG_WEIGHTS, flatten, transport_failure,
     unflatten_into)
 from engine.strategies.param_server.setup import Setup
+from engine.precision import compute_in
 from engine.timing import Clock, StepTimes
 
 PAUSED_POLL_S = 0.25       # a paused worker asks the servers this often whether to go on
@@ -144,7 +145,7 @@ class PSWorker:
                 x, y = x.to(device.torch_device), y.to(device.torch_device)
                 wait_ms, flags = 0.0, 0
                 out = x
-                with device.ledger.saved_activations():
+                with compute_in(cfg.precision, device.torch_device), device.ledger.saved_activations():
                     for j, layer in enumerate(model.layers):
                         if j in works:
                             times.add("fwd_ms", fwd_from, times.mark())   # waiting for weights is not forward

@@ -132,3 +132,22 @@ def test_a_64_rank_feed_logs_under_4_kb_a_step_and_replays_with_every_ranks_figu
                                           "compute_ms", "nvml_used_bytes"} <= set(e) for e in ranks)
         assert ranks[41]["nvml_used_bytes"] / ranks[41]["nvml_total_bytes"] >= 0.98 - 1e-4
     assert state.step == 300
+
+
+def test_a_parameter_servers_workers_and_layers_go_as_columns_between_full_steps():
+    workers = [{"rank": r, "iterations": 10 + r, "steps_per_s": 5.0, "wait_ms": 1.0, "compute_ms": 3.0,
+                "slow_factor": 1.0 + r, "alive": True} for r in (2, 3)]
+    layers = [{"name": f"fc{j}", "server": j % 2, "version": 7, "window_workers": 2, "mean_staleness": 0.5,
+               "window_ms": 4.0} for j in range(3)]
+    ps = {"mode": "soft", "workers_live": 2, "workers_lost": [], "workers": workers, "layers": layers}
+    rows = RankRows(every=10)
+    first, _ = rows.shape({"step": 1, "loss": 1.0, "ranks": FULL, "ps": ps})
+    later = {**ps, "workers": [{**w, "iterations": 20, "alive": w["rank"] == 2} for w in workers],
+             "layers": [{**layer, "version": 9} for layer in layers]}
+    second, full = rows.shape({"step": 2, "loss": 1.0, "ranks": FULL, "ps": later})
+    assert not full and "workers" not in second["ps"] and second["ps"]["worker_columns"]["iterations"] == [20, 20]
+    from engine.telemetry.schema import PS
+    for record in (first, second):
+        jsonschema.validate(record["ps"], PS)
+    filled = protocol.with_ranks(second, protocol.with_ranks(first, None))["ps"]
+    assert filled == later   # the names, servers and slowness from the full step, the figures from the columns

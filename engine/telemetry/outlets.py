@@ -23,7 +23,7 @@ import time
 
 from engine.telemetry.headless import HeadlessProgress
 from engine.telemetry.log import TelemetryLog
-from engine.telemetry.protocol import rank_columns
+from engine.telemetry.protocol import ps_columns, rank_columns
 
 # events after which the next step carries every rank's full row (and the log its layer rows): what they
 # change shows in the rows
@@ -62,10 +62,11 @@ class RankRows:
         if self.due or step >= self.next_full:
             self.due, self.next_full, self.layers_due = False, step + self.every, True
             return record, True
-        if "ranks" not in record:
-            return record, False
-        record = {**record, "per_rank": rank_columns(record["ranks"])}
-        del record["ranks"]
+        if "ranks" in record:
+            record = {**record, "per_rank": rank_columns(record["ranks"])}
+            del record["ranks"]
+        if isinstance(record.get("ps"), dict) and "workers" in record["ps"]:
+            record = {**record, "ps": ps_columns(record["ps"])}
         return record, False
 
 

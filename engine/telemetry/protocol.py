@@ -105,13 +105,50 @@ def expand_ranks(record: dict, previous: dict | None) -> list[dict] | None:
     return [rows[rank] for rank in sorted(rows)]
 
 
+# A parameter server's per-worker and per-layer figures on the same steps: columns too, by the order of the
+# last full step's `ps.workers` and `ps.layers` (what does not change, a worker's slowness, a layer's name
+# and server, comes with the full rows).
+PS_WORKER_COLUMNS = ("rank", "iterations", "steps_per_s", "wait_ms", "compute_ms", "alive")
+PS_LAYER_COLUMNS = ("version", "window_workers", "mean_staleness", "window_ms")
+
+
+def ps_columns(ps: dict) -> dict:
+    """A step's `ps` with `workers` and `layers` as `worker_columns` and `layer_columns`."""
+    out = {key: value for key, value in ps.items() if key not in ("workers", "layers")}
+    out["worker_columns"] = {name: [w.get(name) for w in ps.get("workers") or []] for name in PS_WORKER_COLUMNS}
+    out["layer_columns"] = {name: [layer.get(name) for layer in ps.get("layers") or []] for name in PS_LAYER_COLUMNS}
+    return out
+
+
+def expand_ps(ps: dict, previous: dict | None) -> dict:
+    """`ps` with its columns overlaid on the `previous` step's (expanded) workers and layers, by position;
+    a column whose length does not match keeps the previous figures."""
+    if "worker_columns" not in ps and "layer_columns" not in ps:
+        return ps
+    previous = previous or {}
+    out = {key: value for key, value in ps.items() if key not in ("worker_columns", "layer_columns")}
+    for key, columns_key in (("workers", "worker_columns"), ("layers", "layer_columns")):
+        rows = [dict(row) for row in previous.get(key) or []]
+        for name, values in (ps.get(columns_key) or {}).items():
+            if len(values) == len(rows):
+                for row, value in zip(rows, values):
+                    row[name] = value
+        out[key] = rows
+    return out
+
+
 def with_ranks(record: dict, previous: dict | None) -> dict:
-    """`record` with its full rank rows in `ranks` in place of its `per_rank` columns (see expand_ranks);
-    the record itself when it has them."""
-    if "ranks" in record or "per_rank" not in record:
+    """`record` with its full rank rows in `ranks` in place of its `per_rank` columns (see expand_ranks), and a
+    parameter server's workers and layers in place of their columns (expand_ps); the record itself when it
+    has them."""
+    compact_ps = isinstance(record.get("ps"), dict) and "worker_columns" in record["ps"]
+    if "per_rank" not in record and not compact_ps:
         return record
     filled = {key: value for key, value in record.items() if key != "per_rank"}
-    filled["ranks"] = expand_ranks(record, previous) or []
+    if "per_rank" in record:
+        filled["ranks"] = expand_ranks(record, previous) or []
+    if compact_ps:
+        filled["ps"] = expand_ps(record["ps"], (previous or {}).get("ps"))
     return filled
 
 

@@ -5,7 +5,7 @@ the schema and the writer cannot drift apart.
 """
 
 from engine.telemetry.protocol import (MEMORY_COLUMNS, OPTIONAL_MEMORY_COLUMNS, OPTIONAL_RANK_COLUMNS,
-                                       RANK_COLUMNS, SYNC_MODES)
+                                       PS_LAYER_COLUMNS, PS_WORKER_COLUMNS, RANK_COLUMNS, SYNC_MODES)
 
 _BYTES = {"type": "integer", "minimum": 0}
 
@@ -68,10 +68,15 @@ RUN_START = {
                    "config": {"type": "object"}},
 }
 
-PS = {   # param_server: the sync mode, every worker, every layer with parameters
+PS = {   # param_server: the sync mode, every worker, every layer with parameters (or their columns)
     "type": "object",
-    "required": ["mode", "workers_live", "workers_lost", "workers", "layers"],
+    "required": ["mode", "workers_live", "workers_lost"],
+    "oneOf": [{"required": ["workers", "layers"]}, {"required": ["worker_columns", "layer_columns"]}],
     "properties": {
+        "worker_columns": {"type": "object", "required": list(PS_WORKER_COLUMNS), "additionalProperties": False,
+                           "properties": {name: {"type": "array"} for name in PS_WORKER_COLUMNS}},
+        "layer_columns": {"type": "object", "required": list(PS_LAYER_COLUMNS), "additionalProperties": False,
+                          "properties": {name: {"type": "array"} for name in PS_LAYER_COLUMNS}},
         "mode": {"enum": list(SYNC_MODES)}, "workers_live": {"type": "integer", "minimum": 0},
         "loss_workers": {"type": "integer", "minimum": 1},   # logs before it was added lack it
         "workers_lost": {"type": "array", "items": {"type": "integer"}},

@@ -34,6 +34,9 @@ CONFIG = Path(__file__).resolve().parents[2] / "demo" / "configs" / "digits_ps.t
 
 
 def _records(path: Path) -> list[dict]:
+    """The log's records so far, each step's workers, layers and ranks filled in (between full steps they go
+    as columns: docs/telemetry.md)."""
+    from engine.telemetry.log import fill_ranks
     if not path.exists():
         return []
     out = []
@@ -42,7 +45,7 @@ def _records(path: Path) -> list[dict]:
             out.append(json.loads(line))
         except json.JSONDecodeError:
             pass   # a line still being written
-    return out
+    return fill_ranks(out)
 
 
 def run_mode(mode: str, seconds: float, slow: float, eval_every: int, workdir: Path, extra: list[str]) -> dict:

@@ -187,8 +187,7 @@ def synthetic_bytes(ranks: int, layers: int, steps: int, layer_every: int, rank_
                                                  with_layers=step % layer_every == 0 or step == 1))
         stamped = log.stamp({"type": "step", **record})
         live.append(len(encode(stamped)))
-        log.write(stamped if rows.keep_layers(record) else {k: v for k, v in stamped.items() if k != "layers"},
-                  stamped=True)
+        log.write(rows.for_log(stamped), stamped=True)
     log.close()
     return {"source": f"synthetic {ranks} GPUs", "about": f"{ranks} ranks on {ranks // 8} hosts, {layers} "
                       f"layers timed every {layer_every} steps, full rank rows every {rank_every}", "ranks": ranks, "layers": layers, **log_sizes(read_raw(path)),

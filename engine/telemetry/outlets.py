@@ -49,13 +49,15 @@ class RankRows:
         self.due |= changed
         self.layers_due |= changed
 
-    def keep_layers(self, record: dict) -> bool:
-        """Whether the log keeps this record's layer rows (consoles get them all): the first after the run's
-        start, after every full step and after every change, so the log shows each change's layer rows."""
-        if "layers" not in record or not self.layers_due:
-            return False
-        self.layers_due = False
-        return True
+    def for_log(self, record: dict) -> dict:
+        """`record` as the log keeps it: its layer rows only when they are the first after the run's start,
+        after a full step or after a change (consoles get them all), so the log shows each change's rows."""
+        if "layers" not in record:
+            return record
+        if self.layers_due:
+            self.layers_due = False
+            return record
+        return {key: value for key, value in record.items() if key != "layers"}
 
     def shape(self, record: dict) -> tuple[dict, bool]:
         step = record["step"]
@@ -150,12 +152,11 @@ class RankZeroTelemetry(Telemetry):
         live = now - self._last_live >= self.live_interval_s or "layers" in record or full
         if live:
             self._last_live = now
-        layers = self.rank_rows.keep_layers(record)
         with self._lock:
             stamped = self.log.stamp({"type": "step", **record})
-            if full or layers or step % self.log_every == 0:
-                self.log.write(stamped if layers else {k: v for k, v in stamped.items() if k != "layers"},
-                               stamped=True)
+            logged = self.rank_rows.for_log(stamped)
+            if full or "layers" in logged or step % self.log_every == 0:
+                self.log.write(logged, stamped=True)
         if self.hub and live:
             self.hub.publish(stamped)
         self._unsent = None if live else stamped

@@ -1,8 +1,17 @@
-"""Which dtype training computes in: `[precision] compute` (docs/precision.md).
+"""Which dtype each tensor has: `[precision] compute, params, reduce` (docs/precision.md).
 
     with compute_in(cfg.precision, device):      # every forward and backward of a step, every strategy
         loss = strategy.train_step(x, y)
+    model.to(param_dtype(cfg.precision))         # the working weights every rank computes with
+    reduce_dtype(cfg.precision)                  # the dtype gradients are summed in
     dtype_code(torch.bfloat16) -> 1; DTYPES[1] -> torch.bfloat16   # a pipeline header names its tensor's dtype
+
+With `params = "bf16"` the working weights, their gradients and everything on a link that carries weights
+or gradients are bf16; the fp32 master weights and the optimizer state live only where an update runs
+(engine/techniques/layer_update.py: the owner in sharded, the host for a host-placed layer; the server in
+param_server), and the ledger counts the masters under `master`. `reduce = "fp32"` widens bf16
+gradients to fp32 for the sum (the result is stored back as the bf16 gradient every update reads, on the
+device or the host alike); `reduce = "bf16"` sums them as they are.
 
 With `compute = "bf16"` a step runs under `torch.autocast(dtype=torch.bfloat16)`: matmuls and convolutions
 in bf16, the loss and reductions in fp32 (autocast's own lists). The weights, their gradients, the optimizer
@@ -34,3 +43,13 @@ def compute_in(precision, device: torch.device | str):
         return contextlib.nullcontext()
     kind = device.type if isinstance(device, torch.device) else str(device).split(":")[0]
     return torch.autocast(device_type=kind, dtype=torch.bfloat16)
+
+
+def param_dtype(precision) -> torch.dtype:
+    """The working weights' dtype: what every rank computes with and every weight link carries."""
+    return torch.bfloat16 if precision.params == "bf16" else torch.float32
+
+
+def reduce_dtype(precision) -> torch.dtype:
+    """The dtype gradients are summed in across ranks."""
+    return torch.bfloat16 if precision.reduce == "bf16" else torch.float32

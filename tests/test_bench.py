@@ -92,3 +92,82 @@ def test_bench_memory_reports_every_variant_beside_torchs_own(cli):
         assert variants[name]["peak_bytes"] is None and variants[name]["fits"] is None
         assert variants[name]["samples_per_s"] > 0
     assert all(row["allocator_peak_bytes"] is None for row in variants.values())   # no GPU here
+
+
+# --- `--precision bf16`: every bench beside itself in fp32 (issue 26); the bytes halve exactly where they must
+
+@pytest.mark.timeout(90)
+def test_bench_broadcast_in_bf16_halves_the_sharded_broadcast(cli):
+    r = cli.run("bench", "broadcast", "--json", "--precision", "bf16", "--world", "2", "--streams", "2", "--slices",
+                "4", "--rounds", "1", "--steps", "2", "--warmup", "1", "--hidden", "32", "--depth", "4", "--features",
+                "32", timeout=80)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert report["precision"] == "bf16" and report["precisions"]["bf16"] == {"compute": "bf16", "params": "bf16",
+                                                                               "reduce": "fp32"}
+    names = ["ddp", "sharded-1", "sharded-2", "sharded-2-gated"]
+    fp32 = {row["variant"]: row for row in report["variants"]}   # today's figures, from the fp32 runs
+    bf16 = {row["variant"]: row for row in report["bf16"]["variants"]}
+    assert list(fp32) == list(bf16) == names
+    params = report["parameters"]
+    for name in names[1:]:   # each rank's streams carry every slice: all the weights, 4 then 2 bytes each
+        assert fp32[name]["bytes_per_step"] == 4 * params and bf16[name]["bytes_per_step"] == 2 * params
+        assert bf16[name]["parameter_bytes_per_rank"] * 2 == fp32[name]["parameter_bytes_per_rank"]
+        # the fp32 masters live at the owners: together, the fp32 weights
+        assert fp32[name]["master_bytes_per_rank"] == 0 and bf16[name]["master_bytes_per_rank"] > 0
+    # ddp is torch's mixed precision (fp32 weights under autocast): its all-reduce keeps its bytes
+    assert bf16["ddp"]["bytes_per_step"] == fp32["ddp"]["bytes_per_step"] == 4 * params
+    ratios = {row["variant"]: row for row in report["bf16_vs_fp32"]}
+    assert [ratios[n]["bytes_ratio"] for n in names] == [1.0, 0.5, 0.5, 0.5]
+    assert all(ratios[n]["step_ms_bf16"] > 0 and ratios[n]["step_ratio"] > 0 for n in names)
+    assert "bytes are the figure" in report["note"]
+
+
+@pytest.mark.timeout(90)
+def test_bench_hybrid_in_bf16_halves_the_host_link(cli):
+    r = cli.run("bench", "hybrid", "--json", "--precision", "bf16", "--rounds", "1", "--steps", "2", "--warmup", "1",
+                "--trial", "4", "--hidden", "32", "--depth", "3", "--device", "cpu", timeout=80)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert report["precision"] == "bf16" and set(report["bf16"]["cases"]) == {"tight", "roomy"}
+    for label in ("tight", "roomy"):
+        fp32 = report["cases"][label]["placements"]["all-host"]
+        bf16 = report["bf16"]["cases"][label]["placements"]["all-host"]
+        # every layer's gradients down and weights up: bf16 both ways, exactly half the bytes
+        assert fp32["host_link_bytes_per_step"] > 0
+        assert bf16["host_link_bytes_per_step"] * 2 == fp32["host_link_bytes_per_step"]
+        row = report["bf16_vs_fp32"][label]["all-host"]
+        assert row["bytes_ratio"] == 0.5 and row["measured_ms_bf16"] > 0 and row["step_ratio"] > 0
+    roomy = report["bf16"]["cases"]["roomy"]["placements"]
+    assert roomy["all-device"]["host_link_bytes_per_step"] == 0   # nothing crosses the host link
+    assert report["bf16_vs_fp32"]["roomy"]["all-device"]["bytes_ratio"] is None
+    assert report["host_step"]["now_fused_ms"] == report["cases"]["roomy"]["placements"]["all-host"]["measured_ms"]
+
+
+@pytest.mark.timeout(90)
+def test_bench_memory_in_bf16_halves_the_parameters(cli):
+    r = cli.run("bench", "memory", "--json", "--precision", "bf16", "--rounds", "1", "--steps", "1", "--d-model", "32",
+                "--depth", "1", "--seq-len", "16", "--batch", "8", "--device", "cpu", timeout=80)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    held = report["bytes"]
+    assert held["bf16"]["parameters"] * 2 == held["fp32"]["parameters"]
+    assert held["bf16"]["gradients"] * 2 == held["fp32"]["gradients"]
+    # the update's fp32 side is the same in both: AdamW's state, and (bf16) an fp32 master of every weight
+    assert held["bf16"]["optimizer_state"] == held["fp32"]["optimizer_state"] > 0
+    assert held["bf16"]["master"] == held["fp32"]["parameters"] and held["fp32"]["master"] == 0
+    assert 0 < held["bf16"]["activations"] < held["fp32"]["activations"]
+    assert held["bf16"]["keep_peak"] < held["fp32"]["keep_peak"] == report["keep_peak_bytes"]
+    ratios = report["bf16_vs_fp32"]
+    assert ratios["bytes"]["parameters"] == ratios["bytes"]["gradients"] == 0.5
+    assert set(report["bf16"]["variants"]) == set(report["variants"]) == set(ratios["variants"])
+    assert report["bf16"]["capacity_bytes"] == report["bf16"]["keep_peak_bytes"] // 2
+    swap = report["bf16"]["variants"]["swap"]
+    assert swap["swapped_per_step_bytes"] > 0 and ratios["variants"]["swap"]["swapped_ratio"] < 1
+
+
+@pytest.mark.parametrize("bench", ["broadcast", "hybrid", "memory"])
+def test_bench_refuses_an_unknown_precision_by_name(cli, bench):
+    r = cli.run("bench", bench, "--precision", "fp16", timeout=30)
+    assert r.returncode == 2
+    assert "--precision" in r.stderr and "'fp16'" in r.stderr and "'fp32', 'bf16'" in r.stderr

@@ -105,6 +105,8 @@ keep = 1
 
 [precision]
 compute = "bf16"
+params = "bf16"
+reduce = "bf16"
 
 [telemetry]
 log = "t.jsonl"

@@ -18,30 +18,44 @@ from engine.config import load_config
 from engine.data import batch_for, load_dataset
 from engine.models import build_model
 from engine.optim import make_optimizer
-from engine.precision import DTYPES, compute_in, dtype_code
+from engine.precision import DTYPES, compute_in, dtype_code, param_dtype
 from engine.strategies.ddp import cross_entropy
 from tests.conftest import read_jsonl
 from tests.test_training import DEMO
 
 STEPS = 20
+BF16 = ["precision.compute=bf16", "precision.params=bf16"]   # bf16 weights (fp32 masters where updates run)
 PS = ["parallel.world_size=3", "parallel.servers=1", "parallel.workers=2", "parallel.sync=bsp"]
 
 
-def one_process_losses(overrides: list[str], steps: int) -> list[float]:
-    """The global batch's loss at each step, one process, in the config's precision."""
-    cfg = load_config(DEMO, overrides)
+def one_process_losses(overrides: list[str], steps: int, config: str = DEMO) -> list[float]:
+    """The global batch's loss at each step, one process, in the config's precision: with bf16 weights, an
+    fp32 master copy steps on the widened gradient and is narrowed back into the weights (written out here,
+    apart from engine/techniques/layer_update.py, which the strategies use)."""
+    cfg = load_config(config, overrides)
     ds = load_dataset(cfg.data, cfg.run.seed)
-    model = build_model(cfg.model, ds.meta, cfg.run.seed)
-    opt = make_optimizer(cfg.optim, model.parameters())
+    model = build_model(cfg.model, ds.meta, cfg.run.seed).to(param_dtype(cfg.precision))
+    weights = list(model.parameters())
+    wide = cfg.precision.params == "bf16"
+    master = [p.detach().float() for p in weights] if wide else weights
+    opt = make_optimizer(cfg.optim, master)
     losses = []
     for step in range(steps):
         x, y = batch_for(ds, step, cfg.data.batch_size, cfg.run.seed)
-        opt.zero_grad()
+        for p in weights:
+            p.grad = None
         with compute_in(cfg.precision, torch.device("cpu")):
             loss = cross_entropy(model(x), y)
             loss.backward()
         losses.append(loss.item())
+        if wide:
+            for p, m in zip(weights, master):
+                m.grad = p.grad.float()
         opt.step()
+        if wide:
+            with torch.no_grad():
+                for p, m in zip(weights, master):
+                    p.copy_(m)
     return losses
 
 
@@ -62,6 +76,16 @@ def test_a_bad_precision_is_refused_by_name():
     from engine.config import ConfigError
     with pytest.raises(ConfigError, match=r'precision.compute = "fp16": must be one of "fp32", "bf16"'):
         load_config(DEMO, ["precision.compute=fp16"])
+    with pytest.raises(ConfigError, match=r'precision.params = "fp16": must be one of "fp32", "bf16"'):
+        load_config(DEMO, ["precision.params=fp16"])
+    with pytest.raises(ConfigError, match=r'precision.params = "bf16" needs precision.compute = "bf16" '
+                                          r'\(got "fp32"\): an fp32 forward cannot compute with bf16 weights'):
+        load_config(DEMO, ["precision.params=bf16"])
+    with pytest.raises(ConfigError, match=r'precision.reduce = "bf16" needs precision.params = "bf16" '
+                                          r'\(got "fp32"\).*gradient compression'):
+        load_config(DEMO, ["precision.compute=bf16", "precision.reduce=bf16"])
+    for ok in (["precision.compute=bf16"], BF16, [*BF16, "precision.reduce=bf16"]):
+        load_config(DEMO, ok)
 
 
 @pytest.mark.timeout(240)
@@ -74,7 +98,7 @@ def test_every_strategy_in_bf16_equals_one_process_in_bf16(cli, strategy, extra)
                 *(a for s in sets for a in ("--set", s)), "--telemetry-log", str(log), timeout=230)
     assert r.returncode == 0, r.stderr
     start = read_jsonl(log)[0]
-    assert start["config"]["precision"] == {"compute": "bf16"}
+    assert start["config"]["precision"] == {"compute": "bf16", "params": "fp32", "reduce": "fp32"}
     got = [rec["loss"] for rec in read_jsonl(log) if rec["type"] == "step"]
     bf16, fp32 = one_process_losses(["precision.compute=bf16"], STEPS), one_process_losses([], STEPS)
     noise = max(abs(a - b) for a, b in zip(bf16, fp32))   # what bf16's rounding moves the losses by: ~2e-4 here
@@ -122,3 +146,145 @@ def test_a_pipeline_boundary_carries_half_the_bytes_in_bf16(cli):
                          if rec["type"] == "step"]
     assert all(b > 0 for step in sent["fp32"] for b in step)
     assert [[2 * b for b in step] for step in sent["bf16"]] == sent["fp32"]
+
+
+# --- bf16 weights: fp32 masters where the updates run ----------------------------------------------------
+
+PIPELINE_MIGRATING = ["parallel.strategy=pipeline", "model.hidden=512", "model.depth=3",
+                      'parallel.partition=[["fc0"], ["act0", "fc1", "act1", "fc2", "act2", "head"]]',
+                      "parallel.rebalance_check_every=3", 'memory.policy={fc1 = "swap", fc2 = "recompute"}']
+WEIGHT_CASES = {
+    "ddp": ["parallel.strategy=ddp"],
+    "ddp-reduce-bf16": ["parallel.strategy=ddp", "precision.reduce=bf16"],
+    "sharded-gated": ["parallel.strategy=sharded", "parallel.overlap_forward=true"],
+    "hybrid-host": ["parallel.strategy=ddp", "update.placement=host"],
+    "sharded-host": ["parallel.strategy=sharded", "update.placement=host"],
+    "pipeline-migration-swap-recompute": PIPELINE_MIGRATING,
+    "ps-bsp": ["parallel.strategy=param_server", *PS],
+}
+
+
+def run_records(cli, name: str, sets: list[str], steps: int, timeout: int = 230) -> list[dict]:
+    log = cli.tmp_path / f"{name}.jsonl"
+    r = cli.run("run", DEMO, "--headless", "--steps", str(steps), *cli.base_args(name), "--set", "run.eval_every=0",
+                *(a for s in sets for a in ("--set", s)), "--telemetry-log", str(log), timeout=timeout)
+    assert r.returncode == 0, r.stderr
+    return read_jsonl(log)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("case", [pytest.param(c, marks=[] if c in ("ddp", "sharded-gated") else pytest.mark.slow)
+                                  for c in WEIGHT_CASES])
+def test_every_strategy_with_bf16_weights_equals_one_process_with_bf16_weights(cli, case):
+    """compute = params = "bf16": bf16 weights and gradients everywhere, fp32 masters where the updates run
+    (ddp: every rank; sharded: the owner; a host-placed layer: the host; the pipeline: the stage, carried along
+    by a live migration; the parameter server: the server). Equal to one process doing the same."""
+    records = run_records(cli, f"w16-{case}", [*BF16, *WEIGHT_CASES[case]], STEPS)
+    assert records[0]["config"]["precision"]["params"] == "bf16"
+    got = [rec["loss"] for rec in records if rec["type"] == "step"]
+    model = [s for s in WEIGHT_CASES[case] if s.startswith("model.")]
+    bf16, fp32 = one_process_losses([*BF16, *model], STEPS), one_process_losses(model, STEPS)
+    noise = max(abs(a - b) for a, b in zip(bf16, fp32))   # bf16 weights move the losses by ~1e-3 here
+    gap = max(abs(a - b) for a, b in zip(got, bf16))
+    assert noise > 1e-4
+    assert got[0] == pytest.approx(bf16[0], abs=1e-6)
+    assert gap <= TOLERANCE(noise), (gap, noise)
+    if case.startswith("pipeline"):   # it really migrated, swapped and recomputed
+        assert any(rec.get("kind") == "migration" for rec in records)
+        ranks = [r for rec in records if rec["type"] == "step" for r in rec.get("ranks", [])]
+        assert any(r.get("swap_layers") for r in ranks) and any(r.get("recompute_layers") for r in ranks)
+
+
+def test_bf16_weights_halve_the_parameters_and_the_mlp_activations_exactly():
+    """The ledger counts each tensor's own bytes: bf16 weights are half of fp32, and so is every activation
+    an MLP layer saves under autocast (its input, its output, the ReLU's mask). The masters are counted on
+    their own (`master`), never as parameters."""
+    from engine.runtime.devices import MemoryLedger
+    from engine.techniques.hybrid import HybridUpdater
+    from engine.strategies.ddp import params_by_layer
+    from engine.config import UpdateConfig
+    from engine.runtime.devices import LedgerDevice
+    counted = {}
+    for name, sets in (("fp32", []), ("bf16", BF16)):
+        cfg = load_config(DEMO, sets)
+        ds = load_dataset(cfg.data, cfg.run.seed)
+        model = build_model(cfg.model, ds.meta, cfg.run.seed).to(param_dtype(cfg.precision))
+        device = LedgerDevice(1 << 30)
+        updater = HybridUpdater(model, params_by_layer(model), cfg.optim, device, UpdateConfig())
+        device.ledger.track_module(model, updater)
+        for layer_name, layer in zip(model.names, model.layers):
+            layer.register_forward_pre_hook(lambda *_, n=layer_name: setattr(device.ledger, "current_layer", n))
+        x, y = batch_for(ds, 0, cfg.data.batch_size, cfg.run.seed)
+        with compute_in(cfg.precision, torch.device("cpu")), device.ledger.saved_activations():
+            logits = model(x)
+            device.ledger.current_layer = None   # the loss's own saves (fp32 under autocast) are no layer's
+            loss = cross_entropy(logits, y)
+            loss.backward()
+        updater.end_backward()
+        device.ledger.refresh()
+        counted[name] = {"parameters": device.ledger.bytes["parameters"], "master": device.ledger.bytes["master"],
+                         "layers": {n: b for n, b in device.ledger.activations_by_layer.items() if n}}
+        updater.close()
+    fp32, bf16 = counted["fp32"], counted["bf16"]
+    assert fp32["parameters"] == 2 * bf16["parameters"] and fp32["master"] == 0
+    assert bf16["master"] == fp32["parameters"]   # the fp32 master: as many bytes as fp32 weights
+    assert fp32["layers"] and set(fp32["layers"]) == set(bf16["layers"])
+    assert {n: 2 * b for n, b in bf16["layers"].items()} == fp32["layers"]
+
+
+def _per_step(records, key):
+    return [key(rec) for rec in records if rec["type"] == "step"]
+
+
+@pytest.mark.timeout(240)
+def test_bf16_weights_halve_the_broadcast_the_host_link_and_the_all_reduce(cli):
+    """Byte counts, exactly, fp32 against bf16 weights: sharded's sliced broadcast per step; the host link of
+    host-placed layers (gradients down, weights up); ddp's all-reduce with precision.reduce = "bf16" (with
+    "fp32", the default, it carries fp32: the sum runs on the link)."""
+    full = ["telemetry.rank_every=1"]
+    got = {}
+    for name, sets in (("fp32", []), ("bf16", BF16)):
+        sharded = run_records(cli, f"sh-{name}", [*sets, "parallel.strategy=sharded", *full], 3)
+        got[f"broadcast-{name}"] = _per_step(sharded, lambda r: sum(s["bytes"] for s in r["streams"]))
+        host = run_records(cli, f"host-{name}", [*sets, "update.placement=host", *full], 3)
+        got[f"host-{name}"] = _per_step(host, lambda r: [rank["host_link_bytes"] for rank in r["ranks"]])
+        reduce = run_records(cli, f"red-{name}", [*sets, *(["precision.reduce=bf16"] if sets else [])], 3)
+        got[f"allreduce-{name}"] = _per_step(reduce, lambda r: r["streams"][0]["bytes"])
+    assert all(b > 0 for b in got["broadcast-fp32"])
+    assert [2 * b for b in got["broadcast-bf16"]] == got["broadcast-fp32"]
+    assert all(b > 0 for step in got["host-fp32"] for b in step)
+    assert [[2 * b for b in step] for step in got["host-bf16"]] == got["host-fp32"]
+    assert [2 * b for b in got["allreduce-bf16"]] == got["allreduce-fp32"]
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("case", [pytest.param("ddp", marks=pytest.mark.slow), "sharded-host",
+                                  pytest.param("pipeline", marks=pytest.mark.slow),
+                                  pytest.param("ps-bsp", marks=pytest.mark.slow)])
+def test_a_bf16_run_resumes_exactly_from_its_fp32_masters_and_refuses_another_precision(cli, case):
+    """A checkpoint holds the fp32 masters (not the bf16 weights), so a resumed run repeats the losses of an
+    uninterrupted one bit for bit; resuming it in another precision is refused by name."""
+    from engine.runtime.checkpoint import list_checkpoints, model_state
+    sets = {"ddp": ["parallel.strategy=ddp", "optim.name=adamw"],
+            "sharded-host": ["parallel.strategy=sharded", "update.placement=host", "optim.name=adamw"],
+            "pipeline": ["parallel.strategy=pipeline"], "ps-bsp": ["parallel.strategy=param_server", *PS]}[case]
+    sets = [*BF16, *sets, "checkpoint.every=5"]
+
+    def losses(records):
+        return {rec["step"]: rec["loss"] for rec in records if rec["type"] == "step"}
+    straight = losses(run_records(cli, "straight", sets, 12))
+    at_6 = [c for c in list_checkpoints(cli.tmp_path / "runs" / "straight") if int(c.name[-6:]) <= 6][-1]
+    assert all(v.dtype == torch.float32 for k, v in model_state(at_6).items() if "weight" in k)   # the masters
+    first = int(at_6.name[-6:])
+    log = cli.tmp_path / "split.jsonl"
+    r = cli.run("run", DEMO, "--headless", "--steps", "12", *cli.base_args("split"), "--set", "run.eval_every=0",
+                *(a for s in sets for a in ("--set", s)), "--telemetry-log", str(log), "--resume", str(at_6))
+    assert r.returncode == 0, r.stderr
+    split = losses(read_jsonl(log))
+    assert sorted(split) == list(range(first + 1, 13)) and all(split[s] == straight[s] for s in split)
+    fp32 = [s for s in sets if not s.startswith("precision.")]
+    r = cli.run("run", DEMO, "--headless", "--steps", "12", *cli.base_args("other"),
+                *(a for s in fp32 for a in ("--set", s)), "--resume", str(at_6))
+    assert r.returncode != 0
+    assert (f'{at_6}: written with precision.compute = "bf16"; this run has precision.compute = "fp32" (resume '
+            f'in the precision the run was started with)') in r.stderr

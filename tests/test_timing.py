@@ -429,15 +429,15 @@ class FakeLink:
         self.sent.append((kind, iteration, payload))
 
     def expect(self, tensor, tag):
-        from engine.strategies.param_server.links import TAG_WEIGHTS, flatten
+        from engine.strategies.param_server.links import TAG_WEIGHTS, pack_weights
         link, layer = self, tag - TAG_WEIGHTS
 
         class Work:
             def wait(self):
                 time.sleep(link.host_wait_s)
                 link.gpu.now += WAIT_MS
-                tensor.copy_(flatten(link.params[layer], extra=2))
-                tensor[-2:] = 0.0   # version 0, no flags
+                params = link.params[layer]
+                tensor.copy_(pack_weights(params, params[0].dtype, version=0, flags=0))
         return Work()
 
     def flush(self):

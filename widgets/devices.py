@@ -38,11 +38,14 @@ CATEGORIES = [
     ("parameters_bytes", "param", "#4c8dff"),
     ("gradients_bytes", "grad", "#b07cff"),
     ("optimizer_state_bytes", "optim", "#2ec4b6"),
+    ("master_bytes", "master", "#f4d35e"),   # fp32 masters beside bf16 weights (precision.params); else absent
     ("activations_bytes", "act", "#e879a6"),
 ]
 WARN_FRACTION, CRIT_FRACTION = 0.80, 0.95
 LEDGER_FIELDS = ("used_bytes", "capacity_bytes")   # a card without them has no memory to draw
-LEGEND = Text(" ").join(Text.assemble(("■", colour), label) for _, label, colour in CATEGORIES)
+LEGEND = Text(" ").join(Text.assemble(("■", colour), label) for field, label, colour in CATEGORIES
+                        if field != "master_bytes")
+LEGEND_MASTER = Text(" ").join(Text.assemble(("■", colour), label) for _, label, colour in CATEGORIES)
 
 
 class Throttle:
@@ -149,7 +152,8 @@ class DeviceCard(Widget):
         parts = [(entry.get(field) or 0, colour) for field, _, colour in CATEGORIES]
         level_style = {"ok": "", "warn": "bold #ffb000", "crit": "bold red"}[self.level()]
         lines = self.name_lines(entry, self.device_name) + lines
-        lines += [segment_bar(parts, capacity, width, entry.get("peak_bytes")), LEGEND.copy()]
+        legend = LEGEND_MASTER if entry.get("master_bytes") else LEGEND   # masters only where there are some
+        lines += [segment_bar(parts, capacity, width, entry.get("peak_bytes")), legend.copy()]
         # beside the allocator's figures, "used" would be ambiguous: the bar is the ledger's
         used = Text.assemble("ledger " if self.is_gpu(entry) else "used ",
                              (human_bytes(entry.get("used_bytes")), "bold"), " / cap ", human_bytes(capacity))

@@ -22,6 +22,17 @@ the step time is the wall time of the timed steps, the last broadcast included.
 
     trainyard bench broadcast [--world 4] [--streams 4] [--json]
     trainyard bench broadcast --hosts 2 --link 1gbit     # over an emulated cluster's shaped links (root)
+    trainyard bench broadcast --precision bf16           # every variant in fp32 and in bf16, side by side
+
+With `--precision bf16` every variant runs twice in each round, in fp32 and in bf16 (compute, params and
+reduce "bf16", "bf16", "fp32": engine/precision.py), one after the other, and the bench adds each
+variant's bytes per step and step time in both with their bf16/fp32 ratios. Bytes per step: for the
+sharded variants the broadcast each rank's stream meters count (every slice, sent or received); for
+ddp the all-reduce (every gradient once, in its dtype). In bf16 the sharded variants cast the model to
+bf16 before the strategy is built (bf16 flat buffers, so a bf16 broadcast: half the bytes; fp32 masters
+and state at each owner) and step under autocast; ddp is torch's own mixed precision as users run it
+(fp32 weights, gradients and all-reduce under bf16 autocast), so its bytes stay. On a CPU bf16 matmuls
+may be slower than fp32: the bytes are the figure. `--precision fp32` (the default) runs as before.
 
 With `--hosts N` the ranks are spread over N emulated hosts (engine/runtime/cluster.py: network namespaces
 whose links are shaped with tbf to `--link`), made for the bench and removed after it, so the
@@ -78,62 +89,101 @@ class TorchDDP:
         pass
 
 
+PRECISIONS = {"fp32": ("fp32", "fp32", "fp32"), "bf16": ("bf16", "bf16", "fp32")}   # compute, params, reduce
+# the note every bench's bf16/fp32 table carries
+BF16_NOTE = ("bytes are the figure: on a CPU bf16 matmuls may be slower than fp32 (no bf16 units), so the step "
+             "times of bf16 say little there")
+
+
+def precision_config(name: str):
+    """The bench's precision `name` as a PrecisionConfig: fp32 everywhere, or bf16 compute and working weights
+    with gradients summed in fp32."""
+    from engine.config import PrecisionConfig
+    compute, params, reduce = PRECISIONS[name]
+    return PrecisionConfig(compute=compute, params=params, reduce=reduce)
+
+
+def ratio(a, b, digits: int = 3):
+    """a / b rounded, None where either is missing or b is 0."""
+    return None if a is None or not b else round(a / b, digits)
+
+
 def measure(topo, variant: str, hidden: int, depth: int, features: int, batch: int, steps: int, warmup: int,
-            streams: int, slices: int) -> dict:
-    """One variant on this rank: `warmup` steps, then `steps` timed ones."""
+            streams: int, slices: int, precision: str = "fp32") -> dict:
+    """One variant on this rank in `precision` (PRECISIONS): `warmup` steps, then `steps` timed ones."""
     import torch
     import torch.distributed as dist
 
     from engine.config import ModelConfig, OptimConfig
-    from engine.runtime.devices import LedgerDevice
+    from engine.precision import compute_in, param_dtype, reduce_dtype
+    from engine.runtime.devices import LedgerDevice, tensor_bytes
     from engine.models import build_model
     from engine.strategies.sharded import ShardedStrategy
 
+    prec = precision_config(precision)
     model = build_model(ModelConfig(name="mlp", hidden=hidden, depth=depth),
                         {"input_dim": features, "num_classes": 10}, seed=0)
     device = LedgerDevice(1 << 40)
     optim = OptimConfig(name="sgd", lr=0.01)
-    if variant == "ddp":
+    if variant == "ddp":   # torch's mixed precision as users run it: fp32 weights, the step under autocast
         runner = TorchDDP(model, optim, topo, device)
-    else:
+    else:   # the working weights in their dtype before the strategy makes its flat buffers of them
+        model = model.to(param_dtype(prec))
         runner = ShardedStrategy(model, optim, topo, device, streams=1 if variant.startswith("sharded-1") else streams,
                                  slices=slices, overlap_forward="gated" in variant,
-                                 hierarchical=not variant.endswith("flat"))
+                                 hierarchical=not variant.endswith("flat"), reduce_dtype=reduce_dtype(prec))
     device.ledger.track_module(model, runner.optimizer)
+    meters = getattr(runner, "meters", [])   # sharded: one per stream, counting every slice broadcast
     per_rank = batch // topo.world_size
     gen = torch.Generator().manual_seed(topo.rank)
     x = torch.randn(per_rank, features, generator=gen)
     y = torch.randint(0, 10, (per_rank,), generator=gen)
     phases = ("fwd_ms", "bwd_ms", "reduce_ms", "optim_ms", "broadcast_wait_ms", "gate_ms")
+    where = device.torch_device
     for _ in range(warmup):
-        runner.train_step(x, y)
+        with compute_in(prec, where):   # fp32: no context at all
+            runner.train_step(x, y)
     runner.sync()
     dist.barrier(group=topo.compute)
+    for meter in meters:   # the warm-up's broadcasts are not counted
+        meter.take()
     sums = dict.fromkeys(phases, 0.0)
     t0 = time.perf_counter()
     for _ in range(steps):
-        runner.train_step(x, y)
+        with compute_in(prec, where):
+            runner.train_step(x, y)
         for k in phases:
             sums[k] += runner.timings.get(k, 0.0)
     runner.sync()   # the last broadcast is part of the work
     elapsed = time.perf_counter() - t0   # wall time: every step read its loss, so the device's work is in it
+    if meters:   # every timed step's broadcast, as this rank's streams carried it
+        link_bytes = sum(meter.take()["bytes"] for meter in meters) / steps
+    else:        # DDP's all-reduce carries every gradient once per step, in the gradients' dtype
+        link_bytes = sum(tensor_bytes(p.grad) for p in model.parameters() if p.grad is not None)
     device.ledger.refresh()
     result = {"step_ms": elapsed / steps * 1000, **{k: v / steps for k, v in sums.items()},
               "optimizer_state_bytes": device.ledger.bytes["optimizer_state"],
-              "parameters": sum(p.numel() for p in model.parameters())}
+              "parameters": sum(p.numel() for p in model.parameters()),
+              "bytes_per_step": link_bytes, "parameter_bytes": device.ledger.bytes["parameters"],
+              "master_bytes": device.ledger.bytes["master"]}
     runner.close()
     return result
 
 
 def run_bench(world: int, rounds: int, streams: int, slices: int, hidden: int, depth: int, features: int,
-              batch: int, steps: int, warmup: int, hosts: int = 0, link: str = "1gbit") -> dict:
+              batch: int, steps: int, warmup: int, hosts: int = 0, link: str = "1gbit",
+              precision: str = "fp32") -> dict:
+    """`precision` "bf16": every variant in fp32 and in bf16, side by side (the report's "bf16" and
+    "bf16_vs_fp32"); "fp32": fp32 only."""
+    precisions = ("fp32", "bf16") if precision == "bf16" else ("fp32",)
     if hosts:
         from engine.runtime.cluster import emulated_cluster
         with emulated_cluster(hosts=hosts, link=link) as cluster:
             report = _run_variants(world, rounds, streams, slices, hidden, depth, features, batch, steps, warmup,
-                                   cluster)
+                                   cluster, precisions)
         return {**report, "hosts": hosts, "link": link}
-    return _run_variants(world, rounds, streams, slices, hidden, depth, features, batch, steps, warmup, None)
+    return _run_variants(world, rounds, streams, slices, hidden, depth, features, batch, steps, warmup, None,
+                         precisions)
 
 
 def _efficiency(wait: dict, gated: dict) -> float:
@@ -143,22 +193,60 @@ def _efficiency(wait: dict, gated: dict) -> float:
 
 
 def _run_variants(world: int, rounds: int, streams: int, slices: int, hidden: int, depth: int, features: int,
-                  batch: int, steps: int, warmup: int, cluster) -> dict:
+                  batch: int, steps: int, warmup: int, cluster, precisions: tuple[str, ...] = ("fp32",)) -> dict:
     from engine.runtime.procpool import DistPool
     variants = ["ddp", "sharded-1", f"sharded-{streams}", f"sharded-{streams}-gated"]
     if cluster is not None:   # the stream count's effect on overlap, and the two-level exchange's effect
         variants.insert(2, "sharded-1-gated")
         variants.append(f"sharded-{streams}-gated-flat")
-    runs: dict[str, list[dict]] = {v: [] for v in variants}
+    runs: dict[str, dict[str, list[dict]]] = {p: {v: [] for v in variants} for p in precisions}
     with DistPool(world, timeout_s=120, cluster=cluster) as pool:
         for _ in range(rounds):
             for v in variants:
-                results = pool.run(measure, timeout=600, variant=v, hidden=hidden, depth=depth, features=features,
-                                   batch=batch, steps=steps, warmup=warmup, streams=streams, slices=slices)
-                runs[v].append({**results[0], "state_per_rank": [r["optimizer_state_bytes"] for r in results]})
-    med = {v: {k: statistics.median(r[k] for r in runs[v]) for k in runs[v][0] if k != "state_per_rank"}
-           for v in variants}
+                for p in precisions:   # a variant's precisions back to back: drift hits both alike
+                    results = pool.run(measure, timeout=600, variant=v, hidden=hidden, depth=depth,
+                                       features=features, batch=batch, steps=steps, warmup=warmup, streams=streams,
+                                       slices=slices, precision=p)
+                    runs[p][v].append({**results[0], "state_per_rank": [r["optimizer_state_bytes"] for r in results],
+                                       "master_per_rank": [r["master_bytes"] for r in results]})
     goal = 0.7 if cluster is not None else 0.5   # network-bound: issue 10's goal; one machine: issue 4's
+    compare = len(precisions) > 1
+    summary = {p: _summary(runs[p], variants, world, streams, goal, with_bytes=compare) for p in precisions}
+    fp32 = summary["fp32"]
+    report = {"bench": "broadcast", "world": world, "streams": streams, "slices": slices, "rounds": rounds,
+              "steps_per_round": steps, "parameters": fp32.pop("parameters"), "batch": batch, **fp32}
+    if not compare:
+        return report
+    bf16 = summary["bf16"]
+    bf16.pop("parameters")
+    by_name = {r["variant"]: r for r in bf16["variants"]}
+    report.update({
+        "precision": "bf16",
+        "precisions": {p: dict(zip(("compute", "params", "reduce"), PRECISIONS[p])) for p in precisions},
+        "bytes_per_step_is": {"sharded": "the broadcast: every slice as this rank's stream meters count it "
+                                         "(sent or received; with --hosts, within its host), per step",
+                              "ddp": "the all-reduce: every gradient once, in its dtype (torch's mixed precision: "
+                                     "fp32 gradients in both)"},
+        "bf16": bf16,
+        "bf16_vs_fp32": [{"variant": r["variant"],
+                          "bytes_per_step_fp32": r["bytes_per_step"],
+                          "bytes_per_step_bf16": by_name[r["variant"]]["bytes_per_step"],
+                          "bytes_ratio": ratio(by_name[r["variant"]]["bytes_per_step"], r["bytes_per_step"], 4),
+                          "step_ms_fp32": r["step_ms"], "step_ms_bf16": by_name[r["variant"]]["step_ms"],
+                          "step_ratio": ratio(by_name[r["variant"]]["step_ms"], r["step_ms"]),
+                          "parameter_bytes_ratio": ratio(by_name[r["variant"]]["parameter_bytes_per_rank"],
+                                                         r["parameter_bytes_per_rank"], 4)}
+                         for r in fp32["variants"]],
+        "note": BF16_NOTE})
+    return report
+
+
+def _summary(runs: dict[str, list[dict]], variants: list[str], world: int, streams: int, goal: float,
+             with_bytes: bool) -> dict:
+    """One precision's figures: the medians over the rounds, each variant's row, the overlap and the goals
+    (`with_bytes`: each row with its bytes per step, parameter and master bytes per rank too)."""
+    med = {v: {k: statistics.median(r[k] for r in runs[v]) for k in runs[v][0]
+               if k not in ("state_per_rank", "master_per_rank")} for v in variants}
     ddp_ms = med["ddp"]["step_ms"]
     wait, gated = med[f"sharded-{streams}"], med[f"sharded-{streams}-gated"]
     t_broadcast, t_forward = wait["broadcast_wait_ms"], wait["fwd_ms"]
@@ -175,9 +263,12 @@ def _run_variants(world: int, rounds: int, streams: int, slices: int, hidden: in
                      "optimizer_state_bytes_per_rank": state, "state_fraction_of_ddp": round(state / ddp_state, 4),
                      **{k: round(med[v][k], 2) for k in ("fwd_ms", "bwd_ms", "reduce_ms", "optim_ms",
                                                          "broadcast_wait_ms", "gate_ms")}})
+        if with_bytes:   # rank 0's: every rank carries the same broadcast and holds the same working weights
+            rows[-1].update({"bytes_per_step": int(med[v]["bytes_per_step"]),
+                             "parameter_bytes_per_rank": int(med[v]["parameter_bytes"]),
+                             "master_bytes_per_rank": max(runs[v][0]["master_per_rank"])})
     gated_row = next(r for r in rows if r["variant"] == f"sharded-{streams}-gated")
-    return {"bench": "broadcast", "world": world, "streams": streams, "slices": slices, "rounds": rounds,
-            "steps_per_round": steps, "parameters": int(med["ddp"]["parameters"]), "batch": batch,
+    return {"parameters": int(med["ddp"]["parameters"]),
             "variants": rows, "t_broadcast_ms": round(t_broadcast, 2), "t_forward_ms": round(t_forward, 2),
             "overlap_efficiency": round(efficiency, 3),
             "overlap_efficiency_by_streams": {str(k): v for k, v in sorted(by_streams.items())},
@@ -207,6 +298,9 @@ def main(argv: list[str]) -> int:
                                                              "(0: one machine; needs root, engine/runtime/cluster.py)")
     parser.add_argument("--link", default="1gbit", help="each emulated host's link rate, with --hosts "
                                                         "(default 1gbit)")
+    parser.add_argument("--precision", choices=tuple(PRECISIONS), default="fp32",
+                        help="bf16: every variant in fp32 and in bf16 side by side, with bytes per step and the "
+                             "bf16/fp32 ratios (default fp32: fp32 only)")
     args = parser.parse_args(argv)
     if args.slices < args.streams or args.batch % args.world:
         parser.error("--slices must be >= --streams and --batch divisible by --world")
@@ -215,7 +309,7 @@ def main(argv: list[str]) -> int:
     from engine.runtime.cluster import ClusterError
     try:
         report = run_bench(args.world, args.rounds, args.streams, args.slices, args.hidden, args.depth,
-                           args.features, args.batch, args.steps, args.warmup, args.hosts, args.link)
+                           args.features, args.batch, args.steps, args.warmup, args.hosts, args.link, args.precision)
     except ClusterError as e:
         print(f"trainyard bench broadcast: {e}", file=sys.stderr)
         return 2
@@ -224,25 +318,59 @@ def main(argv: list[str]) -> int:
         return 0
     from rich.console import Console
     from rich.table import Table
+    console = Console()
     where = f", {args.hosts} hosts linked at {args.link}" if args.hosts else ""
-    table = Table(title=f"broadcast: {report['parameters'] / 1e6:.1f}M parameters, world {args.world}{where}, "
-                        f"{args.streams} streams x {args.slices} slices, median of {args.rounds} rounds "
-                        f"(ms per step)")
-    for col in ("variant", "step", "x DDP", "opt. state/rank", "fwd", "bwd", "reduce", "update", "bcast wait",
-                "gate wait"):
-        table.add_column(col, justify="left" if col == "variant" else "right")
-    for r in report["variants"]:
-        table.add_row(r["variant"], f"{r['step_ms']:.1f}", f"{r['ratio_to_ddp']:.3f}",
-                      f"{r['optimizer_state_bytes_per_rank'] / 2**20:.1f} MiB ({r['state_fraction_of_ddp']:.2f})",
-                      *(f"{r[k]:.1f}" for k in ("fwd_ms", "bwd_ms", "reduce_ms", "optim_ms", "broadcast_wait_ms",
-                                                  "gate_ms")))
-    Console().print(table)
-    met = report["meets_goals"]
-    print(f"overlap efficiency {report['overlap_efficiency']:.2f} (goal >= "
-          f"{report['goals']['overlap_efficiency_at_least']}; T_broadcast "
-          f"{report['t_broadcast_ms']:.1f} ms, T_forward {report['t_forward_ms']:.1f} ms)")
-    if len(report["overlap_efficiency_by_streams"]) > 1:
-        print("overlap efficiency by streams: " + ", ".join(
-            f"{k}: {v:.2f}" for k, v in report["overlap_efficiency_by_streams"].items()))
-    print("goals: " + ", ".join(f"{k} {'met' if v else 'MISSED'}" for k, v in met.items()))
+    compare = args.precision == "bf16"
+    for label, figures in ((("fp32", report), ("bf16", report["bf16"])) if compare else ((None, report),)):
+        _print_precision(console, Table, args, report["parameters"], where, figures, label)
+    if compare:
+        _print_comparison(console, Table, report)
     return 0
+
+
+def _print_precision(console, Table, args, parameters: int, where: str, figures: dict, label: str | None) -> None:
+    """One precision's table and lines (`label` None: the fp32-only run, printed as it always was)."""
+    from engine.config import format_size
+    title = (f"broadcast: {parameters / 1e6:.1f}M parameters, world {args.world}{where}, "
+             f"{args.streams} streams x {args.slices} slices, median of {args.rounds} rounds (ms per step)")
+    table = Table(title=title if label is None else f"{label} {title}")
+    columns = ["variant", "step", "x DDP", "opt. state/rank", "fwd", "bwd", "reduce", "update", "bcast wait",
+               "gate wait"]
+    if label is not None:   # beside the state: the fp32 masters (bf16) and the bytes per step
+        columns[4:4] = ["masters/rank", "bytes/step"]
+    for col in columns:
+        table.add_column(col, justify="left" if col == "variant" else "right")
+    for r in figures["variants"]:
+        cells = [r["variant"], f"{r['step_ms']:.1f}", f"{r['ratio_to_ddp']:.3f}",
+                 f"{r['optimizer_state_bytes_per_rank'] / 2**20:.1f} MiB ({r['state_fraction_of_ddp']:.2f})",
+                 *(f"{r[k]:.1f}" for k in ("fwd_ms", "bwd_ms", "reduce_ms", "optim_ms", "broadcast_wait_ms",
+                                           "gate_ms"))]
+        if label is not None:
+            cells[4:4] = [format_size(r["master_bytes_per_rank"]), format_size(r["bytes_per_step"])]
+        table.add_row(*cells)
+    console.print(table)
+    met = figures["meets_goals"]
+    prefix = "" if label is None else f"{label}: "
+    print(f"{prefix}overlap efficiency {figures['overlap_efficiency']:.2f} (goal >= "
+          f"{figures['goals']['overlap_efficiency_at_least']}; T_broadcast "
+          f"{figures['t_broadcast_ms']:.1f} ms, T_forward {figures['t_forward_ms']:.1f} ms)")
+    if len(figures["overlap_efficiency_by_streams"]) > 1:
+        print(f"{prefix}overlap efficiency by streams: " + ", ".join(
+            f"{k}: {v:.2f}" for k, v in figures["overlap_efficiency_by_streams"].items()))
+    print(f"{prefix}goals: " + ", ".join(f"{k} {'met' if v else 'MISSED'}" for k, v in met.items()))
+
+
+def _print_comparison(console, Table, report: dict) -> None:
+    from engine.config import format_size
+    table = Table(title="broadcast: bf16 against fp32, each variant (bytes per step: sharded's broadcast, "
+                        "ddp's all-reduce; ms per step)", caption=f"note: {report['note']}")
+    for col in ("variant", "bytes fp32", "bytes bf16", "bytes bf16/fp32", "step fp32", "step bf16",
+                "step bf16/fp32"):
+        table.add_column(col, justify="left" if col == "variant" else "right")
+    for r in report["bf16_vs_fp32"]:
+        table.add_row(r["variant"], format_size(r["bytes_per_step_fp32"]), format_size(r["bytes_per_step_bf16"]),
+                      f"{r['bytes_ratio']:.3f}",
+                      f"{r['step_ms_fp32']:.1f}", f"{r['step_ms_bf16']:.1f}", f"{r['step_ratio']:.3f}")
+    console.print(table)
+    print("ddp is torch's own mixed precision (fp32 weights and all-reduce under bf16 autocast); the sharded "
+          "variants hold bf16 working weights, so their broadcast slices are bf16")

@@ -18,7 +18,17 @@ placement's median step time, and its ratio to all-host and to brute-force. In t
 rounds all-host runs once more as the host step was before fused kernels and a thread
 pool (foreach AdamW on one host thread): `host_step` holds the two and their ratio.
 
-    trainyard bench hybrid [--json] [--rounds 3] [--steps 8] [--device cuda|cpu]
+    trainyard bench hybrid [--json] [--rounds 3] [--steps 8] [--device cuda|cpu] [--precision fp32|bf16]
+
+With `--precision bf16` the whole bench runs in fp32 and in bf16 (compute, params and reduce "bf16",
+"bf16", "fp32": engine/precision.py) side by side: each precision profiles, plans and measures its own
+placements, in the same rounds (a placement's two precisions back to back). In bf16 the model is cast to
+bf16 before the strategy is built and every step runs under autocast; each layer's fp32 master and
+optimizer state live where its update runs, so the host link of a host-placed layer carries bf16
+gradients down and bf16 weights up: half the bytes. Each placement gets its host link bytes per step
+(what the step's host updates moved, both ways) and its step time in both precisions, with the
+bf16/fp32 ratios. On a CPU bf16 matmuls may be slower than fp32: the bytes are the figure. The host step
+before and now (`host_step`) is fp32's. `--precision fp32` (the default) runs as before.
 """
 
 from __future__ import annotations
@@ -30,36 +40,59 @@ import statistics
 import time
 
 
-def _model_and_data(hidden: int, depth: int, batch: int, kind: str = "cpu"):
+def _model_and_data(hidden: int, depth: int, batch: int, kind: str = "cpu", precision: str = "fp32"):
+    """The model (its working weights in `precision`'s dtype: bf16 under "bf16") and one batch."""
     import torch
 
+    from engine.bench.broadcast import precision_config
     from engine.config import ModelConfig
     from engine.models import build_model
+    from engine.precision import param_dtype
     model = build_model(ModelConfig(name="mlp", hidden=hidden, depth=depth),
                         {"input_dim": hidden, "num_classes": 10}, seed=0)
     gen = torch.Generator().manual_seed(0)
     x, y = torch.randn(batch, hidden, generator=gen), torch.randint(0, 10, (batch,), generator=gen)
     where = torch.device("cuda", 0) if kind == "cuda" else torch.device("cpu")
+    if precision != "fp32":   # cast before the strategy is built: its updates make fp32 masters of bf16 weights
+        model = model.to(param_dtype(precision_config(precision)))
     return model.to(where), x.to(where), y.to(where)
 
 
-def _runner(topo, model, placement, profile_steps: int = 6, kernel: str = "auto", host_threads: int = 0):
+def _runner(topo, model, placement, profile_steps: int = 6, kernel: str = "auto", host_threads: int = 0,
+            precision: str = "fp32"):
+    from engine.bench.broadcast import precision_config
     from engine.config import OptimConfig, UpdateConfig
+    from engine.precision import reduce_dtype
     from engine.strategies.ddp import DDPStrategy
     from engine.runtime.devices import CudaDevice, LedgerDevice
     device = CudaDevice(1 << 40, 0) if next(model.parameters()).is_cuda else LedgerDevice(1 << 40)
     runner = DDPStrategy(model, OptimConfig(name="adamw", lr=1e-3, kernel=kernel), topo, device,
                          update_cfg=UpdateConfig(placement=placement, profile_steps=profile_steps,
-                                                 host_threads=host_threads))
+                                                 host_threads=host_threads),
+                         reduce_dtype=reduce_dtype(precision_config(precision)))
     device.ledger.track_module(model, runner.optimizer)
     return runner
 
 
-def profile_job(topo, hidden: int, depth: int, batch: int, trial: int, kind: str = "cpu") -> dict:
-    model, x, y = _model_and_data(hidden, depth, batch, kind)
-    runner = _runner(topo, model, "auto", profile_steps=trial)
+def _stepper(runner, precision: str):
+    """runner.train_step, under `precision`'s compute context (fp32: none)."""
+    from engine.bench.broadcast import precision_config
+    from engine.precision import compute_in
+    prec, where = precision_config(precision), runner.device.torch_device
+
+    def step(x, y):
+        with compute_in(prec, where):
+            return runner.train_step(x, y)
+    return step
+
+
+def profile_job(topo, hidden: int, depth: int, batch: int, trial: int, kind: str = "cpu",
+                precision: str = "fp32") -> dict:
+    model, x, y = _model_and_data(hidden, depth, batch, kind, precision)
+    runner = _runner(topo, model, "auto", profile_steps=trial, precision=precision)
+    step = _stepper(runner, precision)
     for _ in range(trial):
-        runner.train_step(x, y)
+        step(x, y)
     profile = runner.updater.profile
     runner.close()
     return {"layers": [dataclasses.asdict(c) for c in profile.layers], "peak_bytes": profile.peak_bytes,
@@ -67,9 +100,11 @@ def profile_job(topo, hidden: int, depth: int, batch: int, trial: int, kind: str
 
 
 def measure_job(topo, hidden: int, depth: int, batch: int, placement: dict, steps: int, warmup: int,
-                kernel: str = "auto", host_threads: int = 0, kind: str = "cpu") -> float:
-    model, x, y = _model_and_data(hidden, depth, batch, kind)
-    runner = _runner(topo, model, placement, kernel=kernel, host_threads=host_threads)
+                kernel: str = "auto", host_threads: int = 0, kind: str = "cpu", precision: str = "fp32") -> dict:
+    """ms per step, and the host link's bytes per step (the host-placed layers' updates, both ways)."""
+    model, x, y = _model_and_data(hidden, depth, batch, kind, precision)
+    runner = _runner(topo, model, placement, kernel=kernel, host_threads=host_threads, precision=precision)
+    train_step = _stepper(runner, precision)
     import torch
 
     def settle() -> None:   # the last host updates, and on a GPU its queued kernels, are part of the steps
@@ -77,15 +112,17 @@ def measure_job(topo, hidden: int, depth: int, batch: int, placement: dict, step
         if kind == "cuda":
             torch.cuda.synchronize()
     for _ in range(warmup):
-        runner.train_step(x, y)
+        train_step(x, y)
     settle()
+    links = []
     t0 = time.perf_counter()
     for _ in range(steps):
-        runner.train_step(x, y)
+        train_step(x, y)
+        links.append(runner.timings.get("host_link_bytes", 0))   # the step's host updates, both ways
     settle()
     elapsed = time.perf_counter() - t0
     runner.close()
-    return elapsed / steps * 1000
+    return {"ms": elapsed / steps * 1000, "host_link_bytes": statistics.median(links) if links else 0}
 
 
 def host_updates_ms(hidden: int, depth: int, kernel: str, threads: int, repeats: int = 5) -> float:
@@ -117,58 +154,112 @@ def host_updates_ms(hidden: int, depth: int, kernel: str, threads: int, repeats:
     return statistics.median(times[1:]) * 1000
 
 
-def run_bench(hidden: int, depth: int, batch: int, rounds: int, steps: int, warmup: int, trial: int,
-              kind: str = "cpu") -> dict:
-    from engine.runtime.procpool import DistPool
+def _plan_cases(measured: dict) -> dict:
+    """From a profile job's figures: the layer costs, the state they add, and each capacity's plans and the
+    distinct placements that fit (`todo`: placement tuple -> {layer: side})."""
     from engine.techniques.update_plan import LayerCost, Profile, fixed, plan_brute_force, plan_global, plan_local
+    layers = tuple(LayerCost(**c) for c in measured["layers"])
+    total_state = sum(c.state_bytes for c in layers)
+    capacities = {"tight": measured["peak_bytes"] + total_state // 2,
+                  "roomy": measured["peak_bytes"] + total_state + (1 << 20)}
+    cases = {}
+    for label, capacity in capacities.items():
+        profile = Profile(layers, peak_bytes=measured["peak_bytes"], capacity_bytes=capacity,
+                          host_threads=measured["host_threads"])   # the executor the placements run on
+        plans = {"all-device": fixed(profile, "device"), "all-host": fixed(profile, "host"),
+                 "auto-global": plan_global(profile), "auto-local": plan_local(profile),
+                 "brute-force": plan_brute_force(profile)}
+        cases[label] = {"capacity_bytes": capacity, "plans": plans, "names": profile.names, "times": {}}
+    # every distinct placement runs once per round; the same placement at both capacities runs once
+    todo = {}
+    for case in cases.values():
+        for plan in case["plans"].values():
+            if plan.fits:
+                todo[plan.placement] = dict(zip(case["names"], plan.placement))
+    return {"measured": measured, "layers": layers, "total_state": total_state, "cases": cases, "todo": todo}
+
+
+def run_bench(hidden: int, depth: int, batch: int, rounds: int, steps: int, warmup: int, trial: int,
+              kind: str = "cpu", precision: str = "fp32") -> dict:
+    """`precision` "bf16": the whole bench in fp32 and in bf16, side by side (the report's "bf16" and
+    "bf16_vs_fp32"); "fp32": fp32 only."""
+    from engine.runtime.procpool import DistPool
+    precisions = ("fp32", "bf16") if precision == "bf16" else ("fp32",)
+    compare = len(precisions) > 1
     with DistPool(1, timeout_s=120) as pool:
-        measured = pool.run(profile_job, timeout=600, hidden=hidden, depth=depth, batch=batch, trial=trial,
-                            kind=kind)[0]
-        layers = tuple(LayerCost(**c) for c in measured["layers"])
-        total_state = sum(c.state_bytes for c in layers)
-        capacities = {"tight": measured["peak_bytes"] + total_state // 2,
-                      "roomy": measured["peak_bytes"] + total_state + (1 << 20)}
-        cases = {}
-        for label, capacity in capacities.items():
-            profile = Profile(layers, peak_bytes=measured["peak_bytes"], capacity_bytes=capacity,
-                              host_threads=measured["host_threads"])   # the executor the placements run on
-            plans = {"all-device": fixed(profile, "device"), "all-host": fixed(profile, "host"),
-                     "auto-global": plan_global(profile), "auto-local": plan_local(profile),
-                     "brute-force": plan_brute_force(profile)}
-            cases[label] = {"capacity_bytes": capacity, "plans": plans, "names": profile.names, "times": {}}
-        # every distinct placement runs once per round; the same placement at both capacities runs once
-        todo = {}
-        for case in cases.values():
-            for plan in case["plans"].values():
-                if plan.fits:
-                    todo[plan.placement] = dict(zip(case["names"], plan.placement))
-        times = {key: [] for key in todo}
+        setups = {}
+        for p in precisions:   # each precision's own trial, and its own plans from it
+            setups[p] = _plan_cases(pool.run(profile_job, timeout=600, hidden=hidden, depth=depth, batch=batch,
+                                             trial=trial, kind=kind, precision=p)[0])
+        keys = list(dict.fromkeys(key for p in precisions for key in setups[p]["todo"]))
+        times = {p: {key: [] for key in setups[p]["todo"]} for p in precisions}
+        links = {p: {key: [] for key in setups[p]["todo"]} for p in precisions}
         # the host step as it was (one thread, foreach AdamW) beside today's (fused, HOST_THREADS threads)
-        all_host = dict.fromkeys(cases["roomy"]["names"], "host")
+        all_host = dict.fromkeys(setups["fp32"]["cases"]["roomy"]["names"], "host")
         before = []
         for _ in range(rounds):
-            for key, placement in todo.items():
-                times[key].append(pool.run(measure_job, timeout=600, hidden=hidden, depth=depth, batch=batch,
-                                           placement=placement, steps=steps, warmup=warmup, kind=kind)[0])
+            for key in keys:
+                for p in precisions:   # a placement's precisions back to back: drift hits both alike
+                    if key not in setups[p]["todo"]:
+                        continue
+                    got = pool.run(measure_job, timeout=600, hidden=hidden, depth=depth, batch=batch,
+                                   placement=setups[p]["todo"][key], steps=steps, warmup=warmup, kind=kind,
+                                   precision=p)[0]
+                    times[p][key].append(got["ms"])
+                    links[p][key].append(got["host_link_bytes"])
             before.append(pool.run(measure_job, timeout=600, hidden=hidden, depth=depth, batch=batch,
                                    placement=all_host, steps=steps, warmup=warmup, kernel="foreach",
-                                   host_threads=1, kind=kind)[0])
+                                   host_threads=1, kind=kind)[0]["ms"])
+    fp32 = setups["fp32"]
+    layers, measured = fp32["layers"], fp32["measured"]
     report = {"bench": "hybrid", "world": 1, "device": kind, "layers_with_updates": len(layers), "optimizer": "adamw",
               "hidden": hidden, "batch": batch, "rounds": rounds, "steps_per_round": steps,
-              "peak_bytes_without_state": measured["peak_bytes"], "optimizer_state_bytes": total_state,
+              "peak_bytes_without_state": measured["peak_bytes"], "optimizer_state_bytes": fp32["total_state"],
               "profile": measured["layers"], "cases": {}}
     from engine.techniques.layer_update import default_host_threads
     threads = default_host_threads()
     alone_before = host_updates_ms(hidden, depth, "foreach", 1)
     alone_now = host_updates_ms(hidden, depth, "auto", threads)
-    now_ms = statistics.median(times[tuple("host" for _ in layers)])
-    device_ms = statistics.median(times[tuple("device" for _ in layers)])
+    now_ms = statistics.median(times["fp32"][tuple("host" for _ in layers)])
+    device_ms = statistics.median(times["fp32"][tuple("device" for _ in layers)])
     report["host_step"] = {
         "before_foreach_1_thread_ms": round(statistics.median(before), 2), "now_fused_ms": round(now_ms, 2),
         "now_threads": threads, "speedup": round(statistics.median(before) / now_ms, 3),
         "host_updates_alone_before_ms": round(alone_before, 2), "host_updates_alone_now_ms": round(alone_now, 2),
         "host_updates_alone_speedup": round(alone_before / alone_now, 3),
         "all_device_ms": round(device_ms, 2), "all_host_over_all_device": round(now_ms / device_ms, 3)}
+    report["cases"] = _case_rows(fp32["cases"], times["fp32"], links["fp32"] if compare else None)
+    if not compare:
+        return report
+    bf16 = setups["bf16"]
+    report.update({
+        "precision": "bf16",
+        "precisions": {p: _precision_names(p) for p in precisions},
+        "bf16": {"layers_with_updates": len(bf16["layers"]), "peak_bytes_without_state": bf16["measured"]["peak_bytes"],
+                 "optimizer_state_bytes": bf16["total_state"], "profile": bf16["measured"]["layers"],
+                 "cases": _case_rows(bf16["cases"], times["bf16"], links["bf16"])},
+        "host_link_bytes_is": "per step: what the host-placed layers' updates moved over the host link, "
+                              "gradients down and weights up (the strategy's timings' host_link_bytes)",
+        "note": _bf16_note()})
+    report["bf16_vs_fp32"] = {label: {name: _compare_row(row, report["bf16"]["cases"][label]["placements"][name])
+                                      for name, row in case["placements"].items()}
+                              for label, case in report["cases"].items()}
+    return report
+
+
+def _precision_names(name: str) -> dict:
+    from engine.bench.broadcast import PRECISIONS
+    return dict(zip(("compute", "params", "reduce"), PRECISIONS[name]))
+
+
+def _bf16_note() -> str:
+    from engine.bench.broadcast import BF16_NOTE
+    return BF16_NOTE
+
+
+def _case_rows(cases: dict, times: dict, links: dict | None) -> dict:
+    """Each capacity's placements with their measured times (`links`: with host link bytes per step too)."""
+    out = {}
     for label, case in cases.items():
         rows = {}
         for name, plan in case["plans"].items():
@@ -176,17 +267,31 @@ def run_bench(hidden: int, depth: int, batch: int, rounds: int, steps: int, warm
             rows[name] = {"fits": plan.fits, "host_layers": plan.host_layers, "modelled_ms": round(plan.makespan_ms, 2),
                           "measured_ms": None if ms is None else round(ms, 2),
                           "device_bytes": plan.device_bytes}
+            if links is not None:
+                rows[name]["host_link_bytes_per_step"] = (int(statistics.median(links[plan.placement]))
+                                                          if plan.fits else None)
         host, best = rows["all-host"]["measured_ms"], rows["brute-force"]["measured_ms"]
         for row in rows.values():
             if row["measured_ms"] is not None:
                 row["ratio_to_all_host"] = round(row["measured_ms"] / host, 3)
                 row["ratio_to_brute_force"] = round(row["measured_ms"] / best, 3)
         auto = rows["auto-global"]
-        report["cases"][label] = {
+        out[label] = {
             "capacity_bytes": case["capacity_bytes"], "placements": rows,
             "meets_goals": {"auto_at_most_0.85x_all_host": auto["ratio_to_all_host"] <= 0.85,
                             "auto_within_5pct_of_brute_force": auto["ratio_to_brute_force"] <= 1.05}}
-    return report
+    return out
+
+
+def _compare_row(fp32: dict, bf16: dict) -> dict:
+    """One placement in both precisions (each planned from its own profile: an auto plan may differ)."""
+    from engine.bench.broadcast import ratio
+    return {"host_layers_fp32": fp32["host_layers"], "host_layers_bf16": bf16["host_layers"],
+            "host_link_bytes_fp32": fp32["host_link_bytes_per_step"],
+            "host_link_bytes_bf16": bf16["host_link_bytes_per_step"],
+            "bytes_ratio": ratio(bf16["host_link_bytes_per_step"], fp32["host_link_bytes_per_step"], 4),
+            "measured_ms_fp32": fp32["measured_ms"], "measured_ms_bf16": bf16["measured_ms"],
+            "step_ratio": ratio(bf16["measured_ms"], fp32["measured_ms"])}
 
 
 def main(argv: list[str]) -> int:
@@ -201,6 +306,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--device", choices=("cuda", "cpu"), default=None,
                         help="where the worker computes (default: cuda when a GPU is there, else cpu)")
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                        help="bf16: the bench in fp32 and in bf16 side by side, with each placement's host link "
+                             "bytes per step and the bf16/fp32 ratios (default fp32: fp32 only)")
     args = parser.parse_args(argv)
     import torch
     kind = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -208,33 +316,77 @@ def main(argv: list[str]) -> int:
         parser.error("--device cuda: no CUDA device is visible")
     if args.depth + 1 > 20:
         parser.error("--depth: at most 19 (the brute force tries 2^(depth+1) placements)")
-    report = run_bench(args.hidden, args.depth, args.batch, args.rounds, args.steps, args.warmup, args.trial, kind)
+    report = run_bench(args.hidden, args.depth, args.batch, args.rounds, args.steps, args.warmup, args.trial, kind,
+                       args.precision)
     if args.json:
         print(json.dumps(report))
         return 0
     from rich.console import Console
     from rich.table import Table
     console = Console()
-    for label, case in report["cases"].items():
-        table = Table(title=f"hybrid update, {label} capacity {case['capacity_bytes'] / 2**20:.1f} MiB: "
-                            f"{report['layers_with_updates']} layers, AdamW, 1 worker on {kind} (ms per step, median of "
-                            f"{report['rounds']} rounds)")
-        for col in ("placement", "host layers", "modelled", "measured", "x all-host", "x brute-force"):
-            table.add_column(col, justify="left" if col == "placement" else "right")
-        for name, row in case["placements"].items():
-            if not row["fits"]:
-                table.add_row(name, str(row["host_layers"]), f"{row['modelled_ms']:.1f}",
-                              "[red]infeasible[/]", "—", "—")
-                continue
-            table.add_row(name, str(row["host_layers"]), f"{row['modelled_ms']:.1f}", f"{row['measured_ms']:.1f}",
-                          f"{row['ratio_to_all_host']:.3f}", f"{row['ratio_to_brute_force']:.3f}")
-        console.print(table)
-        console.print("goals: " + ", ".join(f"{k} {'met' if v else 'MISSED'}" for k, v in case["meets_goals"].items()))
+    compare = args.precision == "bf16"
+    for precision, figures in ((("fp32", report), ("bf16", report["bf16"])) if compare else ((None, report),)):
+        _print_cases(console, Table, report, figures, kind, precision)
+    if compare:
+        _print_comparison(console, Table, report)
     h = report["host_step"]
-    console.print(f"host updates alone (every layer's, one step): {h['host_updates_alone_before_ms']:.1f} ms "
+    fp32 = "fp32 " if compare else ""
+    console.print(f"{fp32}host updates alone (every layer's, one step): {h['host_updates_alone_before_ms']:.1f} ms "
                   f"before, {h['host_updates_alone_now_ms']:.1f} ms now: [b]{h['host_updates_alone_speedup']:.2f}x[/]")
-    console.print(f"all-host step: {h['before_foreach_1_thread_ms']:.1f} ms before (foreach AdamW, 1 host thread), "
-                  f"{h['now_fused_ms']:.1f} ms now (fused AdamW, {h['now_threads']} host threads): "
+    console.print(f"{fp32}all-host step: {h['before_foreach_1_thread_ms']:.1f} ms before (foreach AdamW, 1 host "
+                  f"thread), {h['now_fused_ms']:.1f} ms now (fused AdamW, {h['now_threads']} host threads): "
                   f"[b]{h['speedup']:.2f}x[/]; all-device {h['all_device_ms']:.1f} ms, all-host/all-device "
                   f"{h['all_host_over_all_device']:.2f}")
     return 0
+
+
+def _print_cases(console, Table, report: dict, figures: dict, kind: str, precision: str | None) -> None:
+    """One precision's table per capacity (`precision` None: the fp32-only run, printed as it always was)."""
+    from engine.config import format_size
+    for label, case in figures["cases"].items():
+        title = (f"hybrid update, {label} capacity {case['capacity_bytes'] / 2**20:.1f} MiB: "
+                 f"{figures['layers_with_updates']} layers, AdamW, 1 worker on {kind} (ms per step, median of "
+                 f"{report['rounds']} rounds)")
+        table = Table(title=title if precision is None else f"{precision} {title}")
+        columns = ["placement", "host layers", "modelled", "measured", "x all-host", "x brute-force"]
+        if precision is not None:
+            columns.append("host link/step")
+        for col in columns:
+            table.add_column(col, justify="left" if col == "placement" else "right")
+        for name, row in case["placements"].items():
+            link = [] if precision is None else ["—" if row["host_link_bytes_per_step"] is None
+                                                 else format_size(row["host_link_bytes_per_step"])]
+            if not row["fits"]:
+                table.add_row(name, str(row["host_layers"]), f"{row['modelled_ms']:.1f}",
+                              "[red]infeasible[/]", "—", "—", *link)
+                continue
+            table.add_row(name, str(row["host_layers"]), f"{row['modelled_ms']:.1f}", f"{row['measured_ms']:.1f}",
+                          f"{row['ratio_to_all_host']:.3f}", f"{row['ratio_to_brute_force']:.3f}", *link)
+        console.print(table)
+        prefix = "" if precision is None else f"{precision}: "
+        console.print(prefix + "goals: " + ", ".join(f"{k} {'met' if v else 'MISSED'}"
+                                                     for k, v in case["meets_goals"].items()))
+
+
+def _print_comparison(console, Table, report: dict) -> None:
+    from engine.config import format_size
+
+    def size(n):
+        return "—" if n is None else format_size(n)
+
+    def num(x, fmt):
+        return "—" if x is None else format(x, fmt)
+    for label, rows in report["bf16_vs_fp32"].items():
+        table = Table(title=f"hybrid update, {label} capacity: bf16 against fp32 (host link bytes per step of the "
+                            f"host-placed layers, both ways; ms per step)", caption=f"note: {report['note']}")
+        for col in ("placement", "host layers fp32/bf16", "link fp32", "link bf16", "link bf16/fp32", "step fp32",
+                    "step bf16", "step bf16/fp32"):
+            table.add_column(col, justify="left" if col == "placement" else "right")
+        for name, r in rows.items():
+            table.add_row(name, f"{r['host_layers_fp32']}/{r['host_layers_bf16']}", size(r["host_link_bytes_fp32"]),
+                          size(r["host_link_bytes_bf16"]), num(r["bytes_ratio"], ".3f"),
+                          num(r["measured_ms_fp32"], ".1f"), num(r["measured_ms_bf16"], ".1f"),
+                          num(r["step_ratio"], ".3f"))
+        console.print(table)
+    console.print("each precision plans from its own profile: an auto placement may differ between them (its host "
+                  "layers say); the same placement moves half the link bytes in bf16")

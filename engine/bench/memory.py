@@ -25,6 +25,19 @@ allocator's peak beside the ledger's; "fits" is then the allocator's peak within
 torch's own variants save through their own hooks, which the ledger cannot see.
 
     trainyard bench memory [--json] [--rounds 8] [--steps 3] [--host-link-gbps G] [--device cuda|cpu]
+    trainyard bench memory --precision bf16        # every variant in fp32 and in bf16, side by side
+
+With `--precision bf16` every variant runs in fp32 and in bf16 (compute, params and reduce "bf16", "bf16",
+"fp32": engine/precision.py) in the same rounds, each precision at 50% of its own keep's peak. In bf16 the
+model is cast to bf16 before anything is built on it, each step runs under autocast, and AdamW steps an
+fp32 master of each layer's weights on the device (engine/techniques/layer_update.py; the ledger's
+`master`). Beside each precision's table the bench gives the bytes keep holds (parameters, gradients,
+optimizer state, masters, the activations saved by the end of the forward, the peak) in both with the
+bf16/fp32 ratios, and each variant's peak, swapped bytes and step time in both. Parameters and gradients
+halve exactly; activations about halve (what autocast leaves fp32, a transformer's residual stream, stays
+fp32); optimizer state and masters are fp32, so a peak halves only as far as activations dominate it. On a
+CPU bf16 matmuls may be slower than fp32: the bytes are the figure. `--precision fp32` (the default) runs
+as before.
 """
 
 from __future__ import annotations
@@ -39,13 +52,44 @@ VARIANTS = ("keep", "recompute", "swap", "auto-ratio", "auto-reverse", "auto-exh
 TORCH_VARIANTS = ("torch-checkpoint", "torch-save-on-cpu")
 
 
-class _Trainer:
-    """One variant: its own model (same seed), optimizer, ledger and policy."""
+class _MasterUpdates:
+    """AdamW over bf16 working weights, as the engine steps them: one LayerUpdate per layer with parameters
+    (engine/techniques/layer_update.py), each widening the gradient, stepping an fp32 master on the device
+    and writing it back narrowed; one optimizer's math over the model. `state` and `master_bytes()` are what
+    the ledger counts (optimizer state and masters)."""
 
-    def __init__(self, variant: str, data, model_cfg, capacity: int, link_gbps: float, batch: int, kind: str):
+    def __init__(self, model, cfg):
+        from engine.strategies.ddp import params_by_layer
+        from engine.techniques.layer_update import LayerUpdate
+        self.params = list(model.parameters())
+        self.updates = [LayerUpdate(model.names[i], i, ps, cfg) for i, ps in params_by_layer(model).items() if ps]
+
+    @property
+    def state(self) -> dict:
+        return {k: v for u in self.updates for k, v in u.optimizer.state.items()}
+
+    def master_bytes(self) -> int:
+        return sum(u.master_bytes() for u in self.updates)
+
+    def zero_grad(self) -> None:   # as a torch optimizer's (set_to_none)
+        for p in self.params:
+            p.grad = None
+
+    def step(self) -> None:
+        for u in self.updates:
+            u.step_device()
+
+
+class _Trainer:
+    """One variant in one precision: its own model (same seed), optimizer, ledger and policy."""
+
+    def __init__(self, variant: str, data, model_cfg, capacity: int, link_gbps: float, batch: int, kind: str,
+                 precision: str = "fp32"):
         import torch
 
+        from engine.bench.broadcast import precision_config
         from engine.config import MemoryConfig, OptimConfig
+        from engine.precision import compute_in, param_dtype
         from engine.runtime.devices import CudaDevice, LedgerDevice
         from engine.techniques.memory import ActivationPolicy
         from engine.models import build_model
@@ -54,8 +98,16 @@ class _Trainer:
         self.variant, self.data, self.batch = variant, data, batch
         self.device = CudaDevice(capacity, 0) if kind == "cuda" else LedgerDevice(capacity)
         self.model = build_model(model_cfg, data.meta, 0).to(self.device.torch_device)
-        self.opt = make_optimizer(OptimConfig(name="adamw", lr=1e-3), self.model.parameters())
+        prec = precision_config(precision)
+        self.compute = lambda: compute_in(prec, self.device.torch_device)   # fp32: no context at all
+        optim = OptimConfig(name="adamw", lr=1e-3)
+        if precision == "fp32":
+            self.opt = make_optimizer(optim, self.model.parameters())
+        else:   # the working weights in bf16 before anything is built on them; fp32 masters beside them
+            self.model = self.model.to(param_dtype(prec))
+            self.opt = _MasterUpdates(self.model, optim)
         self.device.ledger.track_module(self.model, self.opt)
+        self.saved = 0   # the most activation bytes saved on the device by the end of a timed forward
         self.allocator_peak = 0
         policy = "keep" if variant in TORCH_VARIANTS else variant.split("-")[0]
         planner = variant.split("-")[1] if policy == "auto" else "ratio"
@@ -78,7 +130,8 @@ class _Trainer:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
-        with ledger.saved_activations():
+        saved = 0
+        with ledger.saved_activations(), self.compute():
             self.opt.zero_grad()
             if self.variant == "torch-checkpoint":
                 from torch.utils.checkpoint import checkpoint
@@ -91,7 +144,9 @@ class _Trainer:
                     loss = cross_entropy(self.model(x), y)
                 loss.backward()
             else:
-                cross_entropy(self.model(x), y).backward()
+                loss = cross_entropy(self.model(x), y)
+                saved = ledger.bytes["activations"]   # what the forward left on the device for backward
+                loss.backward()
         self.opt.step()
         if cuda:
             torch.cuda.synchronize()
@@ -101,6 +156,7 @@ class _Trainer:
         if timed:
             self.times.append(elapsed)
             self.peak = max(self.peak, ledger.peak_bytes)
+            self.saved = max(self.saved, saved)
             if cuda:
                 self.allocator_peak = max(self.allocator_peak, torch.cuda.max_memory_allocated())
             self.swapped.append(self.policy.swapped_out_bytes() - out_before)
@@ -111,25 +167,38 @@ class _Trainer:
         self.policy.close()
 
 
+HELD = ("parameters", "gradients", "optimizer_state", "master")   # the ledger's categories keep holds all step
+
+
 def measure(rounds: int, steps: int, link_gbps: float, d_model: int, depth: int, seq_len: int, batch: int,
-            kind: str = "cpu") -> dict:
+            kind: str = "cpu", precision: str = "fp32") -> dict:
+    """`precision` "bf16": every variant in fp32 and in bf16, side by side (the report's "bf16", "bytes" and
+    "bf16_vs_fp32"); "fp32": fp32 only."""
     import torch
 
     from engine.config import load_config
     from engine.data import load_dataset
     from engine.techniques.memory import measure_link_gbps
     torch.set_num_threads(1)
+    precisions = ("fp32", "bf16") if precision == "bf16" else ("fp32",)
     cfg = load_config(None, ["model.name=transformer", "data.name=text", f"data.seq_len={seq_len}",
                              "data.text_chars=60000", f"model.d_model={d_model}", f"model.depth={depth}",
                              "model.heads=4"])
     data = load_dataset(cfg.data, 0)
-    probe = _Trainer("keep", data, cfg.model, 1 << 40, link_gbps, batch, kind)
-    for _ in range(3):
-        probe.step(timed=True)
-    keep_peak = probe.peak
-    probe.close()
-    capacity = keep_peak // 2
-    trainers = {v: _Trainer(v, data, cfg.model, capacity, link_gbps, batch, kind) for v in VARIANTS + TORCH_VARIANTS}
+    capacity, keep_peak, held = {}, {}, {}
+    for p in precisions:   # each precision's capacity: 50% of its own keep's peak
+        probe = _Trainer("keep", data, cfg.model, 1 << 40, link_gbps, batch, kind, p)
+        for _ in range(3):
+            probe.step(timed=True)
+        keep_peak[p] = probe.peak
+        ledger = probe.device.ledger
+        ledger.refresh()
+        held[p] = {**{k: ledger.bytes[k] for k in HELD}, "activations": probe.saved, "keep_peak": probe.peak}
+        probe.close()
+        capacity[p] = keep_peak[p] // 2
+    # a variant's precisions back to back in each round: drift hits both alike
+    trainers = {(p, v): _Trainer(v, data, cfg.model, capacity[p], link_gbps, batch, kind, p)
+                for v in VARIANTS + TORCH_VARIANTS for p in precisions}
     for t in trainers.values():   # warm-up; auto measures its second step and plans after it
         for _ in range(3):
             t.step(timed=False)
@@ -137,29 +206,52 @@ def measure(rounds: int, steps: int, link_gbps: float, d_model: int, depth: int,
         for t in trainers.values():
             for _ in range(steps):
                 t.step(timed=True)
-    rows = {}
-    for v, t in trainers.items():
+    compare = len(precisions) > 1
+    rows = {prec: {} for prec in precisions}
+    for (prec, v), t in trainers.items():
         median_s = statistics.median(t.times)
         policies = t.policy.policies()
         torch_own = v in TORCH_VARIANTS   # the ledger does not see inside torch's own hooks
         peak = t.allocator_peak if kind == "cuda" else None if torch_own else t.peak
-        rows[v] = {"samples_per_s": batch / median_s, "median_step_ms": median_s * 1000,
-                   "peak_bytes": None if torch_own else t.peak, "allocator_peak_bytes": t.allocator_peak or None,
-                   "fits": None if peak is None else peak <= capacity,
-                   "swapped_per_step_bytes": int(statistics.median(t.swapped)),
-                   "swap_layers": sum(p == "swap" for p in policies.values()),
-                   "recompute_layers": sum(p == "recompute" for p in policies.values()),
-                   "plan": policies if v.startswith("auto") else None,
-                   "note": t.policy.plan.note if t.policy.plan else ""}
+        rows[prec][v] = {"samples_per_s": batch / median_s, "median_step_ms": median_s * 1000,
+                         "peak_bytes": None if torch_own else t.peak, "allocator_peak_bytes": t.allocator_peak or None,
+                         "fits": None if peak is None else peak <= capacity[prec],
+                         "swapped_per_step_bytes": int(statistics.median(t.swapped)),
+                         "swap_layers": sum(p == "swap" for p in policies.values()),
+                         "recompute_layers": sum(p == "recompute" for p in policies.values()),
+                         "plan": policies if v.startswith("auto") else None,
+                         "note": t.policy.plan.note if t.policy.plan else ""}
+        if compare:   # the activations the forward left on the device (the ledger's; not inside torch's hooks)
+            rows[prec][v]["activation_bytes"] = None if torch_own else t.saved
         t.close()
-    base = rows["recompute"]["samples_per_s"]
-    for row in rows.values():
-        row["vs_recompute"] = row["samples_per_s"] / base
-    return {"capacity_bytes": capacity, "keep_peak_bytes": keep_peak, "layers": len(probe.model.names),
-            "device": kind, "host_link_gbps": link_gbps or round(measure_link_gbps(torch.device(kind)), 2),
-            "link": "paced (emulated)" if link_gbps else "measured memcpy", "variants": rows,
-            "model": {"d_model": d_model, "depth": depth, "seq_len": seq_len, "batch": batch},
-            "rounds": rounds, "steps": steps}
+    for by_variant in rows.values():
+        base = by_variant["recompute"]["samples_per_s"]
+        for row in by_variant.values():
+            row["vs_recompute"] = row["samples_per_s"] / base
+    out = {"capacity_bytes": capacity["fp32"], "keep_peak_bytes": keep_peak["fp32"], "layers": len(probe.model.names),
+           "device": kind, "host_link_gbps": link_gbps or round(measure_link_gbps(torch.device(kind)), 2),
+           "link": "paced (emulated)" if link_gbps else "measured memcpy", "variants": rows["fp32"],
+           "model": {"d_model": d_model, "depth": depth, "seq_len": seq_len, "batch": batch},
+           "rounds": rounds, "steps": steps}
+    if not compare:
+        return out
+    from engine.bench.broadcast import BF16_NOTE, PRECISIONS, ratio
+    out.update({
+        "precision": "bf16",
+        "precisions": {p: dict(zip(("compute", "params", "reduce"), PRECISIONS[p])) for p in precisions},
+        "bf16": {"capacity_bytes": capacity["bf16"], "keep_peak_bytes": keep_peak["bf16"], "variants": rows["bf16"]},
+        # what keep holds (the ledger's bytes after its probe's steps; activations: saved by the end of a forward)
+        "bytes": held,
+        "bf16_vs_fp32": {
+            "bytes": {k: ratio(held["bf16"][k], held["fp32"][k], 4) for k in held["fp32"]},
+            "variants": {v: {"peak_ratio": ratio(row["peak_bytes"], rows["fp32"][v]["peak_bytes"], 4),
+                             "activation_ratio": ratio(row["activation_bytes"], rows["fp32"][v]["activation_bytes"], 4),
+                             "swapped_ratio": ratio(row["swapped_per_step_bytes"],
+                                                    rows["fp32"][v]["swapped_per_step_bytes"], 4),
+                             "step_ratio": ratio(row["median_step_ms"], rows["fp32"][v]["median_step_ms"])}
+                         for v, row in rows["bf16"].items()}},
+        "note": BF16_NOTE})
+    return out
 
 
 def main(argv: list[str]) -> int:
@@ -175,6 +267,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--device", choices=("cuda", "cpu"), default=None,
                         help="where the stage trains (default: cuda when a GPU is there, else cpu)")
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                        help="bf16: every variant in fp32 and in bf16 side by side, with the bytes keep holds and "
+                             "the bf16/fp32 ratios (default fp32: fp32 only)")
     args = parser.parse_args(argv)
     import torch
     kind = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -186,33 +281,79 @@ def main(argv: list[str]) -> int:
     if args.host_link_gbps < 0:
         parser.error("--host-link-gbps must be positive (0: unpaced)")
     out = measure(args.rounds, args.steps, args.host_link_gbps, args.d_model, args.depth, args.seq_len, args.batch,
-                  kind)
+                  kind, args.precision)
     if args.json:
         print(json.dumps(out, indent=2))
         return 0
     from rich.console import Console
     from rich.table import Table
+    console = Console()
+    compare = args.precision == "bf16"
+    for precision, figures in ((("fp32", out), ("bf16", out["bf16"])) if compare else ((None, out),)):
+        _print_variants(console, Table, out, figures, kind, precision)
+    if compare:
+        _print_comparison(console, Table, out)
+    return 0
 
+
+def _size(n) -> str:
+    from engine.config import format_size
+    return "—" if n is None else format_size(n)
+
+
+def _print_variants(console, Table, out: dict, figures: dict, kind: str, precision: str | None) -> None:
+    """One precision's table and plans (`precision` None: the fp32-only run, printed as it always was)."""
     from engine.config import format_size
     where = "GPU (fits: the allocator's peak)" if kind == "cuda" else "CPU ledger (simulated device)"
-    table = Table(title=f"bench memory: transformer stage ({out['layers']} layers), capacity "
-                        f"{format_size(out['capacity_bytes'])} = 50% of keep's peak; {where}, "
-                        f"host link {out['host_link_gbps']} GB/s ({out['link']})")
-    for col in ("variant", "samples/s", "x full recompute", "ledger peak", "allocator peak", "fits", "swapped/step",
-                "swap", "recompute"):
+    title = (f"bench memory: transformer stage ({out['layers']} layers), capacity "
+             f"{format_size(figures['capacity_bytes'])} = 50% of keep's peak; {where}, "
+             f"host link {out['host_link_gbps']} GB/s ({out['link']})")
+    table = Table(title=title if precision is None else f"{precision} {title}")
+    columns = ["variant", "samples/s", "x full recompute", "ledger peak", "allocator peak", "fits", "swapped/step",
+               "swap", "recompute"]
+    if precision is not None:
+        columns.insert(4, "activations")
+    for col in columns:
         table.add_column(col, justify="left" if col == "variant" else "right")
-
-    def size(n):
-        return "—" if n is None else format_size(n)
-    for v, row in out["variants"].items():
+    size = _size
+    for v, row in figures["variants"].items():
         fits = "—" if row["fits"] is None else "yes" if row["fits"] else "[red]no[/]"
-        table.add_row(v, f"{row['samples_per_s']:.1f}", f"{row['vs_recompute']:.2f}", size(row["peak_bytes"]),
-                      size(row["allocator_peak_bytes"]), fits, format_size(row["swapped_per_step_bytes"]),
-                      str(row["swap_layers"]), str(row["recompute_layers"]))
-    console = Console()
+        cells = [v, f"{row['samples_per_s']:.1f}", f"{row['vs_recompute']:.2f}", size(row["peak_bytes"]),
+                 size(row["allocator_peak_bytes"]), fits, format_size(row["swapped_per_step_bytes"]),
+                 str(row["swap_layers"]), str(row["recompute_layers"])]
+        if precision is not None:
+            cells.insert(4, size(row["activation_bytes"]))
+        table.add_row(*cells)
     console.print(table)
-    for v, row in out["variants"].items():
+    prefix = "" if precision is None else f"{precision} "
+    for v, row in figures["variants"].items():
         if row["plan"]:
             chosen = ", ".join(f"{n}={p}" for n, p in row["plan"].items() if p != "keep") or "all keep"
-            console.print(f"{v}: {chosen}" + (f" ({row['note']})" if row["note"] else ""))
-    return 0
+            console.print(f"{prefix}{v}: {chosen}" + (f" ({row['note']})" if row["note"] else ""))
+
+
+def _print_comparison(console, Table, out: dict) -> None:
+    def num(x, fmt):
+        return "—" if x is None else format(x, fmt)
+    held, ratios = out["bytes"], out["bf16_vs_fp32"]
+    table = Table(title="bench memory: what keep holds, bf16 against fp32 (the ledger's bytes; activations: saved "
+                        "by the end of the forward)")
+    for col in ("bytes", "fp32", "bf16", "bf16/fp32"):
+        table.add_column(col, justify="left" if col == "bytes" else "right")
+    for k in held["fp32"]:
+        table.add_row(k.replace("_", " "), _size(held["fp32"][k]), _size(held["bf16"][k]),
+                      num(ratios["bytes"][k], ".3f"))
+    console.print(table)
+    table = Table(title="bench memory: each variant, bf16 against fp32 (each at 50% of its own keep's peak)",
+                  caption=f"note: {out['note']}")
+    for col in ("variant", "peak fp32", "peak bf16", "peak bf16/fp32", "activations bf16/fp32", "swapped bf16/fp32",
+                "step fp32", "step bf16", "step bf16/fp32"):
+        table.add_column(col, justify="left" if col == "variant" else "right")
+    for v, r in ratios["variants"].items():
+        a, b = out["variants"][v], out["bf16"]["variants"][v]
+        table.add_row(v, _size(a["peak_bytes"]), _size(b["peak_bytes"]), num(r["peak_ratio"], ".3f"),
+                      num(r["activation_ratio"], ".3f"), num(r["swapped_ratio"], ".3f"),
+                      f"{a['median_step_ms']:.1f} ms", f"{b['median_step_ms']:.1f} ms", num(r["step_ratio"], ".3f"))
+    console.print(table)
+    console.print("optimizer state and masters stay fp32 (a bf16 weight's update steps its fp32 master), so a peak "
+                  "halves only as far as parameters, gradients and activations make it up")

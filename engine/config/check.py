@@ -437,6 +437,20 @@ def slow_rank_is_whole(cfg: Config) -> str | None:
     return None
 
 
+def precision_makes_sense(cfg: Config) -> str | None:
+    """bf16 weights need bf16 compute (an fp32 forward cannot multiply by bf16 weights); a bf16 sum needs
+    bf16 gradients (fp32 gradients summed in bf16 would be compression, which is not built)."""
+    p = cfg.precision
+    if p.params == "bf16" and p.compute != "bf16":
+        return (f"precision.params = \"bf16\" needs precision.compute = \"bf16\" (got {show(p.compute)}): an fp32 "
+                f"forward cannot compute with bf16 weights")
+    if p.reduce == "bf16" and p.params != "bf16":
+        return (f"precision.reduce = \"bf16\" needs precision.params = \"bf16\" (got {show(p.params)}): fp32 "
+                f"gradients are summed in fp32; summing them in bf16 would be gradient compression, which "
+                f"trainyard does not do")
+    return None
+
+
 CROSS_CHECKS = [hosts_split_workers, listen_is_loopback, slices_cover_streams, model_matches_data,
                 branchy_has_square_images, param_server_ranks, batch_splits_over_ranks, heads_split_width,
-                slow_layer_is_whole, slow_rank_is_whole]
+                slow_layer_is_whole, slow_rank_is_whole, precision_makes_sense]

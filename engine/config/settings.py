@@ -247,13 +247,23 @@ class DeviceConfig:
 
 @dataclass
 class PrecisionConfig:
-    """The dtype training computes in (docs/precision.md)."""
+    """The dtypes training computes in, keeps its working weights in and sums gradients in (docs/precision.md)."""
 
     compute: str = setting("fp32", "`bf16`: every forward and backward runs under `torch.autocast(dtype=torch."
                                    "bfloat16)` (matmuls and convolutions in bf16, reductions and the loss in "
-                                   "fp32), on the CPU as on a GPU, in every strategy; the weights, their "
-                                   "gradients, the optimizer state and the reduction stay fp32. `fp32`: no "
-                                   "autocast, bit for bit as before.", choices=("fp32", "bf16"))
+                                   "fp32), on the CPU as on a GPU, in every strategy. `fp32`: no autocast, bit "
+                                   "for bit as before.", choices=("fp32", "bf16"))
+    params: str = setting("fp32", "The working copy of the weights every rank computes with. `bf16` (needs "
+                                  "`compute = \"bf16\"`): bf16 weights and gradients on the device, and an fp32 "
+                                  "master copy with the optimizer state only where each update runs (the owner "
+                                  "in sharded, the host for a host-placed layer, the server in param_server); "
+                                  "every link carrying weights or gradients carries bf16. `fp32`: fp32 weights, "
+                                  "gradients and updates.", choices=("fp32", "bf16"))
+    reduce: str = setting("fp32", "The dtype gradients are summed in across ranks. `fp32`: bf16 gradients are "
+                                  "widened before they are summed (ddp's all-reduce carries fp32; sharded's owner "
+                                  "and the parameter server receive bf16 and sum in fp32). `bf16` (needs "
+                                  "`params = \"bf16\"`): summed in bf16, half the all-reduce's bytes.",
+                          choices=("fp32", "bf16"))
 
 
 @dataclass

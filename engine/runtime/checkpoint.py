@@ -183,6 +183,17 @@ def check_strategy(source: Path, manifest: dict, name: str) -> None:
                               f"(resume with the parallel.strategy that wrote it)")
 
 
+def check_precision(source: Path, manifest: dict, precision: dict) -> None:
+    """A checkpoint resumes only in the precision that wrote it: its files hold that run's working weights
+    and fp32 masters (a checkpoint from before `[precision]` existed is fp32)."""
+    saved = {"compute": "fp32", "params": "fp32", "reduce": "fp32", **manifest.get("config", {}).get("precision", {})}
+    for key in ("compute", "params", "reduce"):
+        if saved[key] != precision[key]:
+            raise CheckpointError(f"{source}: written with precision.{key} = \"{saved[key]}\"; this run has "
+                                  f"precision.{key} = \"{precision[key]}\" (resume in the precision the run was "
+                                  f"started with)")
+
+
 def model_state(path: Path) -> dict:
     """The whole model's state dict from a verified checkpoint, whichever strategy wrote it."""
     manifest = verify(path)

@@ -23,10 +23,10 @@ from engine.runtime.topology import Topology
 GPU_FIELDS = ("allocated_bytes", "reserved_bytes", "allocator_peak_bytes", "nvml_used_bytes", "nvml_total_bytes",
               "gpu_util_percent")
 FIELDS = ("stop", "command_bytes", "loss", "step_ms", "fwd_ms", "bwd_ms", "optim_ms", "compute_ms", "wait_ms", "gate_ms", "owned_bytes", "host_bytes", "host_busy_ms",
-          "parameters_bytes", "gradients_bytes", "optimizer_state_bytes", "activations_bytes",
+          "parameters_bytes", "gradients_bytes", "optimizer_state_bytes", "master_bytes", "activations_bytes",
           "swapped_bytes", "used_bytes", "peak_bytes", "capacity_bytes", "over_capacity",
           "rss_bytes", "cpu_percent", "sent_bytes", "migration_bytes", "migration_ms", "swap_layers", "recompute_layers",
-          "plan_made", "plan_estimate_bytes", "min_capacity_bytes", "swapped_out_bytes", "link_wait_ms",
+          "plan_made", "plan_estimate_bytes", "min_capacity_bytes", "swapped_out_bytes", "link_wait_ms", "host_link_bytes",
           *GPU_FIELDS)
 COLUMN = {name: i for i, name in enumerate(FIELDS)}
 

@@ -1,7 +1,7 @@
 """Worker devices and the memory ledger.
 
     device = open_device("auto", None, local_rank, local_world_size)   # CudaDevice or LedgerDevice
-    device.ledger.track_module(model, optimizer)        # parameters, gradients, optimizer state
+    device.ledger.track_module(model, optimizer)        # parameters, gradients, optimizer state, fp32 masters
     with device.ledger.saved_activations():             # live saved activations
         loss = model(x).sum(); loss.backward()
     device.stats()                                      # the ledger's keys on both kinds, plus the GPU's own
@@ -24,7 +24,7 @@ import torch
 
 from engine.runtime.refusal import Refused
 
-CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "swapped")
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "master", "activations", "swapped")
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
@@ -57,6 +57,11 @@ class MemoryLedger:
             self._optimizers.append(optimizer)
         self.refresh()
 
+    def track_optimizer(self, optimizer) -> None:
+        """Count an optimizer's state (and, where it has them, `master_bytes()`) without a module."""
+        self._optimizers.append(optimizer)
+        self.refresh()
+
     def retrack(self, module: torch.nn.Module, index: int = 0) -> None:
         """Count `module` in place of the `index`th tracked one (a pipeline stage whose layers changed)."""
         if index < len(self._modules):
@@ -67,7 +72,7 @@ class MemoryLedger:
 
     def refresh(self) -> None:
         """Recount parameters, gradients and optimizer state (they change size lazily)."""
-        params = grads = state = 0
+        params = grads = state = master = 0
         for module in self._modules:
             for p in module.parameters():
                 params += tensor_bytes(p)
@@ -76,11 +81,14 @@ class MemoryLedger:
         for opt in self._optimizers:
             for per_param in opt.state.values():
                 state += sum(tensor_bytes(v) for v in per_param.values() if torch.is_tensor(v))
+            if hasattr(opt, "master_bytes"):   # fp32 masters beside bf16 working weights (engine/precision.py)
+                master += opt.master_bytes()
         extra = self.extra
         with self._lock:
             self.bytes["parameters"] = params + extra.get("parameters", 0)
             self.bytes["gradients"] = grads + extra.get("gradients", 0)
             self.bytes["optimizer_state"] = state + extra.get("optimizer_state", 0)
+            self.bytes["master"] = master + extra.get("master", 0)
             self._note_peak()
 
     def add(self, category: str, nbytes: int) -> None:

@@ -89,6 +89,7 @@ def prepare_run_dir(job: Job) -> None:
                 f"{job.resume}: written by {manifest.get('world_size')} workers; parallel.world_size is "
                 f"{cfg.parallel.world_size} (resuming onto a different world size is not supported)")
         ckpt.check_strategy(job.resume, manifest, cfg.parallel.strategy)
+        ckpt.check_precision(job.resume, manifest, cfg.to_dict()["precision"])
         saved = manifest.get("config", {})
         for section in ("model", "data"):
             if saved.get(section) != cfg.to_dict()[section]:

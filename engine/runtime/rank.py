@@ -23,6 +23,7 @@ import torch.distributed as dist
 from engine.config import Config
 from engine.data import Dataset, load_dataset
 from engine.models import LayerList, build_model
+from engine.precision import param_dtype
 from engine.runtime.devices import open_device
 from engine.runtime.handover import received_model
 from engine.runtime.topology import Topology
@@ -105,7 +106,9 @@ def build_rank(job: Job, topo: Topology):
     torch.manual_seed(cfg.run.seed)
     model = received_model(job) if job.model_file is not None else build_model(cfg.model, data.meta, cfg.run.seed)
     restart, device.rank_names = meet(topo, device.name)
-    return restart, device, data, model.to(device.torch_device)
+    # the working weights in their dtype (bf16 under precision.params = "bf16"; the fp32 masters are made
+    # where the updates run: engine/techniques/layer_update.py)
+    return restart, device, data, model.to(device.torch_device, dtype=param_dtype(cfg.precision))
 
 
 def meet(topo: Topology, device_name: str) -> tuple[int, list[str]]:

@@ -25,6 +25,7 @@ import threading
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
@@ -92,8 +93,9 @@ class DDPStrategy:
 
     def __init__(self, model: torch.nn.Module, optim_cfg: OptimConfig, topo: Topology,
                  device: LedgerDevice, update_cfg: UpdateConfig | None = None, loss_fn=cross_entropy,
-                 device_clock: Clock | None = None):
+                 device_clock: Clock | None = None, reduce_dtype: torch.dtype = torch.float32):
         self.model, self.topo, self.device, self.loss_fn = model, topo, device, loss_fn
+        self.reduce_dtype = reduce_dtype   # bf16 gradients are widened to it for the all-reduce (fp32)
         clock = device_clock or Clock(device.torch_device)
         self.times = StepTimes(clock, ("fwd_ms", "bwd_ms", "after_backward_ms", "compute_ms"))
         ids = [device.torch_device.index] if device.kind == "cuda" else None
@@ -127,13 +129,20 @@ class DDPStrategy:
 
     def _metered_allreduce(self, group, bucket):
         buffer = bucket.buffer()
-        t0 = self.meter.started(buffer.numel() * buffer.element_size())
+        if buffer.dtype == self.reduce_dtype or not buffer.is_floating_point():
+            t0 = self.meter.started(buffer.numel() * buffer.element_size())
+            future = default_hooks.allreduce_hook(group, bucket)
+        else:   # bf16 gradients summed in fp32 (precision.reduce): widened, summed, stored back as bf16
+            wide = buffer.to(self.reduce_dtype).div_(group.size())
+            t0 = self.meter.started(wide.numel() * wide.element_size())
+            future = dist.all_reduce(wide, group=group, async_op=True).get_future().then(
+                lambda fut: buffer.copy_(fut.value()[0]))
 
         def done(fut):
             self.meter.finished(t0)
             self.updater.params_reduced(bucket.parameters())
             return fut.value()[0] if isinstance(fut.value(), list) else fut.value()
-        return default_hooks.allreduce_hook(group, bucket).then(done)
+        return future.then(done)
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         x, y = x.to(self.device.torch_device), y.to(self.device.torch_device)
@@ -173,15 +182,17 @@ class DDPStrategy:
     # --- checkpoints: ranks hold equal copies, rank 0 writes them ---------------------------
     def save(self, staged: Path) -> None:
         self.sync()
-        if self.topo.is_first:
-            ckpt.write_file(staged, "model.pt", self.model.state_dict())
+        if self.topo.is_first:   # the weights as the updates keep them: fp32 masters under bf16 working weights
+            ckpt.write_file(staged, "model.pt", self.updater.weights_state(self.model))
             ckpt.write_file(staged, "optimizer.pt", self.updater.state_dict())
 
     def load(self, source: Path, manifest: dict) -> None:
         ckpt.check_strategy(source, manifest, self.name)
         self.sync()
-        self.model.load_state_dict(ckpt.load_file(source, "model.pt"))
-        self.updater.load_state_dict(ckpt.load_file(source, "optimizer.pt"))
+        state = ckpt.load_file(source, "model.pt")
+        self.model.load_state_dict(state)
+        weights = {id(p): state[n] for n, p in self.model.named_parameters()}
+        self.updater.load_state_dict(ckpt.load_file(source, "optimizer.pt"), weights)
 
 
 def params_by_layer(model, only=None) -> dict[int, list]:

@@ -16,6 +16,7 @@ import torch
 
 from engine.config import Config
 from engine.models import LayerList
+from engine.precision import reduce_dtype
 from engine.runtime.topology import Topology
 from engine.strategies.ddp import DDPStrategy
 from engine.strategies.pipeline import PipelineStage, configured_stages
@@ -52,5 +53,6 @@ def make_strategy(cfg: Config, model: LayerList, topo: Topology, device) -> Stra
         return ShardedStrategy(model, cfg.optim, topo, device, streams=p.streams, slices=p.slices,
                                assignment=p.slice_assignment, overlap_forward=p.overlap_forward,
                                main_stream_communicates=p.main_stream_communicates, seed=cfg.run.seed,
-                               update_cfg=cfg.update, hierarchical=p.hierarchical)
-    return DDPStrategy(model, cfg.optim, topo, device, update_cfg=cfg.update)
+                               update_cfg=cfg.update, hierarchical=p.hierarchical,
+                               reduce_dtype=reduce_dtype(cfg.precision))
+    return DDPStrategy(model, cfg.optim, topo, device, update_cfg=cfg.update, reduce_dtype=reduce_dtype(cfg.precision))

@@ -441,8 +441,9 @@ class PipelineStage:
     def save(self, staged) -> None:
         from engine.runtime import checkpoint as ckpt
         self.sync()
-        ckpt.write_file(staged, f"stage{self.rank}.pt", {"params": {k: v.detach().clone()
-                                                                    for k, v in self.stage_state().items()},
+        whole = self.updater.weights_state(self.model)   # this stage's weights as its updates keep them (fp32 masters)
+        ckpt.write_file(staged, f"stage{self.rank}.pt", {"params": {k: whole[k].detach().clone()
+                                                                    for k in self.stage_state()},
                                                          "optimizer": self.updater.state_dict()})
 
     def load(self, source, manifest: dict) -> None:
@@ -465,7 +466,9 @@ class PipelineStage:
                 for key, value in part["params"].items():
                     state[key].copy_(value)
                 if stage == self.rank:
-                    self.updater.load_state_dict(part["optimizer"])
+                    weights = {id(p): part["params"][n] for n, p in self.model.named_parameters(remove_duplicate=False)
+                               if n in part["params"]}
+                    self.updater.load_state_dict(part["optimizer"], weights)
 
     def close(self) -> None:
         self.updater.close()

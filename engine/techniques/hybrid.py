@@ -67,6 +67,7 @@ class HybridUpdater:
         self._device_ready: deque[LayerUpdate] = deque()
         self._gate_s = 0.0
         self._device_ran: list[LayerUpdate] = []   # this step's device updates
+        self._link_bytes = 0   # this step's host updates' bytes over the host link
         self.trial_left = cfg.profile_steps if cfg.placement == "auto" else 0
         self._trial: list[dict] = []
         self._grads_at_start = 0
@@ -123,14 +124,18 @@ class HybridUpdater:
             self.layer_of.pop(id(p), None)
         self._gate_handles.pop(index).remove()
         self._missing.pop(index, None)
-        return {"state": u.optimizer.state_dict(), "side": u.side}
+        return {"state": u.optimizer.state_dict(), "side": u.side,
+                "master": [m.detach().cpu() for m in u.master] if u.wide else None}
 
     def add_layer(self, index: int, params: list[torch.nn.Parameter], state: dict | None = None,
-                  side: str = "device") -> None:
-        """Update layer `index` here from now on, continuing from `state` (an optimizer state_dict)."""
+                  side: str = "device", master: list[torch.Tensor] | None = None) -> None:
+        """Update layer `index` here from now on, continuing from `state` (an optimizer state_dict) and,
+        with bf16 working weights, from `master` (the fp32 master weights drop_layer gave)."""
         if not params:
             return
         u = LayerUpdate(self.model.names[index], index, params, self.optim_cfg)
+        if master is not None:
+            u.load_weights(master)
         if state is not None:
             u.optimizer.load_state_dict(state)
         self.updates[index] = u
@@ -154,6 +159,10 @@ class HybridUpdater:
     def host_bytes(self) -> int:
         return sum(u.host_bytes() for u in self.updates.values())
 
+    def master_bytes(self) -> int:
+        """fp32 master weights on the device (bf16 working weights; the ledger's `master`)."""
+        return sum(u.master_bytes() for u in self.updates.values())
+
     # --- a step ------------------------------------------------------------------------------
     def _trial_side(self) -> str:
         """The trial starts on the host (no optimizer state on the device), then alternates."""
@@ -167,7 +176,7 @@ class HybridUpdater:
         placement = {}
         for index in sorted(self.updates, reverse=True):
             u = self.updates[index]
-            need = u.state_bytes()   # measured by the host step (fp32 state; the device keeps the same)
+            need = u.device_bytes()   # measured by the host step (fp32 state and masters; the device keeps the same)
             fits = need <= room
             placement[u.name] = "device" if fits else "host"
             room -= need if fits else 0
@@ -185,6 +194,7 @@ class HybridUpdater:
         self._dispatched = set()
         self._gate_s = 0.0
         self._device_ran = []
+        self._link_bytes = 0
 
     def params_reduced(self, params) -> None:
         """Called from any thread: these parameters' gradients are final for this step."""
@@ -205,6 +215,8 @@ class HybridUpdater:
             if u.index in self._dispatched:
                 return
             self._dispatched.add(u.index)
+            if u.side == "host":
+                self._link_bytes += u.link_bytes()
         if u.side == "host":
             self.executor.submit(u)
         else:
@@ -257,8 +269,9 @@ class HybridUpdater:
         if self.executor is not None:
             busy, self.executor.busy_s = self.executor.busy_s * 1000, 0.0
         device_ms = sum(u.device_ms_known() for u in self._device_ran)   # no wait for the GPU here
+        link, self._link_bytes = self._link_bytes, 0
         return {"update_device_ms": device_ms, "host_busy_ms": busy, "host_gate_ms": self._gate_s * 1000,
-                "host_bytes": self.host_bytes()}
+                "host_bytes": self.host_bytes(), "host_link_bytes": link}
 
     # --- the trial and the plan ----------------------------------------------------------------
     def _record_trial(self, rows: list[dict]) -> None:
@@ -270,7 +283,7 @@ class HybridUpdater:
         steady = ledger.peak_bytes + max(0, ledger.bytes["gradients"] - self._grads_at_start)
         self._trial.append({"side": self._trial_side(), "layers": layers, "peak": ledger.peak_bytes,
                             "steady_peak": steady,
-                            "updates": {u.name: (u.device_ms, u.host_ms, u.copy_ms, u.state_bytes(), u.side)
+                            "updates": {u.name: (u.device_ms, u.host_ms, u.copy_ms, u.device_bytes(), u.side)
                                         for u in self.updates.values()}})
         self.trial_left -= 1
         if self.trial_left == 0:
@@ -334,15 +347,37 @@ class HybridUpdater:
         return {"layers": {u.name: u.optimizer.state_dict() for u in self.updates.values()},
                 "placement": self.placement()}
 
-    def load_state_dict(self, saved: dict) -> None:
+    def load_state_dict(self, saved: dict, weights: dict[int, torch.Tensor] | None = None) -> None:
+        """The optimizer state from a checkpoint; `weights` (id of a parameter -> its saved fp32 value, from
+        weights_state) sets the masters and working weights of the layers updated here; without it the
+        masters are copied from the parameters (loaded already, in fp32)."""
         self.wait_host()
         layers = saved.get("layers", {})
         missing = sorted(set(self.by_name) - set(layers))
         if missing:
             raise ValueError(f"the checkpoint holds no optimizer state for layer {missing[0]!r}")
         for name, u in self.by_name.items():
-            u.refresh_master()
+            if weights is not None:
+                u.load_weights([weights[id(p)] for p in u.params])
+            else:
+                u.refresh_master()
             u.optimizer.load_state_dict(layers[name])
+
+    def master_of(self) -> dict[int, torch.Tensor]:
+        """id of each parameter updated here -> the weight its update keeps (the fp32 master where there
+        is one): what a checkpoint stores."""
+        self.wait_host()
+        return {id(p): w for u in self.updates.values() for p, w in zip(u.params, u.weights())}
+
+    def weights_state(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """`module`'s state dict with each parameter updated here as its update keeps it (fp32 masters
+        under bf16 working weights), so a checkpoint holds full-precision weights."""
+        kept = self.master_of()
+        state = module.state_dict()
+        for name, p in module.named_parameters(remove_duplicate=False):
+            if id(p) in kept:
+                state[name] = kept[id(p)].detach().clone()
+        return state
 
     def close(self) -> None:
         if self.executor is not None:

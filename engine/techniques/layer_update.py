@@ -25,16 +25,27 @@ from engine.timing import Clock
 class LayerUpdate:
     """One layer's parameters (those this rank updates) and its optimizer, on one side at a time.
 
-    On the host side the layer keeps fp32 master weights and gradient buffers in host memory, made
+    The optimizer always steps fp32 weights. With fp32 parameters on the device side those are the
+    parameters themselves; with narrower working weights (`precision.params = "bf16"`) they are an fp32
+    master copy beside them, kept where the update runs, and each update widens the gradient, steps the
+    master and writes it back narrowed (engine/precision.py says which dtype is where).
+
+    On the host side the layer keeps the fp32 master weights and gradient buffers in host memory, made
     once when it moves there and reused every step (pinned on a GPU, so the copies are DMA on a side
-    stream of their own: gradients down, then weights up, while the compute stream goes on)."""
+    stream of their own: gradients down, then weights up, while the compute stream goes on). The link
+    carries the working dtype both ways: bf16 gradients down and bf16 weights up when the parameters are
+    bf16, half the bytes of fp32 (`link_bytes()`)."""
 
     def __init__(self, name: str, index: int, params: list[torch.nn.Parameter], optim_cfg: OptimConfig):
         self.name, self.index, self.params, self.cfg = name, index, params, optim_cfg
         self.side = "device"
-        self.optimizer = make_optimizer(optim_cfg, params)
-        self.master: list[torch.Tensor] | None = None   # host side: fp32 weights the host optimizer steps
-        self.grads: list[torch.Tensor] | None = None    # host side: their gradient buffers
+        # bf16 working weights: the update runs on an fp32 master (on the device while the side is)
+        self.wide = bool(params) and params[0].dtype != torch.float32
+        self.master: list[torch.Tensor] | None = [p.detach().float() for p in params] if self.wide else None
+        self.optimizer = make_optimizer(optim_cfg, self.master if self.wide else params)
+        self.grads: list[torch.Tensor] | None = None    # host side: gradients as they come down (working dtype)
+        self.grads32: list[torch.Tensor] | None = None  # host side, bf16 working weights: widened for the step
+        self.up: list[torch.Tensor] | None = None       # host side, bf16 working weights: narrowed for the link
         self.done = threading.Event()   # set when this step's update has landed
         self.done.set()
         self.cuda = bool(params) and params[0].is_cuda
@@ -47,39 +58,71 @@ class LayerUpdate:
         self._device_ms = 0.0
 
     def move(self, side: str) -> None:
-        """Carry the optimizer state (and, to the host, fp32 master weights) to `side`."""
+        """Carry the optimizer state and the fp32 master weights to `side`."""
         if side == self.side:
             return
         state = self.optimizer.state_dict()
         if side == "host":
-            self.master = [self._host_copy(p.detach()) for p in self.params]
-            self.grads = [self._host_copy(torch.zeros_like(p)) for p in self.params]   # filled in place
+            weights = self.master if self.wide else [p.detach() for p in self.params]
+            self.master = [self._host_copy(w, torch.float32) for w in weights]
+            self.grads = [self._host_copy(torch.zeros_like(p), p.dtype) for p in self.params]   # filled in place
+            if self.wide:
+                self.grads32 = [torch.zeros_like(m) for m in self.master]
+                self.up = [self._host_copy(p.detach(), p.dtype) for p in self.params]
             self.optimizer = make_optimizer(self.cfg, self.master)
         else:
             self.wait_landed()
             with torch.no_grad():
-                for p, m in zip(self.params, self.master):
-                    p.copy_(m)
-            self.master = self.grads = None
-            self.optimizer = make_optimizer(self.cfg, self.params)
+                if self.wide:
+                    self.master = [m.to(self.params[0].device) for m in self.master]
+                else:
+                    for p, m in zip(self.params, self.master):
+                        p.copy_(m)
+                    self.master = None
+            self.grads = self.grads32 = self.up = None
+            self.optimizer = make_optimizer(self.cfg, self.master if self.wide else self.params)
         self.optimizer.load_state_dict(state)   # casts the state to the new side's device and dtype
         self.side = side
 
-    def _host_copy(self, t: torch.Tensor) -> torch.Tensor:
-        out = torch.empty(t.shape, dtype=torch.float32, pin_memory=self.cuda)
+    def _host_copy(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        out = torch.empty(t.shape, dtype=dtype, pin_memory=self.cuda)
         out.copy_(t)
         return out
 
     def refresh_master(self) -> None:
-        """The device weights changed outside an update (a checkpoint was loaded): copy them down."""
-        if self.master is not None:
+        """The device weights changed outside an update (fp32 weights loaded from a checkpoint): copy them
+        to the master. (bf16 working weights take their master from the checkpoint: load_weights.)"""
+        if self.master is not None and not self.wide:
             with torch.no_grad():
                 for p, m in zip(self.params, self.master):
                     m.copy_(p.detach())
 
+    @torch.no_grad()
+    def load_weights(self, values: list[torch.Tensor]) -> None:
+        """The weights from a checkpoint (fp32: the master where there is one): into the master and the
+        working copy alike, at a step boundary."""
+        self.wait_landed()
+        for i, (p, v) in enumerate(zip(self.params, values)):
+            p.copy_(v)
+            if self.master is not None:
+                self.master[i].copy_(v)
+
+    def weights(self) -> list[torch.Tensor]:
+        """The weights as the update keeps them: the fp32 master where there is one (for checkpoints)."""
+        return list(self.master) if self.master is not None else [p.detach() for p in self.params]
+
+    @torch.no_grad()
     def step_device(self) -> None:
         t0 = self.clock.mark()
-        self.optimizer.step()
+        if self.wide:   # widen each gradient for the step, narrow the master back into the working weights
+            for p, m in zip(self.params, self.master):
+                m.grad = None if p.grad is None else p.grad.float()
+            self.optimizer.step()
+            for p, m in zip(self.params, self.master):
+                m.grad = None
+                p.copy_(m)
+        else:
+            self.optimizer.step()
         self._zero_grads()
         self._device_marks = (t0, self.clock.mark())
 
@@ -116,27 +159,41 @@ class LayerUpdate:
             down.synchronize()   # this layer's copy only: the host step reads what it brought
         else:
             self._grads_down(non_blocking=False)
+        for p, m, came, wide in zip(self.params, self.master, self.grads, self.grads32 or self.grads):
+            # the step runs on fp32: bf16 gradients are widened on the host, after the link
+            m.grad = None if p.grad is None else (wide.copy_(came) if self.wide else came)
         t1 = time.perf_counter()
         self.optimizer.step()
         t2 = time.perf_counter()
+        ups = self.master
+        if self.wide:   # narrowed on the host, so the link carries bf16
+            ups = [u.copy_(m) for u, m in zip(self.up, self.master)]
         if self.cuda:   # weights up and gradients zeroed on the side stream; the gate waits on `landed`
             with torch.cuda.stream(self.stream):
-                for p, m in zip(self.params, self.master):
-                    p.copy_(m, non_blocking=True)
+                for p, u in zip(self.params, ups):
+                    p.copy_(u, non_blocking=True)
                 self._zero_grads()
                 self.landed = torch.cuda.Event()
                 self.landed.record(self.stream)
         else:
-            for p, m in zip(self.params, self.master):
-                p.copy_(m)
+            for p, u in zip(self.params, ups):
+                p.copy_(u)
             self._zero_grads()
         t3 = time.perf_counter()
         self.host_ms, self.copy_ms = (t2 - t1) * 1000, ((t1 - t0) + (t3 - t2)) * 1000
 
     def _grads_down(self, non_blocking: bool) -> None:
-        """Each gradient into its host buffer; a parameter without one is left alone by the step."""
-        for p, m, buffer in zip(self.params, self.master, self.grads):
-            m.grad = None if p.grad is None else buffer.copy_(p.grad, non_blocking=non_blocking)
+        """Each gradient into its host buffer, in its own dtype (a parameter without one is left alone by the
+        step)."""
+        for p, buffer in zip(self.params, self.grads):
+            if p.grad is not None:
+                buffer.copy_(p.grad, non_blocking=non_blocking)
+
+    def link_bytes(self) -> int:
+        """What a host update of this step moves over the host link: its gradients down and its weights up,
+        both in the working dtype (bf16 weights: half the bytes of fp32)."""
+        return sum(tensor_bytes(p.grad) for p in self.params if p.grad is not None) + \
+            sum(tensor_bytes(p) for p in self.params)
 
     def wait_landed(self) -> None:
         """The compute stream goes on only after this layer's weights are back (CUDA; a no-op on the CPU,
@@ -153,10 +210,20 @@ class LayerUpdate:
     def state_bytes(self) -> int:
         return sum(tensor_bytes(v) for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v))
 
+    def device_bytes(self) -> int:
+        """What this update holds on the device while placed there: its optimizer state and, beside bf16
+        working weights, the fp32 master (what placing it on the host frees; the planner's figure)."""
+        return self.state_bytes() + (sum(tensor_bytes(m) for m in self.master) if self.wide else 0)
+
+    def master_bytes(self) -> int:
+        """The fp32 master's bytes on the device (bf16 working weights, device side); 0 otherwise."""
+        return sum(tensor_bytes(m) for m in self.master) if self.wide and self.side == "device" else 0
+
     def host_bytes(self) -> int:
         if self.side == "device":
             return 0
-        return self.state_bytes() + sum(tensor_bytes(t) for t in self.master + self.grads)
+        return self.state_bytes() + sum(tensor_bytes(t) for t in self.master + self.grads + (self.grads32 or [])
+                                        + (self.up or []))
 
 
 def default_host_threads() -> int:

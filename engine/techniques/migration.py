@@ -176,7 +176,8 @@ class Migration:
                     for t, v in zip(list(layer.parameters()) + list(layer.buffers()),
                                     entry["params"] + entry["buffers"]):
                         t.copy_(v)
-                st.updater.add_layer(i, list(layer.parameters()), entry.get("state"), entry.get("side", "device"))
+                st.updater.add_layer(i, list(layer.parameters()), entry.get("state"), entry.get("side", "device"),
+                                     entry.get("master"))   # fp32 masters of bf16 working weights
         self._wait()
 
     def _wait(self) -> None:

@@ -26,7 +26,7 @@ class LayerCost:
     device_ms: float   # its update on the device
     host_ms: float     # its update on the host
     copy_ms: float     # copies for a host update (grads down, weights up), on the host's timeline
-    state_bytes: int   # optimizer state the update keeps, on the side that runs it
+    state_bytes: int   # what the update keeps on the side that runs it: optimizer state (+ fp32 masters of bf16 weights)
 
     def __post_init__(self) -> None:
         for key in ("fwd_ms", "bwd_ms", "device_ms", "host_ms", "copy_ms", "state_bytes"):

@@ -4,7 +4,8 @@ per (server 0, server) pair, the messages sent over them, and the flat tensors t
     links = make_links(topo, servers, timeout_s)     # every rank, at the same point: {peer rank: Link}
     links[server].send(PULL, ALL_LAYERS, iteration=i, payload=stats)
     links[server].receive_into(inbox)                # a thread: Messages (or one LOST) onto the queue
-    reply = flatten(params, extra=2)                 # a layer's weights, then its version and the flags
+    reply = pack_weights(params, torch.bfloat16, version, flags)   # a pull's reply: version, flags, weights
+    version, flags = unpack_weights(reply, params)  # into the worker's weights
 
 A message is a float64 header of HEADER numbers (kind, layer, version, iteration, a, b, dtype, numel)
 on TAG_HEADER, then its payload, if any, on TAG_PAYLOAD. Weights a worker pulled come back as one bare
@@ -28,15 +29,21 @@ from engine.techniques.ps_sync import MODES
 # message kinds (a header's first number)
 GRAD, PULL, PROFILE, PING, BYE, CONTROL, SERVER_STATS, CKPT, ACK, GATHER, WEIGHTS, FINISH, LOST = range(1, 14)
 ALL_LAYERS = -1            # a pull for every layer the server owns
-HEADER = 8                 # kind, layer, version, iteration, a, b, dtype (0: float32, 1: float64), numel
+HEADER = 8                 # kind, layer, version, iteration, a, b, dtype (CODES), numel
 TAG_HEADER, TAG_PAYLOAD, TAG_PING = 0, 1, 2
 TAG_WEIGHTS = 100          # + layer index: a pull's reply
 STOP, PAUSED = 1, 2        # flags in every reply to a worker
 KEEP_SENDS = 16            # sends of one link not yet waited on, at most
 
 
-def flatten(tensors, extra: int = 0) -> torch.Tensor:
-    flat = torch.empty(sum(t.numel() for t in tensors) + extra, dtype=torch.float32)
+CODES = (torch.float32, torch.float64, torch.bfloat16)   # a payload's dtype, by the header's code
+TRAILER = 16               # a pull's reply starts with its version and flags, two float64s
+
+
+def flatten(tensors, extra: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The tensors one after the other in one flat tensor of `dtype` (gradients pushed in the working dtype:
+    bf16 under precision.params = "bf16", half the bytes)."""
+    flat = torch.empty(sum(t.numel() for t in tensors) + extra, dtype=dtype)
     offset = 0
     for t in tensors:
         flat[offset:offset + t.numel()].copy_(t.detach().reshape(-1))
@@ -50,6 +57,33 @@ def unflatten_into(flat: torch.Tensor, tensors) -> None:
     for t in tensors:
         t.copy_(flat[offset:offset + t.numel()].view_as(t))
         offset += t.numel()
+
+
+def reply_bytes(numel: int, dtype: torch.dtype) -> int:
+    """The size of a pull's reply for a layer of `numel` weights sent as `dtype`."""
+    return TRAILER + numel * torch.empty(0, dtype=dtype).element_size()
+
+
+def pack_weights(tensors, dtype: torch.dtype, version: int, flags: int) -> torch.Tensor:
+    """A pull's reply as bytes: the layer's version and the flags (float64, exact at any version), then its
+    weights in `dtype`, the link's (the working dtype: bf16 under precision.params = "bf16")."""
+    numel = sum(t.numel() for t in tensors)
+    out = torch.empty(reply_bytes(numel, dtype), dtype=torch.uint8)
+    out[:TRAILER].view(torch.float64).copy_(torch.tensor([version, flags], dtype=torch.float64))
+    weights = out[TRAILER:].view(dtype)
+    offset = 0
+    for t in tensors:
+        weights[offset:offset + t.numel()].copy_(t.detach().reshape(-1))
+        offset += t.numel()
+    return out
+
+
+def unpack_weights(reply: torch.Tensor, tensors) -> tuple[int, int]:
+    """(version, flags) of a pull's reply; its weights into `tensors` unless the flags say stop."""
+    version, flags = reply[:TRAILER].view(torch.float64).tolist()
+    if not int(flags) & STOP:
+        unflatten_into(reply[TRAILER:].view(tensors[0].dtype), tensors)
+    return int(version), int(flags)
 
 
 @dataclass
@@ -78,7 +112,7 @@ class Link:
 
     def send(self, kind: int, layer: int = 0, version: int = 0, iteration: int = 0, a: float = 0.0,
              b: float = 0.0, payload: torch.Tensor | None = None) -> None:
-        dtype = 1 if payload is not None and payload.dtype == torch.float64 else 0
+        dtype = CODES.index(payload.dtype) if payload is not None else 0
         numel = payload.numel() if payload is not None else 0
         header = torch.tensor([kind, layer, version, iteration, a, b, dtype, numel], dtype=torch.float64)
         self._post(header, TAG_HEADER)
@@ -122,7 +156,7 @@ class Link:
                     kind, layer, version, iteration, a, b, dtype, numel = header.tolist()
                     payload = None
                     if numel:
-                        payload = torch.empty(int(numel), dtype=torch.float64 if dtype else torch.float32)
+                        payload = torch.empty(int(numel), dtype=CODES[int(dtype)])
                         dist.irecv(payload, src=self.peer, group=self.group, tag=TAG_PAYLOAD).wait()
                     inbox.put(Message(int(kind), self.peer, int(layer), int(version), int(iteration), a, b,
                                       payload, time.monotonic()))

@@ -19,11 +19,12 @@ import time
 import torch
 
 from engine.optim import make_optimizer
+from engine.precision import reduce_dtype
 from engine.runtime import checkpoint as ckpt
 from engine.runtime.control import row_values
 from engine.strategies.param_server.links import (
     ACK, ALL_LAYERS, BYE, CKPT, CONTROL, FINISH, GATHER, GRAD, LOST, PING, PROFILE, PULL, SERVER_STATS,
-    STOP, TAG_PING, TAG_WEIGHTS, WEIGHTS, Message, flatten, link_error, unflatten_into)
+    STOP, TAG_PING, TAG_WEIGHTS, WEIGHTS, Message, flatten, link_error, pack_weights, unflatten_into)
 from engine.strategies.param_server.setup import ParamServerError, Setup
 from engine.techniques.ps_sync import MODES, Arrival, LayerSync
 
@@ -40,6 +41,10 @@ class PSServer:
         self.mine = [j for j, server in s.owner.items() if server == self.rank]
         self.names = s.model.names
         self.opt = {j: make_optimizer(cfg.optim, s.params[j]) for j in self.mine}
+        for opt in self.opt.values():   # the server's optimizer state is on its device
+            s.device.ledger.track_optimizer(opt)
+        # gradients arrive in the working dtype and are summed in precision.reduce's (fp32: widened first)
+        self.reduce_dtype = reduce_dtype(cfg.precision) if s.masters else torch.float32
         self.live, self.done, self.lost = set(self.workers), set(), {}
         self.target = p.sync                     # the mode once every worker's profile is in
         self.profiling = True                    # until then: bsp, while the workers measure
@@ -84,7 +89,8 @@ class PSServer:
         if m.kind == GRAD:
             if m.peer in self.live:   # sent before the worker heard of a stop: still applied
                 self.count[m.layer] += 1
-                self.apply(m.layer, self.sync[m.layer].offer(Arrival(m.peer, m.version, m.t, m.payload)))
+                grad = m.payload if m.payload is None else m.payload.to(self.reduce_dtype)
+                self.apply(m.layer, self.sync[m.layer].offer(Arrival(m.peer, m.version, m.t, grad)))
         elif m.kind == PULL:
             if m.payload is not None:
                 self.worker_stats(m)
@@ -165,8 +171,7 @@ class PSServer:
         self.held[j] = still
 
     def send_layer(self, worker: int, j: int, flags: int) -> None:
-        reply = flatten(self.s.params[j], extra=2)
-        reply[-2], reply[-1] = self.sync[j].version, flags
+        reply = pack_weights(self.s.params[j], self.s.link_dtype, self.sync[j].version, flags)
         try:
             self.s.links[worker].send_tensor(reply, TAG_WEIGHTS + j)
         except RuntimeError as e:

@@ -69,9 +69,21 @@ class Setup:
         self.params = layer_params(self.model)
         self.owner = assign_layers({j: sum(p.numel() * p.element_size() for p in ps)
                                     for j, ps in self.params.items()}, self.servers)
+        # the links carry the working dtype (bf16 under precision.params = "bf16"); a server keeps its
+        # layers' weights in fp32, the masters, and narrows them for each pull's reply
+        self.link_dtype = next(iter(self.params.values()))[0].dtype if self.params else torch.float32
+        self.masters = topo.rank < self.servers and self.link_dtype != torch.float32
         if topo.rank < self.servers:   # a server counts the layers it owns; a worker the whole model
-            self.device.ledger.track_module(torch.nn.ModuleList(
-                [self.model.layers[j] for j, s in self.owner.items() if s == topo.rank]))
+            owned = torch.nn.ModuleList([self.model.layers[j] for j, s in self.owner.items() if s == topo.rank])
+            if self.masters:
+                owned.float()
+                self.params = layer_params(self.model)
+                for p in owned.parameters():   # the updates' fp32 gradients, summed into in place
+                    p.grad = torch.zeros_like(p)
+                self.device.ledger.extra["master"] = sum(p.numel() * 4 for p in owned.parameters())
+                self.device.ledger.extra["gradients"] = self.device.ledger.extra["master"]
+            else:
+                self.device.ledger.track_module(owned)
         else:
             self.device.ledger.track_module(self.model)
         self.links = make_links(topo, self.servers, cfg.parallel.collective_timeout_s)

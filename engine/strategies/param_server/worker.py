@@ -34,8 +34,8 @@ from engine.runtime.rank import StopRequest
 from engine.runtime.topology import Topology
 from engine.strategies.ddp import cross_entropy
 from engine.strategies.param_server.links import (
-    ALL_LAYERS, BYE, GRAD, PAUSED, PING, PROFILE, PULL, STOP, TAG_PING, TAG_WEIGHTS, flatten, transport_failure,
-    unflatten_into)
+    ALL_LAYERS, BYE, GRAD, PAUSED, PING, PROFILE, PULL, STOP, TAG_PING, TAG_WEIGHTS, flatten, reply_bytes,
+    transport_failure, unpack_weights)
 from engine.strategies.param_server.setup import Setup
 from engine.precision import compute_in
 from engine.timing import Clock, StepTimes
@@ -120,7 +120,7 @@ class PSWorker:
             self._left[j] -= 1
             if self._left[j] == 0:
                 self.clock.segment_done()
-                grad = flatten([q.grad for q in self.params[j]])
+                grad = flatten([q.grad for q in self.params[j]], dtype=self.params[j][0].dtype)   # bf16: half
                 self.s.links[self.s.owner[j]].send(GRAD, j, self.version[j], self.iteration, payload=grad)
                 for q in self.params[j]:
                     q.grad = None
@@ -136,7 +136,8 @@ class PSWorker:
                 t_start = time.perf_counter()   # host: the iteration's wall time, idle and slack
                 fwd_from = times.mark()         # the device: forward runs from here to each wait for weights
                 idle_s = t_start - t_idle if flags & PAUSED or cfg.run.step_pause_ms else 0.0
-                buffers = {j: torch.empty(self.sizes[j] + 2) for j in self.layers}
+                buffers = {j: torch.empty(reply_bytes(self.sizes[j], self.params[j][0].dtype), dtype=torch.uint8)
+                           for j in self.layers}
                 works = {j: s.links[s.owner[j]].expect(buffers[j], TAG_WEIGHTS + j) for j in self.layers}
                 for server in range(s.servers):   # every server owns a layer; server 0 gets the figures
                     s.links[server].send(PULL, ALL_LAYERS, iteration=self.iteration, a=self.factor,
@@ -155,12 +156,11 @@ class PSWorker:
                             works[j].wait()
                             wait_ms += (time.perf_counter() - t0) * 1000   # host time: the host blocks here
                             fwd_from = times.mark()
-                            reply = buffers[j]
-                            flags |= int(reply[-1])
+                            version, reply_flags = unpack_weights(buffers[j], self.params[j])
+                            flags |= reply_flags
                             if flags & STOP:
                                 break
-                            unflatten_into(reply[:-2], self.params[j])
-                            self.version[j] = int(reply[-2])
+                            self.version[j] = version
                         out = layer(out)
                     if flags & STOP:
                         break

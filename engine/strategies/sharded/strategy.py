@@ -41,12 +41,14 @@ class ShardedStrategy:
     def __init__(self, model, optim_cfg: OptimConfig, topo: Topology, device: LedgerDevice, *,
                  streams: int = 2, slices: int = 4, assignment: str = "balanced", overlap_forward: bool = True,
                  main_stream_communicates: bool = False, seed: int = 0, update_cfg: UpdateConfig | None = None,
-                 loss_fn=cross_entropy, hierarchical: bool = True, device_clock: Clock | None = None):
+                 loss_fn=cross_entropy, hierarchical: bool = True, device_clock: Clock | None = None,
+                 reduce_dtype: torch.dtype = torch.float32):
         if slices < streams:
             raise ValueError(f"parallel.slices = {slices} is smaller than parallel.streams = {streams}; "
                              f"every stream needs at least one slice")
         self.model, self.topo, self.device, self.loss_fn = model, topo, device, loss_fn
         self.overlap_forward = overlap_forward
+        self.reduce_dtype = reduce_dtype   # bf16 gradients travel as bf16 and are summed in this dtype
         self.world, self.rank = topo.world_size, topo.rank
         clock = device_clock or Clock(device.torch_device)
         self.times = StepTimes(clock, PHASES)
@@ -162,7 +164,8 @@ class ShardedStrategy:
     def _reduce(self, owner: int) -> None:
         self._sent.add(owner)
         buffer = self.grad_flat[owner]
-        buffer.div_(self.world)   # the mean, as DDP's hook divides before it sums
+        if buffer.dtype == self.reduce_dtype:   # the mean, as DDP's hook divides before it sums
+            buffer.div_(self.world)             # (a wider sum divides once, at the owner: _sum_into)
         if owner in self.relayed:
             self._relay_queue.put(owner)   # the relay thread adds this host's parts and sends the sum
             return
@@ -178,8 +181,7 @@ class ShardedStrategy:
                 for work in self._recvs.get(owner, ()):
                     work.wait()
                 total = self.grad_flat[owner]
-                for q in sorted(self.incoming.get(owner, {})):
-                    total.add_(self.incoming[owner][q])
+                self._sum_into(total, [self.incoming[owner][q] for q in sorted(self.incoming.get(owner, {}))])
                 if total.numel():
                     self._sends.append(dist.isend(total, dst=owner, group=self.topo.compute, tag=owner))
             except BaseException as e:   # raised on the main thread, in _sum_onto_owner
@@ -202,11 +204,25 @@ class ShardedStrategy:
         for work in self._recvs.get(self.rank, ()):
             work.wait()
         mine = self.grad_flat[self.rank]
-        for q in sorted(self.incoming.get(self.rank, {})):
-            mine.add_(self.incoming[self.rank][q])
+        self._sum_into(mine, [self.incoming[self.rank][q] for q in sorted(self.incoming.get(self.rank, {}))],
+                       owner=True)
         for work in self._sends:
             work.wait()
         self._sends, self._recvs = [], {}
+
+    def _sum_into(self, target: torch.Tensor, parts: list[torch.Tensor], owner: bool = False) -> None:
+        """Add `parts` to `target` in sender order: in place in their own dtype, or (bf16 gradients under
+        precision.reduce = "fp32") widened, summed, divided by the world at the owner, and stored back."""
+        if target.dtype == self.reduce_dtype:
+            for part in parts:
+                target.add_(part)
+            return
+        total = target.to(self.reduce_dtype)
+        for part in parts:
+            total.add_(part)
+        if owner:
+            total.div_(self.world)
+        target.copy_(total)
 
     # --- the broadcast and its gates ------------------------------------------------------
     def _broadcast(self) -> None:
@@ -318,7 +334,8 @@ class ShardedStrategy:
     # --- checkpoints: every owner writes its shard ------------------------------------------
     def save(self, staged: Path) -> None:
         self.sync()
-        mine = {n: p.detach().clone() for n, p, o in zip(self.param_names, self.params, self.owners)
+        kept = self.updater.master_of()   # the weights as the owner's updates keep them (fp32 masters)
+        mine = {n: kept.get(id(p), p.detach()).clone() for n, p, o in zip(self.param_names, self.params, self.owners)
                 if o == self.rank}
         buffers = {n: b.detach().clone() for n, b in self.buffers} if self.topo.is_first else {}
         ckpt.write_file(staged, f"shard{self.rank}.pt",
@@ -339,7 +356,8 @@ class ShardedStrategy:
                 for name, value in shard.get("buffers", {}).items():
                     dict(self.buffers)[name].copy_(value)
                 if owner == self.rank:
-                    self.updater.load_state_dict(shard["optimizer"])
+                    weights = {id(by_name[n]): v for n, v in shard["params"].items()}
+                    self.updater.load_state_dict(shard["optimizer"], weights)
 
     def close(self) -> None:
         """Let the last broadcasts land and give the stream groups back."""

@@ -276,7 +276,7 @@ class ActivationPolicy:
 
     def _static_bytes(self) -> int:
         b = self.ledger.bytes
-        return b["parameters"] + b["gradients"] + b["optimizer_state"]
+        return b["parameters"] + b["gradients"] + b["optimizer_state"] + b["master"]
 
     def policies(self) -> dict[str, str]:
         return {n: self.policy[n] for n in self._last_owned}

@@ -240,16 +240,16 @@ def _per_step(records, key):
 def test_bf16_weights_halve_the_broadcast_the_host_link_and_the_all_reduce(cli):
     """Byte counts, exactly, fp32 against bf16 weights: sharded's sliced broadcast per step; the host link of
     host-placed layers (gradients down, weights up); ddp's all-reduce with precision.reduce = "bf16" (with
-    "fp32", the default, it carries fp32: the sum runs on the link)."""
+    "fp32", the default, it carries fp32: the sum runs on the link; tests/test_precision.py's parity runs
+    cover reduce fp32)."""
     full = ["telemetry.rank_every=1"]
     got = {}
-    for name, sets in (("fp32", []), ("bf16", BF16)):
+    for name, sets in (("fp32", []), ("bf16", [*BF16, "precision.reduce=bf16"])):
         sharded = run_records(cli, f"sh-{name}", [*sets, "parallel.strategy=sharded", *full], 3)
         got[f"broadcast-{name}"] = _per_step(sharded, lambda r: sum(s["bytes"] for s in r["streams"]))
-        host = run_records(cli, f"host-{name}", [*sets, "update.placement=host", *full], 3)
+        host = run_records(cli, f"host-{name}", [*sets, "update.placement=host", *full], 3)   # ddp
         got[f"host-{name}"] = _per_step(host, lambda r: [rank["host_link_bytes"] for rank in r["ranks"]])
-        reduce = run_records(cli, f"red-{name}", [*sets, *(["precision.reduce=bf16"] if sets else [])], 3)
-        got[f"allreduce-{name}"] = _per_step(reduce, lambda r: r["streams"][0]["bytes"])
+        got[f"allreduce-{name}"] = _per_step(host, lambda r: r["streams"][0]["bytes"])
     assert all(b > 0 for b in got["broadcast-fp32"])
     assert [2 * b for b in got["broadcast-bf16"]] == got["broadcast-fp32"]
     assert all(b > 0 for step in got["host-fp32"] for b in step)
@@ -282,9 +282,37 @@ def test_a_bf16_run_resumes_exactly_from_its_fp32_masters_and_refuses_another_pr
     assert r.returncode == 0, r.stderr
     split = losses(read_jsonl(log))
     assert sorted(split) == list(range(first + 1, 13)) and all(split[s] == straight[s] for s in split)
+    if case != "sharded-host":   # the refusal is the launcher's, before any strategy: once is enough
+        return
     fp32 = [s for s in sets if not s.startswith("precision.")]
     r = cli.run("run", DEMO, "--headless", "--steps", "12", *cli.base_args("other"),
                 *(a for s in fp32 for a in ("--set", s)), "--resume", str(at_6))
     assert r.returncode != 0
     assert (f'{at_6}: written with precision.compute = "bf16"; this run has precision.compute = "fp32" (resume '
             f'in the precision the run was started with)') in r.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_bf16_weights_converge_as_fp32_does(cli):
+    """The digits demo in bf16 (compute and weights) reaches fp32's test accuracy within 0.5 points, and the text
+    transformer's loss at step 300 is within 2% of fp32's. Measured: digits 95.54% in both; text 2.0177 (fp32)
+    against 2.0158 (bf16), as ddp at world 2 (56 s in bf16 on this CPU, which has no bf16 units; 15 s in fp32)."""
+    from pathlib import Path
+    text = str(Path(DEMO).with_name("text_sharded.toml"))
+
+    def run(config: str, name: str, sets: list[str]) -> list[dict]:
+        log = cli.tmp_path / f"{name}.jsonl"
+        r = cli.run("run", config, "--headless", *cli.base_args(name), *(a for s in sets for a in ("--set", s)),
+                    "--telemetry-log", str(log), timeout=400)
+        assert r.returncode == 0, r.stderr
+        return read_jsonl(log)
+    accuracy = {name: run(DEMO, f"digits-{name}", sets)[-1]["test_accuracy"] for name, sets in (("fp32", []), ("bf16", BF16))}
+    assert accuracy["fp32"] > 0.9 and abs(accuracy["bf16"] - accuracy["fp32"]) <= 0.005, accuracy
+    as_ddp = ["parallel.strategy=ddp", "parallel.world_size=2", "run.steps=300", "run.eval_every=0"]
+    loss = {}
+    for name, sets in (("fp32", []), ("bf16", BF16)):
+        steps = [rec for rec in run(text, f"text-{name}", [*as_ddp, *sets]) if rec["type"] == "step"]
+        assert steps[-1]["step"] == 300
+        loss[name] = steps[-1]["loss"]
+    assert loss["fp32"] < 2.5 and abs(loss["bf16"] - loss["fp32"]) <= 0.02 * loss["fp32"], loss

@@ -64,8 +64,12 @@ class RunState:
 
     @property
     def precision(self) -> str:
-        """What the run computes in (`[precision] compute`): `fp32`, or `bf16` (shown on the header line)."""
-        return str(((self.hello.get("config") or {}).get("precision") or {}).get("compute") or "fp32")
+        """The run's `[precision]` in a word for the header line: `fp32` (not shown), `bf16` (bf16 compute,
+        fp32 weights), `bf16 weights` (bf16 weights, fp32 masters), `bf16 weights+sum` (summed in bf16 too)."""
+        p = (self.hello.get("config") or {}).get("precision") or {}
+        if p.get("params") == "bf16":
+            return "bf16 weights+sum" if p.get("reduce") == "bf16" else "bf16 weights"
+        return str(p.get("compute") or "fp32")
 
     @property
     def ps(self) -> dict | None:

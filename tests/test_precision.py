@@ -129,6 +129,10 @@ def test_the_console_header_says_bf16():
     assert "ddp×2  bf16" in headline(state, wide=True, live=False).plain
     state.apply({"type": "hello", "run": "s", "mode": "ddp", "world_size": 2, "config": {"precision": {"compute": "fp32"}}})
     assert "fp32" not in headline(state, wide=True, live=False).plain and state.precision == "fp32"
+    for precision, shown in (({"compute": "bf16", "params": "bf16", "reduce": "fp32"}, "ddp×2  bf16 weights  "),
+                             ({"compute": "bf16", "params": "bf16", "reduce": "bf16"}, "ddp×2  bf16 weights+sum")):
+        state.apply({"type": "hello", "run": "w", "mode": "ddp", "world_size": 2, "config": {"precision": precision}})
+        assert shown in headline(state, wide=True, live=False).plain
 
 
 @pytest.mark.timeout(120)

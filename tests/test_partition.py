@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.techniques.partition import (
-    _REL_EPS, Cluster, Layout, clusters_from, from_names, needs_rebalance, partition,
+    _REL_EPS, Cluster, Layout, clusters_from, from_names, modelled, needs_rebalance, partition,
     stage_times, threshold_in_ms, uniform,
 )
 
@@ -87,6 +87,54 @@ def test_partition_matches_brute_force(problem):
         assert len({layout.stage_of(n) for n in c.layers}) == 1
     # the time-optimum alone (threshold 0) is what brute force says
     assert partition(clusters, k).max_ms == pytest.approx(opt, rel=1e-9, abs=0)
+
+
+def brute_modelled(clusters, k, rate, micro):
+    """(optimum modelled step cost, sizes, bytes) over every split: a stage costs its compute plus its sends
+    (each micro-batch's activations out, its input's gradient back), written out apart from partition.py."""
+    best = None
+    n = len(clusters)
+    for sizes in compositions(n, k):
+        costs, nbytes, start = [], 0, 0
+        for s, size in enumerate(sizes):
+            t = 0.0
+            for c in clusters[start:start + size]:
+                t += c.time_ms
+            sent = (clusters[start - 1].out_bytes if start > 0 else 0) + \
+                (clusters[start + size - 1].out_bytes if start + size < n else 0)
+            costs.append(t + micro * sent / rate)
+            if s < k - 1:
+                nbytes += clusters[start + size - 1].out_bytes
+            start += size
+        key = (max(costs), nbytes, sizes)
+        best = key if best is None or key < best else best
+    return best
+
+
+@settings(max_examples=200, deadline=None, database=None)
+@given(problems(), st.sampled_from([0.5, 1.0, 4.0, 1e3]), st.integers(1, 8))
+def test_the_modelled_step_with_boundary_transfers_matches_brute_force(problem, rate, micro):
+    """Which layout: the smallest modelled slowest stage, its sends over the boundaries included (bytes over
+    the measured link rate), ties to the fewest boundary bytes, then the shorter early stages."""
+    clusters, k, _ = problem
+    layout = partition(clusters, k, 0.0, rate, micro)
+    opt, nbytes, sizes = brute_modelled(clusters, k, rate, micro)
+    assert layout.max_ms == pytest.approx(opt, rel=1e-9, abs=1e-12)
+    assert modelled(clusters, layout.stages, rate, micro).max_ms == layout.max_ms
+    if all(c.time_ms == int(c.time_ms) for c in clusters):   # exact arithmetic: the tie-breaks are exact too
+        assert (layout.boundary_bytes, sizes_of(layout, clusters)) == (nbytes, sizes)
+
+
+def test_a_costly_boundary_moves_the_split():
+    """The cut after c1 computes best (5 / 4.5 ms) but ships 100 bytes per micro-batch, the cut after c0 only 1
+    (4 / 5.5 ms): over a slow link the split that computes a little more but sends far less wins."""
+    clusters = make([4, 1, 4.5], [1, 100, 0])
+    assert partition(clusters, 2).stages == (("c0", "c1"), ("c2",))         # no link cost: 5 ms
+    slow = partition(clusters, 2, 0.0, link_bytes_per_ms=50.0, micro_batches=2)
+    assert slow.stages == (("c0",), ("c1", "c2"))                          # 4.04 / 5.54 ms, against 9 / 8.5
+    assert slow.max_ms == pytest.approx(5.54)
+    with pytest.raises(ValueError, match="link_bytes_per_ms must be > 0"):
+        partition(clusters, 2, 0.0, link_bytes_per_ms=0.0)
 
 
 def test_boundary_bytes_break_time_ties():

@@ -1,22 +1,31 @@
 """`trainyard bench pipeline`: a skewed pipeline, rebalanced live, against static layouts and torch's.
 
-Four stages (one worker process each, gloo on the CPU) train an MLP with a heavy head:
+N stages (`--stages`, by default as many as the machine has cores, at most 4; one worker process each,
+gloo on the CPU) train an MLP with a heavy head:
 a trunk of narrow layers, then wide layers (each 8x a trunk layer's work) before the
 classifier, so an even split by layer count leaves the last stage with most of the work.
-The run starts from a skewed layout (the last stage holds all but three layers). Side by side in one invocation, in rounds (so drift hits all alike):
+The run starts from a skewed layout (the last stage holds all but N - 1 layers). Side by side in one
+invocation, in rounds (so drift hits all alike):
 
     before       trainyard, the skewed layout, `rebalance = "auto"`, until its first check
     migration    the step during which the layers move (the check's decision, live)
     after        the same run, in the layout it rebalanced to
-    best static  trainyard, `rebalance = "off"`, the layout with the smallest slowest stage over
-                 every split of the layers, by brute force on the costs the run measured
+    best static  trainyard, `rebalance = "off"`, the layout with the smallest modelled slowest stage
+                 (compute plus boundary sends at the measured link rate) over every split of the
+                 layers, by brute force on the very costs the rebalancer decided on
     torch even   torch.distributed.pipelining's Schedule1F1B, the layers split evenly by count
 
 The figures are throughput (samples/s over the steps of each phase, the slowest rank's
 wall time) and the ratios the goals name; a migration step is compared with the mean of
-the three steps before and the three after it.
+the three steps before and the three after it. Beside the measured speed-up the table prints the
+ideal ones from the same measured layer times, bubble-bound (1F1B: a step is the stages' sum over
+the micro-batches plus (m - 1) times the slowest stage's, per micro-batch): the best contiguous
+split's, and a perfect balance's.
 
-    trainyard bench pipeline [--json] [--rounds 2] [--steps 12]
+The goals hold where the cores allow the stages to run at once (2 stages on this 2-core machine);
+with more stages than cores the figure measures the cores' time-sharing, and is reported, not judged.
+
+    trainyard bench pipeline [--json] [--rounds 2] [--steps 12] [--stages N]
 """
 
 from __future__ import annotations
@@ -24,13 +33,15 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
+import os
 import statistics
 import time
 
 import torch
 from torch import nn
 
-STAGES = 4
+STAGES = 4   # the default where the machine has the cores (default_stages)
 BATCH, MICRO = 256, 8
 HIDDEN, DEPTH, WIDE, CLASSES = 256, 16, 2048, 10
 THRESHOLD, CHECK_AT = 0.2, 8
@@ -48,31 +59,52 @@ def bench_model(hidden: int = HIDDEN, depth: int = DEPTH, wide: int = WIDE, clas
     return LayerList(layers + [("head", nn.Linear(hidden, classes))])
 
 
-def skewed_layout(names: list[str]) -> list[list[str]]:
-    """Stages 0-2 hold one hidden layer each; the last holds the rest and the head."""
-    return [names[0:1], names[1:2], names[2:3], names[3:]]
+def default_stages() -> int:
+    """As many stages as this machine has cores (one stage a core), at most STAGES, at least 2."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(2, min(STAGES, cores))
 
 
-def even_layout(names: list[str]) -> list[list[str]]:
-    per, extra = divmod(len(names), STAGES)
+def skewed_layout(names: list[str], stages: int = STAGES) -> list[list[str]]:
+    """Stages 0 to N-2 hold one hidden layer each; the last holds the rest and the head."""
+    return [names[s:s + 1] for s in range(stages - 1)] + [names[stages - 1:]]
+
+
+def even_layout(names: list[str], stages: int = STAGES) -> list[list[str]]:
+    per, extra = divmod(len(names), stages)
     out, start = [], 0
-    for s in range(STAGES):
+    for s in range(stages):
         size = per + (1 if s < extra else 0)
         out.append(names[start:start + size])
         start += size
     return out
 
 
-def best_static(names: list[str], layer_ms: dict[str, float]) -> tuple[list[list[str]], float]:
-    """Every split of the layers into STAGES contiguous stages; the one with the smallest slowest stage."""
+def best_static(names: list[str], layer_ms: dict[str, float], stages: int = STAGES,
+                out_bytes: dict[str, int] | None = None, link_bytes_per_ms: float = math.inf,
+                micro_batches: int = 1) -> tuple[list[list[str]], float]:
+    """Every split of the layers into `stages` contiguous stages; the one with the smallest modelled slowest
+    stage: its layers' time plus its boundary sends (each micro-batch's output forward and its input's
+    gradient back, at the link rate), the objective the rebalancer's partition() minimises."""
     best, best_ms = None, float("inf")
-    for cuts in itertools.combinations(range(1, len(names)), STAGES - 1):
+    nbytes = out_bytes or {}
+    for cuts in itertools.combinations(range(1, len(names)), stages - 1):
         bounds = (0, *cuts, len(names))
-        stages = [names[a:b] for a, b in zip(bounds, bounds[1:])]
-        slowest = max(sum(layer_ms[n] for n in s) for s in stages)
+        split = [names[a:b] for a, b in zip(bounds, bounds[1:])]
+        slowest = 0.0
+        for a, b in zip(bounds, bounds[1:]):
+            t = sum(layer_ms[n] for n in names[a:b])
+            sent = (nbytes.get(names[a - 1], 0) if a > 0 else 0) + (nbytes.get(names[b - 1], 0) if b < len(names) else 0)
+            slowest = max(slowest, t + (micro_batches * sent / link_bytes_per_ms if sent else 0.0))
         if slowest < best_ms:
-            best, best_ms = stages, slowest
+            best, best_ms = split, slowest
     return best, best_ms
+
+
+def bubble_bound_ms(stage_ms: list[float], micro_batches: int) -> float:
+    """A 1F1B step's time from its stages' per-step times: every stage's work on one micro-batch passes
+    once along the pipeline, and the slowest stage's on the other m - 1 (the bubble's bound)."""
+    return sum(stage_ms) / micro_batches + (micro_batches - 1) / micro_batches * max(stage_ms)
 
 
 def _batches(steps: int, seed: int = 0):
@@ -101,7 +133,9 @@ def trainyard_job(topo, stages: list[list[str]], steps: int, rebalance: str) -> 
         step_ms.append((time.perf_counter() - t0) * 1000)
     stage.close()
     return {"step_ms": step_ms, "stages": stage.stage_layers, "migrated_at": migrated_at,
-            "layer_ms": decision.layer_ms if decision else None}
+            "layer_ms": decision.layer_ms if decision else None,
+            "out_bytes": decision.out_bytes if decision else None,
+            "link_bytes_per_ms": decision.link_bytes_per_ms if decision else None}
 
 
 def _slowest(results: list[dict], lo: int, hi: int) -> float:
@@ -109,43 +143,61 @@ def _slowest(results: list[dict], lo: int, hi: int) -> float:
     return max(statistics.mean(r["step_ms"][lo - 1:hi - 1]) for r in results)
 
 
-def run(rounds: int, steps: int) -> dict:
+def run(rounds: int, steps: int, stages: int = STAGES) -> dict:
     from engine.bench.torch_pipeline import torch_1f1b_job
     from engine.runtime.procpool import DistPool
     names = bench_model().names
     rows: dict[str, list[float]] = {k: [] for k in ("before", "migration", "around", "after", "best", "torch")}
-    layouts = {}
-    with DistPool(STAGES, timeout_s=120) as pool:
+    layouts, costs = {}, {}
+    with DistPool(stages, timeout_s=120) as pool:
         for _ in range(rounds):
-            auto = pool.run(trainyard_job, timeout=600, stages=skewed_layout(names), steps=CHECK_AT + 2 + steps,
+            auto = pool.run(trainyard_job, timeout=600, stages=skewed_layout(names, stages), steps=CHECK_AT + 2 + steps,
                             rebalance="auto")
             at = auto[0]["migrated_at"]
             if at is None:
                 raise RuntimeError("the skewed start was not rebalanced at its first check")
-            layer_ms = next(r["layer_ms"] for r in auto if r["layer_ms"])
+            decided = next(r for r in auto if r["layer_ms"])
+            rate = decided["link_bytes_per_ms"]
+            costs = {"layer_ms": decided["layer_ms"], "out_bytes": decided["out_bytes"],
+                     "link_bytes_per_ms": None if rate == math.inf else rate, "micro_batches": MICRO}
             rows["before"].append(_slowest(auto, 2, at))   # step 1 warms up
             rows["migration"].append(max(r["step_ms"][at - 1] for r in auto))
             rows["around"].append(statistics.mean([_slowest(auto, at - 3, at), _slowest(auto, at + 1, at + 4)]))
             rows["after"].append(_slowest(auto, at + 1, len(auto[0]["step_ms"]) + 1))
             layouts["after"] = auto[0]["stages"]
-            layouts["best"], layouts["best_modelled_ms"] = best_static(names, layer_ms)
+            layouts["best"], layouts["best_modelled_ms"] = best_static(names, decided["layer_ms"], stages,
+                                                                       decided["out_bytes"], rate, MICRO)
             best = pool.run(trainyard_job, timeout=600, stages=layouts["best"], steps=steps + 1, rebalance="off")
             rows["best"].append(_slowest(best, 2, steps + 2))
-            layouts["torch"] = even_layout(names)
+            layouts["torch"] = even_layout(names, stages)
             torch_run = pool.run(torch_1f1b_job, timeout=600, build="engine.bench.pipeline:bench_model",
                                  build_kwargs={}, stage_layers=layouts["torch"], micro_batches=MICRO,
                                  batches=_batches(steps + 1), optim={"name": "sgd", "lr": 0.01}, warmup=1)
             rows["torch"].append(max(statistics.mean(r["step_ms"]) for r in torch_run))
     ms = {k: statistics.median(v) for k, v in rows.items()}
     thr = {k: BATCH / ms[k] * 1000 for k in ("before", "after", "best", "torch", "migration")}
-    return {"stages": STAGES, "batch": BATCH, "micro_batches": MICRO, "rounds": rounds, "steps": steps,
+    layer_ms = costs["layer_ms"]
+
+    def bound(layout):   # bubble-bound step time of a layout, from the measured layer times
+        return bubble_bound_ms([sum(layer_ms[n] for n in s) for s in layout], MICRO)
+    balanced = bubble_bound_ms([sum(layer_ms.values()) / stages] * stages, MICRO)
+    skewed_bound = bound(skewed_layout(names, stages))
+    return {"stages": stages, "batch": BATCH, "micro_batches": MICRO, "rounds": rounds, "steps": steps,
+            "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
             "step_ms": {k: round(v, 2) for k, v in ms.items()},
             "samples_per_s": {k: round(v, 1) for k, v in thr.items()},
             "after_over_before": round(ms["before"] / ms["after"], 3),
             "after_over_best_static": round(ms["best"] / ms["after"], 3),
             "after_over_torch_even": round(ms["torch"] / ms["after"], 3),
             "migration_step_over_around": round(ms["around"] / ms["migration"], 3),
-            "layouts": {"skewed": skewed_layout(names), **layouts}}
+            "ideal": {"best_split_over_before": round(skewed_bound / bound(layouts["best"]), 3),
+                      "balanced_over_before": round(skewed_bound / balanced, 3),
+                      "after_layout_over_before": round(skewed_bound / bound(layouts["after"]), 3)},
+            "costs": costs,
+            "layouts": {"skewed": skewed_layout(names, stages), **layouts}}
+
+
+GOALS_AT = 2   # stages: the goals hold where every stage has a core of its own here
 
 
 def main(argv: list[str]) -> int:
@@ -153,19 +205,28 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--rounds", type=int, default=2, help="repeat every variant this often (median)")
     parser.add_argument("--steps", type=int, default=12, help="measured steps per variant")
+    parser.add_argument("--stages", type=int, default=None,
+                        help=f"pipeline stages, one worker process each (default: this machine's cores, at most "
+                             f"{STAGES})")
     args = parser.parse_args(argv)
-    report = run(args.rounds, args.steps)
-    goals = {"after >= 1.3x before": report["after_over_before"] >= 1.3,
-             "after >= 0.95x best static": report["after_over_best_static"] >= 0.95,
-             "after >= 1.0x torch even split": report["after_over_torch_even"] >= 1.0,
-             "migration step >= 0.5x the steps around it": report["migration_step_over_around"] >= 0.5}
-    report["goals"] = goals
+    stages = args.stages if args.stages is not None else default_stages()
+    if stages < 2 or stages > len(bench_model().names) - 1:
+        parser.error(f"--stages {stages}: must be between 2 and {len(bench_model().names) - 1}")
+    report = run(args.rounds, args.steps, stages)
+    judged = stages == GOALS_AT
+    goals = {"after >= 1.5x before": report["after_over_before"] >= 1.5,
+             "after >= 0.97x best static": report["after_over_best_static"] >= 0.97,
+             "after >= 1.05x torch even split": report["after_over_torch_even"] >= 1.05,
+             "migration step >= 0.7x the steps around it": report["migration_step_over_around"] >= 0.7}
+    report["goals"] = goals if judged else {}
+    report["goals_note"] = ("" if judged else f"{stages} stages on {report['cores']} cores: the CPU-bound case, "
+                                              f"reported, not judged (the goals are for {GOALS_AT} stages)")
     if args.json:
         print(json.dumps(report))
         return 0
     from rich.console import Console
     from rich.table import Table
-    table = Table(title=f"pipeline: {STAGES} stages on the CPU (simulated devices), batch {BATCH}, "
+    table = Table(title=f"pipeline: {stages} stages on the CPU (simulated devices), batch {BATCH}, "
                         f"{MICRO} micro-batches, 1F1B, median of {args.rounds} rounds")
     for col in ("variant", "step ms", "samples/s", "layout (layers per stage)"):
         table.add_column(col, justify="left" if col in ("variant", "layout (layers per stage)") else "right")
@@ -176,8 +237,14 @@ def main(argv: list[str]) -> int:
         table.add_row(label, f"{report['step_ms'][key]:.1f}", f"{report['samples_per_s'][key]:.0f}",
                       "" if layout is None else " | ".join(str(len(s)) for s in layout))
     Console().print(table)
-    print(f"after/before {report['after_over_before']:.3f}, after/best static {report['after_over_best_static']:.3f}, "
-          f"after/torch even {report['after_over_torch_even']:.3f}, migration step/around "
-          f"{report['migration_step_over_around']:.3f}")
-    print("goals: " + ", ".join(f"{k} {'met' if v else 'MISSED'}" for k, v in goals.items()))
+    ideal = report["ideal"]
+    print(f"after/before {report['after_over_before']:.3f} measured; bubble-bound ideal from the measured layer "
+          f"times: {ideal['after_layout_over_before']:.3f} for the layout it took, {ideal['best_split_over_before']:.3f} "
+          f"for the best contiguous split, {ideal['balanced_over_before']:.3f} for a perfect balance")
+    print(f"after/best static {report['after_over_best_static']:.3f}, after/torch even {report['after_over_torch_even']:.3f}, "
+          f"migration step/around {report['migration_step_over_around']:.3f}")
+    if judged:
+        print("goals: " + ", ".join(f"{k} {'met' if v else 'MISSED'}" for k, v in goals.items()))
+    else:
+        print(report["goals_note"])
     return 0

@@ -216,6 +216,7 @@ class Worker:
             if command:
                 self.tel.reply(command, "applied", step=step, reason=decision.summary())
             return
+        ahead = self._plan_ahead(decision)
         if not self.topo.is_first:
             return
         self.tel.rebalancing = f"decided at step {step}"
@@ -226,6 +227,26 @@ class Worker:
                        layer_ms={k: round(v, 4) for k, v in decision.layer_ms.items()})
         self.tel.note(f"rebalance ({decision.reason}) at step {step}: {decision.summary()}; "
                       f"layers migrate during step {step + 1}")
+        if ahead is not None:
+            held = ", ".join(f"{n} {p}" for n, p in ahead.policies.items() if p != "keep") or "every layer kept"
+            self.tel.note(f"memory planned ahead of the migration (rank 0): {held}")
+
+    def _plan_ahead(self, decision):
+        """Every rank, once a new layout is decided (`memory.policy = "auto"`): the policies of the layers it
+        will hold in the migration step, planned before they move, from the costs measured where each ran
+        and the bytes each brings (engine/techniques/memory/policy.py: plan_ahead). So no stage goes over
+        its capacity while layers move (the plan after the move came a step late before)."""
+        if not self.memory.auto:
+            return None
+        mine = {"costs": self.memory.own_costs(), "static": self.strategy.layer_static_bytes()}
+        everyone: list = [None] * self.topo.world_size
+        dist.all_gather_object(everyone, mine, group=self.topo.side)
+        costs = {n: c for part in everyone for n, c in part["costs"].items()}
+        static = {n: b for part in everyone for n, b in part["static"].items()}
+        now = set(self.strategy.owned_layers())
+        after = decision.stages[self.topo.rank]
+        held = [n for n in self.model.names if n in now or n in after]
+        return self.memory.plan_ahead(held, costs, sum(static[n] for n in after if n not in now))
 
     def _report_migration(self, step: int, table: torch.Tensor) -> None:
         """Every rank, after the step: if layers migrated during it, rank 0 logs what moved and answers

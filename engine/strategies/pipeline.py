@@ -57,18 +57,20 @@ synchronize). `device_clock`: the clock to read (by default the device's; tests 
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
 import torch.distributed as dist
 
 from engine.config import OptimConfig, UpdateConfig
+from engine.runtime.devices import tensor_bytes
 from engine.strategies.ddp import cross_entropy, params_by_layer
 from engine.techniques.hybrid import HybridUpdater
 from engine.techniques.migration import Migration
 from engine.optim import make_optimizer
 from engine.techniques.partition import Cluster, threshold_in_ms, uniform
-from engine.techniques.rebalance import LayerClock, Rebalancer
+from engine.techniques.rebalance import LayerClock, Rebalancer, measure_link_rate
 from engine.precision import DTYPES, dtype_code
 from engine.timing import Clock, StepTimes
 
@@ -196,7 +198,10 @@ class PipelineStage:
         self.clock.armed = rebalance != "off"
         self._steps = 0   # steps run, for the clock's sampling
         self._deferred = False   # an operator's check waits for one timed step
-        self.rebalancer = Rebalancer(model, topo, rebalance, threshold, check_every)
+        # the layout's model counts each boundary's sends at the links' measured rate (only where it can move)
+        rate = measure_link_rate(group, self.rank, self.stages, device.torch_device) \
+            if rebalance != "off" or self.balance_first else math.inf
+        self.rebalancer = Rebalancer(model, topo, rebalance, threshold, check_every, rate, micro_batches)
         self.commands = ("pause", "resume", "stop", "checkpoint", "set-placement") + \
             (("rebalance",) if rebalance != "off" else ())
         self.pending: list[list[str]] | None = None   # the layout the next step migrates to
@@ -392,6 +397,17 @@ class PipelineStage:
         self.pending = [list(s) for s in new_stages] if new_stages != self.stage_layers else None
 
     # --- views ---------------------------------------------------------------------------------
+    def layer_static_bytes(self) -> dict[str, int]:
+        """Each layer this stage runs: the device bytes that travel with it in a migration (weights, their
+        gradients, and its update's optimizer state and fp32 masters where it runs on the device)."""
+        out = {}
+        for i in range(self.start, self.end):
+            params = list(self.model.layers[i].parameters())
+            u = self.updater.updates.get(i)
+            out[self.model.names[i]] = sum(tensor_bytes(p) + (tensor_bytes(p.grad) if p.grad is not None else 0)
+                                           for p in params) + (u.device_bytes() if u is not None and u.side == "device" else 0)
+        return out
+
     def stage_params(self) -> list[torch.nn.Parameter]:
         return [p for u in self.updater.updates.values() for p in u.params]
 

@@ -19,12 +19,19 @@ and no function here will ever put a stage boundary inside "res".
 
 Objective
 ---------
-`partition(clusters, k, threshold_ms)` works in two exact steps (dynamic
-programming, no heuristics):
+`partition(clusters, k, threshold_ms, link_bytes_per_ms, micro_batches)` works in
+two exact steps (dynamic programming, no heuristics):
 
-1. Find the optimum T*: the smallest possible "largest stage time" over all
-   splits into k contiguous non-empty stages.  A stage's time is the sum of the
-   `time_ms` (forward + backward) of its clusters.
+1. Find the optimum T*: the smallest possible "largest stage cost" over all
+   splits into k contiguous non-empty stages.  A stage's cost is its modelled
+   time in a step: the sum of the `time_ms` (forward + backward) of its
+   clusters, plus what it spends sending over its boundaries, each micro-batch's
+   activations forward and its input's gradient back:
+   micro_batches * (bytes in + bytes out) / link_bytes_per_ms.  The pipeline's
+   modelled step time is (micro_batches + k - 1) / micro_batches times the
+   largest stage cost (1F1B's bubble), so minimising the largest stage cost
+   minimises the modelled step time.  With no link rate given
+   (link_bytes_per_ms = inf) a stage's cost is its compute time alone.
 2. Among all splits whose every stage time is <= T* + threshold_ms, choose the
    one whose boundaries carry the fewest activation bytes: the sum of
    `out_bytes` of the last cluster of every stage but the last (the final
@@ -61,7 +68,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 __all__ = [
-    "Cluster", "Layout", "clusters_from", "partition", "uniform", "from_names",
+    "Cluster", "Layout", "clusters_from", "partition", "modelled", "uniform", "from_names",
     "stage_times", "needs_rebalance", "threshold_in_ms",
 ]
 
@@ -95,7 +102,7 @@ class Layout:
     """A split of the model into stages (layer names per stage, in model order)."""
 
     stages: tuple[tuple[str, ...], ...]
-    stage_ms: tuple[float, ...]
+    stage_ms: tuple[float, ...]   # each stage's modelled cost: compute, plus its sends where a link rate is given
     max_ms: float
     boundary_bytes: int
 
@@ -183,7 +190,18 @@ def _check_stages(n: int, stages: int) -> None:
                          f"(more stages than clusters; every stage needs at least one cluster)")
 
 
-def _layout_from_sizes(clusters: Sequence[Cluster], sizes: Sequence[int]) -> Layout:
+def _transfer_ms(clusters: Sequence[Cluster], i: int, j: int, link_bytes_per_ms: float,
+                 micro_batches: int) -> float:
+    """What the stage of clusters i..j-1 spends sending in a step: the activations of cluster j-1 forward
+    (unless it is the last stage) and the gradient of its input back (unless it is the first)."""
+    if link_bytes_per_ms == math.inf:
+        return 0.0
+    nbytes = (clusters[i - 1].out_bytes if i > 0 else 0) + (clusters[j - 1].out_bytes if j < len(clusters) else 0)
+    return micro_batches * nbytes / link_bytes_per_ms
+
+
+def _layout_from_sizes(clusters: Sequence[Cluster], sizes: Sequence[int], link_bytes_per_ms: float = math.inf,
+                       micro_batches: int = 1) -> Layout:
     stages: list[tuple[str, ...]] = []
     times: list[float] = []
     nbytes = 0
@@ -194,11 +212,21 @@ def _layout_from_sizes(clusters: Sequence[Cluster], sizes: Sequence[int]) -> Lay
         t = 0.0
         for c in group:  # left-to-right, the same order partition's table uses
             t += c.time_ms
-        times.append(t)
+        times.append(t + _transfer_ms(clusters, start, start + size, link_bytes_per_ms, micro_batches))
         if s < len(sizes) - 1:
             nbytes += group[-1].out_bytes
         start += size
     return Layout(tuple(stages), tuple(times), max(times), nbytes)
+
+
+def modelled(clusters: Sequence[Cluster], stage_names: Sequence[Sequence[str]], link_bytes_per_ms: float = math.inf,
+             micro_batches: int = 1) -> Layout:
+    """A given split's Layout with each stage's modelled cost (compute plus its sends), as partition() counts
+    it (ValueError for a split from_names refuses)."""
+    from_names(clusters, stage_names)
+    cluster_of = {name: ci for ci, c in enumerate(clusters) for name in c.layers}
+    sizes = [len({cluster_of[name] for name in stage}) for stage in stage_names]
+    return _layout_from_sizes(clusters, sizes, link_bytes_per_ms, micro_batches)
 
 
 def _segment_table(times: Sequence[float]) -> list[list[float]]:
@@ -219,16 +247,22 @@ def _limit(optimum: float, threshold_ms: float) -> float:
 
 # --------------------------------------------------------------------------- partitioners
 
-def partition(clusters: Sequence[Cluster], stages: int, threshold_ms: float = 0.0) -> Layout:
+def partition(clusters: Sequence[Cluster], stages: int, threshold_ms: float = 0.0,
+              link_bytes_per_ms: float = math.inf, micro_batches: int = 1) -> Layout:
     """Best split of `clusters` into `stages` contiguous stages (see the module docstring)."""
     n = len(clusters)
     _check_stages(n, stages)
     if isinstance(threshold_ms, bool) or not isinstance(threshold_ms, (int, float)) \
             or not math.isfinite(threshold_ms) or threshold_ms < 0:
         raise ValueError(f"threshold_ms must be a finite number >= 0, got {threshold_ms!r}")
+    if not link_bytes_per_ms > 0:
+        raise ValueError(f"link_bytes_per_ms must be > 0 (inf: sends cost nothing), got {link_bytes_per_ms!r}")
     times = [c.time_ms for c in clusters]
-    seg = _segment_table(times)
+    compute = _segment_table(times)
     inf = math.inf
+    # seg[i][j]: the modelled cost of a stage of clusters i..j-1 (compute, then its sends)
+    seg = [[compute[i][j] + _transfer_ms(clusters, i, j, link_bytes_per_ms, micro_batches) if j > i else 0.0
+            for j in range(n + 1)] for i in range(n + 1)]
 
     # Step 1: best[s][j] = smallest max stage time covering clusters 0..j-1 with s stages.
     best = [[inf] * (n + 1) for _ in range(stages + 1)]
@@ -259,8 +293,10 @@ def partition(clusters: Sequence[Cluster], stages: int, threshold_ms: float = 0.
                 continue
             cand = None
             for j in range(i + 1, n - (s - 1) + 1):
+                if compute[i][j] > limit:
+                    break  # times are >= 0, so longer stages only compute longer
                 if seg[i][j] > limit:
-                    break  # times are >= 0, so longer stages only get slower
+                    continue  # this boundary costs too much to send; a later one may not
                 rest = suffix[s - 1][j]
                 if rest is None:
                     continue
@@ -271,7 +307,7 @@ def partition(clusters: Sequence[Cluster], stages: int, threshold_ms: float = 0.
             suffix[s][i] = cand
     chosen = suffix[stages][0]
     assert chosen is not None, "the time-optimal split always satisfies the limit"
-    return _layout_from_sizes(clusters, chosen[1])
+    return _layout_from_sizes(clusters, chosen[1], link_bytes_per_ms, micro_batches)
 
 
 def uniform(clusters: Sequence[Cluster], stages: int) -> Layout:

@@ -25,12 +25,14 @@ back to every stage (one broadcast), and the layers migrate during the next step
 
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from engine.techniques.partition import Layout, clusters_from, partition, stage_times, threshold_in_ms
+from engine.techniques.partition import Layout, clusters_from, modelled, partition, stage_times, threshold_in_ms
 from engine.runtime.profiler import _first_tensor
 from engine.timing import Clock
 
@@ -114,6 +116,9 @@ class Decision:
     predicted_ms: list[float]   # the same costs under the chosen layout
     threshold_ms: float
     layer_ms: dict[str, float]
+    out_bytes: dict[str, int] | None = None   # each layer's output per micro-batch (what a boundary there ships)
+    link_bytes_per_ms: float = math.inf       # the boundary links' measured rate the choice counted sends at
+    micro_batches: int = 1                    # how many micro-batches the costs cover
 
     def summary(self) -> str:
         now, then = max(self.stage_ms), max(self.predicted_ms)
@@ -124,11 +129,16 @@ class Decision:
 
 
 class Rebalancer:
-    def __init__(self, model, topo, mode: str, threshold: float, check_every: int):
+    """`link_bytes_per_ms`: the boundary links' rate (measure_link_rate; inf: sends cost nothing);
+    `micro_batches`: how many cross each boundary in a step."""
+
+    def __init__(self, model, topo, mode: str, threshold: float, check_every: int,
+                 link_bytes_per_ms: float = math.inf, micro_batches: int = 1):
         if mode not in MODES:
             raise ValueError(f"rebalance must be one of {', '.join(MODES)}, got {mode!r}")
         self.names, self.clusters = list(model.names), [list(c) for c in model.clusters]
         self.topo, self.mode, self.threshold, self.check_every = topo, mode, threshold, check_every
+        self.link_bytes_per_ms, self.micro_batches = link_bytes_per_ms, micro_batches
         self.last = dist.get_global_rank(topo.side, topo.world_size - 1)
 
     def due(self, step: int, requested: bool) -> bool:
@@ -146,50 +156,87 @@ class Rebalancer:
         dist.reduce(vec, dst=self.last, op=dist.ReduceOp.SUM, group=self.topo.side)
         return self._share(step, "command" if requested else "auto", stage_layers, lambda: (
             {name: float(vec[i]) for i, name in enumerate(self.names)},
-            {name: int(vec[n + i]) for i, name in enumerate(self.names)}), self.threshold)
+            {name: int(vec[n + i]) for i, name in enumerate(self.names)}), self.threshold, self.micro_batches)
 
     def initial(self, model, x: torch.Tensor, y: torch.Tensor, loss_fn, stage_layers: list[list[str]]) -> Decision:
         """`partition = "balanced"`: the last stage profiles the whole model on one micro-batch and
         splits it time-optimally (threshold 0); every rank gets the layout."""
-        return self._share(0, "balanced", stage_layers, lambda: profile_layers(model, x, y, loss_fn), 0.0)
+        return self._share(0, "balanced", stage_layers, lambda: profile_layers(model, x, y, loss_fn), 0.0, 1)
 
-    def _share(self, step: int, reason: str, stage_layers, measure, threshold: float) -> Decision:
-        # the decision as one vector: [changed, stage of every layer, threshold, stage ms, predicted ms, layer ms]
+    def _share(self, step: int, reason: str, stage_layers, measure, threshold: float, micro_batches: int) -> Decision:
+        # the decision as one vector: [changed, stage of every layer, threshold, stage ms, predicted ms,
+        # layer ms, layer output bytes]
         n, k = len(self.names), len(stage_layers)
-        answer = torch.zeros(2 + 2 * n + 2 * k, dtype=torch.float64)
+        answer = torch.zeros(2 + 3 * n + 2 * k, dtype=torch.float64)
         if self.topo.rank == self.topo.world_size - 1:
             layer_ms, layer_bytes = measure()
-            current, new, thr = decide(self.clusters, self.names, layer_ms, layer_bytes, stage_layers, threshold)
+            current, new, thr = decide(self.clusters, self.names, layer_ms, layer_bytes, stage_layers, threshold,
+                                       self.link_bytes_per_ms, micro_batches)
             stage_of = {name: s for s, names in enumerate(new.stages) for name in names}
             answer[0] = float(new.stages != current.stages)
             answer[1:1 + n] = torch.tensor([stage_of[name] for name in self.names], dtype=torch.float64)
             answer[1 + n] = thr
             answer[2 + n:2 + n + k] = torch.tensor(current.stage_ms, dtype=torch.float64)
             answer[2 + n + k:2 + n + 2 * k] = torch.tensor(new.stage_ms, dtype=torch.float64)
-            answer[2 + n + 2 * k:] = torch.tensor([layer_ms[name] for name in self.names], dtype=torch.float64)
+            answer[2 + n + 2 * k:2 + 2 * n + 2 * k] = torch.tensor([layer_ms[name] for name in self.names],
+                                                                  dtype=torch.float64)
+            answer[2 + 2 * n + 2 * k:] = torch.tensor([layer_bytes.get(name, 0) for name in self.names],
+                                                     dtype=torch.float64)
         dist.broadcast(answer, src=self.last, group=self.topo.side)
         stage_idx = [int(v) for v in answer[1:1 + n].tolist()]
         return Decision(step=step, reason=reason, changed=bool(answer[0]), threshold_ms=float(answer[1 + n]),
                         stages=[[name for name, s in zip(self.names, stage_idx) if s == st] for st in range(k)],
                         stage_ms=answer[2 + n:2 + n + k].tolist(), predicted_ms=answer[2 + n + k:2 + n + 2 * k].tolist(),
-                        layer_ms=dict(zip(self.names, answer[2 + n + 2 * k:].tolist())))
+                        layer_ms=dict(zip(self.names, answer[2 + n + 2 * k:2 + 2 * n + 2 * k].tolist())),
+                        out_bytes=dict(zip(self.names, (int(v) for v in answer[2 + 2 * n + 2 * k:].tolist()))),
+                        link_bytes_per_ms=self.link_bytes_per_ms, micro_batches=micro_batches)
 
 
 def decide(clusters: list[list[str]], names: list[str], layer_ms: dict[str, float], out_bytes: dict[str, int],
-           stage_layers: list[list[str]], threshold: float) -> tuple[Layout, Layout, float]:
-    """The current layout's costs, the layout to run next and the threshold in ms. The current layout
-    stays unless its slowest stage is more than the threshold slower than the optimum T*; then the
-    split is partition()'s: within the threshold of T*, the fewest boundary bytes."""
+           stage_layers: list[list[str]], threshold: float, link_bytes_per_ms: float = math.inf,
+           micro_batches: int = 1) -> tuple[Layout, Layout, float]:
+    """The current layout's modelled costs, the layout to run next and the threshold in ms.
+
+    The threshold decides *when*: the current layout stays while its stages differ by no more than the
+    threshold, or while it is within the threshold of the best. *Which* layout: partition()'s, the
+    smallest modelled slowest stage (compute plus its boundary sends: bytes over the measured link rate),
+    ties to the fewest boundary bytes."""
     costs = clusters_from(names, clusters, layer_ms, out_bytes)
     now = stage_times(stage_layers, layer_ms)
-    current = Layout(tuple(tuple(s) for s in stage_layers), tuple(now), max(now), 0)
+    current = modelled(costs, stage_layers, link_bytes_per_ms, micro_batches)
     thr = threshold_in_ms(threshold, now)
     if max(now) - min(now) <= thr and thr > 0:
         return current, current, thr
-    optimum = partition(costs, len(stage_layers)).max_ms
-    if max(now) <= optimum + thr:
+    best = partition(costs, len(stage_layers), 0.0, link_bytes_per_ms, micro_batches)
+    if current.max_ms <= best.max_ms + thr:
         return current, current, thr
-    return current, partition(costs, len(stage_layers), thr), thr
+    return current, best, thr
+
+
+def measure_link_rate(group, rank: int, stages: int, device, nbytes: int = 4 << 20) -> float:
+    """The slowest boundary's rate in bytes per ms: each pair of neighbouring stages sends `nbytes` one way
+    and back (twice, the second timed), one pair after the other; every rank gets the minimum."""
+    payload = torch.zeros(nbytes // 4, device=device)
+    rate = torch.tensor([math.inf], dtype=torch.float64)
+    for s in range(stages - 1):
+        if rank not in (s, s + 1):
+            continue
+        peer = dist.get_global_rank(group, s + 1 if rank == s else s)
+        for _ in range(2):   # the first exchange warms the connection; the second is timed
+            t0 = time.perf_counter()
+            if rank == s:
+                dist.send(payload, dst=peer, group=group)
+                dist.recv(payload, src=peer, group=group)
+            else:
+                dist.recv(payload, src=peer, group=group)
+                dist.send(payload, dst=peer, group=group)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            elapsed_ms = (time.perf_counter() - t0) * 1000
+        if rank == s:
+            rate[0] = min(float(rate[0]), 2 * nbytes / max(elapsed_ms, 1e-6))
+    dist.all_reduce(rate, op=dist.ReduceOp.MIN, group=group)
+    return float(rate[0])
 
 
 def profile_layers(model, x: torch.Tensor, y: torch.Tensor, loss_fn, repeats: int = 3) -> tuple[dict, dict]:

@@ -252,6 +252,42 @@ class ActivationPolicy:
         self.ledger.reset_peak()
         return made
 
+    def own_costs(self) -> dict[str, LayerCost]:
+        """The measured costs of the layers this rank runs (what a migration's target plans with)."""
+        return {n: self.known[n] for n in self._last_owned if n in self.known}
+
+    def plan_ahead(self, held: list[str], costs: dict[str, LayerCost], arriving_bytes: int) -> Plan | None:
+        """Before layers migrate (`auto`): plan the policies of every layer this rank holds during the
+        migration step, its own and those arriving (`held`, in model order), from the costs measured where
+        each ran, against the static bytes it will hold then: its own, plus `arriving_bytes` (the arriving
+        layers' weights, gradients and optimizer state, from their sources). The arriving layers run with
+        these policies from the step they arrive in, so the migration step stays within the capacity;
+        the step after it measures and plans the new layout as usual. A layer never measured anywhere
+        is recomputed. None (policies unchanged) when nothing can be planned: not `auto`."""
+        if not self.auto:
+            return None
+        missing = [n for n in held if n not in costs and n not in self.pinned]
+        known = [costs[n] for n in held if n in costs]
+        self.ledger.refresh()
+        flight = self.in_flight()
+        base = self._static_bytes() + arriving_bytes
+        pinned = {n: p for n, p in self.pinned.items() if n in held}
+        pinned.update(dict.fromkeys(missing, "recompute"))
+        try:
+            made = plan(known, capacity_bytes=self.ledger.capacity_bytes, base_bytes=base, in_flight=flight,
+                        link_bytes_per_ms=self.link_bytes_per_ms or 1.0, planner=self.cfg.planner,
+                        pinned={n: p for n, p in pinned.items() if n in {c.name for c in known}})
+        except PlanError:   # nothing fits the model: recompute every free layer, the least it can hold
+            made = Plan(policies={c.name: pinned.get(c.name, "recompute") for c in known}, estimate_bytes=0,
+                        capacity_bytes=self.ledger.capacity_bytes, planner=self.cfg.planner, budget_ms=0.0,
+                        note="planned ahead of a migration: no plan fits the model; every free layer recomputed")
+        policies = {**made.policies, **{n: "recompute" for n in missing}}
+        self._ensure_link("swap" in policies.values())
+        self.policy.update(policies)
+        self.known.update({n: c for n, c in costs.items() if n in held})
+        self.provisional -= set(policies)
+        return made   # the step after the move sees its layers changed: measured and planned as always
+
     def _measured_floor(self, owned: list[str]) -> Plan | None:
         """After the step that recomputed every free layer: that is the plan if its measured peak fits;
         else the run is refused, naming the measured peak as the smallest capacity that fits."""

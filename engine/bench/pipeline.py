@@ -14,6 +14,8 @@ invocation, in rounds (so drift hits all alike):
                  (compute plus boundary sends at the measured link rate) over every split of the
                  layers, by brute force on the very costs the rebalancer decided on
     torch even   torch.distributed.pipelining's Schedule1F1B, the layers split evenly by count
+    trainyard even   trainyard, `rebalance = "off"`, on torch's even split: the two engines on one
+                 layout, so their ratio is trainyard's own overhead per micro-batch (goal <= 1.03)
 
 The figures are throughput (samples/s over the steps of each phase, the slowest rank's
 wall time) and the ratios the goals name; a migration step is compared with the mean of
@@ -147,7 +149,7 @@ def run(rounds: int, steps: int, stages: int = STAGES) -> dict:
     from engine.bench.torch_pipeline import torch_1f1b_job
     from engine.runtime.procpool import DistPool
     names = bench_model().names
-    rows: dict[str, list[float]] = {k: [] for k in ("before", "migration", "around", "after", "best", "torch")}
+    rows: dict[str, list[float]] = {k: [] for k in ("before", "migration", "around", "after", "best", "torch", "even")}
     layouts, costs = {}, {}
     with DistPool(stages, timeout_s=120) as pool:
         for _ in range(rounds):
@@ -174,8 +176,10 @@ def run(rounds: int, steps: int, stages: int = STAGES) -> dict:
                                  build_kwargs={}, stage_layers=layouts["torch"], micro_batches=MICRO,
                                  batches=_batches(steps + 1), optim={"name": "sgd", "lr": 0.01}, warmup=1)
             rows["torch"].append(max(statistics.mean(r["step_ms"]) for r in torch_run))
+            even = pool.run(trainyard_job, timeout=600, stages=layouts["torch"], steps=steps + 1, rebalance="off")
+            rows["even"].append(_slowest(even, 2, steps + 2))
     ms = {k: statistics.median(v) for k, v in rows.items()}
-    thr = {k: BATCH / ms[k] * 1000 for k in ("before", "after", "best", "torch", "migration")}
+    thr = {k: BATCH / ms[k] * 1000 for k in ("before", "after", "best", "torch", "even", "migration")}
     layer_ms = costs["layer_ms"]
 
     def bound(layout):   # bubble-bound step time of a layout, from the measured layer times
@@ -190,6 +194,7 @@ def run(rounds: int, steps: int, stages: int = STAGES) -> dict:
             "after_over_best_static": round(ms["best"] / ms["after"], 3),
             "after_over_torch_even": round(ms["torch"] / ms["after"], 3),
             "migration_step_over_around": round(ms["around"] / ms["migration"], 3),
+            "trainyard_over_torch_same_layout": round(ms["even"] / ms["torch"], 3),
             "ideal": {"best_split_over_before": round(skewed_bound / bound(layouts["best"]), 3),
                       "balanced_over_before": round(skewed_bound / balanced, 3),
                       "after_layout_over_before": round(skewed_bound / bound(layouts["after"]), 3)},
@@ -217,7 +222,8 @@ def main(argv: list[str]) -> int:
     goals = {"after >= 1.5x before": report["after_over_before"] >= 1.5,
              "after >= 0.97x best static": report["after_over_best_static"] >= 0.97,
              "after >= 1.05x torch even split": report["after_over_torch_even"] >= 1.05,
-             "migration step >= 0.7x the steps around it": report["migration_step_over_around"] >= 0.7}
+             "migration step >= 0.7x the steps around it": report["migration_step_over_around"] >= 0.7,
+             "trainyard <= 1.03x torch on torch's layout": report["trainyard_over_torch_same_layout"] <= 1.03}
     report["goals"] = goals if judged else {}
     report["goals_note"] = ("" if judged else f"{stages} stages on {report['cores']} cores: the CPU-bound case, "
                                               f"reported, not judged (the goals are for {GOALS_AT} stages)")
@@ -233,7 +239,8 @@ def main(argv: list[str]) -> int:
     lay = report["layouts"]
     for key, label, layout in (("before", "before (skewed)", lay["skewed"]), ("migration", "migration step", None),
                                ("after", "after auto rebalance", lay["after"]), ("best", "best static", lay["best"]),
-                               ("torch", "torch Schedule1F1B even", lay["torch"])):
+                               ("torch", "torch Schedule1F1B even", lay["torch"]),
+                               ("even", "trainyard on torch's even split", lay["torch"])):
         table.add_row(label, f"{report['step_ms'][key]:.1f}", f"{report['samples_per_s'][key]:.0f}",
                       "" if layout is None else " | ".join(str(len(s)) for s in layout))
     Console().print(table)
@@ -242,7 +249,8 @@ def main(argv: list[str]) -> int:
           f"times: {ideal['after_layout_over_before']:.3f} for the layout it took, {ideal['best_split_over_before']:.3f} "
           f"for the best contiguous split, {ideal['balanced_over_before']:.3f} for a perfect balance")
     print(f"after/best static {report['after_over_best_static']:.3f}, after/torch even {report['after_over_torch_even']:.3f}, "
-          f"migration step/around {report['migration_step_over_around']:.3f}")
+          f"migration step/around {report['migration_step_over_around']:.3f}; trainyard/torch on the same layout "
+          f"{report['trainyard_over_torch_same_layout']:.3f} (goal <= 1.03)")
     if judged:
         print("goals: " + ", ".join(f"{k} {'met' if v else 'MISSED'}" for k, v in goals.items()))
     else:

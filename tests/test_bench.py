@@ -10,7 +10,7 @@ import pytest
 @pytest.mark.timeout(180)
 @pytest.mark.slow   # 45 s; `trainyard bench telemetry` itself is what it runs
 def test_bench_telemetry_reports_ratios_as_json(cli):
-    r = cli.run("bench", "telemetry", "--json", "--rounds", "1", "--steps", "200", "--warmup", "20", timeout=170)
+    r = cli.run("bench", "telemetry", "--json", "--rounds", "1", "--steps", "100", "--warmup", "20", timeout=170)
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stdout)
     assert set(report["ratio_to_no_client"]) == {"0", "1", "10"}
@@ -66,7 +66,7 @@ def test_bench_hybrid_reports_every_placement_at_both_capacities(cli):
 @pytest.mark.timeout(240)
 @pytest.mark.slow   # two parameter-server runs of 6 processes
 def test_bench_ps_reports_time_to_target_and_accuracy_per_mode(cli):
-    r = cli.run("bench", "ps", "--json", "--seconds", "3", "--modes", "bsp,soft", "--eval-every", "2", timeout=230)
+    r = cli.run("bench", "ps", "--json", "--seconds", "2", "--modes", "bsp,soft", "--eval-every", "2", timeout=230)
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stdout)
     assert list(report["modes"]) == ["bsp", "soft"] and report["slow_worker"] == {"rank": 5, "factor": 3.0}

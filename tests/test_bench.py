@@ -10,7 +10,7 @@ import pytest
 @pytest.mark.timeout(180)
 @pytest.mark.slow   # 45 s; `trainyard bench telemetry` itself is what it runs
 def test_bench_telemetry_reports_ratios_as_json(cli):
-    r = cli.run("bench", "telemetry", "--json", "--rounds", "1", "--steps", "100", "--warmup", "20", timeout=170)
+    r = cli.run("bench", "telemetry", "--json", "--rounds", "1", "--steps", "200", "--warmup", "20", timeout=170)
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stdout)
     assert set(report["ratio_to_no_client"]) == {"0", "1", "10"}

@@ -44,11 +44,16 @@ def flatten(tensors, extra: int = 0, dtype: torch.dtype = torch.float32) -> torc
     """The tensors one after the other in one flat tensor of `dtype` (gradients pushed in the working dtype:
     bf16 under precision.params = "bf16", half the bytes)."""
     flat = torch.empty(sum(t.numel() for t in tensors) + extra, dtype=dtype)
+    _fill(flat, tensors)
+    return flat
+
+
+def _fill(flat: torch.Tensor, tensors) -> None:
+    """The tensors into `flat`, one after the other, cast to its dtype."""
     offset = 0
     for t in tensors:
         flat[offset:offset + t.numel()].copy_(t.detach().reshape(-1))
         offset += t.numel()
-    return flat
 
 
 @torch.no_grad()
@@ -61,7 +66,7 @@ def unflatten_into(flat: torch.Tensor, tensors) -> None:
 
 def reply_bytes(numel: int, dtype: torch.dtype) -> int:
     """The size of a pull's reply for a layer of `numel` weights sent as `dtype`."""
-    return TRAILER + numel * torch.empty(0, dtype=dtype).element_size()
+    return TRAILER + numel * dtype.itemsize
 
 
 def pack_weights(tensors, dtype: torch.dtype, version: int, flags: int) -> torch.Tensor:
@@ -70,11 +75,7 @@ def pack_weights(tensors, dtype: torch.dtype, version: int, flags: int) -> torch
     numel = sum(t.numel() for t in tensors)
     out = torch.empty(reply_bytes(numel, dtype), dtype=torch.uint8)
     out[:TRAILER].view(torch.float64).copy_(torch.tensor([version, flags], dtype=torch.float64))
-    weights = out[TRAILER:].view(dtype)
-    offset = 0
-    for t in tensors:
-        weights[offset:offset + t.numel()].copy_(t.detach().reshape(-1))
-        offset += t.numel()
+    _fill(out[TRAILER:].view(dtype), tensors)
     return out
 
 

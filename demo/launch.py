@@ -5,8 +5,10 @@
     demo_overrides("pipeline")            # the `--set` overrides the demo run gets
 
 The demo's training runs in its own process session with its output in RUN_DIR/demo.log, so
-the console can detach and leave it training; choosing "stop the run" ends it. This module sits
-above both the engine (its config) and the console (its app): neither imports it.
+the console can detach and leave it training; choosing "stop the run" ends it, and so does a closed
+terminal, SIGTERM or SIGINT to this command (after the run's final checkpoint: the run is owned through
+engine/runtime/children.py). This module sits above both the engine (its config) and the console (its
+app): neither imports it.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pathlib import Path
 from demo import DEMOS, run_name
 from engine import protocol
 from engine.config import ConfigError, load_config
+from engine.runtime.children import SIGNALS, ChildRuns
 
 DEMO_STEPS = 3000          # about four minutes at DEMO_PAUSE_MS
 DEMO_PAUSE_MS = 80
@@ -49,21 +52,6 @@ def _wait_for_run(proc: subprocess.Popen, name: str, since: float) -> dict | Non
     return None
 
 
-def _end(proc: subprocess.Popen, grace_s: float) -> int:
-    """Wait for the run to finish; past `grace_s`, interrupt its session (final checkpoint), then kill."""
-    for sig, wait_s in ((None, grace_s), (signal.SIGINT, 30.0), (signal.SIGKILL, 10.0)):
-        if sig is not None:
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                pass
-        try:
-            return proc.wait(timeout=wait_s)
-        except subprocess.TimeoutExpired:
-            continue
-    return proc.wait()
-
-
 def demo(name: str, steps: int | None) -> int:
     from console.app import ConsoleApp   # here: `demo --headless` needs no console
     from console.client import SocketSource
@@ -80,65 +68,53 @@ def demo(name: str, steps: int | None) -> int:
     cmd = [sys.executable, "-m", "engine.cli", "run", str(about.path), "--headless",
            *(arg for o in overrides for arg in ("--set", o))]
     since = time.time()
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
-    print(f"starting {cfg.run.name}: {about.about}\n  keys: {about.keys}\n  log: {log} …", flush=True)
-    signal.signal(signal.SIGHUP, signal.default_int_handler)   # a hang-up before the console: as Ctrl-C
-    try:
+    # Until the console is up, SIGTERM, SIGINT or a hang-up stops the run (ChildRuns) and then this process.
+    with ChildRuns() as runs:
+        with open(log, "w") as out:
+            proc = runs.start(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        print(f"starting {cfg.run.name}: {about.about}\n  keys: {about.keys}\n  log: {log} …", flush=True)
         info = _wait_for_run(proc, cfg.run.name, since)
-    except KeyboardInterrupt:
-        return _end(proc, 0) or 130
-    if info is None:
-        code = _end(proc, 0)
-        print(f"the demo run ended before its console could attach (exit {code}); its log, {log}:\n"
-              + "".join(log.read_text().splitlines(keepends=True)[-15:]), file=sys.stderr)
-        return code or 1
-    result = None
-    app = ConsoleApp(SocketSource(info["name"]))
-    ender = _Ender(proc)
-
-    def hang_up(signum, frame) -> None:
-        # The terminal is gone. Textual's shutdown can then block for ever on its output queue (its writer
-        # thread died writing to the closed terminal), so the run is stopped from a thread of our own,
-        # which then ends this process whatever the console is doing.
-        threading.Thread(target=ender.after_hangup, name="demo-hangup", daemon=True).start()
-        app.exit("hangup")
-
-    signal.signal(signal.SIGHUP, hang_up)
-    try:
-        result = app.run()
-    finally:
+        if info is None:
+            code = runs.stop(proc)
+            print(f"the demo run ended before its console could attach (exit {code}); its log, {log}:\n"
+                  + "".join(log.read_text().splitlines(keepends=True)[-15:]), file=sys.stderr)
+            return code or 1
+        app = ConsoleApp(SocketSource(info["name"]))
+        result = _console(app, runs, proc)
         # Only a chosen detach leaves the run training. A closed terminal (a hang-up, or the console
         # ending on its lost input first) or a console that failed stops it after its final checkpoint,
         # as "stop" does: nobody is there to see it go on.
-        signal.signal(signal.SIGHUP, signal.SIG_IGN)
         if result == "detach" and proc.poll() is None:
+            runs.release(proc)
             _say(f"{cfg.run.name} goes on training in the background (launcher pid {proc.pid}).\n"
                  f"  watch it:  trainyard console {info['name']}\n"
                  f"  stop it:   trainyard ctl {info['name']} stop\n"
                  f"  its log:   {log}")
         else:
-            code = ender.end(60.0 if result == "stop" else 0)
+            code = runs.stop(proc, finish_s=60.0 if result == "stop" else 0)
             _say(f"{cfg.run.name} ended (exit {code}); log: {log}")
     return 0
 
 
-class _Ender:
-    """Ends the demo's run once, whichever of the console's thread and the hang-up's asks first."""
+def _console(app, runs: ChildRuns, proc: subprocess.Popen):
+    """app.run(), with SIGHUP, SIGTERM and SIGINT answered by stopping the run and then this process."""
 
-    def __init__(self, proc: subprocess.Popen):
-        self.proc, self.code, self.lock = proc, None, threading.Lock()
+    def hang_up(signum, frame) -> None:
+        # The terminal is gone, or we are told to go. Textual's shutdown can then block for ever on its
+        # output queue (its writer thread died writing to the closed terminal), so the run is stopped from
+        # a thread of our own, which then ends this process whatever the console is doing.
+        def end() -> None:
+            runs.stop(proc)
+            os._exit(128 + signum)
+        threading.Thread(target=end, name="demo-hangup", daemon=True).start()
+        app.exit("hangup")
 
-    def end(self, grace_s: float) -> int:
-        with self.lock:
-            if self.code is None:
-                self.code = _end(self.proc, grace_s)
-            return self.code
-
-    def after_hangup(self) -> None:
-        self.end(0)
-        os._exit(0)
+    previous = {sig: signal.signal(sig, hang_up) for sig in SIGNALS}
+    try:
+        return app.run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _say(text: str) -> None:

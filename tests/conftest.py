@@ -2,6 +2,10 @@
 
 Every multi-process test goes through `cli`: the launcher starts in a new session,
 so whatever happens to a test, the whole process tree is killed at teardown.
+
+Nothing is left in the temp dir: every process the tests start keeps its temporary files in a
+folder of this session's own (TMPDIR, inherited), and an entry there named as a run's or a bench's
+litter (LITTER) at the end fails the session. Whatever else runs on the machine writes elsewhere.
 """
 
 from __future__ import annotations
@@ -20,6 +24,30 @@ import torch
 
 torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parent.parent
+
+# torch's elastic agent's log folders, torch.multiprocessing's error files, our benches' folders
+LITTER = ("torchelastic_", "pytorch-errorfile-", "trainyard-bench-")
+_session: dict = {}   # in hooks, not at import: tests import this module a second time as tests.conftest
+
+
+def pytest_configure(config):
+    # in the system temp dir, which this process goes on using (mkdtemp fixes it before TMPDIR changes)
+    _session["tmp"] = Path(tempfile.mkdtemp(prefix="trainyard-tests-"))
+    os.environ["TMPDIR"] = str(_session["tmp"])
+
+
+def pytest_sessionfinish(session, exitstatus):
+    tmp = _session["tmp"]
+    _session["litter"] = sorted(name for name in os.listdir(tmp) if name.startswith(LITTER))
+    shutil.rmtree(tmp, ignore_errors=True)
+    if _session["litter"]:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _session.get("litter"):
+        terminalreporter.write_line(f"FAILED: the tests' processes left {len(_session['litter'])} entries in the "
+                                    f"temp dir (TMPDIR): {', '.join(_session['litter'])}", red=True, bold=True)
 
 
 def pid_alive(pid: int) -> bool:

@@ -50,6 +50,24 @@ def test_saved_activations_are_counted_while_alive_and_released_after_backward()
     assert ledger.peak_bytes >= ledger.bytes["parameters"] + during
 
 
+def test_uncounted_activations_leave_autograd_alone_and_count_nothing():
+    """`count_activations = False` (a bench measuring the hooks' share): no hook runs, gradients unchanged."""
+    model = small_model()
+    ledger = MemoryLedger(capacity_bytes=1 << 20)
+    ledger.track_module(model)
+    ledger.count_activations = False
+    x = torch.randn(32, 8)
+    with ledger.saved_activations():
+        model(x).sum().backward()
+        assert ledger.bytes["activations"] == 0 and ledger._param_ptrs is None
+    uncounted = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    ledger.count_activations = True
+    with ledger.saved_activations():
+        model(x).sum().backward()
+    assert all(torch.equal(a, p.grad) for a, p in zip(uncounted, model.parameters()))
+
+
 def test_a_storage_saved_twice_counts_once():
     ledger = MemoryLedger(capacity_bytes=1 << 20)
     x = torch.randn(100, requires_grad=True)

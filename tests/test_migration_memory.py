@@ -87,3 +87,38 @@ def test_the_tours_migrations_never_go_over_its_capacity(cli):
         if rec["type"] == "step":
             for rank in rec["ranks"]:
                 assert rank["peak_bytes"] <= rank["capacity_bytes"], (rec["step"], rank["rank"], rank["peak_bytes"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_rebalances_from_the_console_never_go_over_the_capacity(cli):
+    """The console's `r` (the same `rebalance` command `trainyard ctl` sends) at steps of the operator's
+    choosing, with rebalancing otherwise off: the tour's 8 MiB capacity holds at every step, through every
+    migration the commands start (the skewed start first, then the layer slowed from step 12)."""
+    from engine.telemetry import protocol
+    from tests.conftest import wait_for
+    from tests.test_control import ctl, current_step
+    log = cli.tmp_path / "steer.jsonl"
+    proc = cli.start("run", TOUR, "--headless", "--steps", "100000", *cli.base_args("steer-tour"),
+                     "--set", "run.eval_every=0", "--set", "parallel.rebalance=manual",
+                     "--set", "emulate.slow_from_step=12", "--set", "emulate.slow_layer_ms=40",
+                     "--set", "parallel.imbalance_threshold=0.05", "--set", "telemetry.rank_every=1",
+                     "--set", "checkpoint.every=0", "--telemetry-log", str(log))
+    wait_for(lambda: any(r["name"] == "steer-tour" for r in protocol.list_runs()), 60, "the run on the socket")
+    answers = []   # the cli fixture reaps the run if the test fails before it stops
+    for at in (3, 8, 16, 23):   # the first two on the skewed start, the last two after the slowdown
+        wait_for(lambda: current_step("steer-tour") >= at, 60, f"step {at}")
+        r = ctl(cli, "steer-tour", "rebalance")
+        assert r.returncode == 0 and "rebalance: applied at step" in r.stdout, r.stdout + r.stderr
+        answers.append(r.stdout)
+    assert ctl(cli, "steer-tour", "stop").returncode == 0
+    proc.wait(timeout=60)
+    records = read_jsonl(log)
+    moved = [rec["step"] for rec in records if rec.get("kind") == "migration"]
+    assert len(moved) >= 2, (moved, answers)
+    assert all(rec["reason"] == "command" for rec in records if rec.get("kind") == "rebalance")
+    assert not [rec for rec in records if rec.get("kind") == "memory_over_capacity"]
+    for rec in records:
+        if rec["type"] == "step":
+            for rank in rec["ranks"]:
+                assert rank["peak_bytes"] <= rank["capacity_bytes"], (rec["step"], rank["rank"], rank["peak_bytes"])

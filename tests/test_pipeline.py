@@ -69,6 +69,28 @@ def bad_batch_job(topo) -> str:
     return "no error"
 
 
+def ledger_job(topo, schedule: str) -> dict:
+    """STEPS steps twice from the same start: the ledger counting micro-batches at once once it knows them,
+    and counting every saved tensor (a profiled step's way) on every step; each step's peak, both ways."""
+    peaks = {}
+    for how in ("units", "tensors"):
+        model = build_model(MODEL, META, seed=0)
+        device = LedgerDevice(1 << 30)
+        stage = PipelineStage(model, SPLITS[topo.world_size], topo, device, _optim("adamw"), 4, schedule)
+        device.ledger.track_module(model, stage.optimizer)
+        peaks[how], booked = [], []
+        add_unit = device.ledger.add_unit
+        device.ledger.add_unit = lambda nbytes: (booked.append(nbytes), add_unit(nbytes))
+        for x, y in _batches():
+            device.ledger.exact_due = how == "tensors"
+            device.ledger.reset_peak()
+            stage.train_step(x, y)
+            peaks[how].append((device.ledger.peak_bytes, device.ledger.bytes["activations"]))
+        peaks[how + "_booked"] = len(booked)
+        stage.close()
+    return peaks
+
+
 # --- the reference: one process, no pipeline -------------------------------------------------
 
 def reference(optim: str) -> tuple[dict, list[float]]:
@@ -130,6 +152,18 @@ def test_three_stages_match_single_process(pool3):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_counting_a_micro_batch_at_once_gives_the_peak_counting_every_tensor_gives(pool2, schedule):
+    """MemoryLedger.unit_bytes: after the first step each micro-batch is booked at once, not through
+    autograd's saved-tensor hooks; every step's peak (and the bytes left after it: none) are the same."""
+    for rank, r in enumerate(pool2.run(ledger_job, schedule=schedule)):
+        assert r["units"] == r["tensors"], rank
+        assert all(left == 0 for _, left in r["units"]) and r["units"][0][0] > 0
+        # booked at once: on and off for each of 4 micro-batches in every step after the first; never while
+        # a step reads per-layer bytes
+        assert r["units_booked"] == 2 * 4 * (STEPS - 1) and r["tensors_booked"] == 0, rank
+
+
 def test_indivisible_batch_is_refused_on_every_rank(pool2):
     errors = pool2.run(bad_batch_job, timeout=30)
     assert all("30" in e and "4 equal micro-batches" in e for e in errors), errors

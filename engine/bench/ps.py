@@ -24,9 +24,10 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
+
+from engine.runtime.children import ChildRuns
 
 MODES = ("bsp", "asp", "ssp", "soft")
 TARGET = 0.90
@@ -48,7 +49,8 @@ def _records(path: Path) -> list[dict]:
     return fill_ranks(out)
 
 
-def run_mode(mode: str, seconds: float, slow: float, eval_every: int, workdir: Path, extra: list[str]) -> dict:
+def run_mode(runs: ChildRuns, mode: str, seconds: float, slow: float, eval_every: int, workdir: Path,
+             extra: list[str]) -> dict:
     """One run in `mode` for `seconds` after its first step; what its log says."""
     from engine.telemetry import protocol
     name = f"bench-ps-{mode}-{os.getpid()}"
@@ -58,8 +60,7 @@ def run_mode(mode: str, seconds: float, slow: float, eval_every: int, workdir: P
            "--set", f"run.eval_every={eval_every}", "--set", "checkpoint.every=0", "--set", f"parallel.sync={mode}",
            "--set", f"parallel.slow_workers={{5 = {slow}}}", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)
+    proc = runs.start(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     try:
         first = None
         deadline = time.monotonic() + 120 + seconds
@@ -74,9 +75,7 @@ def run_mode(mode: str, seconds: float, slow: float, eval_every: int, workdir: P
             time.sleep(0.2)
         _, err = proc.communicate(timeout=120)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, 9)
-            proc.wait()
+        runs.stop(proc)
     records = _records(log)
     if proc.returncode != 0 or not records or records[-1].get("type") != "summary":
         raise RuntimeError(f"bench ps: the {mode} run failed (exit {proc.returncode}): {err.strip()[-600:]}")
@@ -95,8 +94,9 @@ def run_mode(mode: str, seconds: float, slow: float, eval_every: int, workdir: P
 
 def measure(modes, seconds: float, slow: float, eval_every: int, hidden: int, batch: int) -> dict:
     extra = ["--set", f"model.hidden={hidden}", "--set", f"data.batch_size={batch}"]
-    with tempfile.TemporaryDirectory(prefix="trainyard-bench-ps-") as tmp:
-        results = {mode: run_mode(mode, seconds, slow, eval_every, Path(tmp), extra) for mode in modes}
+    with ChildRuns() as runs:   # a killed bench leaves no run training and no folder behind
+        work = runs.temp_dir("trainyard-bench-ps-")
+        results = {mode: run_mode(runs, mode, seconds, slow, eval_every, work, extra) for mode in modes}
     bsp = results.get("bsp")
     for row in results.values():
         row["time_vs_bsp"] = (round(row["time_to_target_s"] / bsp["time_to_target_s"], 3)

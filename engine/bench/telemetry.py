@@ -24,13 +24,14 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
+
+from engine.runtime.children import ChildRuns
 
 DEMO = Path(__file__).resolve().parents[2] / "demo" / "configs" / "digits_ddp.toml"
 GOAL = 0.97
@@ -52,14 +53,14 @@ def _reader(target: str, stop: threading.Event, counts: list, ready: threading.B
                 return
 
 
-def start_run(name: str, steps: int, work: Path, runtime: Path, log: Path, *overrides: str) -> subprocess.Popen:
-    """The digits DDP run, headless, in a session of its own, its hub in `runtime`."""
+def start_run(runs: ChildRuns, name: str, steps: int, work: Path, runtime: Path, log: Path,
+              *overrides: str) -> subprocess.Popen:
+    """The digits DDP run, headless, in a session of its own (owned by `runs`), its hub in `runtime`."""
     env = {**os.environ, "TRAINYARD_RUNTIME_DIR": str(runtime), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "engine.cli", "run", str(DEMO), "--headless", "--steps", str(steps),
            "--set", f"run.dir={work}", "--set", f"run.name={name}", "--set", "run.eval_every=0",
            "--set", "checkpoint.every=0", *(a for o in overrides for a in ("--set", o)), "--telemetry-log", str(log)]
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    return runs.start(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
 def wait_for_hub(proc: subprocess.Popen, name: str, runtime: Path) -> None:
@@ -71,12 +72,11 @@ def wait_for_hub(proc: subprocess.Popen, name: str, runtime: Path) -> None:
         time.sleep(0.05)
 
 
-def measure(clients: int, steps: int, warmup: int, work: Path, runtime: Path, index: int) -> dict:
+def measure(runs: ChildRuns, clients: int, steps: int, warmup: int, work: Path, runtime: Path, index: int) -> dict:
     """One run; samples/s over the steps after every client is attached."""
-    from engine.telemetry import protocol
     name = f"bench{index}"
     log = work / f"{name}.jsonl"
-    proc = start_run(name, steps, work, runtime, log)
+    proc = start_run(runs, name, steps, work, runtime, log)
     stop, threads, counts = threading.Event(), [], [[0] for _ in range(clients)]
     try:
         wait_for_hub(proc, name, runtime)
@@ -91,9 +91,7 @@ def measure(clients: int, steps: int, warmup: int, work: Path, runtime: Path, in
         proc.wait(timeout=600)
     finally:
         stop.set()
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        runs.stop(proc)
     for t in threads:
         t.join(timeout=5)
     if proc.returncode != 0:
@@ -139,13 +137,12 @@ def log_sizes(records: list[dict]) -> dict:
             "full_rows_records": len(full)}
 
 
-def measure_bytes(world: int, steps: int, work: Path, runtime: Path) -> dict:
+def measure_bytes(runs: ChildRuns, world: int, steps: int, work: Path, runtime: Path) -> dict:
     """A real digits DDP run at `world` ranks, one console attached: its log and its live feed."""
-    from engine.telemetry import protocol
     from engine.telemetry.log import read_raw
     name = f"bytes{world}"
     log = work / f"{name}.jsonl"
-    proc = start_run(name, steps, work, runtime, log, f"parallel.world_size={world}",
+    proc = start_run(runs, name, steps, work, runtime, log, f"parallel.world_size={world}",
                      f"data.batch_size={32 * world}", "parallel.collective_timeout_s=300")
     stop, ready, got = threading.Event(), threading.Event(), {"messages": 0, "bytes": 0}
     thread = None
@@ -157,9 +154,7 @@ def measure_bytes(world: int, steps: int, work: Path, runtime: Path) -> dict:
         proc.wait(timeout=900)
     finally:
         stop.set()
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        runs.stop(proc)
         if thread is not None:
             thread.join(timeout=5)
     if proc.returncode != 0:
@@ -195,12 +190,17 @@ def synthetic_bytes(ranks: int, layers: int, steps: int, layer_every: int, rank_
             "live_kb_per_s": round(statistics.mean(live) * 10 / 1024, 1), "steps_per_s": 10.0}
 
 
+def _folders(runs: ChildRuns) -> tuple[Path, Path]:
+    """The runs' folder, in the temp dir, and their hubs' own runtime folder inside ours (a short path for
+    the sockets, and no other run listed there); both removed when `runs` ends."""
+    from engine.telemetry import protocol
+    return runs.temp_dir("trainyard-bench-telemetry-"), runs.temp_dir("bench-", dir=protocol.runtime_dir())
+
+
 def main_bytes(args) -> int:
-    with tempfile.TemporaryDirectory(prefix="tyb", dir="/tmp") as tmp:
-        work, runtime = Path(tmp) / "runs", Path(tmp) / "rt"
-        work.mkdir()
-        runtime.mkdir(mode=0o700)
-        rows = [measure_bytes(world, args.steps, work, runtime) for world in args.world]
+    with ChildRuns() as runs:
+        work, runtime = _folders(runs)
+        rows = [measure_bytes(runs, world, args.steps, work, runtime) for world in args.world]
         rows.append(synthetic_bytes(64, 200, 1000, 10, 100, work))
     report = {"bench": "telemetry-bytes", "goal_log_bytes_per_step_64_ranks": LOG_GOAL_BYTES, "runs": rows}
     if args.json:
@@ -236,13 +236,12 @@ def main(argv: list[str]) -> int:
         return main_bytes(args)
     variants = (0, 1, 10)
     results: dict[int, list[dict]] = {n: [] for n in variants}
-    with tempfile.TemporaryDirectory(prefix="tyb", dir="/tmp") as tmp:
-        work, runtime = Path(tmp) / "runs", Path(tmp) / "rt"
-        runtime.mkdir(mode=0o700)
+    with ChildRuns() as runs:   # a killed bench leaves no run training and no folder behind
+        work, runtime = _folders(runs)
         index = 0
         for _ in range(args.rounds):
             for n in variants:
-                results[n].append(measure(n, args.steps, args.warmup, work, runtime, index))
+                results[n].append(measure(runs, n, args.steps, args.warmup, work, runtime, index))
                 index += 1
     median = {n: statistics.median(r["samples_per_s"] for r in results[n]) for n in variants}
     spread = {n: (min(r["samples_per_s"] for r in results[n]) / median[0],

@@ -12,7 +12,8 @@
 - devices.py: CUDA GPU or CPU with the memory ledger; profiler.py: per-layer times; emulate.py: a
   layer made slow mid-run.
 - checkpoint.py: atomic checkpoints with checksums; procpool.py, cluster.py: process pools for tests
-  and benches, and the emulated cluster (network namespaces, shaped links).
+  and benches, and the emulated cluster (network namespaces, shaped links); children.py: a command's
+  child runs, each in a process session of its own, stopped with the command (signals included).
 
 Imports: engine.config, engine.data, engine.models, engine.optim, engine.timing, and each other. launch.py and
 worker.py sit on top of everything: they also import engine.strategies, engine.techniques and

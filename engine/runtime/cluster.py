@@ -16,8 +16,9 @@ as on a real host; everything between hosts crosses the shaped links. The filesy
 as a cluster's shared filesystem would be.
 
 It needs root (CAP_NET_ADMIN) and `ip netns`; `available()` says why not when it cannot work.
-`down` kills every process still inside the namespaces before it deletes them. Namespaces made
-by a process that is gone (an interrupted test) are swept by the next `up`.
+`down` kills every process still inside the namespaces before it deletes them; `emulated_cluster`
+runs it however its block ends, a signal to its process included. Namespaces made by a process that
+is gone (a SIGKILLed test) are swept by the next `up`.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from engine.runtime.children import ChildRuns
 
 INTERFACE = "ty0"            # the one interface of every host, for `[cluster] interface`
 SUBNET = "10.213.0"          # host i is 10.213.0.<i+1>/24
@@ -230,13 +233,16 @@ def sweep() -> list[str]:
 
 @contextlib.contextmanager
 def emulated_cluster(hosts: int = 2, link: str = "1gbit", name: str | None = None, **kw):
-    """`up` for the duration of the block, and `down` however the block ends."""
+    """`up` for the duration of the block, and `down` (which kills every process inside) however the block
+    ends: an exception, or SIGTERM, SIGINT or SIGHUP to this process, which is raised again once the
+    cluster is gone (engine/runtime/children.py). Only SIGKILL leaves it, for the next `up` to sweep."""
+    reason = available()
+    if reason:   # before anything is owned: `down` cannot run here either
+        raise ClusterError(reason)
     name = name or f"p{os.getpid()}"
-    cluster = up(hosts, link, name=name, owner_pid=os.getpid(), **kw)
-    try:
-        yield cluster
-    finally:
-        down(name)
+    with ChildRuns() as owned:
+        owned.callback(down, name)   # first: a signal during `up` leaves nothing either
+        yield up(hosts, link, name=name, owner_pid=os.getpid(), **kw)
 
 
 _CLONE_NEWNET = 0x40000000

@@ -8,11 +8,13 @@ The floor is torch 2.8 (pyproject.toml), set by torch fixes that no option bring
   2.8 the process group too), so a worker whose last collective is still being cleaned up on gloo's
   thread can deadlock at exit: on 2.4, `trainyard run demo/configs/digits_pipeline.toml` hung after
   its summary in 3 of 9 runs (0 of 8 on 2.7 and on 2.8).
-Everything else trainyard uses is older: the c10d rendezvous's keep_alive_* options (2.7), the
-pipelining schedules' `scale_grads` (2.7) and shape inference (2.6), TORCH_DISABLE_SHARE_RDZV_TCP_STORE
-(2.5; before it the store was never shared), `torch.distributed.pipelining` itself (2.4),
-`register_post_accumulate_grad_hook` (2.1), non-reentrant checkpoint with `context_fn`, DDP comm hooks,
-`saved_tensors_hooks`, `torch.frombuffer`, `dist.get_global_rank` / `get_group_rank`.
+Everything else trainyard uses is older: `LaunchConfig.logs_specs` (2.3: the agent's logs in the run
+directory; a LaunchConfig without it is said once, as below), the c10d rendezvous's keep_alive_*
+options (2.7), the pipelining schedules' `scale_grads` (2.7) and shape inference (2.6),
+TORCH_DISABLE_SHARE_RDZV_TCP_STORE (2.5; before it the store was never shared),
+`torch.distributed.pipelining` itself (2.4), `register_post_accumulate_grad_hook` (2.1), non-reentrant
+checkpoint with `context_fn`, DDP comm hooks, `saved_tensors_hooks`, `torch.frombuffer`,
+`dist.get_global_rank` / `get_group_rank`.
 
 Newer than the floor, and what happens without it:
 - `LaunchConfig.shutdown_timeout` (torch 2.12): before it the agent, on SIGINT/SIGTERM, signals the
@@ -80,6 +82,9 @@ def _dropped_message(name: str, value) -> str:
     if name == "shutdown_timeout":
         return (f"{where}; parallel.shutdown_timeout_s = {value:g} is not applied (on Ctrl-C or SIGTERM torch "
                 f"signals the workers and waits its fixed {OLD_SHUTDOWN_WAIT_S} s before it kills them)")
+    if name == "logs_specs":
+        return (f"{where}; the elastic agent's logs go to a torchelastic_* folder in the system temp dir, not to "
+                f"{value.root_log_dir}")
     return f"{where}; {name} = {value!r} is not applied"
 
 

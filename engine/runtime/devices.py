@@ -49,6 +49,15 @@ class MemoryLedger:
         self.shared_bytes: dict[tuple[str, str], int] = {}  # (first saver, later saver) -> bytes of both
         self.swapper = None          # engine.techniques.memory.swap.Swapper, once a layer may swap
         self._param_ptrs: set | None = None   # inside saved_activations()
+        # count saved activations through autograd's saved-tensor hooks. They cost every saved tensor a call
+        # into Python (3-5% of a small model's step on this CPU, trivial hooks alone 3%): a bench turns them
+        # off to measure that share; a swapping layer needs them whatever this says
+        self.count_activations = True
+        # counting by unit (a pipeline's micro-batch) instead of by tensor, once a unit's bytes are known
+        self.exact_due = False   # this step reads per-layer bytes (layer profiler, memory planner): hooks on
+        self.all_keep = True     # every layer this rank runs keeps its activations (set by the memory policy)
+        self._unit_bytes: dict = {}   # what decides a unit's saved bytes -> those bytes, counted by the hooks
+        self._varies: set = set()     # keys whose units saved different bytes: always counted by tensor
 
     # --- what the engine holds -------------------------------------------------
     def track_module(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
@@ -99,7 +108,7 @@ class MemoryLedger:
     @property
     def used_bytes(self) -> int:
         # swapped-out bytes live on the host, not on the device
-        return sum(v for k, v in self.bytes.items() if k != "swapped")
+        return sum(self.bytes.values()) - self.bytes["swapped"]
 
     def _note_peak(self) -> None:
         used = self.used_bytes
@@ -121,6 +130,9 @@ class MemoryLedger:
         saved twice (a ReLU output kept by the ReLU and the next Linear) counts once.
         While a swap-policy layer runs (engine/techniques/memory/), what it saves goes to the host.
         """
+        if not self.count_activations and self.swapper is None:
+            yield
+            return
         self._param_ptrs = {p.untyped_storage().data_ptr() for m in self._modules for p in m.parameters()}
 
         def unpack(saved):
@@ -132,31 +144,62 @@ class MemoryLedger:
         finally:
             self._param_ptrs = None
 
+    # --- counting a unit of work at once --------------------------------------------------------
+    def unit_bytes(self, key) -> int | None:
+        """The bytes one unit of work keyed `key` saves, where this step may count them at once (in
+        `add_unit`) instead of through the saved-tensor hooks; None where the hooks must count: nothing
+        measured for `key` yet, a step that reads per-layer bytes, a layer that swaps or recomputes (its
+        tensors come and go inside the unit), or a key whose units were seen to differ (data-dependent
+        shapes). The peak is the same either way: saved bytes only grow during a forward and only shrink
+        during a backward, so the most a unit holds is what it holds at its forward's end."""
+        if (not self.count_activations or self.exact_due or not self.all_keep or self.swapper is not None
+                or key in self._varies):
+            return None
+        return self._unit_bytes.get(key)
+
+    def unit_counted(self, key, units: list[int]) -> None:
+        """What the hooks counted for each unit of a step keyed `key` (every layer keeping its activations)."""
+        if not self.all_keep or self.swapper is not None or not units:
+            return
+        known = self._unit_bytes.get(key)
+        if len(set(units)) > 1 or (known is not None and known != units[0]):
+            self._varies.add(key)
+        self._unit_bytes[key] = units[0]
+
+    def add_unit(self, nbytes: int) -> None:
+        """A unit's saved bytes, on at its forward's end (`nbytes`) and off at its backward's (`-nbytes`)."""
+        with self._lock:
+            self.bytes["activations"] += nbytes
+            self._note_peak()
+
     def pack_tensor(self, t: torch.Tensor):
         """Count `t` as a live activation until the returned handle is dropped (`t` itself outside
-        `saved_activations()`, or for a parameter)."""
-        if self._param_ptrs is None:
+        `saved_activations()`, or for a parameter). It runs for every tensor autograd saves, parameters
+        included (a Linear saves its weight), so it reads the storage once and takes the lock once."""
+        params = self._param_ptrs
+        if params is None:
             return t
-        ptr = t.untyped_storage().data_ptr()
-        if ptr in self._param_ptrs or ptr == 0:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr in params or ptr == 0:
             return t
-        nbytes = t.untyped_storage().nbytes()
         swapper = self.swapper
         if swapper is not None and ptr not in self._saved:
-            swapper.make_room(nbytes)
+            swapper.make_room(storage.nbytes())
         with self._lock:
             entry = self._saved.get(ptr)
             if entry is not None:
                 entry[1] += 1
-                self.note_shared(entry[2], nbytes)
+                self.note_shared(entry[2], entry[0])
                 return _Saved(self, ptr, t)
             if swapper is None or swapper.group is None:
+                nbytes = storage.nbytes()
                 self.attribute(nbytes)
                 self._saved[ptr] = [nbytes, 1, self.current_layer or ""]
                 self.bytes["activations"] += nbytes
                 self._note_peak()
                 return _Saved(self, ptr, t)
-        return swapper.pack(t, ptr, nbytes)
+        return swapper.pack(t, ptr, storage.nbytes())
 
     def note_shared(self, first: str, nbytes: int) -> None:
         """A storage `first` saved is saved again by the layer running now: it leaves the device only

@@ -7,6 +7,13 @@ The agent restarts the whole worker group when a worker dies (up to
 SIGINT/SIGTERM signals every worker, waits `parallel.shutdown_timeout_s` for the
 final checkpoint, then kills what is left: no child outlives the launcher.
 
+torch's elastic agent keeps its logs in the run directory, `agent/nodeR/` for host R (agent_dir):
+a folder per launch, in it one per restart attempt, in that one per local rank with a failed worker's
+error.json. The folders left empty are removed when the launch ends, and a fresh start (no --resume)
+removes the host's earlier ones. Nothing goes to the system temp dir: torch's default is a
+`torchelastic_*` folder there per run, and a worker's error pickled into a `pytorch-errorfile-*`
+(run_worker), neither ever removed.
+
 Several hosts (`[cluster] nnodes > 1`, docs/cluster.md): one launcher per host, all meeting
 at host 0's c10d rendezvous (`cluster.rdzv_endpoint`). Host R runs global ranks
 R*k .. R*k+k-1 (k = world_size / nnodes), whatever order the rendezvous lists the hosts
@@ -23,15 +30,14 @@ import shutil
 import signal
 import socket
 import sys
-import tempfile
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
-from torch.distributed.elastic.multiprocessing import SignalException
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
 from torch.distributed.elastic.rendezvous import RendezvousError
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from engine.runtime import checkpoint as ckpt
@@ -66,6 +72,11 @@ class RunInterrupted(RuntimeError):
         self.signum = signum
 
 
+def agent_dir(run_dir: Path, node_rank: int) -> Path:
+    """Where host `node_rank`'s elastic agent keeps its logs (and the launcher its refusal file)."""
+    return Path(run_dir) / "agent" / f"node{node_rank}"
+
+
 def prepare_run_dir(job: Job) -> None:
     """Check this host (check_machine), the run directory and the checkpoint to resume before any process
     starts. With several hosts, host 0 prepares the (shared) run directory; the others only check what
@@ -78,6 +89,8 @@ def prepare_run_dir(job: Job) -> None:
         if job.resume is not None:
             job.resume = ckpt.resolve(job.resume)
             ckpt.verify(job.resume)
+        else:   # an earlier run's agent logs are not this run's
+            shutil.rmtree(agent_dir(run_dir, node), ignore_errors=True)
         (run_dir / "pids").mkdir(parents=True, exist_ok=True)
         (run_dir / "pids" / f"launcher-node{node}.pid").write_text(str(os.getpid()))
         return
@@ -103,6 +116,8 @@ def prepare_run_dir(job: Job) -> None:
                 f"start afresh with --set run.overwrite=true, or pick another --set run.name=...")
         shutil.rmtree(run_dir / "checkpoints")
         (run_dir / "telemetry.jsonl").unlink(missing_ok=True)
+    if job.resume is None:
+        shutil.rmtree(agent_dir(run_dir, node), ignore_errors=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.toml").write_text(config_to_toml(cfg))
     (run_dir / "pids").mkdir(exist_ok=True)
@@ -197,7 +212,9 @@ def interface_address(name: str) -> str:
     raise RunSetupError(f"cluster.interface = {name!r}: the interface has no IPv4 address")
 
 
-def _launch_config(job: Job) -> LaunchConfig:
+def _launch_config(job: Job, logs_dir: Path | None = None) -> LaunchConfig:
+    """The agent's settings; `logs_dir`: where it keeps its logs (None: torch's default, a folder it makes in
+    the system temp dir)."""
     cfg, c = job.config, job.config.cluster
     local_addr = None
     if c.interface:
@@ -209,6 +226,8 @@ def _launch_config(job: Job) -> LaunchConfig:
             "keep_alive_max_attempt": max(2, round(c.host_timeout_s))}
     common = dict(max_restarts=cfg.parallel.max_restarts, monitor_interval=0.1, start_method="spawn",
                   shutdown_timeout=cfg.parallel.shutdown_timeout_s, rdzv_backend="c10d", local_addr=local_addr)
+    if logs_dir is not None:
+        common["logs_specs"] = DefaultLogsSpecs(log_dir=str(logs_dir))
     if c.nnodes == 1:
         return compat.launch_config(min_nodes=1, max_nodes=1, nproc_per_node=cfg.parallel.world_size,
                                     run_id=f"{cfg.run.name}-{os.getpid()}",
@@ -262,7 +281,8 @@ def launch(job: Job) -> dict | None:
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     _quiet_torch_elastic()
-    launch_cfg = _launch_config(job)
+    agent = agent_dir(cfg.run_dir, cfg.cluster.node_rank)
+    launch_cfg = _launch_config(job, agent)
     agent_log = logging.getLogger("torch.distributed.elastic.agent.server.api")
     reporter = _RestartReporter(cfg.cluster.node_rank, cfg.cluster.nnodes)
     agent_log.addHandler(reporter)
@@ -270,8 +290,8 @@ def launch(job: Job) -> dict | None:
     agent_log.propagate = False
     try:
         hand_over(job)   # the user's model and data, as copies of the workers' own
-        with _refusals(job):
-            results = elastic_launch(launch_cfg, worker_main)(job)
+        with _refusals(job, agent):
+            results = elastic_launch(launch_cfg, run_worker)(job)
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         raise RunFailed(_describe_failure(rank, failure, cfg.parallel.max_restarts)) from None
@@ -287,14 +307,36 @@ def launch(job: Job) -> dict | None:
     finally:
         agent_log.removeHandler(reporter)
         release(job)
+        _remove_empty_folders(agent)
     summary = next((v for _, v in sorted(results.items()) if v), None)   # rank 0's, or a refusal
     if summary and summary.get("type") == "refused":
         raise RunRefused(summary["error"])
     return summary
 
 
+def run_worker(job: Job) -> dict | None:
+    """worker_main; where it raises, the worker exits with status 1 once torch's `record` has written the error
+    to the agent's error.json (what the launcher reports, as before). An error raised on out of here would also
+    be pickled by torch.multiprocessing into a pytorch-errorfile-*.pickle in the system temp dir, which nothing
+    removes."""
+    try:
+        return record(worker_main)(job)
+    except Exception:
+        sys.exit(1)
+
+
+def _remove_empty_folders(agent: Path) -> None:
+    """The agent makes a folder for every attempt and rank; only those holding a failed worker's error.json are
+    worth keeping. Removes the empty ones, `agent` and its parent included when nothing is left in them."""
+    for folder, _, _ in os.walk(agent, topdown=False):
+        with suppress(OSError):
+            os.rmdir(folder)
+    with suppress(OSError):
+        agent.parent.rmdir()
+
+
 @contextmanager
-def _refusals(job: Job):
+def _refusals(job: Job, folder: Path):
     """A worker's refusal (engine/runtime/refusal.py) arrives as REFUSAL_SIGNAL: the handler raises RunRefused in
     the agent's loop, whose run() then stops every worker at once; nothing is restarted. Only the first
     signal raises (several ranks may refuse alike; a second raise would cut the agent's shutdown short).
@@ -302,7 +344,8 @@ def _refusals(job: Job):
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    path = Path(tempfile.gettempdir()) / f"trainyard-refusal-{os.getpid()}-{time.monotonic_ns()}"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"refusal-{os.getpid()}-{time.monotonic_ns()}"
     job.launcher_pid, job.refusal_path = os.getpid(), str(path)
     raised = []
 

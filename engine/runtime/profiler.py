@@ -53,6 +53,7 @@ class LayerProfiler:
     def arm(self) -> None:
         self._reset()
         self.ledger.activations_by_layer = {}
+        self.ledger.exact_due = True   # per-layer bytes: the ledger counts every saved tensor this step
         self.armed = True
 
     def _before(self, i: int):

@@ -57,6 +57,7 @@ synchronize). `device_clock`: the clock to read (by default the device's; tests 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 
@@ -310,7 +311,13 @@ class PipelineStage:
             move.start()
             move.receive_state()   # first, and completed: see engine/techniques/migration.py
             ranges.append(check_stages(self.model.names, move.new)[self.rank])
-        with self.device.ledger.saved_activations():
+        # the ledger counts each saved tensor through autograd's hooks until it knows what a micro-batch of this
+        # layout and batch shape saves; then each micro-batch at once (MemoryLedger.unit_bytes: the same peak)
+        ledger = self.device.ledger
+        key = (self.start, self.end, tuple(x.shape), x.dtype)
+        unit = ledger.unit_bytes(key) if move is None else None
+        counted: list[int] = []   # each micro-batch's saved bytes, where the hooks count them
+        with ledger.saved_activations() if unit is None else contextlib.nullcontext():
             for op, i in schedule_ops(self.schedule, self.stages, self.rank, m):
                 new_layout = move is not None and move.use_new(i)
                 if op == "F":
@@ -323,15 +330,21 @@ class PipelineStage:
                     else:
                         inp = received.requires_grad_(True)
                     start, end = ranges[1] if new_layout else ranges[0]
+                    held = ledger.bytes["activations"]
                     out = self.clock.forward(self.model.layers, start, end, inp)
                     if self.is_last:
-                        loss = self.loss_fn(out, y[i * size:(i + 1) * size].to(dev)) * (size / total)
+                        # the labels' own copy too: a view would share one storage across the micro-batches
+                        loss = self.loss_fn(out, y[i * size:(i + 1) * size].to(dev, copy=True)) * (size / total)
                         losses.append(loss.detach())
                         outputs[i] = loss
                     else:
                         self._send(out, self.next, FWD_TAG, new_layout)
                         outputs[i] = out
                     inputs[i] = inp
+                    if unit is None:
+                        counted.append(ledger.bytes["activations"] - held)
+                    else:
+                        ledger.add_unit(unit)
                     times.add("fwd_ms", t0, times.mark())
                 else:
                     out, inp = outputs.pop(i), inputs.pop(i)
@@ -342,7 +355,12 @@ class PipelineStage:
                     if not self.is_first:
                         self._send(inp.grad if inp.grad is not None else torch.zeros_like(inp), self.prev, BWD_TAG,
                                    new_layout)
+                    if unit is not None:
+                        ledger.add_unit(-unit)
                     times.add("bwd_ms", t0, times.mark())
+        if unit is None and move is None:
+            ledger.unit_counted(key, counted)
+        ledger.exact_due = False   # asked for this step (engine/runtime/profiler.py, engine/techniques/memory/)
         if move is not None:
             move.finish()   # partial gradients change hands before the update
             self._set_layout(move.new)

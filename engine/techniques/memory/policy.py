@@ -196,7 +196,10 @@ class ActivationPolicy:
                     self.provisional.add(name)
             self.plan_due = self.plan_due or self.auto
         self._pass = (-1, None)
+        # where every layer keeps its activations, the ledger may count a pipeline's micro-batch at once
+        self.ledger.all_keep = all(self.policy[n] == "keep" for n in owned)
         if self.plan_due and self._warm:
+            self.ledger.exact_due = True   # measured per layer: every saved tensor counted
             self._measure = Measure(self.clock)
             if self.swapper is not None:   # the compute stream's waits for the link, marked (a GPU)
                 self.swapper.device_waits = []

@@ -251,6 +251,7 @@ CLUSTER_OWNER = textwrap.dedent("""
 @pytest.mark.slow
 @pytest.mark.timeout(60)
 @needs_cluster
+@pytest.mark.xdist_group("netns")   # with tests/test_cluster.py: one test process builds namespaces
 def test_an_emulated_clusters_owner_killed_takes_the_cluster_down(sessions):
     name = f"tk{os.getpid() % 100000}"
     owner = subprocess.Popen([sys.executable, "-c", CLUSTER_OWNER, name], cwd=ROOT, stdout=subprocess.PIPE,
@@ -270,6 +271,7 @@ def test_an_emulated_clusters_owner_killed_takes_the_cluster_down(sessions):
 @pytest.mark.slow
 @pytest.mark.timeout(90)
 @needs_cluster
+@pytest.mark.xdist_group("netns")
 def test_a_run_through_cluster_exec_killed_mid_run_leaves_no_process(cli, own_tmp):
     """`trainyard cluster exec` becomes the command it runs (no child of its own): SIGTERM reaches the run."""
     name = f"tx{os.getpid() % 100000}"

@@ -26,6 +26,9 @@ needs_cluster = pytest.mark.skipif(REASON is not None, reason=REASON or "")
 PORTS = iter(range(29400, 29600, 7))   # a fresh rendezvous port per run (the store takes port + 1)
 
 
+# every test here builds network namespaces: one test process runs them all (pyproject: --dist loadgroup)
+pytestmark = pytest.mark.xdist_group("netns")
+
 @pytest.fixture(scope="module")
 def hosts():
     if REASON:

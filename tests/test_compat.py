@@ -32,6 +32,7 @@ class LaunchConfigWithoutShutdownTimeout:
     monitor_interval: float = 0.1
     start_method: str = "spawn"
     local_addr: str | None = None
+    logs_specs: object = None   # torch >= 2.3
 
 
 @pytest.fixture

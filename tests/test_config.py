@@ -133,6 +133,9 @@ slow_layer_ms = 5.0
 slow_from_step = 20
 slow_rank = 1
 slow_rank_ms = 2.0
+kill_rank = 1
+kill_at = "broadcast"
+kill_step = 4
 """
 
 

@@ -19,7 +19,9 @@ import pytest
 
 from conftest import pid_alive, wait_for
 
-pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux (Debian's tmux package)")
+# one test process draws these terminals, one after another (pyproject: --dist loadgroup)
+pytestmark = [pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux (Debian's tmux package)"),
+              pytest.mark.xdist_group("terminal")]
 
 STEP = re.compile(r"step (\d+)/\d+")
 

@@ -124,6 +124,8 @@ def test_damaged_checkpoints_are_refused_naming_the_file(cli, finished_run):
     r = resume()
     assert r.returncode == 2
     assert str(model) in r.stderr and "corrupted" in r.stderr
+    previous = list_checkpoints(finished_run)[-2]   # the run's earlier checkpoint, whole: offered instead
+    assert f"The previous checkpoint verifies (step 5): resume from it with --resume {previous}" in r.stderr
 
     model.write_bytes(bytes(data[: len(data) // 3]))
     r = resume()
@@ -179,3 +181,44 @@ def test_a_hung_peer_becomes_an_error_within_the_collective_timeout(cli):
     assert proc.returncode == 1
     assert "run failed: worker rank 0" in err and "Timed out" in err and "parallel.max_restarts" in err
     wait_for(lambda: not any(pid_alive(p) for p in pids), 5, "the workers to be gone")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_a_full_disk_stops_the_run_and_the_previous_checkpoint_resumes_it(cli, tmp_path):
+    """run.dir on a small tmpfs, filled once the step-10 checkpoint is published: the step-20 checkpoint cannot
+    be written, every rank stops with an error that says so and names the checkpoint to resume from; nothing
+    half-written is left, and `--resume` takes the step-10 checkpoint once there is room again."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("mounting a small tmpfs needs root")
+    try:
+        run_dir = disk / "full"
+        args = ["run", DEMO, "--headless", *cli.base_args("full"), "--set", f"run.dir={disk}", "--set",
+                "checkpoint.every=10", "--set", "run.eval_every=0", "--set", "parallel.max_restarts=1"]
+        proc = cli.start(*args, "--steps", "40", "--set", "run.step_pause_ms=60",
+                         "--telemetry-log", str(tmp_path / "full.jsonl"))
+        wait_for(lambda: [c.name for c in list_checkpoints(run_dir)] == ["step_000010"], 60, "the first checkpoint")
+        filler = disk / "filler"
+        with open(filler, "wb") as f:   # fill what is left of the disk
+            try:
+                while True:
+                    f.write(b"\0" * (1 << 16))
+                    f.flush()
+            except OSError:
+                pass
+        _, err = proc.communicate(timeout=90)
+        assert proc.returncode == 2, err
+        first = list_checkpoints(run_dir)[0]
+        assert (f"the checkpoint of step 20 could not be written in {run_dir / 'checkpoints'}: No space left on "
+                f"device; the previous checkpoint, {first}, is whole: resume from it with --resume {run_dir}") in err
+        assert [c.name for c in list_checkpoints(run_dir)] == ["step_000010"]
+        assert not list((run_dir / "checkpoints").glob("*.tmp"))   # nothing half-written left
+        filler.unlink()
+        r = cli.run(*args, "--steps", "15", "--resume", str(run_dir), timeout=60)
+        assert r.returncode == 0, r.stderr
+        assert [c.name for c in list_checkpoints(run_dir)] == ["step_000010", "step_000015"]
+    finally:
+        cli.reap()
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True)

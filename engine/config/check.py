@@ -437,6 +437,38 @@ def slow_rank_is_whole(cfg: Config) -> str | None:
     return None
 
 
+def kill_has_its_moment(cfg: Config) -> str | None:
+    """`emulate.kill_rank` names a rank of the run whose strategy has the moment `emulate.kill_at` names:
+    `migration` a pipeline that rebalances, `broadcast` sharded, `host_update` updates placed on the host
+    (`update.placement = "host"`, `"auto"` or a table naming `"host"`), `window` a parameter server
+    (`kill_rank` one of its servers) with `parallel.sync = "soft"` or `"bsp"`."""
+    e, p = cfg.emulate, cfg.parallel
+    if e.kill_rank < 0:
+        return None
+    if e.kill_rank >= p.world_size:
+        return (f"emulate.kill_rank = {e.kill_rank}: no such rank; parallel.world_size = {p.world_size} has ranks "
+                f"0 to {p.world_size - 1}")
+    at = f"emulate.kill_at = {show(e.kill_at)}"
+    if e.kill_at == "migration" and (p.strategy != "pipeline" or p.rebalance == "off"):
+        return (f'{at}: needs parallel.strategy = "pipeline" with parallel.rebalance = "auto" or "manual", where '
+                f'layers migrate (got parallel.strategy = {show(p.strategy)}, parallel.rebalance = '
+                f'{show(p.rebalance)})')
+    if e.kill_at == "broadcast" and p.strategy != "sharded":
+        return f'{at}: needs parallel.strategy = "sharded", whose broadcast it is (got {show(p.strategy)})'
+    placement = cfg.update.placement
+    on_host = "host" in placement.values() if isinstance(placement, dict) else placement in ("host", "auto")
+    if e.kill_at == "host_update" and not on_host:
+        return f'{at}: needs update.placement = "host", "auto" or a table naming "host" (got {show(placement)})'
+    if e.kill_at == "window":
+        if p.strategy != "param_server" or p.sync not in ("soft", "bsp"):
+            return (f'{at}: needs parallel.strategy = "param_server" with parallel.sync = "soft" or "bsp" (got '
+                    f'parallel.strategy = {show(p.strategy)}, parallel.sync = {show(p.sync)})')
+        if e.kill_rank >= p.servers:
+            servers = "rank 0" if p.servers == 1 else f"ranks 0 to {p.servers - 1}"
+            return f"{at}: emulate.kill_rank = {e.kill_rank} is a worker; the windows are the servers' ({servers})"
+    return None
+
+
 def precision_makes_sense(cfg: Config) -> str | None:
     """bf16 weights need bf16 compute (an fp32 forward cannot multiply by bf16 weights); a bf16 sum needs
     bf16 gradients (fp32 gradients summed in bf16 would be compression, which is not built)."""
@@ -453,4 +485,4 @@ def precision_makes_sense(cfg: Config) -> str | None:
 
 CROSS_CHECKS = [hosts_split_workers, listen_is_loopback, slices_cover_streams, model_matches_data,
                 branchy_has_square_images, param_server_ranks, batch_splits_over_ranks, heads_split_width,
-                slow_layer_is_whole, slow_rank_is_whole, precision_makes_sense]
+                slow_layer_is_whole, slow_rank_is_whole, kill_has_its_moment, precision_makes_sense]

@@ -347,7 +347,8 @@ class ClusterConfig:
 @dataclass
 class EmulateConfig:
     """Emulated trouble, to watch the engine answer it (demos, tests): a layer that turns slow mid-run, a rank
-    that computes slower than its peers. A parameter server's slow machines are `parallel.slow_workers`."""
+    that computes slower than its peers, a rank that dies mid-technique. A parameter server's slow machines
+    are `parallel.slow_workers`."""
 
     slow_layer: str = setting("", "A layer (by name, e.g. `fc2`) whose every forward sleeps `slow_layer_ms` from "
                                   "step `slow_from_step` on, wherever it runs: a pipeline sees its stage fall "
@@ -360,6 +361,18 @@ class EmulateConfig:
                                  "boundary (the Devices panel flags both). -1: none.", min=-1)
     slow_rank_ms: float = setting(0.0, "Milliseconds the forward of `slow_rank` sleeps each step.", min=0.0,
                                   max=10_000.0)
+    kill_rank: int = setting(-1, "A rank that SIGKILLs itself the first time its technique reaches `kill_at` at "
+                                 "or after step `kill_step`, in the run's first attempt only (the restarted run "
+                                 "goes on): a fault in the middle of a technique's own moment, for tests of the "
+                                 "restart. -1: none.", min=-1)
+    kill_at: str = setting("migration", "Where `kill_rank` dies: `migration` (pipeline: a source once it sent the "
+                                        "moving layers' weights and state, a target once it received them), "
+                                        "`broadcast` (sharded: an owner with its slices part issued), "
+                                        "`host_update` (a host update handed to the host thread, not landed), "
+                                        "`window` (param_server, soft or bsp: a server whose layer window "
+                                        "holds a gradient and is still open).",
+                           choices=("migration", "broadcast", "host_update", "window"))
+    kill_step: int = setting(0, "The first step (counted from 0) at which `kill_rank` may die.", min=0)
 
 
 @dataclass

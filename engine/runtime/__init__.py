@@ -9,8 +9,8 @@
   exchange (every rank's figures, the operator's commands); layer_rows.py: the console's layer
   table, gathered on rank 0 from the stages or the owners that know each layer.
 - topology.py: the one place that owns ranks and process groups (compute, streams, side group).
-- devices.py: CUDA GPU or CPU with the memory ledger; profiler.py: per-layer times; emulate.py: a
-  layer made slow mid-run.
+- devices.py: CUDA GPU or CPU with the memory ledger; profiler.py: per-layer times; emulate.py: emulated
+  trouble (a layer made slow mid-run, a slow rank, a rank killed at a technique's moment).
 - checkpoint.py: atomic checkpoints with checksums; procpool.py, cluster.py: process pools for tests
   and benches, and the emulated cluster (network namespaces, shaped links); children.py: a command's
   child runs, each in a process session of its own, stopped with the command (signals included).

@@ -35,6 +35,10 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used, with the reason and the file."""
 
 
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint that could not be written (a full disk): the run stops, the previous checkpoint whole."""
+
+
 def checkpoints_dir(run_dir: Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
@@ -82,6 +86,25 @@ def finalize(run_dir: Path, step: int, meta: dict, keep: int) -> Path:
     _fsync_dir(final.parent)
     prune(run_dir, keep)
     return final
+
+
+def agree_written(group, rank: int, run_dir: Path, step: int, failed: OSError | None) -> None:
+    """Every rank of `group`, after its part of checkpoint `step`: whether any rank's write failed (`failed`,
+    a full disk). If one did, every rank raises CheckpointWriteError together (none is left waiting at a
+    barrier for one that gave up), rank 0 removes the staged folder, and the previous checkpoint is untouched."""
+    import torch.distributed as dist
+    flag = torch.tensor([0.0 if failed is None else float(rank + 1)])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    if flag.item() == 0:
+        return
+    if rank == 0:
+        shutil.rmtree(staging_dir(run_dir, step), ignore_errors=True)
+    why = f"{failed.strerror or failed}" if failed is not None else f"rank {int(flag.item()) - 1}'s write failed"
+    published = list_checkpoints(run_dir)
+    previous = (f"the previous checkpoint, {published[-1]}, is whole: resume from it with --resume {run_dir}"
+                if published else "there is no earlier checkpoint")
+    raise CheckpointWriteError(f"the checkpoint of step {step} could not be written in {checkpoints_dir(run_dir)}: "
+                               f"{why}; {previous}")
 
 
 def _fsync_dir(path: Path) -> None:
@@ -146,6 +169,24 @@ def verify(path: Path) -> dict:
         if _sha256(file) != want["sha256"]:
             raise CheckpointError(f"{file}: corrupted (checksum does not match the manifest)")
     return manifest
+
+
+def verify_or_offer(path: Path) -> dict:
+    """verify(path); where the checkpoint is damaged, the error also offers the newest earlier checkpoint of
+    the same run that verifies (what `--resume` can take instead), if there is one."""
+    try:
+        return verify(path)
+    except CheckpointError as e:
+        path = Path(path)
+        earlier = [c for c in list_checkpoints(path.parent.parent) if c.name < path.name]
+        for candidate in reversed(earlier):
+            try:
+                step = verify(candidate)["step"]
+            except CheckpointError:
+                continue
+            raise CheckpointError(f"{e}. The previous checkpoint verifies (step {step}): resume from it with "
+                                  f"--resume {candidate}") from None
+        raise
 
 
 def load_file(path: Path, name: str):

@@ -172,6 +172,27 @@ class MemoryLedger:
             self.bytes["activations"] += nbytes
             self._note_peak()
 
+    @contextmanager
+    def by_units(self, key, exact: bool = False):
+        """One step of equal units (a pipeline stage's micro-batches) keyed `key`: counted by tensor through the
+        hooks until a unit's bytes are known (unit_bytes; always where `exact`), then booked a unit at a time.
+
+            with ledger.by_units(key) as units:
+                units.forward_begin(); ...forward...; units.forward_end()
+                ...backward...; units.backward_end()
+        """
+        units = _Units(self, None if exact else self.unit_bytes(key))
+        try:
+            if units.unit is None:
+                with self.saved_activations():
+                    yield units
+                if not exact:
+                    self.unit_counted(key, units.counted)
+            else:
+                yield units
+        finally:
+            self.exact_due = False   # asked for one step (engine/runtime/profiler.py, engine/techniques/memory/)
+
     def pack_tensor(self, t: torch.Tensor):
         """Count `t` as a live activation until the returned handle is dropped (`t` itself outside
         `saved_activations()`, or for a parameter). It runs for every tensor autograd saves, parameters
@@ -236,6 +257,28 @@ class MemoryLedger:
             return {**{f"{k}_bytes": v for k, v in self.bytes.items()},
                     "used_bytes": self.used_bytes, "peak_bytes": self.peak_bytes,
                     "capacity_bytes": self.capacity_bytes, "over_capacity": self.over_capacity}
+
+
+class _Units:
+    """A step's units for MemoryLedger.by_units: each unit's bytes as the hooks count them, or booked at once."""
+
+    __slots__ = ("ledger", "unit", "counted", "_held")
+
+    def __init__(self, ledger: MemoryLedger, unit: int | None):
+        self.ledger, self.unit, self.counted, self._held = ledger, unit, [], 0
+
+    def forward_begin(self) -> None:
+        self._held = self.ledger.bytes["activations"]
+
+    def forward_end(self) -> None:
+        if self.unit is None:
+            self.counted.append(self.ledger.bytes["activations"] - self._held)
+        else:
+            self.ledger.add_unit(self.unit)
+
+    def backward_end(self) -> None:
+        if self.unit is not None:
+            self.ledger.add_unit(-self.unit)
 
 
 class _Saved:

@@ -1,17 +1,28 @@
-"""Emulated trouble for demos and tests (`[emulate]`): a layer that turns slow mid-run, a slow rank.
+"""Emulated trouble for demos and tests (`[emulate]`): a layer that turns slow mid-run, a slow rank, a rank
+that dies in the middle of a technique.
 
     slow = SlowLayer.install(model, cfg.emulate)   # None when no layer is named
     slow.step = step                                # the worker's step loop, before each step
     straggler = SlowRank.install(model, cfg.emulate, rank)   # None unless this rank is `slow_rank`
     straggler.step = step
+    fault = Fault.install(cfg.emulate, rank, restart)         # None unless this rank is `kill_rank`, first attempt
+    fault.step = step
+    reached("migration")                                       # in the technique, at its moment: maybe SIGKILL
 
 The layer's forward sleeps `slow_layer_ms` from step `slow_from_step` on. Every rank builds the
 whole model and the hook sits on the layer's module, so it stays slow wherever the layer runs,
 after a pipeline migration too; the pipeline's layer clock counts the sleep as the layer's time.
+
+A fault (`kill_rank`, `kill_at`, `kill_step`) kills a rank in the middle of a technique's own moment, where
+a kill from outside cannot aim: each technique calls `reached(MOMENT)` there, which costs a healthy run
+one global read and a comparison.
 """
 
 from __future__ import annotations
 
+import os
+import signal
+import sys
 import time
 
 
@@ -57,3 +68,43 @@ class SlowRank:
         if self.step >= self.from_step and self.slept_step != self.step:   # once a step, not per micro-batch
             self.slept_step = self.step
             time.sleep(self.sleep_s)
+
+
+class Fault:
+    """`emulate.kill_rank` SIGKILLs itself the first time its technique reaches `kill_at` at or after step
+    `kill_step`, in the first attempt of the run only (`restart` 0), so the restarted run goes on:
+
+    - `migration` (pipeline): a source once it has sent the leaving layers' weights and optimizer state,
+      a target once it has received them, before it takes them over;
+    - `broadcast` (sharded): an owner once it has issued one of its slices, the others still to come;
+    - `host_update` (hybrid update): once a layer's host update is handed to the executor, before it lands;
+    - `window` (param_server, soft or bsp): a server once a layer's window holds a gradient, before it closes.
+
+    The worker's step loop sets `step` (0-based, the step being trained); a parameter server passes its
+    global step to `reached`."""
+
+    def __init__(self, moment: str, from_step: int):
+        self.moment, self.from_step = moment, from_step
+        self.step = 0
+
+    @classmethod
+    def install(cls, emulate, rank: int, restart: int) -> "Fault | None":
+        """Arm this process's fault (or disarm it: None unless `rank` is `kill_rank` and `restart` is 0)."""
+        global FAULT
+        FAULT = cls(emulate.kill_at, emulate.kill_step) if emulate.kill_rank == rank and not restart else None
+        return FAULT
+
+
+FAULT: Fault | None = None   # this process's, once installed
+
+
+def reached(moment: str, step: int | None = None) -> None:
+    """A technique is at `moment`: the armed rank dies here, now (no cleanup, as a machine that fails)."""
+    fault = FAULT
+    if fault is None or fault.moment != moment:
+        return
+    step = fault.step if step is None else step
+    if step >= fault.from_step:
+        print(f"trainyard: emulate.kill_rank: rank {os.environ.get('RANK', '?')} kills itself at {moment} "
+              f"(step {step})", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -88,7 +88,7 @@ def prepare_run_dir(job: Job) -> None:
     if node:
         if job.resume is not None:
             job.resume = ckpt.resolve(job.resume)
-            ckpt.verify(job.resume)
+            ckpt.verify_or_offer(job.resume)
         else:   # an earlier run's agent logs are not this run's
             shutil.rmtree(agent_dir(run_dir, node), ignore_errors=True)
         (run_dir / "pids").mkdir(parents=True, exist_ok=True)
@@ -96,7 +96,7 @@ def prepare_run_dir(job: Job) -> None:
         return
     if job.resume is not None:
         job.resume = ckpt.resolve(job.resume)
-        manifest = ckpt.verify(job.resume)   # CheckpointError names the damaged file
+        manifest = ckpt.verify_or_offer(job.resume)   # CheckpointError names the damaged file (and an earlier one)
         if manifest.get("world_size") != cfg.parallel.world_size:
             raise ckpt.CheckpointError(
                 f"{job.resume}: written by {manifest.get('world_size')} workers; parallel.world_size is "
@@ -213,8 +213,7 @@ def interface_address(name: str) -> str:
 
 
 def _launch_config(job: Job, logs_dir: Path | None = None) -> LaunchConfig:
-    """The agent's settings; `logs_dir`: where it keeps its logs (None: torch's default, a folder it makes in
-    the system temp dir)."""
+    """The agent's settings; `logs_dir`: where it keeps its logs (None: nowhere, for a config only looked at)."""
     cfg, c = job.config, job.config.cluster
     local_addr = None
     if c.interface:
@@ -226,8 +225,9 @@ def _launch_config(job: Job, logs_dir: Path | None = None) -> LaunchConfig:
             "keep_alive_max_attempt": max(2, round(c.host_timeout_s))}
     common = dict(max_restarts=cfg.parallel.max_restarts, monitor_interval=0.1, start_method="spawn",
                   shutdown_timeout=cfg.parallel.shutdown_timeout_s, rdzv_backend="c10d", local_addr=local_addr)
-    if logs_dir is not None:
-        common["logs_specs"] = DefaultLogsSpecs(log_dir=str(logs_dir))
+    # torch's default (logs_specs None) makes a torchelastic_* folder in the system temp dir as soon as the
+    # config is built; without a folder of ours, os.devnull: none at all (a config only looked at)
+    common["logs_specs"] = DefaultLogsSpecs(log_dir=str(logs_dir) if logs_dir is not None else os.devnull)
     if c.nnodes == 1:
         return compat.launch_config(min_nodes=1, max_nodes=1, nproc_per_node=cfg.parallel.world_size,
                                     run_id=f"{cfg.run.name}-{os.getpid()}",
@@ -344,7 +344,11 @@ def _refusals(job: Job, folder: Path):
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    folder.mkdir(parents=True, exist_ok=True)
+    try:   # the runtime dir (the sockets' private folder): a full run directory must not lose the reason
+        from engine.telemetry.protocol import runtime_dir
+        folder = runtime_dir()
+    except OSError:   # RuntimeDirError (not private) included: the run's agent folder then
+        folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"refusal-{os.getpid()}-{time.monotonic_ns()}"
     job.launcher_pid, job.refusal_path = os.getpid(), str(path)
     raised = []

@@ -24,7 +24,7 @@ from engine.data import batch_for
 from engine.runtime import checkpoint as ckpt
 from engine.runtime.control import COLUMN, Peaks, encode_commands, exchange, rank_rows, share_commands
 from engine.precision import compute_in
-from engine.runtime.emulate import SlowLayer, SlowRank
+from engine.runtime.emulate import Fault, SlowLayer, SlowRank
 from engine.runtime.layer_rows import LayerRows
 from engine.runtime.profiler import LayerProfiler
 from engine.runtime.rank import Job, StopRequest, announce, build_rank, device_fields, place_on_host
@@ -83,6 +83,7 @@ class Worker:
         self.restart, self.device, self.data, self.model = build_rank(job, topo)
         self.slow_layer = SlowLayer.install(self.model, cfg.emulate)   # before any timing hook, so timed with it
         self.slow_rank = SlowRank.install(self.model, cfg.emulate, self.topo.rank)
+        self.fault = Fault.install(cfg.emulate, self.topo.rank, self.restart)   # emulate.kill_rank: first attempt
         self.strategy = make_strategy(cfg, self.model, topo, self.device)
         # a pipeline stage counts only its own layers (and follows them when they migrate)
         self.device.ledger.track_module(getattr(self.strategy, "ledger_module", self.model), self.strategy.optimizer)
@@ -151,6 +152,8 @@ class Worker:
                     self.slow_layer.step = step
                 if self.slow_rank:
                     self.slow_rank.step = step
+                if self.fault:
+                    self.fault.step = step
                 out_before, wait_before = self.memory.swapped_out_bytes(), self.memory.link_wait_s()
                 t0 = time.perf_counter()
                 with compute_in(cfg.precision, self.device.torch_device):   # bf16: under autocast
@@ -415,21 +418,33 @@ class Worker:
 
     # --- checkpoints, evaluation, the end ----------------------------------------
     def _save(self, step: int) -> None:
+        """Every rank writes its files, rank 0 publishes the checkpoint. A write that fails on any rank (a full
+        disk) stops the run on every rank with CheckpointWriteError, the staged files removed and the previous
+        checkpoint untouched: the ranks agree on it first, so none waits at a barrier for one that gave up."""
         staged = ckpt.staging_dir(self.run_dir, step)
         rng = {"torch": torch.get_rng_state()}
         if self.device.kind == "cuda":
             rng["cuda"] = torch.cuda.get_rng_state()
-        ckpt.write_file(staged, f"rank{self.topo.rank}.pt", rng)
-        self.strategy.save(staged)
-        dist.barrier(group=self.topo.side)
+        failed = None
+        try:
+            ckpt.write_file(staged, f"rank{self.topo.rank}.pt", rng)
+            self.strategy.save(staged)
+        except OSError as e:
+            failed = e
+        ckpt.agree_written(self.topo.side, self.topo.rank, self.run_dir, step, failed)
+        path, failed = None, None
         if self.topo.is_first:
             # Batches are a function of (step, seed), so the step is the whole data position.
             meta = {"name": self.cfg.run.name, "world_size": self.topo.world_size,
                     "data_position": {"step": step, "samples_seen": step * self.cfg.data.batch_size},
                     "layout": self.strategy.layout(), "config": self.cfg.to_dict()}
-            path = ckpt.finalize(self.run_dir, step, meta, keep=self.cfg.checkpoint.keep)
+            try:
+                path = ckpt.finalize(self.run_dir, step, meta, keep=self.cfg.checkpoint.keep)
+            except OSError as e:
+                failed = e
+        ckpt.agree_written(self.topo.side, self.topo.rank, self.run_dir, step, failed)
+        if path is not None:
             self.tel.event("checkpoint", step, path=str(path))
-        dist.barrier(group=self.topo.side)
 
     @torch.no_grad()
     def evaluate(self) -> float | None:

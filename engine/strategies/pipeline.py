@@ -57,7 +57,6 @@ synchronize). `device_clock`: the clock to read (by default the device's; tests 
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 
@@ -313,11 +312,8 @@ class PipelineStage:
             ranges.append(check_stages(self.model.names, move.new)[self.rank])
         # the ledger counts each saved tensor through autograd's hooks until it knows what a micro-batch of this
         # layout and batch shape saves; then each micro-batch at once (MemoryLedger.unit_bytes: the same peak)
-        ledger = self.device.ledger
         key = (self.start, self.end, tuple(x.shape), x.dtype)
-        unit = ledger.unit_bytes(key) if move is None else None
-        counted: list[int] = []   # each micro-batch's saved bytes, where the hooks count them
-        with ledger.saved_activations() if unit is None else contextlib.nullcontext():
+        with self.device.ledger.by_units(key, exact=move is not None) as units:
             for op, i in schedule_ops(self.schedule, self.stages, self.rank, m):
                 new_layout = move is not None and move.use_new(i)
                 if op == "F":
@@ -330,7 +326,7 @@ class PipelineStage:
                     else:
                         inp = received.requires_grad_(True)
                     start, end = ranges[1] if new_layout else ranges[0]
-                    held = ledger.bytes["activations"]
+                    units.forward_begin()
                     out = self.clock.forward(self.model.layers, start, end, inp)
                     if self.is_last:
                         # the labels' own copy too: a view would share one storage across the micro-batches
@@ -341,10 +337,7 @@ class PipelineStage:
                         self._send(out, self.next, FWD_TAG, new_layout)
                         outputs[i] = out
                     inputs[i] = inp
-                    if unit is None:
-                        counted.append(ledger.bytes["activations"] - held)
-                    else:
-                        ledger.add_unit(unit)
+                    units.forward_end()
                     times.add("fwd_ms", t0, times.mark())
                 else:
                     out, inp = outputs.pop(i), inputs.pop(i)
@@ -355,12 +348,8 @@ class PipelineStage:
                     if not self.is_first:
                         self._send(inp.grad if inp.grad is not None else torch.zeros_like(inp), self.prev, BWD_TAG,
                                    new_layout)
-                    if unit is not None:
-                        ledger.add_unit(-unit)
+                    units.backward_end()
                     times.add("bwd_ms", t0, times.mark())
-        if unit is None and move is None:
-            ledger.unit_counted(key, counted)
-        ledger.exact_due = False   # asked for this step (engine/runtime/profiler.py, engine/techniques/memory/)
         if move is not None:
             move.finish()   # partial gradients change hands before the update
             self._set_layout(move.new)

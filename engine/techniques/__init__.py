@@ -10,5 +10,5 @@ communication.
 - ps_sync.py: technique 5's sync rules (soft windows, bsp, asp, ssp, staleness scaling).
 
 Imports: engine.config, engine.optim and engine.runtime's lower modules (devices, profiler,
-topology, checkpoint). Never a strategy, engine.runtime.worker or engine.runtime.launch.
+topology, checkpoint, emulate). Never a strategy, engine.runtime.worker or engine.runtime.launch.
 """

@@ -44,6 +44,7 @@ from collections import deque
 import torch
 
 from engine.config import OptimConfig, UpdateConfig
+from engine.runtime import emulate
 from engine.runtime.devices import LedgerDevice
 from engine.runtime.profiler import LayerProfiler
 from engine.techniques.layer_update import HostExecutor, LayerUpdate, default_host_threads
@@ -219,6 +220,7 @@ class HybridUpdater:
                 self._link_bytes += u.link_bytes()
         if u.side == "host":
             self.executor.submit(u)
+            emulate.reached("host_update")   # emulate.kill_at: handed to the host thread, not landed
         else:
             self._device_ready.append(u)
 

@@ -42,6 +42,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from engine.runtime import emulate
+
 STATE_TAG, GRAD_TAG = 2, 3
 
 
@@ -161,6 +163,7 @@ class Migration:
             works, nbytes = send_blob(blob, self._peer(dst), STATE_TAG, st.group, st.device.torch_device)
             self._works += [(w, t, dst, indices) for w, t in works]
             self.sent_bytes += nbytes
+            emulate.reached("migration")   # emulate.kill_at: a source with the state on its way
 
     def receive_state(self) -> None:
         """Targets: take over the arriving layers; then every rank's state sends are complete."""
@@ -170,6 +173,7 @@ class Migration:
                 blob, _ = recv_blob(self._peer(src), STATE_TAG, st.group, st.device.torch_device)
             except Exception as e:
                 raise self._fail("weights from", indices, src, e) from e
+            emulate.reached("migration")   # emulate.kill_at: a target holding the state, not taken over
             for i in indices:
                 entry, layer = blob[st.model.names[i]], st.model.layers[i]
                 with torch.no_grad():

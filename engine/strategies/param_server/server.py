@@ -20,7 +20,7 @@ import torch
 
 from engine.optim import make_optimizer
 from engine.precision import reduce_dtype
-from engine.runtime import checkpoint as ckpt
+from engine.runtime import checkpoint as ckpt, emulate
 from engine.runtime.control import row_values
 from engine.strategies.param_server.links import (
     ACK, ALL_LAYERS, BYE, CKPT, CONTROL, FINISH, GATHER, GRAD, LOST, PING, PROFILE, PULL, SERVER_STATS,
@@ -57,6 +57,7 @@ class PSServer:
         self.profiles: dict[int, list[float]] = {}
         self.inbox: queue.Queue = queue.Queue()
         self.finished = False
+        self.fault = emulate.Fault.install(cfg.emulate, self.rank, s.restart)   # emulate.kill_rank: first attempt
         s.restore(self)
         for link in s.links.values():
             link.receive_into(self.inbox)
@@ -91,6 +92,8 @@ class PSServer:
                 self.count[m.layer] += 1
                 grad = m.payload if m.payload is None else m.payload.to(self.reduce_dtype)
                 self.apply(m.layer, self.sync[m.layer].offer(Arrival(m.peer, m.version, m.t, grad)))
+                if self.fault and self.sync[m.layer].window is not None:   # emulate.kill_at: a window holds it
+                    emulate.reached("window", self.global_step())
         elif m.kind == PULL:
             if m.payload is not None:
                 self.worker_stats(m)

@@ -261,14 +261,29 @@ def supervise(job) -> None:
     pid_dir = job.config.run_dir / "pids"
     pid_dir.mkdir(parents=True, exist_ok=True)
     (pid_dir / f"rank{rank}.supervisor.pid").write_text(str(os.getpid()))
+    forwarded = []
+
+    def forward(signum, frame):
+        forwarded.append(signum)
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:   # it ended just now
+            pass
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda signum, frame: os.kill(pid, signum))
+        signal.signal(sig, forward)
     while True:
         try:
             _, status = os.waitpid(pid, 0)
             break
         except InterruptedError:
             continue
+    # the child is gone: the agent's next signal ends this process (a handler left here would swallow it, and
+    # the agent waited 30 s before its SIGKILL; one that met the child gone raised, and torch pickled that
+    # error into the temp dir)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+    if forwarded:   # the agent is stopping the group and reads no return value (it would wait for one)
+        os._exit(0)
     code = os.waitstatus_to_exitcode(status)
     if code != 0:
         how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from engine.runtime import checkpoint as ckpt
+from engine.runtime import checkpoint as ckpt, emulate
 from engine.config import OptimConfig, UpdateConfig
 from engine.strategies.ddp import COMMANDS, cross_entropy, params_by_layer, stream_entry
 from engine.runtime.devices import LedgerDevice, tensor_bytes
@@ -232,11 +232,13 @@ class ShardedStrategy:
             buffer = self.flat[s.owner][s.start:s.stop]
             if self.tiers is not None:   # across hosts to the owner's peers; the stream's thread does the rest
                 self._works.append(self.tiers.send(i, s, buffer, meter))
-                continue
-            t0 = meter.started(tensor_bytes(buffer))
-            work = dist.broadcast(buffer, src=s.owner, group=self.groups[s.stream], async_op=True)
-            work.get_future().then(lambda _fut, m=meter, t=t0: m.finished(t))
-            self._works.append(work)
+            else:
+                t0 = meter.started(tensor_bytes(buffer))
+                work = dist.broadcast(buffer, src=s.owner, group=self.groups[s.stream], async_op=True)
+                work.get_future().then(lambda _fut, m=meter, t=t0: m.finished(t))
+                self._works.append(work)
+            if s.owner == self.rank:   # emulate.kill_at: an owner with a slice out and the rest to come
+                emulate.reached("broadcast")
 
     def _gate(self, index: int):
         def hook(module, args) -> None:

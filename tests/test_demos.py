@@ -32,7 +32,10 @@ class Terminal:
     def __init__(self, cwd: Path, runtime_dir: Path):
         self.cwd, self.socket = cwd, f"ty-test-{os.getpid()}-{time.monotonic_ns()}"
         self.pid_file: Path | None = None
-        self.env = {**os.environ, "TRAINYARD_RUNTIME_DIR": str(runtime_dir), "OMP_NUM_THREADS": "1",
+        # the terminal's own size (160x50): Textual would take COLUMNS/LINES over it (pytest-xdist's workers set
+        # COLUMNS=80, and the console then folds the Layers panel into a tab)
+        inherited = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+        self.env = {**inherited, "TRAINYARD_RUNTIME_DIR": str(runtime_dir), "OMP_NUM_THREADS": "1",
                     "TERM": "xterm-256color"}
 
     def tmux(self, *args: str) -> str:

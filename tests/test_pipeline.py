@@ -79,8 +79,9 @@ def ledger_job(topo, schedule: str) -> dict:
         stage = PipelineStage(model, SPLITS[topo.world_size], topo, device, _optim("adamw"), 4, schedule)
         device.ledger.track_module(model, stage.optimizer)
         peaks[how], booked = [], []
-        add_unit = device.ledger.add_unit
-        device.ledger.add_unit = lambda nbytes: (booked.append(nbytes), add_unit(nbytes))
+        add = device.ledger.add   # a micro-batch booked at once: activations added outside the hooks
+        device.ledger.add = lambda category, nbytes: (booked.append(nbytes) if category == "activations" else None,
+                                                      add(category, nbytes))
         for x, y in _batches():
             device.ledger.exact_due = how == "tensors"
             device.ledger.reset_peak()

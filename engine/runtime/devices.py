@@ -147,30 +147,27 @@ class MemoryLedger:
     # --- counting a unit of work at once --------------------------------------------------------
     def unit_bytes(self, key) -> int | None:
         """The bytes one unit of work keyed `key` saves, where this step may count them at once (in
-        `add_unit`) instead of through the saved-tensor hooks; None where the hooks must count: nothing
+        `add("activations", ...)`) instead of through the saved-tensor hooks; None where the hooks must count: nothing
         measured for `key` yet, a step that reads per-layer bytes, a layer that swaps or recomputes (its
         tensors come and go inside the unit), or a key whose units were seen to differ (data-dependent
         shapes). The peak is the same either way: saved bytes only grow during a forward and only shrink
         during a backward, so the most a unit holds is what it holds at its forward's end."""
-        if (not self.count_activations or self.exact_due or not self.all_keep or self.swapper is not None
-                or key in self._varies):
+        if not self._units_apply() or self.exact_due or key in self._varies:
             return None
         return self._unit_bytes.get(key)
 
+    def _units_apply(self) -> bool:
+        """Whether a unit's bytes mean anything now: counted at all, every layer keeping what it saves."""
+        return self.count_activations and self.all_keep and self.swapper is None
+
     def unit_counted(self, key, units: list[int]) -> None:
         """What the hooks counted for each unit of a step keyed `key` (every layer keeping its activations)."""
-        if not self.all_keep or self.swapper is not None or not units:
+        if not self._units_apply() or not units:
             return
         known = self._unit_bytes.get(key)
         if len(set(units)) > 1 or (known is not None and known != units[0]):
             self._varies.add(key)
         self._unit_bytes[key] = units[0]
-
-    def add_unit(self, nbytes: int) -> None:
-        """A unit's saved bytes, on at its forward's end (`nbytes`) and off at its backward's (`-nbytes`)."""
-        with self._lock:
-            self.bytes["activations"] += nbytes
-            self._note_peak()
 
     @contextmanager
     def by_units(self, key, exact: bool = False):
@@ -274,11 +271,11 @@ class _Units:
         if self.unit is None:
             self.counted.append(self.ledger.bytes["activations"] - self._held)
         else:
-            self.ledger.add_unit(self.unit)
+            self.ledger.add("activations", self.unit)
 
     def backward_end(self) -> None:
         if self.unit is not None:
-            self.ledger.add_unit(-self.unit)
+            self.ledger.add("activations", -self.unit)
 
 
 class _Saved:

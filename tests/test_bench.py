@@ -77,6 +77,28 @@ def test_bench_ps_reports_time_to_target_and_accuracy_per_mode(cli):
         assert set(row["iterations"]) == {"2", "3", "4", "5"}
 
 
+@pytest.mark.timeout(240)
+@pytest.mark.slow   # two parameter-server runs of 5 processes
+def test_bench_ps_repeat_reports_each_modes_distribution_over_the_same_seeds(cli):
+    r = cli.run("bench", "ps", "--json", "--repeat", "1", "--steps", "12", "--servers", "1", "--modes",
+                "bsp,soft:rounds", timeout=230)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert report["seeds"] == [0] and report["slow_worker"] == {"rank": 4, "factor": 3.0}
+    assert list(report["modes"]) == list(report["runs"]) == ["bsp", "soft:rounds"]
+    for mode, runs in report["runs"].items():
+        (run,) = runs
+        assert run["seed"] == 0 and run["steps"] == 12 and 0 <= run["final_accuracy"] <= 1
+        assert report["modes"][mode]["final_accuracy"] == {"worst": run["final_accuracy"], "p10": run["final_accuracy"],
+                                                           "median": run["final_accuracy"], "best": run["final_accuracy"]}
+    (bsp,) = report["runs"]["bsp"]
+    # every bsp update holds every worker's fresh gradient: one a step, a full step's worth each
+    assert bsp["mean_staleness"] == bsp["max_staleness"] == 0 and bsp["applied_per_step"] == bsp["updates_per_step"]
+    assert 0.9 <= bsp["updates_per_step"] <= 1.1
+    bad = cli.run("bench", "ps", "--repeat", "1", "--modes", "soft:steps")
+    assert bad.returncode == 2 and "--modes: soft:steps" in bad.stderr
+
+
 @pytest.mark.timeout(120)
 def test_bench_memory_reports_every_variant_beside_torchs_own(cli):
     r = cli.run("bench", "memory", "--json", "--rounds", "1", "--steps", "1", "--d-model", "32", "--depth", "1",

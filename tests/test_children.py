@@ -211,6 +211,29 @@ def test_a_bench_killed_mid_run_leaves_no_process_and_no_folder(cli, own_tmp, se
     assert not list(cli.runtime_dir.glob("bench-*")), "bench telemetry's runtime folder for its runs is left"
 
 
+POOL_BENCHES = {   # benches whose ranks are a DistPool's processes, in the bench's own session
+    "broadcast": ["--world", "2", "--rounds", "1000", "--hidden", "64", "--depth", "4", "--steps", "3"],
+    "pipeline": ["--stages", "2", "--rounds", "1000"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("name", list(POOL_BENCHES))
+def test_a_pool_bench_killed_mid_run_leaves_no_rank_behind(cli, own_tmp, sessions, name):
+    """A bench measuring in a DistPool, SIGTERMed while its ranks work: the ranks are killed with it (they
+    were orphaned, spawned processes still running the job)."""
+    bench = cli.start("bench", name, "--json", *POOL_BENCHES[name])
+    sessions.append(bench.pid)
+    ranks = wait_for(lambda: [p for p in psutil.Process(bench.pid).children() if "spawn" in " ".join(p.cmdline())]
+                     or None, 30, "the pool's ranks")
+    time.sleep(3)   # into the measuring
+    assert all(p.is_running() for p in ranks) and bench.poll() is None
+    assert_gone_after(signal.SIGTERM, bench.pid, proc=bench)
+    assert bench.wait() == -signal.SIGTERM
+    assert not list(own_tmp.iterdir())
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux (Debian's tmux package)")

@@ -10,7 +10,7 @@ import pytest
 
 from engine.runtime import compat
 from engine.config import load_config
-from engine.runtime.launch import _launch_config
+from engine.runtime.launch import _launch_config, start_method
 from engine.runtime.rank import Job
 
 DDP = "demo/configs/digits_ddp.toml"
@@ -59,7 +59,7 @@ def test_an_older_launcher_still_builds_the_config_and_says_so_once(monkeypatch,
         assert not hasattr(cfg, "shutdown_timeout")
         assert cfg.nproc_per_node * job.config.cluster.nnodes == job.config.parallel.world_size
         assert cfg.max_nodes == job.config.cluster.nnodes
-        assert cfg.rdzv_backend == "c10d" and cfg.start_method == "spawn"
+        assert cfg.rdzv_backend == "c10d" and cfg.start_method == start_method()
         assert {"timeout", "join_timeout"} <= set(cfg.rdzv_configs)
     err = capsys.readouterr().err
     assert err.count("trainyard: ") == 1, err

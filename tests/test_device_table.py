@@ -257,14 +257,15 @@ def test_devices_table_64_ranks_on_8_hosts(snap_compare, tmp_path):
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("strategy", ["ddp", "sharded"])
 def test_a_real_straggler_is_flagged_by_its_compute_and_its_peers_as_waiting(cli, strategy):
-    """Four CPU workers, rank 2 made slow by `[emulate] slow_rank`: every rank's wall step is the same, yet
-    the log's rows (compact columns between full rows, filled in) single out rank 2's compute, and its
-    peers wait for it (ddp inside backward, sharded in the reduce)."""
+    """Four CPU workers, rank 2 made slow by `[emulate] slow_rank` (150 ms a step: far more than a busy
+    host adds to a peer's compute; at 60 ms a peer was flagged once beside another test): every rank's
+    wall step is the same, yet the log's rows (compact columns between full rows, filled in) single out
+    rank 2's compute, and its peers wait for it (ddp inside backward, sharded in the reduce)."""
     from tests.conftest import ROOT, read_jsonl
     log = cli.tmp_path / "straggler.jsonl"
     r = cli.run("run", str(ROOT / "demo" / "configs" / "digits_ddp.toml"), "--headless", "--steps", "8",
                 *cli.base_args(f"straggler-{strategy}"), "--set", f"parallel.strategy={strategy}",
-                "--set", "parallel.world_size=4", "--set", "emulate.slow_rank=2", "--set", "emulate.slow_rank_ms=60",
+                "--set", "parallel.world_size=4", "--set", "emulate.slow_rank=2", "--set", "emulate.slow_rank_ms=150",
                 "--set", "telemetry.rank_every=3", "--set", "run.eval_every=0", "--telemetry-log", str(log),
                 timeout=140)
     assert r.returncode == 0, r.stderr

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import time
 
 import pytest
 import torch
@@ -112,6 +113,37 @@ def test_the_compute_threads_waits_for_a_slow_link_are_counted():
         cross_entropy(model(x), y).backward()   # the last layer's storages are fetched the moment they are needed
     assert policies.link_wait_s() > 0
     policies.close()
+
+
+def test_a_prefetch_waits_for_room_however_slow_the_compute_and_lands_at_once_when_backward_needs_it():
+    """A prefetch with no room on the device stays on the host until room comes (it used to land after
+    0.5 s whatever the room, and on a busy host took the tour's pipeline 1.1 MiB over its 8 MiB), and
+    comes back at once, room or not, when backward asks for it."""
+    from engine.techniques.memory import HostLink, Swapper
+    device = LedgerDevice(1 << 20)
+    ledger = device.ledger
+    link = HostLink(torch.device("cpu"))
+    swapper = ledger.swapper = Swapper(ledger, link)
+    w = torch.randn(64, 64, requires_grad=True)
+    swapper.group = []
+    with ledger.saved_activations():
+        y = torch.tanh(torch.randn(32, 64) @ w)   # two storages saved: the matmul's input, tanh's output
+        group, swapper.group = swapper.group, None
+        link.flush()
+        assert [e.state for e in group] == ["host", "host"]
+        room = ledger.capacity_bytes - ledger.used_bytes
+        ledger.bytes["activations"] += room   # the rest of the stage's forward fills the device
+        swapper.prefetch(group)
+        time.sleep(1.0)
+        assert [e.state for e in group] == ["in", "in"] and ledger.used_bytes <= ledger.capacity_bytes
+        ledger.bytes["activations"] -= group[0].nbytes   # room for the first only
+        assert group[0].ready.wait(5) and not group[1].ready.wait(0.5)
+        assert ledger.used_bytes <= ledger.capacity_bytes
+        y.sum().backward()   # backward needs the second now: it comes back over the capacity
+    assert group[1].ready.is_set() and w.grad is not None
+    ledger.bytes["activations"] -= room - group[0].nbytes
+    assert ledger.bytes["activations"] == ledger.bytes["swapped"] == 0
+    link.close()
 
 
 # --- the plan ------------------------------------------------------------------------------------------

@@ -55,6 +55,10 @@ def test_bsp_equals_synchronous_data_parallel(cli):
     assert last["ps"]["mode"] == "bsp"
     reported = [layer for layer in last["ps"]["layers"] if layer["version"]]   # server 1's figures may lag
     assert reported and all(layer["window_workers"] == 2 and layer["mean_staleness"] == 0 for layer in reported)
+    # the servers' tally: each update both workers' gradients, none stale, a full step's worth applied
+    for layer in reported:
+        assert layer["gradients"] == 2 * layer["windows"] == 2 * layer["version"], layer
+        assert layer["staleness_sum"] == layer["staleness_max"] == 0 and layer["applied"] == layer["windows"], layer
     assert [r["role"] for r in last["ranks"]] == ["server", "server", "worker", "worker"]
 
 

@@ -44,6 +44,50 @@ def test_soft_window_takes_what_arrives_within_the_openers_slack():
     assert sync.version == 2
 
 
+def test_in_rounds_a_gradients_staleness_is_how_far_the_layer_moved_not_how_many_windows_closed():
+    """Four fresh gradients of version 0, in four windows of one (the first layer's windows are that short): in
+    versions each later one is a window staler and counts less (1, 1/2, 1/3, 1/4 of a quarter); in rounds each
+    window moved the layer a quarter of a round (scaled), so the four count 0.78 of a round where one window of four counts 1."""
+    def split(unit: str) -> list:
+        sync = soft(unit=unit)
+        sync.window_s = {w: 0.0 for w in W}
+        got = []
+        for i, w in enumerate(sorted(W)):
+            got += sync.offer(Arrival(w, 0, 1.0 + i * 0.01, grad(1)))
+        got += sync.due(2.0)
+        assert [u.workers for u in got] == [[2], [3], [4], [5]]
+        return got
+    versions = split("versions")
+    assert [u.staleness for u in versions] == [[0], [1], [2], [3]]
+    assert sum(u.scales[0] for u in versions) == pytest.approx((1 + 1 / 2 + 1 / 3 + 1 / 4) / 4)   # 0.52 of a round
+    rounds = split("rounds")
+    moved, expect = 0.0, []
+    for _ in range(4):   # each gradient: staleness = the scales applied since version 0
+        scale = staleness_scale(moved, True) / 4
+        expect.append((moved, scale))
+        moved += scale
+    assert [(u.staleness[0], u.scales[0]) for u in rounds] == [(pytest.approx(s), pytest.approx(c)) for s, c in expect]
+    assert sum(u.scales[0] for u in rounds) == pytest.approx(moved) and moved > 0.77   # 0.78 of a round
+    # one window of all four: the same in both units
+    whole = [soft(unit=unit) for unit in ("versions", "rounds")]
+    for sync in whole:
+        for i, w in enumerate(sorted(W)):
+            last = sync.offer(Arrival(w, 0, 1.0 + i * 0.001, grad(1)))
+        assert last[0].scales == [0.25] * 4 and last[0].staleness == [0] * 4 and sync.moved == 1.0
+
+
+def test_in_rounds_a_version_from_before_a_restore_counts_in_versions():
+    sync = soft(unit="rounds")
+    sync.restore(40)
+    sync.window_s = {w: 0.0 for w in W}
+    (first,) = sync.offer(Arrival(2, 40, 1.0, grad(1))) + sync.due(1.5)
+    assert first.staleness == [0.0] and sync.version == 41 and sync.moved == pytest.approx(0.25)
+    (old,) = sync.offer(Arrival(3, 38, 2.0, grad(1))) + sync.due(2.5)   # read before the checkpoint was written
+    assert old.staleness == [3.0]
+    with pytest.raises(ValueError, match="staleness unit 'steps'; one of versions, rounds"):
+        LayerSync("soft", W, unit="steps")
+
+
 def test_soft_window_closes_early_when_every_live_worker_is_in():
     sync = soft()
     for i, w in enumerate(sorted(W)):

@@ -15,6 +15,14 @@ and the ratios to bsp. A run is ended by the `stop` command through its socket, 
 operator would.
 
     trainyard bench ps [--json] [--seconds 30] [--modes bsp,asp,ssp,soft] [--slow 3.0]
+
+`--repeat N` asks instead how much a mode's result depends on luck: N runs per mode of `--steps` steps
+each (300 by default), seeds 0 to N-1, the same seeds in every mode, each run to its end; the figures are
+each run's final test accuracy and the distribution per mode (worst, 10th percentile, median, best), with
+what the servers' tally says of each run: updates per step, mean and largest staleness, and how many
+full steps' worth of gradient were applied per step (docs/param_server.md).
+
+    trainyard bench ps --repeat 30 --servers 1 --modes soft,bsp,asp
 """
 
 from __future__ import annotations
@@ -92,6 +100,91 @@ def run_mode(runs: ChildRuns, mode: str, seconds: float, slow: float, eval_every
             "mean_staleness": {layer["name"]: layer["mean_staleness"] for layer in last["ps"]["layers"]}}
 
 
+def run_seed(runs: ChildRuns, mode: str, seed: int, steps: int, servers: int, slow: float, workdir: Path,
+             extra: list[str]) -> dict:
+    """One run in `mode` with `seed`, `steps` steps to its end: its final accuracy and the servers' tally."""
+    sync, _, unit = mode.partition(":")   # soft:versions -- a mode with parallel.staleness_unit set
+    name = f"bench-ps-{sync}-{unit or 'default'}-{seed}-{os.getpid()}"
+    log = workdir / f"{sync}-{unit}-{seed}.jsonl"
+    slow_rank = servers + 3   # the last of the 4 workers
+    if unit:
+        extra = [*extra, "--set", f"parallel.staleness_unit={unit}"]
+    cmd = [sys.executable, "-m", "engine.cli", "run", str(CONFIG), "--headless", "--telemetry-log", str(log),
+           "--set", f"run.dir={workdir / 'runs'}", "--set", f"run.name={name}", "--set", f"run.steps={steps}",
+           "--set", f"run.seed={seed}", "--set", f"run.eval_every={steps}", "--set", "checkpoint.every=0",
+           "--set", f"parallel.sync={sync}", "--set", f"parallel.servers={servers}",
+           "--set", f"parallel.world_size={servers + 4}", "--set", f"parallel.slow_workers={{{slow_rank} = {slow}}}",
+           *extra]
+    proc = runs.start(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                      env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        _, err = proc.communicate(timeout=600)
+    finally:
+        runs.stop(proc)
+    records = _records(log)
+    if proc.returncode != 0 or not records or records[-1].get("type") != "summary":
+        raise RuntimeError(f"bench ps: the {mode} run with seed {seed} failed (exit {proc.returncode}): "
+                           f"{err.strip()[-600:]}")
+    log.unlink()
+    last = [r for r in records if r.get("type") == "step"][-1]
+    layers = last["ps"]["layers"]
+    done = max(last["step"], 1)
+    grads = sum(layer.get("gradients", 0) for layer in layers)
+    return {"seed": seed, "final_accuracy": records[-1]["test_accuracy"], "steps": records[-1]["steps"],
+            "updates_per_step": round(sum(layer.get("windows", 0) for layer in layers) / len(layers) / done, 3),
+            "mean_staleness": round(sum(layer.get("staleness_sum", 0) for layer in layers) / grads, 3) if grads else 0.0,
+            "max_staleness": max((layer.get("staleness_max", 0) for layer in layers), default=0),
+            "applied_per_step": round(sum(layer.get("applied", 0.0) for layer in layers) / len(layers) / done, 4)}
+
+
+def distribution(values: list[float]) -> dict:
+    """Worst, 10th percentile, median and best of `values` (nearest rank)."""
+    ordered = sorted(values)
+    at = lambda q: ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+    median = (ordered[(len(ordered) - 1) // 2] + ordered[len(ordered) // 2]) / 2
+    return {"worst": ordered[0], "p10": at(0.1), "median": median, "best": ordered[-1]}
+
+
+def measure_repeat(modes, repeat: int, steps: int, servers: int, slow: float, hidden: int, batch: int) -> dict:
+    extra = ["--set", f"model.hidden={hidden}", "--set", f"data.batch_size={batch}"]
+    results: dict[str, list[dict]] = {mode: [] for mode in modes}
+    with ChildRuns() as runs:
+        work = runs.temp_dir("trainyard-bench-ps-")
+        for seed in range(repeat):   # seed by seed, every mode: drift on the machine hits the modes alike
+            for mode in modes:
+                results[mode].append(run_seed(runs, mode, seed, steps, servers, slow, work, extra))
+    summary = {mode: {key: distribution([run[key] for run in rows])
+                      for key in ("final_accuracy", "updates_per_step", "mean_staleness", "applied_per_step")}
+               for mode, rows in results.items()}
+    return {"servers": servers, "workers": 4, "slow_worker": {"rank": servers + 3, "factor": slow}, "steps": steps,
+            "hidden": hidden, "batch_size": batch, "repeat": repeat, "seeds": list(range(repeat)),
+            "modes": summary, "runs": results}
+
+
+def print_repeat(out: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+    table = Table(title=f"bench ps --repeat {out['repeat']}: digits, {out['servers']} server(s), 4 workers, worker "
+                        f"{out['slow_worker']['rank']} {out['slow_worker']['factor']:g}x slower (emulated), "
+                        f"{out['steps']} steps, seeds 0-{out['repeat'] - 1}; CPU ledger (simulated devices)")
+    for col in ("mode", "worst", "p10", "median", "best", "updates/step", "staleness", "applied/step"):
+        table.add_column(col, justify="left" if col == "mode" else "right", no_wrap=True)
+    for mode, row in out["modes"].items():
+        acc = row["final_accuracy"]
+        table.add_row(mode, *(f"{acc[k]:.4f}" for k in ("worst", "p10", "median", "best")),
+                      *(f"{row[k]['median']:g} ({row[k]['worst']:g}-{row[k]['best']:g})"
+                        for k in ("updates_per_step", "mean_staleness", "applied_per_step")))
+    Console(width=max(Console().width, 130)).print(table)
+    worst = Table(title="each mode's three worst runs: seed, accuracy, applied/step, mean staleness")
+    for mode in out["modes"]:
+        worst.add_column(mode, no_wrap=True)
+    lows = {mode: sorted(runs, key=lambda r: r["final_accuracy"])[:3] for mode, runs in out["runs"].items()}
+    for i in range(min(3, out["repeat"])):
+        worst.add_row(*(f"{r[i]['seed']}: {r[i]['final_accuracy']:.4f}, {r[i]['applied_per_step']:g}, "
+                        f"{r[i]['mean_staleness']:g}" for r in lows.values()))
+    Console(width=max(Console().width, 130)).print(worst)
+
+
 def measure(modes, seconds: float, slow: float, eval_every: int, hidden: int, batch: int) -> dict:
     extra = ["--set", f"model.hidden={hidden}", "--set", f"data.batch_size={batch}"]
     with ChildRuns() as runs:   # a killed bench leaves no run training and no folder behind
@@ -111,19 +204,38 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="trainyard bench ps", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     parser.add_argument("--seconds", type=float, default=30.0, help="training wall time per mode (default 30)")
-    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated modes (default: all four)")
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help="comma-separated modes (default: all four); with --repeat, soft:rounds or "
+                             "soft:versions also sets parallel.staleness_unit")
     parser.add_argument("--slow", type=float, default=3.0, help="worker rank 5's slow-down factor (default 3)")
     parser.add_argument("--eval-every", type=int, default=5, help="steps between test evaluations (default 5)")
     parser.add_argument("--hidden", type=int, default=128, help="the MLP's hidden width (default 128)")
     parser.add_argument("--batch", type=int, default=64, help="the global batch, split over 4 workers (default 64)")
+    parser.add_argument("--repeat", type=int, default=0,
+                        help="N runs per mode to their end, seeds 0 to N-1: each mode's accuracy distribution "
+                             "(default 0: one run per mode for --seconds)")
+    parser.add_argument("--steps", type=int, default=300, help="with --repeat: steps per run (default 300)")
+    parser.add_argument("--servers", type=int, default=2,
+                        help="with --repeat: parameter servers (default 2); the slow worker is the last rank")
     args = parser.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = [m for m in modes if m not in MODES]
+    units = ("", "versions", "rounds") if args.repeat else ("",)
+    bad = [m for m in modes if m.partition(":")[0] not in MODES or m.partition(":")[2] not in units]
     if bad or not modes:
-        parser.error(f"--modes: {', '.join(bad) or 'none given'}; choose from {', '.join(MODES)}")
+        parser.error(f"--modes: {', '.join(bad) or 'none given'}; choose from {', '.join(MODES)} (with --repeat, "
+                     f"MODE:versions or MODE:rounds sets parallel.staleness_unit)")
     if args.seconds <= 0 or args.slow < 1 or args.eval_every < 1 or args.hidden < 1 or args.batch % 4:
         parser.error("--seconds must be positive, --slow at least 1, --eval-every and --hidden at least 1, "
                      "--batch a multiple of 4")
+    if args.repeat < 0 or args.steps < 1 or not 1 <= args.servers <= 3:
+        parser.error("--repeat must be at least 0, --steps at least 1, --servers 1 to 3 (the model's 3 layers)")
+    if args.repeat:
+        out = measure_repeat(modes, args.repeat, args.steps, args.servers, args.slow, args.hidden, args.batch)
+        if args.json:
+            print(json.dumps(out, indent=2))
+        else:
+            print_repeat(out)
+        return 0
     out = measure(modes, args.seconds, args.slow, args.eval_every, args.hidden, args.batch)
     if args.json:
         print(json.dumps(out, indent=2))

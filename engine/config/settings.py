@@ -194,6 +194,12 @@ class ParallelConfig:
                                       "ahead of the slowest.", min=0, max=1_000_000)
     staleness_scaling: bool = setting(True, "param_server: a gradient computed on weights s versions old counts "
                                             "1/(1+s) (false: every gradient counts fully).")
+    staleness_unit: str = setting("versions", "param_server, `soft` and `bsp`: what a gradient's staleness s counts. "
+                                              "`versions`: the layer's updates since its weights were read; "
+                                              "`rounds`: the full rounds' worth those updates applied (their "
+                                              "scales summed: a window of k of n fresh gradients counts k/n), so "
+                                              "windows split finer do not make the same gradients staler.",
+                                  choices=("versions", "rounds"))
     slow_workers: Any = setting({}, "param_server: emulate a heterogeneous cluster, e.g. `{5 = 3.0}`: worker "
                                     "rank 5 sleeps 2x each layer's forward and backward time after it, so its "
                                     "compute takes 3x as long.", kind="slow_workers")

@@ -114,15 +114,19 @@ class DistPool:
             raise PoolError("\n".join(f"rank {r}:\n{tb}" for r, tb in sorted(errors.items())))
         return [results[r] for r in ranks]
 
-    def close(self) -> None:
+    def close(self, now: bool = False) -> None:
+        """Tell every rank to end and wait for it (5 s each), SIGKILL what is left; `now`: SIGKILL at once
+        (the pool's owner is unwinding from an error or a signal, and a rank may be mid-job)."""
         self.broken = True
-        for inbox in self.inboxes:
-            try:
-                inbox.put(None)
-            except (OSError, ValueError):
-                pass
+        if not now:
+            for inbox in self.inboxes:
+                try:
+                    inbox.put(None)
+                except (OSError, ValueError):
+                    pass
         for proc in self.procs:
-            proc.join(timeout=5)
+            if not now:
+                proc.join(timeout=5)
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout=5)
@@ -130,5 +134,5 @@ class DistPool:
     def __enter__(self) -> "DistPool":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        self.close(now=exc_type is not None)

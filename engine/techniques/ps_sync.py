@@ -52,7 +52,7 @@ class Update:
     """One applied update: the combined gradient and what went into it."""
     grad: torch.Tensor | None
     workers: list[int]
-    staleness: list[int]
+    staleness: list[float]   # versions, or full rounds' worth (LayerSync.staleness)
     scales: list[float]
     version: int          # the layer's version after this update
     window_s: float       # how long the window was open (0 for asp and ssp)
@@ -62,7 +62,7 @@ class Update:
         return sum(self.staleness) / len(self.staleness) if self.staleness else 0.0
 
 
-def staleness_scale(staleness: int, scaling: bool) -> float:
+def staleness_scale(staleness: float, scaling: bool) -> float:
     return 1.0 / (1.0 + staleness) if scaling else 1.0
 
 
@@ -76,12 +76,20 @@ class _Window:
         return any(a.worker == worker for a in self.entries)
 
 
+STALENESS_UNITS = ("versions", "rounds")
+KEEP_VERSIONS = 4096    # rounds: how many versions' positions are kept (an older gradient counts in versions)
+
+
 class LayerSync:
     def __init__(self, mode: str, workers: set[int], scaling: bool = True, bound: int = 2,
-                 wait_limit_s: float = 30.0, version: int = 0):
+                 wait_limit_s: float = 30.0, version: int = 0, unit: str = "versions"):
         if mode not in MODES:
             raise ValueError(f"sync mode {mode!r}; one of {', '.join(MODES)}")
-        self.mode, self.scaling, self.bound = mode, scaling, bound
+        if unit not in STALENESS_UNITS:
+            raise ValueError(f"staleness unit {unit!r}; one of {', '.join(STALENESS_UNITS)}")
+        self.mode, self.scaling, self.bound, self.unit = mode, scaling, bound, unit
+        self.moved = 0.0                       # rounds: the scales applied so far, summed (full rounds' worth)
+        self.moved_at = {version: 0.0}         # rounds: version -> `moved` when it was made
         self.live = set(workers)
         self.wait_limit_s = wait_limit_s       # bsp: the longest a window waits for a live worker
         self.version = version
@@ -185,11 +193,29 @@ class LayerSync:
         # a worker that left after its gradient went in still counts in the round it took part in (a clean
         # BYE at the end of a run lands between two workers' last gradients for a layer)
         n = max(len(self.live | {a.worker for a in arrivals}), 1) if self.mode in WINDOWED else 1
-        staleness = [max(self.version - a.version, 0) for a in arrivals]
+        staleness = [self.staleness(a.version) for a in arrivals]
         scales = [staleness_scale(s, self.scaling) / n for s in staleness]
         grad = None
         for a, scale in zip(arrivals, scales):
             if a.grad is not None:
                 grad = a.grad * scale if grad is None else grad.add_(a.grad, alpha=scale)
         self.version += 1
+        self.moved += sum(scales)
+        self.moved_at[self.version] = self.moved
+        if len(self.moved_at) > KEEP_VERSIONS:
+            for v in sorted(self.moved_at)[:KEEP_VERSIONS // 2]:
+                del self.moved_at[v]
         return Update(grad, [a.worker for a in arrivals], staleness, scales, self.version, max(window_s, 0.0))
+
+    def restore(self, version: int) -> None:
+        """The layer's version from a checkpoint: staleness counts from it."""
+        self.version, self.moved, self.moved_at = version, 0.0, {version: 0.0}
+
+    def staleness(self, version: int) -> float:
+        """How far this layer moved since `version`: its updates since (`versions`), or in a windowed mode with
+        `rounds`, the full rounds' worth they applied (each update's scales summed: a window of k of n fresh
+        gradients counts k/n), so that windows split finer do not make the same gradients staler. A version
+        made before this process started, or long ago, counts in versions."""
+        if self.unit == "rounds" and self.mode in WINDOWED and version in self.moved_at:
+            return max(self.moved - self.moved_at[version], 0.0)
+        return float(max(self.version - version, 0))

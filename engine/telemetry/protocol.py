@@ -109,14 +109,17 @@ def expand_ranks(record: dict, previous: dict | None) -> list[dict] | None:
 # last full step's `ps.workers` and `ps.layers` (what does not change, a worker's slowness, a layer's name
 # and server, comes with the full rows).
 PS_WORKER_COLUMNS = ("rank", "iterations", "steps_per_s", "wait_ms", "compute_ms", "alive")
-PS_LAYER_COLUMNS = ("version", "window_workers", "mean_staleness", "window_ms")
+PS_LAYER_COLUMNS = ("version", "window_workers", "mean_staleness", "window_ms", "windows", "gradients",
+                    "staleness_sum", "staleness_max", "applied")
 
 
 def ps_columns(ps: dict) -> dict:
     """A step's `ps` with `workers` and `layers` as `worker_columns` and `layer_columns`."""
     out = {key: value for key, value in ps.items() if key not in ("workers", "layers")}
     out["worker_columns"] = {name: [w.get(name) for w in ps.get("workers") or []] for name in PS_WORKER_COLUMNS}
-    out["layer_columns"] = {name: [layer.get(name) for layer in ps.get("layers") or []] for name in PS_LAYER_COLUMNS}
+    layers = ps.get("layers") or []
+    out["layer_columns"] = {name: [layer.get(name) for layer in layers] for name in PS_LAYER_COLUMNS
+                            if any(name in layer for layer in layers) or name in PS_LAYER_COLUMNS[:4]}
     return out
 
 

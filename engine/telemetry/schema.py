@@ -75,7 +75,8 @@ PS = {   # param_server: the sync mode, every worker, every layer with parameter
     "properties": {
         "worker_columns": {"type": "object", "required": list(PS_WORKER_COLUMNS), "additionalProperties": False,
                            "properties": {name: {"type": "array"} for name in PS_WORKER_COLUMNS}},
-        "layer_columns": {"type": "object", "required": list(PS_LAYER_COLUMNS), "additionalProperties": False,
+        "layer_columns": {"type": "object", "required": list(PS_LAYER_COLUMNS[:4]),   # the tally's: newer
+                          "additionalProperties": False,
                           "properties": {name: {"type": "array"} for name in PS_LAYER_COLUMNS}},
         "mode": {"enum": list(SYNC_MODES)}, "workers_live": {"type": "integer", "minimum": 0},
         "loss_workers": {"type": "integer", "minimum": 1},   # logs before it was added lack it
@@ -91,7 +92,13 @@ PS = {   # param_server: the sync mode, every worker, every layer with parameter
                            "version": {"type": "integer", "minimum": 0},
                            "window_workers": {"type": "integer", "minimum": 0},
                            "mean_staleness": {"type": "number", "minimum": 0},
-                           "window_ms": {"type": "number", "minimum": 0}}}}},
+                           "window_ms": {"type": "number", "minimum": 0},
+                           # since the server (re)started (logs before they were added lack them)
+                           "windows": {"type": "integer", "minimum": 0},
+                           "gradients": {"type": "integer", "minimum": 0},
+                           "staleness_sum": {"type": "number", "minimum": 0},
+                           "staleness_max": {"type": "number", "minimum": 0},
+                           "applied": {"type": "number", "minimum": 0}}}}},
 }
 
 # the steps between full rank rows: one column per figure, by rank (engine.protocol.rank_columns)

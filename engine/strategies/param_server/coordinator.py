@@ -25,7 +25,7 @@ from engine.runtime.control import FIELDS, Peaks, rank_rows, row_values
 from engine.runtime.rank import announce
 from engine.strategies.param_server.links import (
     ACK, CKPT, CONTROL, FINISH, GATHER, PAUSED, SERVER_STATS, STOP, WEIGHTS, Message, mode_code, unflatten_into)
-from engine.strategies.param_server.server import LAYER_STATS, PSServer
+from engine.strategies.param_server.server import LAYER_STATS, TALLY, PSServer
 from engine.strategies.param_server.setup import ParamServerError, Setup
 from engine.telemetry.outlets import Telemetry
 
@@ -286,10 +286,12 @@ class Coordinator(PSServer):
         stats = {}
         for r, row in [(self.rank, self.stats())] + sorted(self.server_rows.items()):
             per_layer = row[len(FIELDS):].view(-1, LAYER_STATS).tolist() if row.numel() > len(FIELDS) else []
-            for j, version, n, staleness, ms in per_layer:
+            for j, version, n, staleness, ms, *tally in per_layer:
                 stats[int(j)] = {"name": self.names[int(j)], "server": r, "version": int(version),
                                  "window_workers": int(n), "mean_staleness": round(staleness, 4),
-                                 "window_ms": round(ms, 4)}
+                                 "window_ms": round(ms, 4),
+                                 **{key: (int(v) if key in ("windows", "gradients") else round(v, 6))
+                                    for key, v in zip(TALLY, tally)}}
         return [stats[j] for j in sorted(stats)]
 
     # --- checkpoints, evaluation, the end -------------------------------------------------------

@@ -28,7 +28,11 @@ from engine.strategies.param_server.links import (
 from engine.strategies.param_server.setup import ParamServerError, Setup
 from engine.techniques.ps_sync import MODES, Arrival, LayerSync
 
-LAYER_STATS = 5            # per owned layer in a server's stats: index, version, window workers, staleness, ms
+# per owned layer in a server's stats: index, version; the last update's workers, mean staleness and window ms;
+# then since the server (re)started: updates applied, gradients in them, their staleness summed and at most, and
+# their scales summed (TALLY)
+LAYER_STATS = 10
+TALLY = ("windows", "gradients", "staleness_sum", "staleness_max", "applied")
 
 
 class PSServer:
@@ -49,9 +53,10 @@ class PSServer:
         self.target = p.sync                     # the mode once every worker's profile is in
         self.profiling = True                    # until then: bsp, while the workers measure
         self.sync = {j: LayerSync("bsp", set(self.workers), p.staleness_scaling, p.staleness_bound,
-                                  wait_limit_s=p.collective_timeout_s / 2) for j in self.mine}
+                                  wait_limit_s=p.collective_timeout_s / 2, unit=p.staleness_unit) for j in self.mine}
         self.count = {j: s.first_step * len(self.workers) for j in self.mine}
         self.last = {}                           # layer -> its last Update
+        self.tally = {j: [0, 0, 0.0, 0.0, 0.0] for j in self.mine}   # layer -> TALLY's figures, since this start
         self.held = {j: [] for j in self.mine}   # layer -> [(worker, iteration)] waiting for weights
         self.flags = 0
         self.profiles: dict[int, list[float]] = {}
@@ -158,6 +163,12 @@ class PSServer:
                 unflatten_into(update.grad, [p.grad for p in params])
                 self.opt[j].step()
             self.last[j] = update
+            tally = self.tally[j]
+            tally[0] += 1
+            tally[1] += len(update.workers)
+            tally[2] += sum(update.staleness)
+            tally[3] = max(tally[3], max(update.staleness, default=0))
+            tally[4] += sum(update.scales)
         self.serve(j)
 
     def serve(self, j: int) -> None:
@@ -235,7 +246,7 @@ class PSServer:
         for j in self.mine:
             u = self.last.get(j)
             row += [j, self.sync[j].version, len(u.workers) if u else 0, u.mean_staleness if u else 0.0,
-                    u.window_s * 1000 if u else 0.0]
+                    u.window_s * 1000 if u else 0.0, *self.tally[j]]
         return torch.tensor(row, dtype=torch.float64)
 
     def save(self, step: int) -> None:
@@ -259,7 +270,7 @@ class PSServer:
                 raise ckpt.CheckpointError(f"layer {name!r} is not in this server's checkpoint file "
                                            f"(the layers were assigned differently when it was written)")
             self.opt[j].load_state_dict(state["optimizer"][name])
-            self.sync[j].version = state["version"][name]
+            self.sync[j].restore(state["version"][name])
 
     def send_weights(self) -> None:
         for j in self.mine:

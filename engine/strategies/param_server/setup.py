@@ -114,6 +114,7 @@ class Setup:
         p = self.cfg.parallel
         return {"strategy": "param_server", "servers": self.servers, "workers": self.workers, "sync": p.sync,
                 "staleness_bound": p.staleness_bound, "staleness_scaling": p.staleness_scaling,
+                "staleness_unit": p.staleness_unit,
                 "server_layers": {str(s): [self.model.names[j] for j, o in self.owner.items() if o == s]
                                   for s in range(self.servers)},
                 "roles": ["server" if r < self.servers else "worker" for r in range(self.topo.world_size)],

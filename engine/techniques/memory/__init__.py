@@ -31,9 +31,9 @@ from engine.techniques.memory.link import (FETCH_TIMEOUT_S, CudaCopies, HostBuff
 from engine.techniques.memory.planner import EXHAUSTIVE_MAX_LAYERS, PLANNERS, Plan, PlanError, order_by_ratio, plan
 from engine.techniques.memory.policy import ActivationPolicy
 from engine.techniques.memory.stream_swap import StreamSwapper
-from engine.techniques.memory.swap import PREFETCH_WAIT_S, Swapper
+from engine.techniques.memory.swap import Swapper
 
-__all__ = ["EXHAUSTIVE_MAX_LAYERS", "FETCH_TIMEOUT_S", "PLANNERS", "POLICIES", "PREFETCH_WAIT_S", "ActivationPolicy",
+__all__ = ["EXHAUSTIVE_MAX_LAYERS", "FETCH_TIMEOUT_S", "PLANNERS", "POLICIES", "ActivationPolicy",
            "CudaCopies", "HostBufferPool", "HostLink", "LayerCost", "Plan", "PlanError", "StreamLink", "StreamSwapper",
            "Swapper", "activation_peak", "estimate", "extra_ms", "measure_link_gbps", "order_by_ratio", "plan",
            "resident_bytes", "swap_ms", "swaps_pending"]

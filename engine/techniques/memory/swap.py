@@ -28,7 +28,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from engine.techniques.memory.link import FETCH_TIMEOUT_S, HostLink
 
-PREFETCH_WAIT_S = 0.5        # a prefetch waits at most this long for room on the device
+PREFETCH_POLL_S = 0.0005     # a prefetch waiting for room looks again after this long, doubling...
+PREFETCH_POLL_MAX_S = 0.005  # ...up to this (the link's thread waits; the compute thread never does)
 
 
 class SwapEntry:
@@ -173,12 +174,15 @@ class Swapper:
             return
         back = self.link.copy("in", host)
         ledger = self.ledger
-        deadline = time.monotonic() + PREFETCH_WAIT_S
         # a prefetch lands when there is room, or when backward needs it or another storage queued
-        # behind it on this link (the queue is in order: waiting here would make that backward wait too)
+        # behind it on this link (the queue is in order: waiting here would make that backward wait too).
+        # However long that takes: a prefetch that landed after a fixed wait took the device over its
+        # capacity whenever the compute ran slow (a busy host), as StreamSwapper's deferred ones never do.
+        pause = PREFETCH_POLL_S
         while (not entry.urgent and not self.urgent_fetches and entry.state == "in"
-               and time.monotonic() < deadline and ledger.used_bytes + entry.nbytes > ledger.capacity_bytes):
-            time.sleep(0.0005)
+               and ledger.used_bytes + entry.nbytes > ledger.capacity_bytes):
+            time.sleep(pause)
+            pause = min(pause * 2, PREFETCH_POLL_MAX_S)
         with ledger._lock:
             if entry.state != "in":
                 return

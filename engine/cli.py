@@ -107,7 +107,9 @@ def main(argv: list[str] | None = None) -> int:
         from engine.runtime import cluster
         return cluster.main(argv[1:])
     args = _parser().parse_args(argv)
+    from engine.runtime.children import torch_cache_out_of_temp
     from engine.telemetry.protocol import RuntimeDirError
+    torch_cache_out_of_temp()
     try:
         return _dispatch(args)
     except RuntimeDirError as e:   # where live runs are registered: the demo, console, runs and ctl need it

@@ -26,7 +26,7 @@ torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parent.parent
 
 # torch's elastic agent's log folders, torch.multiprocessing's error files, our benches' folders
-LITTER = ("torchelastic_", "pytorch-errorfile-", "trainyard-bench-")
+LITTER = ("torchelastic_", "pytorch-errorfile-", "trainyard-bench-", "pymp-", "torchinductor_")
 _session: dict = {}   # in hooks, not at import: tests import this module a second time as tests.conftest
 
 
@@ -34,6 +34,9 @@ def pytest_configure(config):
     # in the system temp dir, which this process goes on using (mkdtemp fixes it before TMPDIR changes)
     _session["tmp"] = Path(tempfile.mkdtemp(prefix="trainyard-tests-"))
     os.environ["TMPDIR"] = str(_session["tmp"])
+    # torch's compile cache, for this process's own optimizers (torch._dynamo makes it on import); the runs
+    # the tests start keep theirs in their runtime dir (engine/runtime/children.py)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(_session["tmp"] / "inductor")
 
 
 def pytest_sessionfinish(session, exitstatus):

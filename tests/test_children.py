@@ -95,13 +95,13 @@ def _sid(pid: int) -> int | None:
 
 @pytest.fixture
 def own_tmp(tmp_path, monkeypatch) -> Path:
-    """A temp dir (TMPDIR) for the processes this test starts, to see what they leave there. torch's compile
-    cache (torchinductor_USER, made there when torch._dynamo is imported) is torch's, shared by every run on
-    the machine: it is kept apart, so that the temp dir must be left empty."""
+    """A temp dir (TMPDIR) for the processes this test starts, to see what they leave there: nothing, torch's
+    compile cache included (torchinductor_USER, made in the temp dir when torch._dynamo is imported, goes to
+    the runtime dir: children.torch_cache_out_of_temp)."""
     path = tmp_path / "tmp"
     path.mkdir()
     monkeypatch.setenv("TMPDIR", str(path))
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     return path
 
 

@@ -77,7 +77,7 @@ workers = 2
 sync = "asp"
 staleness_bound = 5
 staleness_scaling = false
-staleness_unit = "rounds"
+staleness_unit = "versions"
 slow_workers = {3 = 2.0}
 sync_profile_steps = 4
 backend = "gloo"

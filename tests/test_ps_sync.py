@@ -38,9 +38,10 @@ def test_soft_window_takes_what_arrives_within_the_openers_slack():
     assert sync.next_deadline() == pytest.approx(1.041)
     assert sync.due(1.040) == []
     (second,) = sync.due(1.042)
-    assert second.workers == [5] and second.staleness == [1]         # computed on version 0, applied at 1
-    assert second.scales == [pytest.approx(0.5 / 4)]
-    assert torch.allclose(second.grad, grad(4 * 0.5 / 4))
+    # computed on version 0, applied at 1: the layer has moved 3/4 of a round since (staleness_unit "rounds")
+    assert second.workers == [5] and second.staleness == [pytest.approx(0.75)]
+    assert second.scales == [pytest.approx(1 / 1.75 / 4)]
+    assert torch.allclose(second.grad, grad(4 / 1.75 / 4))
     assert sync.version == 2
 
 

@@ -192,13 +192,14 @@ class ParallelConfig:
                         choices=("soft", "bsp", "asp", "ssp"))
     staleness_bound: int = setting(2, "param_server, `sync = \"ssp\"`: iterations the fastest worker may run "
                                       "ahead of the slowest.", min=0, max=1_000_000)
-    staleness_scaling: bool = setting(True, "param_server: a gradient computed on weights s versions old counts "
+    staleness_scaling: bool = setting(True, "param_server: a gradient s old (`staleness_unit`) counts "
                                             "1/(1+s) (false: every gradient counts fully).")
-    staleness_unit: str = setting("versions", "param_server, `soft` and `bsp`: what a gradient's staleness s counts. "
-                                              "`versions`: the layer's updates since its weights were read; "
-                                              "`rounds`: the full rounds' worth those updates applied (their "
-                                              "scales summed: a window of k of n fresh gradients counts k/n), so "
-                                              "windows split finer do not make the same gradients staler.",
+    staleness_unit: str = setting("rounds", "param_server, `soft`: what a gradient's staleness s counts. `rounds`: "
+                                            "the full rounds' worth the layer's updates applied since its weights "
+                                            "were read (their scales summed: a window of k of n fresh gradients "
+                                            "counts k/n), so windows split finer do not make the same gradients "
+                                            "staler; `versions`: those updates, counted (asp and ssp always "
+                                            "count versions).",
                                   choices=("versions", "rounds"))
     slow_workers: Any = setting({}, "param_server: emulate a heterogeneous cluster, e.g. `{5 = 3.0}`: worker "
                                     "rank 5 sleeps 2x each layer's forward and backward time after it, so its "

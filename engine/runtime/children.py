@@ -100,6 +100,19 @@ def _call_all(callbacks) -> None:
         raise error
 
 
+def torch_cache_out_of_temp() -> None:
+    """torch._dynamo, which every torch optimizer imports, makes `torchinductor_USER` in the system temp dir
+    (TORCHINDUCTOR_CACHE_DIR's default): our processes, and the workers and runs they start, keep it in the
+    runtime directory instead (the sockets' private folder). A cache dir set by the user is left as it is."""
+    if "TORCHINDUCTOR_CACHE_DIR" in os.environ:
+        return
+    from engine.telemetry.protocol import RuntimeDirError, runtime_dir
+    try:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(runtime_dir() / "inductor")
+    except (RuntimeDirError, OSError):
+        pass   # the run goes on without the hub; torch's default then
+
+
 class ChildRuns:
     """The child runs, folders and clean-ups of one command (see the module's docstring)."""
 

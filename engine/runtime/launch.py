@@ -42,6 +42,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from engine.runtime import checkpoint as ckpt
 from engine.runtime import compat
+from engine.runtime.children import torch_cache_out_of_temp
 from engine.config import config_to_toml, format_size
 from engine.runtime.devices import choose_device, cuda_count, tensor_bytes
 from engine.runtime.handover import hand_over, release
@@ -280,6 +281,7 @@ def launch(job: Job) -> dict | None:
     # store (pytorch/pytorch#135712); a store of its own restarts cleanly.
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch_cache_out_of_temp()   # engine.train's path too: the workers import torch._dynamo
     _quiet_torch_elastic()
     agent = agent_dir(cfg.run_dir, cfg.cluster.node_rank)
     launch_cfg = _launch_config(job, agent)

@@ -27,6 +27,9 @@ number of live workers in `bsp` and `soft`, and those who left after their gradi
 window (an update stands for a round of every worker,
 so a window that caught k of them moves the weights k/n of a full step), and 1 in `asp`
 and `ssp` (an update is one gradient; its staleness, about n - 1 there, scales it down).
+In soft and bsp, s counts the full rounds' worth the layer's updates applied since the gradient's weights
+were read (`unit="rounds"`, their scales summed), so a round split over more windows does not make the same
+gradients staler; with `unit="versions"`, and always in asp and ssp, it counts those updates.
 """
 
 from __future__ import annotations
@@ -82,7 +85,7 @@ KEEP_VERSIONS = 4096    # rounds: how many versions' positions are kept (an olde
 
 class LayerSync:
     def __init__(self, mode: str, workers: set[int], scaling: bool = True, bound: int = 2,
-                 wait_limit_s: float = 30.0, version: int = 0, unit: str = "versions"):
+                 wait_limit_s: float = 30.0, version: int = 0, unit: str = "rounds"):
         if mode not in MODES:
             raise ValueError(f"sync mode {mode!r}; one of {', '.join(MODES)}")
         if unit not in STALENESS_UNITS:

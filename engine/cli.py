@@ -162,6 +162,9 @@ def _run(config: Path, overrides: list[str], steps: int | None, telemetry_log: P
         err.print(f"[red]config error:[/] {escape(str(e))}")
         return 2
 
+    if cfg.device.kind != "cuda":   # the workers' fork server imports torch while this process does
+        from engine.runtime import forkserver
+        forkserver.start()
     from engine.runtime.checkpoint import CheckpointError
     from engine.runtime.launch import RunFailed, RunInterrupted, RunRefused, RunSetupError, launch, prepare_run_dir
     from engine.runtime.rank import Job

@@ -100,11 +100,16 @@ def agree_written(group, rank: int, run_dir: Path, step: int, failed: OSError | 
     if rank == 0:
         shutil.rmtree(staging_dir(run_dir, step), ignore_errors=True)
     why = f"{failed.strerror or failed}" if failed is not None else f"rank {int(flag.item()) - 1}'s write failed"
+    raise write_failed(run_dir, step, why)
+
+
+def write_failed(run_dir: Path, step: int, why: str) -> CheckpointWriteError:
+    """The error that stops a run whose checkpoint `step` could not be written, naming the one to resume from."""
     published = list_checkpoints(run_dir)
     previous = (f"the previous checkpoint, {published[-1]}, is whole: resume from it with --resume {run_dir}"
                 if published else "there is no earlier checkpoint")
-    raise CheckpointWriteError(f"the checkpoint of step {step} could not be written in {checkpoints_dir(run_dir)}: "
-                               f"{why}; {previous}")
+    return CheckpointWriteError(f"the checkpoint of step {step} could not be written in {checkpoints_dir(run_dir)}: "
+                                f"{why}; {previous}")
 
 
 def _fsync_dir(path: Path) -> None:

@@ -41,7 +41,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, r
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from engine.runtime import checkpoint as ckpt
-from engine.runtime import compat
+from engine.runtime import compat, forkserver
 from engine.runtime.children import torch_cache_out_of_temp
 from engine.config import config_to_toml, format_size
 from engine.runtime.devices import choose_device, cuda_count, tensor_bytes
@@ -292,7 +292,7 @@ def launch(job: Job) -> dict | None:
     agent_log.propagate = False
     try:
         if launch_cfg.start_method == "forkserver":
-            _start_fork_server()
+            forkserver.start()   # engine.train's path; `trainyard run` started it before importing torch
         hand_over(job)   # the user's model and data, as copies of the workers' own
         with _refusals(job, agent):
             results = elastic_launch(launch_cfg, run_worker)(job)
@@ -319,20 +319,9 @@ def launch(job: Job) -> dict | None:
 
 
 def start_method() -> str:
-    """How the agent starts a worker. With no GPU visible, as a fork of a server process that has imported
-    torch and the engine once (engine/runtime/preload.py): a worker on this 2-core CPU otherwise spends 2.8 s
-    of CPU importing them, and a 4-worker run took 11-12 s instead of 5-6. With a GPU visible, spawned
-    afresh: a process forked after anything touched the CUDA driver cannot use CUDA."""
-    return "spawn" if cuda_count() else "forkserver"
-
-
-def _start_fork_server() -> None:
-    """Start the fork server now, so that its imports overlap the launcher's own setup. It lives until the
-    launcher ends (its socket's folder, pymp-*, in the temp dir meanwhile: removed at the launcher's exit)."""
-    import multiprocessing
-    from multiprocessing import forkserver
-    multiprocessing.set_forkserver_preload(["engine.runtime.preload"])
-    forkserver.ensure_running()
+    """How the agent starts a worker: forked from the fork server where it runs (engine/runtime/forkserver.py:
+    no GPU visible), else spawned afresh."""
+    return "forkserver" if forkserver.usable() else "spawn"
 
 
 def run_worker(job: Job) -> dict | None:

@@ -11,7 +11,9 @@ evaluation first gathers every layer's weights (GATHER) into this rank's model.
 
 from __future__ import annotations
 
+import os
 import queue
+import shutil
 import signal
 import sys
 import time
@@ -83,7 +85,7 @@ class Coordinator(PSServer):
         self.losses = StepLosses()
         self.last_loss: float | None = None
         self.loss_workers = 0                    # how many workers' losses the last record's loss averages
-        self.acks: set[tuple[int, int]] = set()
+        self.acks: dict[tuple[int, int], int] = {}   # (server, step) -> 0, or the errno of its failed write
         self.gathered: set[int] = set()
         self.stop_reason: str | None = None
         self.stop_command = None
@@ -109,7 +111,7 @@ class Coordinator(PSServer):
         if m.kind == SERVER_STATS:
             self.server_rows[m.peer] = m.payload
         elif m.kind == ACK:
-            self.acks.add((m.peer, m.iteration))
+            self.acks[(m.peer, m.iteration)] = int(m.a)
         elif m.kind == WEIGHTS:
             unflatten_into(m.payload, self.s.params[m.layer])
             self.gathered.add(m.layer)
@@ -310,10 +312,28 @@ class Coordinator(PSServer):
     def checkpoint(self, step: int) -> None:
         for server in range(1, self.s.servers):
             self.s.links[server].send(CKPT, iteration=step)
-        self.save(step)
+        failed = self.try_save(step)
         self._await(lambda: all((s, step) in self.acks for s in range(1, self.s.servers)),
                     f"the servers' checkpoint files for step {step}")
-        path = ckpt.finalize(self.s.cfg.run_dir, step, self.s.manifest(step), keep=self.s.cfg.checkpoint.keep)
+        self.publish(step, failed)
+
+    def publish(self, step: int, failed: int) -> None:
+        """Checkpoint `step` once every server has answered: published, or, when a server's write failed
+        (`failed`: this one's errno, the others' in their ACKs), the staged files removed and the run
+        stopped with CheckpointWriteError naming the previous checkpoint (exit status 2, no restart)."""
+        run_dir = self.s.cfg.run_dir
+        errors = {0: failed, **{s: self.acks[(s, step)] for s in range(1, self.s.servers)}}
+        path = None
+        if not any(errors.values()):
+            try:
+                path = ckpt.finalize(run_dir, step, self.s.manifest(step), keep=self.s.cfg.checkpoint.keep)
+            except OSError as e:
+                errors[0] = e.errno or -1
+        if path is None:
+            shutil.rmtree(ckpt.staging_dir(run_dir, step), ignore_errors=True)
+            server, errno = next((s, e) for s, e in sorted(errors.items()) if e)
+            why = os.strerror(errno) if errno > 0 else "the write failed"
+            raise ckpt.write_failed(run_dir, step, f"{why} (server rank {server})")
         self.tel.event("checkpoint", step, path=str(path))
 
     def gather(self) -> None:
@@ -351,15 +371,13 @@ class Coordinator(PSServer):
         self.gathered = set(self.mine)
         for server in range(1, self.s.servers):
             self.s.links[server].send(FINISH, iteration=step, a=float(save))
-        if save:
-            self.save(step)
+        failed = self.try_save(step) if save else 0
         self._await(lambda: all((s, step) in self.acks for s in range(1, self.s.servers))
                     and self.gathered >= set(self.s.params), "the servers' final checkpoint files and weights")
         for link in self.s.links.values():
             link.flush()
         if save:
-            path = ckpt.finalize(cfg.run_dir, step, self.s.manifest(step), keep=cfg.checkpoint.keep)
-            self.tel.event("checkpoint", step, path=str(path))
+            self.publish(step, failed)
         if stopped_early:
             self.tel.event("stop", step, reason=self.stop_reason if self.stop_reason != "finished" else "workers left")
         if self.stop_command:

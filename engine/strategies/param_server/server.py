@@ -129,15 +129,13 @@ class PSServer:
             self.control(MODES[int(m.a)], int(m.b), m.t)
             self.s.links[0].send(SERVER_STATS, payload=self.stats())
         elif m.kind == CKPT:
-            self.save(m.iteration)
-            self.s.links[0].send(ACK, iteration=m.iteration)
+            self.s.links[0].send(ACK, iteration=m.iteration, a=self.try_save(m.iteration))
         elif m.kind == GATHER:
             self.send_weights()
         elif m.kind == FINISH:
-            if m.a:
-                self.save(m.iteration)
+            failed = self.try_save(m.iteration) if m.a else 0
             self.send_weights()
-            self.s.links[0].send(ACK, iteration=m.iteration)
+            self.s.links[0].send(ACK, iteration=m.iteration, a=failed)
             self.s.links[0].send(BYE)
             self.s.links[0].flush()
             self.finished = True
@@ -248,6 +246,16 @@ class PSServer:
             row += [j, self.sync[j].version, len(u.workers) if u else 0, u.mean_staleness if u else 0.0,
                     u.window_s * 1000 if u else 0.0, *self.tally[j]]
         return torch.tensor(row, dtype=torch.float64)
+
+    def try_save(self, step: int) -> int:
+        """This server's file of checkpoint `step`: 0 when written, else the write's errno (a full disk): what
+        the ACK says, so that server 0 stops the run naming the previous checkpoint (a server that died of it
+        would be restarted into the same full disk)."""
+        try:
+            self.save(step)
+        except OSError as e:
+            return e.errno or -1
+        return 0
 
     def save(self, step: int) -> None:
         model = self.s.model

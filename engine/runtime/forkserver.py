@@ -15,7 +15,6 @@ launcher's start. Nothing goes to the system temp dir. Imports no torch.
 
 from __future__ import annotations
 
-import atexit
 import glob
 import os
 import shutil
@@ -29,15 +28,22 @@ def gpu_visible() -> bool:
     return bool(glob.glob("/dev/nvidia[0-9]*"))
 
 
+# the server's socket: ROOT/forkserver-PID/pymp-XXXXXXXX/listener-XXXXXXXX, within a Unix socket path's 107 bytes
+SOCKET_TAIL = len("/forkserver-4194304/pymp-xxxxxxxx/listener-xxxxxxxx")
+SOCKET_PATH_MAX = 107
+
+
 def _root():
-    """The runtime directory, or None where a GPU is visible or that directory is not usable."""
+    """The runtime directory, or None where a GPU is visible, that directory is not usable, or so deep that
+    the server's socket path would be too long (then workers are spawned, as with a GPU)."""
     if gpu_visible():
         return None
     from engine.telemetry.protocol import RuntimeDirError, runtime_dir
     try:
-        return runtime_dir()
+        root = runtime_dir()
     except (RuntimeDirError, OSError):
         return None
+    return root if len(os.fsencode(str(root))) + SOCKET_TAIL <= SOCKET_PATH_MAX else None
 
 
 def usable() -> bool:
@@ -59,13 +65,16 @@ def start() -> bool:
             shutil.rmtree(old, ignore_errors=True)
     folder = root / f"{PREFIX}{os.getpid()}"
     folder.mkdir(exist_ok=True)
-    atexit.register(shutil.rmtree, folder, True)
     import multiprocessing
-    from multiprocessing import forkserver
+    from multiprocessing import forkserver, util
+    # removed at exit after multiprocessing has removed its pymp-* folder in it (priority -100 runs first)
+    util.Finalize(None, shutil.rmtree, args=(folder,), kwargs={"ignore_errors": True}, exitpriority=-101)
     saved, tempfile.tempdir = tempfile.tempdir, str(folder)   # where multiprocessing makes the socket's folder
     try:
         multiprocessing.set_forkserver_preload(["engine.runtime.preload"])
         forkserver.ensure_running()
+    except OSError:
+        return False   # launch() then spawns its workers
     finally:
         tempfile.tempdir = saved
     _started = True

@@ -291,8 +291,8 @@ def launch(job: Job) -> dict | None:
     agent_log.setLevel(logging.INFO)
     agent_log.propagate = False
     try:
-        if launch_cfg.start_method == "forkserver":
-            forkserver.start()   # engine.train's path; `trainyard run` started it before importing torch
+        if launch_cfg.start_method == "forkserver" and not forkserver.start():
+            launch_cfg.start_method = "spawn"   # engine.train's path; `trainyard run` started it before torch
         hand_over(job)   # the user's model and data, as copies of the workers' own
         with _refusals(job, agent):
             results = elastic_launch(launch_cfg, run_worker)(job)

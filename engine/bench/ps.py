@@ -57,18 +57,32 @@ def _records(path: Path) -> list[dict]:
     return fill_ranks(out)
 
 
+def _start(runs: ChildRuns, name: str, log: Path, workdir: Path, settings: list[str]) -> subprocess.Popen:
+    """`trainyard run` of the bench's config as `name`, logging to `log`, with no checkpoints and `settings`
+    (KEY=VALUE) set, owned by `runs`."""
+    cmd = [sys.executable, "-m", "engine.cli", "run", str(CONFIG), "--headless", "--telemetry-log", str(log)]
+    for setting in [f"run.dir={workdir / 'runs'}", f"run.name={name}", "checkpoint.every=0", *settings]:
+        cmd += ["--set", setting]
+    return runs.start(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                      env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def _finished(proc: subprocess.Popen, err: str, log: Path, what: str) -> list[dict]:
+    """The log's records of a run that ended well (its summary last), or RuntimeError saying why not."""
+    records = _records(log)
+    if proc.returncode != 0 or not records or records[-1].get("type") != "summary":
+        raise RuntimeError(f"bench ps: the {what} failed (exit {proc.returncode}): {err.strip()[-600:]}")
+    return records
+
+
 def run_mode(runs: ChildRuns, mode: str, seconds: float, slow: float, eval_every: int, workdir: Path,
              extra: list[str]) -> dict:
     """One run in `mode` for `seconds` after its first step; what its log says."""
     from engine.telemetry import protocol
     name = f"bench-ps-{mode}-{os.getpid()}"
     log = workdir / f"{mode}.jsonl"
-    cmd = [sys.executable, "-m", "engine.cli", "run", str(CONFIG), "--headless", "--telemetry-log", str(log),
-           "--set", f"run.dir={workdir / 'runs'}", "--set", f"run.name={name}", "--set", "run.steps=1000000",
-           "--set", f"run.eval_every={eval_every}", "--set", "checkpoint.every=0", "--set", f"parallel.sync={mode}",
-           "--set", f"parallel.slow_workers={{5 = {slow}}}", *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = runs.start(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    proc = _start(runs, name, log, workdir, ["run.steps=1000000", f"run.eval_every={eval_every}",
+                                             f"parallel.sync={mode}", f"parallel.slow_workers={{5 = {slow}}}", *extra])
     try:
         first = None
         deadline = time.monotonic() + 120 + seconds
@@ -84,9 +98,7 @@ def run_mode(runs: ChildRuns, mode: str, seconds: float, slow: float, eval_every
         _, err = proc.communicate(timeout=120)
     finally:
         runs.stop(proc)
-    records = _records(log)
-    if proc.returncode != 0 or not records or records[-1].get("type") != "summary":
-        raise RuntimeError(f"bench ps: the {mode} run failed (exit {proc.returncode}): {err.strip()[-600:]}")
+    records = _finished(proc, err, log, f"{mode} run")
     steps = [r for r in records if r.get("type") == "step"]
     t0 = steps[0]["time"]
     evals = [(r["time"] - t0, r["test_accuracy"]) for r in records if r.get("kind") == "eval"]
@@ -107,24 +119,16 @@ def run_seed(runs: ChildRuns, mode: str, seed: int, steps: int, servers: int, sl
     name = f"bench-ps-{sync}-{unit or 'default'}-{seed}-{os.getpid()}"
     log = workdir / f"{sync}-{unit}-{seed}.jsonl"
     slow_rank = servers + 3   # the last of the 4 workers
-    if unit:
-        extra = [*extra, "--set", f"parallel.staleness_unit={unit}"]
-    cmd = [sys.executable, "-m", "engine.cli", "run", str(CONFIG), "--headless", "--telemetry-log", str(log),
-           "--set", f"run.dir={workdir / 'runs'}", "--set", f"run.name={name}", "--set", f"run.steps={steps}",
-           "--set", f"run.seed={seed}", "--set", f"run.eval_every={steps}", "--set", "checkpoint.every=0",
-           "--set", f"parallel.sync={sync}", "--set", f"parallel.servers={servers}",
-           "--set", f"parallel.world_size={servers + 4}", "--set", f"parallel.slow_workers={{{slow_rank} = {slow}}}",
-           *extra]
-    proc = runs.start(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                      env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = _start(runs, name, log, workdir, [
+        f"run.steps={steps}", f"run.seed={seed}", f"run.eval_every={steps}", f"parallel.sync={sync}",
+        f"parallel.servers={servers}", f"parallel.world_size={servers + 4}",
+        f"parallel.slow_workers={{{slow_rank} = {slow}}}", *([f"parallel.staleness_unit={unit}"] if unit else []),
+        *extra])
     try:
         _, err = proc.communicate(timeout=600)
     finally:
         runs.stop(proc)
-    records = _records(log)
-    if proc.returncode != 0 or not records or records[-1].get("type") != "summary":
-        raise RuntimeError(f"bench ps: the {mode} run with seed {seed} failed (exit {proc.returncode}): "
-                           f"{err.strip()[-600:]}")
+    records = _finished(proc, err, log, f"{mode} run with seed {seed}")
     log.unlink()
     last = [r for r in records if r.get("type") == "step"][-1]
     layers = last["ps"]["layers"]
@@ -146,7 +150,7 @@ def distribution(values: list[float]) -> dict:
 
 
 def measure_repeat(modes, repeat: int, steps: int, servers: int, slow: float, hidden: int, batch: int) -> dict:
-    extra = ["--set", f"model.hidden={hidden}", "--set", f"data.batch_size={batch}"]
+    extra = [f"model.hidden={hidden}", f"data.batch_size={batch}"]
     results: dict[str, list[dict]] = {mode: [] for mode in modes}
     with ChildRuns() as runs:
         work = runs.temp_dir("trainyard-bench-ps-")
@@ -186,7 +190,7 @@ def print_repeat(out: dict) -> None:
 
 
 def measure(modes, seconds: float, slow: float, eval_every: int, hidden: int, batch: int) -> dict:
-    extra = ["--set", f"model.hidden={hidden}", "--set", f"data.batch_size={batch}"]
+    extra = [f"model.hidden={hidden}", f"data.batch_size={batch}"]
     with ChildRuns() as runs:   # a killed bench leaves no run training and no folder behind
         work = runs.temp_dir("trainyard-bench-ps-")
         results = {mode: run_mode(runs, mode, seconds, slow, eval_every, work, extra) for mode in modes}

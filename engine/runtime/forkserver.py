@@ -28,9 +28,8 @@ def gpu_visible() -> bool:
     return bool(glob.glob("/dev/nvidia[0-9]*"))
 
 
-# the server's socket: ROOT/forkserver-PID/pymp-XXXXXXXX/listener-XXXXXXXX, within a Unix socket path's 107 bytes
+# the server's socket: ROOT/forkserver-PID/pymp-XXXXXXXX/listener-XXXXXXXX, within a Unix socket path's bytes
 SOCKET_TAIL = len("/forkserver-4194304/pymp-xxxxxxxx/listener-xxxxxxxx")
-SOCKET_PATH_MAX = 107
 
 
 def _root():
@@ -38,6 +37,7 @@ def _root():
     the server's socket path would be too long (then workers are spawned, as with a GPU)."""
     if gpu_visible():
         return None
+    from engine.telemetry.endpoint import SOCKET_PATH_MAX
     from engine.telemetry.protocol import RuntimeDirError, runtime_dir
     try:
         root = runtime_dir()

@@ -12,6 +12,8 @@ import os
 import socket
 from pathlib import Path
 
+SOCKET_PATH_MAX = 107   # the bytes of a Unix socket's path (sun_path's 108, less its NUL)
+
 
 def parse_listen(listen: str) -> tuple[str, int]:
     """"tcp://127.0.0.1:PORT" -> (host, port); ValueError for any host that is not loopback."""
@@ -35,7 +37,7 @@ def free_stem(directory: Path, run: str) -> str:
     pid = os.getpid()
     for stem in (run, f"{run}-{pid}"):
         path = directory / f"{stem}.sock"
-        if len(os.fsencode(path)) > 107:
+        if len(os.fsencode(path)) > SOCKET_PATH_MAX:
             raise ValueError(f"socket path {path} is too long; set TRAINYARD_RUNTIME_DIR to a shorter folder")
         if not os.path.lexists(path):
             return stem

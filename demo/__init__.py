@@ -1,11 +1,11 @@
 """Ready-made runs: `trainyard demo [NAME]` starts one and opens the console on it.
 
     trainyard demo              # the tour: pipeline + memory policy + hybrid updates at once
-    trainyard demo pipeline     # or memory, sharded, hybrid, ps, ddp
+    trainyard demo pipeline     # or memory, sharded, hybrid, ps, ddp, llm
     trainyard demo ps --headless
 
 Each demo is a config in demo/configs/ (read it: its comment says what to watch) plus what the
-demo changes for 2 cores. `keys` are the keys that show its technique in the console; the tmux
+demo changes for 2 cores, and for `llm` the files demo/prepare.py writes first. `keys` are the keys that show its technique in the console; the tmux
 tests (tests/test_demos.py) press them.
 """
 
@@ -47,6 +47,9 @@ DEMOS: dict[str, Demo] = {
     "ps": Demo("digits_ps.toml", "digits on 2 parameter servers and 4 workers, one 3x slower, soft sync per layer",
                "m choose the sync mode: soft, bsp, asp, ssp"),
     "ddp": Demo("digits_ddp.toml", "digits on 2 workers with torch DDP, the baseline", "p pause · x checkpoint"),
+    "llm": Demo("llm.toml", "a Llama-shaped model from transformers, on a token file read from disk, on a 2-stage "
+                            "pipeline (needs transformers: pip install -e '.[hf]')",
+                "r rebalance the stages (by itself at step 100) · k/s/c a layer's activations · u its update"),
 }
 DEFAULT = "tour"
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from demo import DEMOS, run_name
 from engine import protocol
 from engine.config import ConfigError, load_config
+from engine.config.load import read_toml
 from engine.runtime.children import SIGNALS, ChildRuns
 
 DEMO_STEPS = 3000          # about four minutes at DEMO_PAUSE_MS
@@ -34,11 +35,14 @@ START_TIMEOUT_S = 120      # torch start-up and worker spawning on a slow machin
 def demo_overrides(name: str) -> list[str]:
     """What `trainyard demo NAME` sets over the demo's config: its own overrides and a run name of its own."""
     demo = DEMOS[name]
+    from demo.prepare import PREPARE
+    runs_dir = Path(read_toml(demo.path).get("run", {}).get("dir", "runs"))
+    files = PREPARE[name](runs_dir) if name in PREPARE else []   # the files its config names
     try:
-        runs_dir = Path(load_config(demo.path, list(demo.overrides)).run.dir)
+        runs_dir = Path(load_config(demo.path, [*demo.overrides, *files]).run.dir)
     except ConfigError:   # reported when the run loads it
         runs_dir = Path("runs")
-    return ["run.overwrite=true", *demo.overrides, f"run.name={run_name(name, runs_dir)}"]
+    return ["run.overwrite=true", *demo.overrides, *files, f"run.name={run_name(name, runs_dir)}"]
 
 
 def _wait_for_run(proc: subprocess.Popen, name: str, since: float) -> dict | None:

@@ -13,7 +13,7 @@
 The tree reads like the architecture (README.md, Layout), each package's docstring saying what lives
 there and what it may import:
     config/      settings, checks, loading (imports nothing else of engine)
-    models/, data.py, optim.py    what is trained, on what, with which optimizer kernels
+    models/, data.py, loss.py, optim.py    what is trained, on what, by which loss, with which optimizer kernels
     runtime/     launcher, rank setup, step loop, boundary, topology, devices and ledger, checkpoints
     strategies/  ddp, sharded/, pipeline, param_server/: how training is spread over ranks
     techniques/  hybrid update, activation memory, partition/rebalance/migration, ps sync rules
@@ -33,12 +33,12 @@ if TYPE_CHECKING:
     from engine.data import Dataset
     from engine.models import LayerList
 
-__all__ = ["train", "Config", "ConfigError", "load_config", "LayerList", "Block", "Dataset", "tensor_dataset"]
+__all__ = ["train", "layers", "Config", "ConfigError", "load_config", "LayerList", "Block", "Dataset", "tensor_dataset"]
 
 # Imported on first use, so that `engine.protocol` (what consoles import) pulls in no torch.
 _LAZY = {"Config": "engine.config", "ConfigError": "engine.config", "load_config": "engine.config",
          "config_from_dict": "engine.config", "Dataset": "engine.data", "tensor_dataset": "engine.data",
-         "LayerList": "engine.models", "Block": "engine.models"}
+         "LayerList": "engine.models", "Block": "engine.models", "layers": "engine.models.hf"}
 
 
 def __getattr__(name: str):
@@ -48,33 +48,43 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'engine' has no attribute {name!r}")
 
 
-def train(config: Config | dict | str | Path, *, model: LayerList | None = None, data: Dataset | None = None,
+def train(config: Config | dict | str | Path, *, model: LayerList | "torch.nn.Module" | None = None, data: Dataset | None = None,
           overrides: list[str] = (), resume: str | Path | None = None, telemetry_log: str | Path | None = None,
-          headless: bool = True) -> dict:
+          headless: bool = True, loss_fn=None) -> dict:
     """Train and return the run's summary (final_loss, test_accuracy, steps, wall_s, ...).
 
     `config` is a Config, a dict of sections (`{"run": {"steps": 100}}`) or a TOML path.
-    `model` replaces `[model]`, `data` replaces `[data]`. Workers never touch your objects: each
+    `model` replaces `[model]`, `data` replaces `[data]`: a LayerList, or a Hugging Face decoder-only causal LM
+    as it is (GPT-2 or Llama layout; `engine.layers(model)` shows the LayerList made of it). Workers never touch your objects: each
     loads its own copy of `model` from a file the launcher saves (torch.save, so define your layers'
     classes at module level), and they share one read-only copy of `data`'s tensors. When the run
     ends, `model` is given the run's final weights, loaded in place from its final checkpoint, on
     whatever devices its parameters are; if `train` raises, `model` keeps the weights it had.
+
+    `loss_fn(output, target)`: your loss, the mean over a batch's samples (a module-level function: the
+    workers load it). By default, cross entropy over the global batch's targets, those of -100 not counted
+    (engine/loss.py).
     """
     from engine.config import Config, load_config
     from engine.runtime.launch import launch, prepare_run_dir
     from engine.models import LayerList
     from engine.runtime.rank import Job
 
+    # the model given replaces [model]: its name says so, and no built-in model's needs are checked
+    overrides = [*overrides, 'model.name="user"'] if model is not None else list(overrides)
     if isinstance(config, Config):
-        cfg = config if not overrides else load_config(None, list(overrides), base=config.to_dict())
+        cfg = config if not overrides else load_config(None, overrides, base=config.to_dict())
     elif isinstance(config, dict):
-        cfg = load_config(None, list(overrides), base=config)
+        cfg = load_config(None, overrides, base=config)
     else:
-        cfg = load_config(config, list(overrides))
+        cfg = load_config(config, overrides)
     if model is not None and not isinstance(model, LayerList):
-        raise TypeError(f"model must be an engine.LayerList, got {type(model).__name__}")
+        from engine.models.hf import layers
+        model = layers(model)   # a Hugging Face causal LM, as it is: its own modules, so it gets the final weights
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"loss_fn must be a function (output, target) -> loss, got {type(loss_fn).__name__}")
     job = Job(config=cfg, model=model, data=data, resume=Path(resume) if resume else None,
-              telemetry_log=Path(telemetry_log) if telemetry_log else None, headless=headless)
+              telemetry_log=Path(telemetry_log) if telemetry_log else None, headless=headless, loss_fn=loss_fn)
     prepare_run_dir(job)
     summary = launch(job)
     if model is not None:

@@ -158,13 +158,16 @@ def _run(config: Path, overrides: list[str], steps: int | None, telemetry_log: P
         overrides = [*overrides, f"run.steps={steps}"]
     try:
         cfg = load_config(config, overrides)
+        if cfg.model.name == "user":
+            raise ConfigError('model.name = "user": names the model given to engine.train in Python; a config '
+                              'file names a built-in model or "hf"')
     except ConfigError as e:
         err.print(f"[red]config error:[/] {escape(str(e))}")
         return 2
 
     if cfg.device.kind != "cuda":   # the workers' fork server imports torch while this process does
         from engine.runtime import forkserver
-        forkserver.start()
+        forkserver.start(forkserver.config_modules(cfg))
     from engine.runtime.checkpoint import CheckpointError
     from engine.runtime.launch import RunFailed, RunInterrupted, RunRefused, RunSetupError, launch, prepare_run_dir
     from engine.runtime.rank import Job

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from engine.config import DataConfig
+from engine.loss import IGNORE, counted, cross_entropy
 
 
 @dataclass
@@ -89,6 +90,15 @@ def batch_for(ds: Dataset, step: int, batch_size: int, seed: int, rank: int = 0,
     return ds.x_train[idx], ds.y_train[idx]
 
 
+def global_count(ds: Dataset, step: int, batch_size: int, seed: int, loss_fn=cross_entropy) -> int | None:
+    """The targets the loss counts in the whole global batch at `step` (engine/loss.py), read by every rank
+    from the data itself, no collective; None where every share of it counts alike (no -100 label in the
+    data, or a user's loss, which counts samples)."""
+    if not ds.meta.get("ignored_labels") or loss_fn is not cross_entropy:
+        return None
+    return counted(ds.y_train[global_batch_indices(ds.n_train, batch_size, step, seed)], loss_fn)
+
+
 # ---------------------------------------------------------------- data sets
 
 def _split(name: str, x: torch.Tensor, y: torch.Tensor, test_fraction: float, seed: int,
@@ -123,6 +133,8 @@ def tensor_dataset(x_train: torch.Tensor, y_train: torch.Tensor, x_test: torch.T
         meta["image_shape"] = tuple(x_train.shape[1:])
     if not y_train.is_floating_point() and len(y_train):
         meta["num_classes"] = int(max(y_train.max(), y_test.max() if len(y_test) else 0)) + 1
+        # labels of -100 count for nothing in the loss (engine/loss.py): shares may then count differently
+        meta["ignored_labels"] = bool((y_train == IGNORE).any())
     return Dataset(name, x_train, y_train, x_test, y_test, meta)
 
 
@@ -206,20 +218,78 @@ def _synthetic(samples: int, features: int, classes: int, test_fraction: float, 
     return _split("synthetic", x, y, test_fraction, seed, meta)
 
 
+class TokenWindows:
+    """Samples of a flat token file, memory-mapped: sample k is the ids [k*T, k*T + T) (`shift` 0: the
+    inputs) or [k*T + 1, k*T + T + 1) (`shift` 1: the next-token targets), T = seq_len, so consecutive
+    samples overlap by the one id that is both a target and the next sample's first input. Indexed like a
+    tensor by an index tensor or a slice; it reads only the ids asked for (the page cache holds the file once
+    for every process on the host) and returns int64 tensors."""
+
+    def __init__(self, path: str, dtype: str, seq_len: int, shift: int):
+        import numpy as np
+        self.path, self.dtype_name, self.seq_len, self.shift = path, dtype, seq_len, shift
+        self.ids = np.memmap(path, dtype=np.dtype(dtype), mode="r")
+        self.n = (len(self.ids) - 1) // seq_len
+        self._offsets = np.arange(seq_len, dtype=np.int64)
+        self.dtype, self.shape = torch.int64, (self.n, seq_len)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index) -> torch.Tensor:
+        import numpy as np
+        if isinstance(index, slice):
+            index = np.arange(*index.indices(self.n), dtype=np.int64)
+        else:
+            index = torch.as_tensor(index).numpy().astype(np.int64, copy=False)
+        if index.size and (index.min() < 0 or index.max() >= self.n):
+            raise IndexError(f"sample index out of range for {self.path} ({self.n} samples)")
+        rows = index[:, None] * self.seq_len + self._offsets[None, :] + self.shift
+        return torch.from_numpy(self.ids[rows].astype(np.int64))
+
+    def is_floating_point(self) -> bool:
+        return False
+
+    def __reduce__(self):   # a worker maps the file itself; the mapping never travels
+        return TokenWindows, (self.path, self.dtype_name, self.seq_len, self.shift)
+
+
+def _largest_id(path: str, dtype: str) -> int:
+    import numpy as np
+    ids = np.memmap(path, dtype=np.dtype(dtype), mode="r")
+    step = 1 << 26   # 64 Mi ids a pass: the scan holds one chunk, not the file
+    return max(int(ids[i:i + step].max()) for i in range(0, len(ids), step))
+
+
+def _tokens(train: str, val: str, dtype: str, seq_len: int, vocab_size: int) -> Dataset:
+    x_train, y_train = TokenWindows(train, dtype, seq_len, 0), TokenWindows(train, dtype, seq_len, 1)
+    if val:
+        x_test, y_test = TokenWindows(val, dtype, seq_len, 0), TokenWindows(val, dtype, seq_len, 1)
+    else:
+        x_test, y_test = torch.zeros(0, seq_len, dtype=torch.int64), torch.zeros(0, seq_len, dtype=torch.int64)
+    vocab = vocab_size or _largest_id(train, dtype) + 1
+    return Dataset("tokens", x_train, y_train, x_test, y_test, {"vocab_size": vocab, "seq_len": seq_len})
+
+
 @functools.lru_cache(maxsize=16)
 def _load(name: str, test_fraction: float, seq_len: int, text_chars: int, samples: int,
-          features: int, classes: int, seed: int) -> Dataset:
+          features: int, classes: int, seed: int, files: tuple = ()) -> Dataset:
+    if name == "tokens":
+        train, val, dtype, vocab_size = files
+        return _tokens(train, val, dtype, seq_len, vocab_size)
     if name == "digits":
         return _digits(test_fraction, seed)
     if name == "text":
         return _text(seq_len, text_chars, test_fraction, seed)
     if name == "synthetic":
         return _synthetic(samples, features, classes, test_fraction, seed)
-    raise ValueError(f"unknown data set {name!r}; choose digits, text or synthetic")
+    raise ValueError(f"unknown data set {name!r}; choose digits, text, synthetic or tokens")
 
 
 def load_dataset(cfg: DataConfig, seed: int) -> Dataset:
-    """The data set named by cfg, split into train and test by a seeded permutation."""
+    """The data set named by cfg: split into train and test by a seeded permutation, or for `tokens`, the
+    files as they are (the train file's samples, the val file's as the test split)."""
     # keyed by value, not by cfg (a mutable dataclass is unhashable); batch_size is irrelevant
+    files = (cfg.train, cfg.val, cfg.dtype, cfg.vocab_size) if cfg.name == "tokens" else ()
     return _load(cfg.name, cfg.test_fraction, cfg.seq_len, cfg.text_chars, cfg.samples,
-                 cfg.features, cfg.classes, seed)
+                 cfg.features, cfg.classes, seed, files)

@@ -30,10 +30,15 @@ LITTER = ("torchelastic_", "pytorch-errorfile-", "trainyard-bench-", "pymp-", "t
 _session: dict = {}   # in hooks, not at import: tests import this module a second time as tests.conftest
 
 
+@pytest.hookimpl(tryfirst=True)   # before pytest's tmpdir plugin reads --basetemp
 def pytest_configure(config):
     # in the system temp dir, which this process goes on using (mkdtemp fixes it before TMPDIR changes)
     _session["tmp"] = Path(tempfile.mkdtemp(prefix="trainyard-tests-"))
     os.environ["TMPDIR"] = str(_session["tmp"])
+    # pytest's own tmp_path folders too, removed with it (not /tmp/pytest-of-USER); an xdist worker is given
+    # its controller's, and `--basetemp DIR` keeps them where the caller says
+    if config.option.basetemp is None:
+        config.option.basetemp = str(_session["tmp"] / "pytest")
     # torch's compile cache, for this process's own optimizers (torch._dynamo makes it on import); the runs
     # the tests start keep theirs in their runtime dir (engine/runtime/children.py)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(_session["tmp"] / "inductor")
@@ -143,7 +148,7 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):
 def train_one_process(model, optim_cfg, batches) -> tuple[dict, list[float]]:
     """The reference every parallel layout must equal: one process, one update per whole global batch.
     Returns the final state_dict and each step's loss."""
-    from engine.strategies.ddp import cross_entropy
+    from engine.loss import cross_entropy
     from engine.optim import make_optimizer
     opt = make_optimizer(optim_cfg, model.parameters())
     losses = []

@@ -36,16 +36,23 @@ d_model = 48
 heads = 6
 channels = 8
 dropout = 0.1
+hf_config = "hf/config.json"
+hf_weights = "hf/"
 
 [data]
 name = "text"
 batch_size = 24
 test_fraction = 0.25
+eval_samples = 512
 seq_len = 16
 text_chars = 5000
 samples = 100
 features = 49
 classes = 3
+train = "train.bin"
+val = "val.bin"
+dtype = "uint32"
+vocab_size = 100
 
 [optim]
 name = "adamw"
@@ -237,7 +244,7 @@ def test_invalid_toml_names_file_and_position(tmp_path):
     ({"data": {"batch_size": True}}, "data.batch_size = true: expected an integer (int) >= 1"),
     ({"run": {"overwrite": 1}}, "run.overwrite = 1: expected true or false (bool)"),
     ({"run": {"dir": 5}}, "run.dir = 5: expected a string (str)"),
-    ({"model": {"name": 3}}, 'model.name = 3: expected a string (str), one of "mlp", "transformer", "branchy"'),
+    ({"model": {"name": 3}}, 'model.name = 3: expected a string (str), one of "mlp", "transformer", "branchy", "hf"'),
     ({"optim": {"lr": float("inf")}}, "optim.lr = inf: must be a finite number >= 0.0"),
 ])
 def test_wrong_type(data, expected):
@@ -311,9 +318,9 @@ def test_unknown_key_from_override_and_file(tmp_path):
     ({"model": {"name": "transformer", "d_model": 66}, "data": {"name": "text"}},
      'model.d_model = 66: must be divisible by model.heads = 4 when model.name = "transformer" (e.g. 64 or 68)'),
     ({"model": {"name": "transformer"}},
-     'model.name = "transformer": requires data.name = "text" (got data.name = "digits")'),
+     'model.name = "transformer": requires data.name = "text" or "tokens" (got data.name = "digits")'),
     ({"data": {"name": "text"}},
-     'data.name = "text": requires model.name = "transformer" (got model.name = "mlp")'),
+     'data.name = "text": requires model.name = "transformer" or "hf" (got model.name = "mlp")'),
     ({"model": {"name": "branchy"}, "data": {"name": "synthetic", "features": 50}},
      'data.features = 50: must be a perfect square when model.name = "branchy" (e.g. 49 or 64)'),
     ({"emulate": {"slow_layer": "fc1"}},

@@ -169,8 +169,9 @@ ACTIONS = {
     "sharded": see_streams,
     "ps": press_sync,
     "ddp": press_pause,
+    "llm": press_rebalance,
 }
-SLOW = {"memory", "sharded", "ddp", "ps"}   # the tour covers policies; the others have their own CLI tests
+SLOW = {"memory", "sharded", "ddp", "ps", "llm"}   # the tour covers policies; the others have their own CLI tests
 
 
 @pytest.mark.timeout(300)
@@ -202,7 +203,8 @@ def test_closing_the_terminal_stops_the_demo_run_after_its_final_checkpoint(term
     assert "stopped by SIGINT; latest checkpoint:" in log, log
 
 
-def test_every_demo_is_tested_and_its_config_loads():
+def test_every_demo_is_tested_and_its_config_loads(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)   # llm's files go to ./runs/demo-llm-data
     from demo import DEMOS
     from demo.launch import demo_overrides
     from engine.config import load_config
@@ -211,6 +213,9 @@ def test_every_demo_is_tested_and_its_config_loads():
         cfg = load_config(demo.path, demo_overrides(name))
         assert cfg.run.name == f"demo-{name}" and cfg.run.overwrite
         assert cfg.parallel.world_size <= 6, name
+    llm = load_config(DEMOS["llm"].path, demo_overrides("llm"))
+    assert (llm.model.name, llm.data.name) == ("hf", "tokens")
+    assert sorted(p.name for p in (tmp_path / "runs" / "demo-llm-data").iterdir()) == ["llama.json", "train.bin", "val.bin"]
 
 
 def test_a_demo_run_takes_a_new_name_while_its_previous_run_is_live(tmp_path, runtime_dir):

@@ -12,7 +12,7 @@ import torch
 
 from engine.config import Config, MemoryConfig, OptimConfig, load_config
 from engine.data import batch_for, load_dataset
-from engine.strategies.ddp import cross_entropy
+from engine.loss import cross_entropy
 from engine.runtime.devices import LedgerDevice
 from engine.techniques.memory import (EXHAUSTIVE_MAX_LAYERS, ActivationPolicy, LayerCost, PlanError, estimate,
                            order_by_ratio, plan, swap_ms)

@@ -12,7 +12,7 @@ from engine.config import MemoryConfig
 from engine.data import batch_for
 from engine.models import build_model
 from engine.runtime.devices import CudaDevice
-from engine.strategies.ddp import cross_entropy
+from engine.loss import cross_entropy
 from engine.techniques.memory import ActivationPolicy, StreamSwapper
 from engine.timing import Clock
 from test_memory import ZOO, setup

@@ -19,7 +19,7 @@ from engine.data import batch_for, load_dataset
 from engine.models import build_model
 from engine.optim import make_optimizer
 from engine.precision import DTYPES, compute_in, dtype_code, param_dtype
-from engine.strategies.ddp import cross_entropy
+from engine.loss import cross_entropy
 from tests.conftest import read_jsonl
 from tests.test_training import DEMO
 

@@ -243,7 +243,7 @@ def test_a_slice_whose_peer_failed_is_an_error_within_the_collective_timeout(how
     try:
         [result] = pool.run(peer_fails_before_its_broadcast, answer_from=[0], timeout=60, how=how)
     finally:
-        pool.close()
+        pool.close(now=True)   # a rank left or sleeps on purpose: nothing to wait for
     assert result["error"], f"rank 0 trained on although its peer {'left' if how == 'exit' else 'went silent'}"
     assert result["error"].startswith("RuntimeError: broadcast of slice ") and " on stream " in result["error"]
     assert result["step"] in (3, 4) and result["after_s"] < timeout_s + 5, result

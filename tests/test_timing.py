@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch import nn
 
+from engine.loss import cross_entropy
 from engine.config import Config, MemoryConfig, OptimConfig
 from engine.models.layers import LayerList
 from engine.runtime.control import FIELDS
@@ -462,7 +463,8 @@ def test_a_parameter_server_workers_rows_are_the_devices_without_its_waits_for_w
     iterations = 3
     setup = SimpleNamespace(cfg=Config(), topo=SimpleNamespace(rank=1), servers=1, params=params, model=model,
                             device=device, links={0: link}, owner={j: 0 for j in params}, first_step=0,
-                            batch=batch, stop=None)
+                            batch=batch, stop=None, loss_fn=cross_entropy, global_counted=lambda iteration: None,
+                            workers=1)
     worker = PSWorker(setup, device_clock=Clock(events=gpu.event))
     setup.stop = type("Stop", (), {"requested": property(lambda self: worker.iteration >= iterations)})()
     worker.run()

@@ -8,7 +8,7 @@ import torch
 from engine.runtime.checkpoint import list_checkpoints, model_state
 from engine.config import load_config
 from engine.data import batch_for, load_dataset
-from engine.strategies.ddp import cross_entropy
+from engine.loss import cross_entropy
 from engine.models import build_model
 from engine.optim import make_optimizer
 from tests.conftest import ROOT, read_jsonl

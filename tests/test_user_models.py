@@ -1,6 +1,7 @@
 """A user's own model through `engine.train`: every strategy equals one worker on models the project did
-not define (torch's nn.TransformerEncoderLayer, GPT-2 blocks from transformers), no worker shares the
-caller's memory, and the caller's model holds the run's final weights when `train` returns."""
+not define (torch's nn.TransformerEncoderLayer wrapped by hand; GPT-2 and Llama from transformers, as they
+are), no worker shares the caller's memory, and the caller's model holds the run's final weights when `train`
+returns."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from engine.data import batch_for
 from engine.runtime.handover import HandoverError, hand_over, load_final_weights, received_model
 from engine.runtime.rank import Job
 from tests.conftest import ROOT, train_one_process
-from tests.user_models import BLOCKS, MODELS, token_data
+from tests.user_models import BLOCKS, MODELS, as_layers, masked_token_data, token_data
 
 STEPS, BATCH, SEED = 8, 32, 0
 OPTIM = {"name": "adamw", "lr": 3e-3}
@@ -28,43 +29,50 @@ BLOCK_NAMES = [f"block{i}" for i in range(BLOCKS)]
 STRATEGIES = {
     "ddp": {"parallel": {"strategy": "ddp"}},
     "ddp-host": {"parallel": {"strategy": "ddp"}, "update": {"placement": "host"}},
-    "sharded-gated": {"parallel": {"strategy": "sharded", "overlap_forward": True}},
-    # a skewed start that the last stage rebalances at step 2: layers migrate while training runs
+    "sharded-gated-host": {"parallel": {"strategy": "sharded", "overlap_forward": True},
+                           "update": {"placement": "host"}},
+    # a skewed start that the last stage rebalances at step 2: layers migrate while training runs, their
+    # activations swapped to the host or recomputed in backward
     "pipeline-migrating": {"parallel": {"strategy": "pipeline", "partition": [["embed"], [*BLOCK_NAMES, "norm", "head"]],
-                                        "rebalance": "auto", "rebalance_check_every": 2}},
+                                        "rebalance": "auto", "rebalance_check_every": 2},
+                           "memory": {"policy": {"block0": "swap", "block1": "recompute", "block3": "swap",
+                                                 "head": "recompute"}}},
     "param_server-bsp": {"parallel": {"strategy": "param_server", "servers": 1, "workers": 2, "sync": "bsp",
                                       "slow_workers": {}}},
 }
 WORLDS = {"ddp": [1, 2], "param_server-bsp": [3]}
-# GPT-2 blocks: data parallel and a pipeline whose layers migrate. Each worker imports transformers (about 4 s
-# here), so the other strategies, whose code paths do not depend on which blocks a model is made of, run
-# on the encoder alone.
-GPT2_STRATEGIES = ("ddp", "pipeline-migrating")
 
 
-def reference(model_name: str) -> tuple[dict, list[float]]:
+def reference(model_name: str, data: str = "tokens") -> tuple[dict, list[float]]:
     """One process, one AdamW step per whole global batch: what every strategy must equal."""
-    ds = token_data()
+    ds = masked_token_data() if data == "masked" else token_data()
     batches = [batch_for(ds, step, BATCH, SEED) for step in range(STEPS)]
-    return train_one_process(MODELS[model_name](seed=0), OptimConfig(**OPTIM), batches)
+    return train_one_process(as_layers(MODELS[model_name](seed=0)), OptimConfig(**OPTIM), batches)
 
 
-def train_in_a_script(tmp_path, model_name: str, config: dict, worlds: list[int]) -> list[dict]:
-    """tests/user_model_run.py in a process session of its own, reaped whatever happens."""
-    spec = {"model": model_name, "worlds": worlds,
-            "config": {"run": {"name": "user", "steps": STEPS, "seed": SEED, "dir": str(tmp_path / "runs")},
-                       "data": {"batch_size": BATCH}, "optim": OPTIM, "telemetry": {"hub": False}, **config}}
+def train_in_a_script(tmp_path, model_name: str, strategies: list[str], timeout_s: float = 150,
+                      data: str = "tokens") -> list[dict]:
+    """tests/user_model_run.py in a process session of its own, reaped whatever happens: each strategy at each
+    of its world sizes, one after the other in one process (as a user's script would; transformers is
+    imported once, and the workers fork from a server that has it)."""
+    runs = [{"label": strategy, "world": world,
+             "config": {"run": {"name": f"user-{strategy}", "steps": STEPS, "seed": SEED,
+                                "dir": str(tmp_path / "runs")},
+                        "data": {"batch_size": BATCH}, "optim": OPTIM, "telemetry": {"hub": False},
+                        **STRATEGIES[strategy]}}
+            for strategy in strategies for world in WORLDS.get(strategy, [2])]
     out = tmp_path / "results.pt"
-    proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "user_model_run.py"), str(out), json.dumps(spec)],
+    proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "user_model_run.py"), str(out),
+                             json.dumps({"model": model_name, "runs": runs, "data": data})],
                             cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
                             start_new_session=True)
     try:
-        _, err = proc.communicate(timeout=150)
+        _, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, 9)
         _, err = proc.communicate()
-        pytest.fail(f"the run did not finish in 150 s\n{err}")
+        pytest.fail(f"the runs did not finish in {timeout_s:g} s\n{err}")
     finally:
         try:
             os.killpg(proc.pid, 9)   # nothing of the run outlives the test
@@ -80,15 +88,23 @@ def assert_states_equal(got: dict, want: dict, atol: float = 1e-5) -> None:
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=atol, msg=name)
 
 
-def _cases():
-    for model_name in MODELS:
-        for strategy in STRATEGIES:
-            marks = [] if (model_name, strategy) == ("encoder", "ddp") else [pytest.mark.slow]
-            if model_name == "gpt2":
-                if strategy not in GPT2_STRATEGIES:
-                    continue
-                marks.append(pytest.mark.skipif(not _has_transformers(), reason="transformers is not installed"))
-            yield pytest.param(model_name, strategy, marks=marks, id=f"{model_name}-{strategy}")
+def check_runs(runs: list[dict], want_state: dict, want_losses: list[float]) -> list[str]:
+    """Every run equals the one-process reference; the failures, by strategy and world, else []."""
+    failures = []
+    for run in runs:
+        where = f"{run['label']} at world {run['world']}"
+        try:
+            assert len(run["losses"]) == STEPS
+            assert run["losses"] == pytest.approx(want_losses, abs=1e-5)
+            assert_states_equal(run["checkpoint"], want_state)
+            # the caller's model holds the run's final weights, exactly the final checkpoint's
+            assert_states_equal(run["caller"], run["checkpoint"], atol=0)
+            assert not any(name.startswith("user_model") for name in run["left_in_run_dir"]), run["left_in_run_dir"]
+            if run["label"] == "pipeline-migrating":
+                assert "migration" in run["events"], run["events"]
+        except AssertionError as e:
+            failures.append(f"{where}: {str(e)[:1500]}")
+    return failures
 
 
 def _has_transformers() -> bool:
@@ -96,23 +112,42 @@ def _has_transformers() -> bool:
     return importlib.util.find_spec("transformers") is not None
 
 
-@pytest.mark.timeout(200)
-@pytest.mark.parametrize("model_name,strategy", list(_cases()))
-def test_every_strategy_equals_one_worker_on_a_users_model(tmp_path, model_name, strategy):
+def test_ddp_equals_one_worker_on_a_model_wrapped_by_hand(tmp_path):
+    want_state, want_losses = reference("encoder")
+    runs = train_in_a_script(tmp_path, "encoder", ["ddp"])
+    assert check_runs(runs, want_state, want_losses) == []
+    assert_states_equal(runs[1]["caller"], runs[0]["caller"])   # world 2 leaves the caller's model as world 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_labels_of_minus_100_count_for_nothing_and_every_strategy_still_equals_one_worker(tmp_path):
+    """A third of the targets are -100, at random: the ranks' shares count different numbers of them, and the
+    loss is still the mean over the global batch's counted targets (each share weighed by its count)."""
+    ds = masked_token_data()
+    counts = [int((batch_for(ds, 0, BATCH, SEED, rank, 2)[1] != -100).sum()) for rank in range(2)]
+    assert counts[0] != counts[1], counts   # the case in point: shares that count differently
+    want_state, want_losses = reference("encoder", data="masked")
+    runs = train_in_a_script(tmp_path, "encoder", ["ddp", "sharded-gated-host", "pipeline-migrating",
+                                                   "param_server-bsp"], timeout_s=280, data="masked")
+    assert check_runs(runs, want_state, want_losses) == []
+    assert all(r["summary"]["test_accuracy"] is not None for r in runs)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.skipif(not _has_transformers(), reason="transformers is not installed (pip install -e '.[hf]')")
+@pytest.mark.parametrize("model_name", ["gpt2", "llama"])
+def test_every_strategy_equals_one_worker_on_a_hugging_face_model_as_it_is(tmp_path, model_name):
+    """GPT-2 (tied input and output embeddings) and Llama (rotary, grouped-query attention), passed to
+    engine.train as transformers builds them."""
     want_state, want_losses = reference(model_name)
-    runs = train_in_a_script(tmp_path, model_name, STRATEGIES[strategy], WORLDS.get(strategy, [2]))
-    for run in runs:
-        where = f"{strategy} at world {run['world']}"
-        assert len(run["losses"]) == STEPS, where
-        assert run["losses"] == pytest.approx(want_losses, abs=1e-5), where
-        assert_states_equal(run["checkpoint"], want_state)
-        # the caller's model holds the run's final weights, exactly the final checkpoint's
-        assert_states_equal(run["caller"], run["checkpoint"], atol=0)
-        assert not any(name.startswith("user_model") for name in run["left_in_run_dir"]), run["left_in_run_dir"]
-    if strategy == "pipeline-migrating":
-        assert "migration" in runs[0]["events"], runs[0]["events"]
-    if len(runs) == 2:   # world 2 leaves the caller's model as a run at world 1 does
-        assert_states_equal(runs[1]["caller"], runs[0]["caller"])
+    runs = train_in_a_script(tmp_path, model_name, list(STRATEGIES), timeout_s=360)
+    assert [(r["label"], r["world"]) for r in runs] == [(s, w) for s in STRATEGIES for w in WORLDS.get(s, [2])]
+    assert check_runs(runs, want_state, want_losses) == []
+    if model_name == "gpt2":   # one weight for both ends, in the caller's model after every strategy
+        for run in runs:
+            assert run["tied"], run["label"]
 
 
 def test_a_job_handed_to_workers_carries_no_tensor_of_the_callers(tmp_path):
@@ -161,3 +196,48 @@ def test_final_weights_that_do_not_fit_the_model_are_refused(tmp_path):
     model = MODELS["encoder"](seed=0)
     with pytest.raises(ckpt.CheckpointError, match="no checkpoint"):
         load_final_weights(model, tmp_path)
+
+
+@pytest.mark.skipif(not _has_transformers(), reason="transformers is not installed (pip install -e '.[hf]')")
+def test_a_hugging_face_model_from_a_config_file_or_a_weights_folder(tmp_path):
+    """`[model] name = "hf"`: hf_config builds the model with random weights seeded by run.seed; hf_weights loads
+    a save_pretrained folder as it is. Nothing is downloaded."""
+    from engine.config import ModelConfig
+    from engine.models import build_model
+    hf = MODELS["llama"](seed=3)
+    hf.config.to_json_file(tmp_path / "config.json")
+    built = build_model(ModelConfig(name="hf", hf_config=str(tmp_path / "config.json")), {"vocab_size": 40}, seed=0)
+    again = build_model(ModelConfig(name="hf", hf_config=str(tmp_path)), {}, seed=0)
+    assert built.names == ["embed", *BLOCK_NAMES, "norm", "head"]
+    assert_states_equal(built.state_dict(), again.state_dict(), atol=0)   # seeded: every rank builds the same
+    hf.save_pretrained(tmp_path / "weights")
+    loaded = build_model(ModelConfig(name="hf", hf_weights=str(tmp_path / "weights")), {}, seed=0)
+    assert_states_equal(loaded.state_dict(), as_layers(hf).state_dict(), atol=0)
+    with pytest.raises(ValueError, match="token ids go up to 99, past the model's vocab_size 48"):
+        build_model(ModelConfig(name="hf", hf_config=str(tmp_path / "config.json")), {"vocab_size": 100}, seed=0)
+
+
+def test_a_model_of_an_unknown_layout_is_refused_naming_what_was_looked_for():
+    import engine
+    with pytest.raises(TypeError, match="LayerList or a Hugging Face causal LM"):
+        engine.layers(torch.nn.Linear(2, 2))
+
+    class Odd(torch.nn.Module):
+        config = object()
+    with pytest.raises(ValueError, match=r"looked for GPT-2's modules \(transformer.wte"):
+        engine.layers(Odd())
+
+
+@pytest.mark.skipif(not _has_transformers(), reason="transformers is not installed (pip install -e '.[hf]')")
+def test_a_model_whose_forward_does_more_than_its_layout_is_refused_not_trained_wrong():
+    import engine
+    hf = MODELS["gpt2"](seed=0)
+    forward = hf.forward
+
+    def scaled(*args, **kwargs):   # a logit scale, as some families add: the layers alone cannot know it
+        out = forward(*args, **kwargs)
+        out.logits = out.logits * 1.5
+        return out
+    hf.forward = scaled
+    with pytest.raises(ValueError, match="computes something else .*logits differ"):
+        engine.layers(hf)

@@ -1,10 +1,11 @@
 """Train a model of tests/user_models.py through `engine.train`, as a user's script does, and save what the
 parity tests compare (tests/test_user_models.py runs it in a process session of its own):
 
-    python tests/user_model_run.py OUT.pt '{"model": "encoder", "worlds": [1, 2], "config": {...}}'
+    python tests/user_model_run.py OUT.pt '{"model": "gpt2", "runs": [{"label": "ddp", "world": 2, "config": {...}}]}'
 
-OUT.pt holds one entry per world size: the caller's model before and after the run, the final
-checkpoint's weights, every step's loss, and the kinds of the run's events.
+OUT.pt holds one entry per run, each on a fresh model: the caller's model before and after the run (as the
+LayerList engine.train makes of it), the final checkpoint's weights, every step's loss, the kinds of the run's
+events, and whether a tied weight is still one tensor in the caller's model.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 
 import engine
 from engine.runtime.checkpoint import list_checkpoints, model_state
-from tests.user_models import MODELS, token_data
+from tests.user_models import MODELS, as_layers, masked_token_data, token_data
 
 
 def state(model) -> dict:
@@ -26,20 +27,24 @@ def state(model) -> dict:
 
 def main(out: str, spec: dict) -> None:
     results = []
-    for world in spec["worlds"]:
-        config = json.loads(json.dumps(spec["config"]))
-        config.setdefault("parallel", {})["world_size"] = world
-        config["run"]["name"] = f"{config['run']['name']}-w{world}"
+    for run in spec["runs"]:
+        config = run["config"]
+        config.setdefault("parallel", {})["world_size"] = run["world"]
+        config["run"]["name"] = f"{config['run']['name']}-w{run['world']}"
         model = MODELS[spec["model"]](seed=0)
-        before = state(model)
+        before = state(as_layers(model))
         log = Path(config["run"]["dir"]) / f"{config['run']['name']}.jsonl"
-        summary = engine.train(config, model=model, data=token_data(), telemetry_log=log)
+        data = masked_token_data() if spec.get("data") == "masked" else token_data()
+        summary = engine.train(config, model=model, data=data, telemetry_log=log)
         records = [json.loads(line) for line in log.read_text().splitlines()]
         run_dir = Path(config["run"]["dir"]) / config["run"]["name"]
-        results.append({"world": world, "before": before, "caller": state(model),
+        layers = as_layers(model)
+        results.append({"label": run["label"], "world": run["world"], "before": before, "caller": state(layers),
                         "checkpoint": model_state(list_checkpoints(run_dir)[-1]),
                         "losses": [r["loss"] for r in records if r["type"] == "step"],
                         "events": [r["kind"] for r in records if r["type"] == "event"],
+                        "tied": all(len({id(layers.layer(n).get_parameter(p)) for n, p in tie}) == 1
+                                    for tie in layers.ties) and bool(layers.ties),
                         "summary": summary, "left_in_run_dir": sorted(p.name for p in run_dir.iterdir())})
     torch.save(results, out)
 

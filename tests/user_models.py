@@ -1,7 +1,9 @@
-"""Models the project did not define, wrapped by hand into a LayerList as a user would, and token data.
+"""Models the project did not define, as a user brings them, and token data.
 
-    model = encoder_model(seed=0)      # torch's own nn.TransformerEncoderLayer blocks
-    model = gpt2_model(seed=0)         # GPT-2 blocks from transformers (ImportError without it)
+    model = encoder_model(seed=0)      # torch's own nn.TransformerEncoderLayer blocks, wrapped by hand
+    model = gpt2_model(seed=0)         # transformers' GPT2LMHeadModel as it is: tied embeddings
+    model = llama_model(seed=0)        # transformers' LlamaForCausalLM as it is: rotary embeddings, GQA
+    as_layers(model)                   # the LayerList engine.train makes of either (engine.layers)
     data = token_data(seed=1)          # next-token pairs over VOCAB, SEQ_LEN long
 
 Their classes live at module level, in a module the workers import (tests/ is on their path), as a
@@ -31,18 +33,6 @@ class TokenAndPosition(nn.Module):
         return self.tokens(ids) + self.positions(torch.arange(ids.shape[1], device=ids.device))
 
 
-class HFBlock(nn.Module):
-    """A transformers decoder block as one layer: a tensor in, the hidden states out."""
-
-    def __init__(self, block: nn.Module):
-        super().__init__()
-        self.block = block
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        out = self.block(hidden)
-        return out[0] if isinstance(out, tuple) else out
-
-
 def encoder_model(seed: int = 0) -> LayerList:
     torch.manual_seed(seed)
     layers = [("embed", TokenAndPosition(VOCAB, SEQ_LEN, D_MODEL))]
@@ -55,19 +45,41 @@ def encoder_model(seed: int = 0) -> LayerList:
     return LayerList(layers)
 
 
-def gpt2_model(seed: int = 0) -> LayerList:
-    from transformers import GPT2Config
-    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
-    config = GPT2Config(vocab_size=VOCAB, bos_token_id=0, eos_token_id=0, n_positions=SEQ_LEN, n_embd=D_MODEL, n_layer=BLOCKS, n_head=4,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager")
+def gpt2_model(seed: int = 0):
+    """A tiny GPT2LMHeadModel: wte, wpe, blocks, ln_f, and lm_head tied to wte (GPT-2's default)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    config = GPT2Config(vocab_size=VOCAB, bos_token_id=0, eos_token_id=0, n_positions=SEQ_LEN, n_embd=D_MODEL,
+                        n_layer=BLOCKS, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     torch.manual_seed(seed)
-    layers = [("embed", TokenAndPosition(VOCAB, SEQ_LEN, D_MODEL))]
-    layers += [(f"block{i}", HFBlock(GPT2Block(config, layer_idx=i))) for i in range(BLOCKS)]
-    layers += [("norm", nn.LayerNorm(D_MODEL)), ("head", nn.Linear(D_MODEL, VOCAB))]
-    return LayerList(layers)
+    return GPT2LMHeadModel(config)
 
 
-MODELS = {"encoder": encoder_model, "gpt2": gpt2_model}
+def llama_model(seed: int = 0):
+    """A tiny LlamaForCausalLM: rotary embeddings, grouped-query attention (2 key-value heads for 4), untied."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    config = LlamaConfig(vocab_size=VOCAB, bos_token_id=0, eos_token_id=0, hidden_size=D_MODEL,
+                         intermediate_size=2 * D_MODEL, num_hidden_layers=BLOCKS, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=SEQ_LEN)
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config)
+
+
+def as_layers(model) -> LayerList:
+    return engine.layers(model, check=False)
+
+
+MODELS = {"encoder": encoder_model, "gpt2": gpt2_model, "llama": llama_model}
+
+
+def masked_token_data(seed: int = 1):
+    """token_data with a third of the targets -100 (not counted), placed at random: the ranks' shares of a
+    batch count different numbers of targets."""
+    ds = token_data(seed)
+    g = torch.Generator().manual_seed(seed + 100)
+    y_train, y_test = ds.y_train.clone(), ds.y_test.clone()
+    y_train[torch.rand(y_train.shape, generator=g) < 0.33] = -100
+    y_test[torch.rand(y_test.shape, generator=g) < 0.33] = -100
+    return engine.tensor_dataset(ds.x_train, y_train, ds.x_test, y_test, name="masked-tokens")
 
 
 def token_data(seed: int = 1, samples: int = 512):

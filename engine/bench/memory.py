@@ -120,7 +120,7 @@ class _Trainer:
 
     def step(self, timed: bool) -> None:
         from engine.data import batch_for
-        from engine.strategies.ddp import cross_entropy
+        from engine.loss import cross_entropy
         torch, cuda = self.torch, self.device.kind == "cuda"
         x, y = (t.to(self.device.torch_device) for t in batch_for(self.data, self.step_index % 50, self.batch, 0))
         ledger = self.device.ledger

@@ -78,7 +78,7 @@ def torch_1f1b_job(topo, build: str, build_kwargs: dict, stage_layers: list[list
 
     from engine.runtime import compat
     from engine.config import OptimConfig
-    from engine.strategies.ddp import cross_entropy
+    from engine.loss import cross_entropy
     from engine.optim import make_optimizer
 
     if len(stage_layers) != topo.world_size:

@@ -4,7 +4,8 @@
     cfg = load_config("demo/configs/digits_ddp.toml", overrides=["run.steps=50"])
 
 - settings.py: every setting, declared once (default, allowed values, one line of docs); sizes.
-- check.py: each value against its declaration, then the rules across keys (CROSS_CHECKS).
+- check.py: each value against its declaration, then the rules across keys (CROSS_CHECKS); files.py: the
+  files a config names (token files, a Hugging Face config) exist and fit.
 - load.py: TOML file + `--set` overrides -> a checked Config.
 - reference.py: docs/config.md from the declarations; `python -m engine.config`.
 

@@ -25,6 +25,7 @@ import re
 import tomllib
 from typing import Any, Callable
 
+from engine.config.files import files_exist
 from engine.config.settings import PATTERN_WORDS, Config, ConfigError, parse_size
 
 SECTIONS = {f.name: f.default_factory for f in dataclasses.fields(Config)}
@@ -277,12 +278,16 @@ def _near_multiples(n: int, k: int) -> str:
 
 
 def model_matches_data(cfg: Config) -> str | None:
-    """`model.name = "transformer"` needs `data.name = "text"`, and `text` needs `transformer`."""
+    """Language models take token data (`text` or `tokens`), and token data needs a language model."""
     model, data = cfg.model.name, cfg.data.name
-    if model == "transformer" and data != "text":
-        return f'model.name = "transformer": requires data.name = "text" (got data.name = {show(data)})'
-    if data == "text" and model != "transformer":
-        return f'data.name = "text": requires model.name = "transformer" (got model.name = {show(model)})'
+    if model == "user":   # engine.train's model: it is the user's to fit their data
+        return None
+    if model in ("transformer", "hf") and data not in ("text", "tokens"):
+        return (f'model.name = {show(model)}: requires data.name = "text" or "tokens" '
+                f'(got data.name = {show(data)})')
+    if data in ("text", "tokens") and model not in ("transformer", "hf"):
+        return (f'data.name = {show(data)}: requires model.name = "transformer" or "hf" '
+                f'(got model.name = {show(model)})')
     return None
 
 
@@ -483,6 +488,6 @@ def precision_makes_sense(cfg: Config) -> str | None:
     return None
 
 
-CROSS_CHECKS = [hosts_split_workers, listen_is_loopback, slices_cover_streams, model_matches_data,
+CROSS_CHECKS = [hosts_split_workers, listen_is_loopback, slices_cover_streams, model_matches_data, files_exist,
                 branchy_has_square_images, param_server_ranks, batch_splits_over_ranks, heads_split_width,
                 slow_layer_is_whole, slow_rank_is_whole, kill_has_its_moment, precision_makes_sense]

@@ -79,7 +79,15 @@ class RunConfig:
 class ModelConfig:
     """The built-in model and its shape."""
 
-    name: str = setting("mlp", "Built-in model.", choices=("mlp", "transformer", "branchy"))
+    name: str = setting("mlp", "Built-in model, or `hf`: a Hugging Face decoder-only causal LM (GPT-2 or Llama "
+                               "layout, engine/models/hf.py) built from `hf_config`, needs transformers "
+                               "(pip install -e '.[hf]'). `user`: the model given to engine.train (it sets "
+                               "this; a config file cannot).", choices=("mlp", "transformer", "branchy", "hf", "user"))
+    hf_config: str = setting("", "hf: path to the model's config.json (or the folder holding it); its weights "
+                                 "are random, seeded by run.seed, unless `hf_weights` is given. Nothing is "
+                                 "downloaded.")
+    hf_weights: str = setting("", "hf: a local folder of safetensors weights (save_pretrained's), loaded as "
+                                  "the starting point; its config.json is used when `hf_config` is empty.")
     hidden: int = setting(128, "mlp: width of each hidden layer.", min=1)
     depth: int = setting(2, "mlp: hidden layers; transformer: blocks; branchy: branch-and-merge blocks.", min=1)
     d_model: int = setting(64, "transformer: embedding width (divisible by `heads`).", min=1)
@@ -94,12 +102,22 @@ class DataConfig:
 
     name: str = setting("digits", "Data set: `digits` (8x8 handwritten digits shipped with scikit-learn), "
                                   "`text` (characters of the standard library's docstrings), "
-                                  "`synthetic` (seeded random classification).",
-                        choices=("digits", "text", "synthetic"))
+                                  "`synthetic` (seeded random classification), `tokens` (a flat file of token "
+                                  "ids, `train` and `val`, memory-mapped by every worker).",
+                        choices=("digits", "text", "synthetic", "tokens"))
+    train: str = setting("", "tokens: the training file, a flat array of token ids in `dtype` (what nanoGPT's "
+                             "prepare.py writes); a relative path is from the working directory.")
+    val: str = setting("", "tokens: the test file, in the same format; empty: no test accuracy.")
+    dtype: str = setting("uint16", "tokens: the files' integer type.", choices=("uint16", "uint32"))
+    vocab_size: int = setting(0, "tokens: the vocabulary (the built-in transformer's); 0: the training file's "
+                                 "largest id + 1.", min=0)
     batch_size: int = setting(64, "Global batch (samples per optimizer step, summed over data-parallel "
                                   "ranks); divisible by the world size.", min=1)
     test_fraction: float = setting(0.2, "Share of the samples held out as the test split.", min=0.05, max=0.5)
-    seq_len: int = setting(32, "text: characters per sample.", min=2, max=4096)
+    eval_samples: int = setting(2048, "Test samples an evaluation reads (the first N of the test split; "
+                                      "targets of -100 are not counted); 0: all of them.", min=0)
+    seq_len: int = setting(32, "text: characters per sample; tokens: tokens per sample (each file is cut "
+                               "into windows of seq_len + 1, overlapping by one).", min=2, max=131072)
     text_chars: int = setting(200_000, "text: characters of corpus to build.", min=1000)
     samples: int = setting(4096, "synthetic: number of samples.", min=16)
     features: int = setting(64, "synthetic: features per sample.", min=1)

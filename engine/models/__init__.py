@@ -33,6 +33,13 @@ _NEEDS = {
 
 
 def build_model(cfg: ModelConfig, meta: dict, seed: int) -> LayerList:
+    if cfg.name == "user":
+        raise ValueError('model.name = "user" names the model given to engine.train; a config file names a '
+                         'built-in model or "hf"')
+    if cfg.name == "hf":
+        from engine.models.hf import from_files
+        torch.manual_seed(seed)
+        return from_files(cfg.hf_config, cfg.hf_weights, meta.get("vocab_size"))
     if cfg.name not in _NEEDS:
         raise ValueError(f"unknown model {cfg.name!r}; built-in models are {sorted(_NEEDS)}")
     keys, kind = _NEEDS[cfg.name]

@@ -66,6 +66,20 @@ class Block:
         return f"Block({self.name!r}, {[n for n, _ in self.layers]})"
 
 
+def tied_parameters(model: "LayerList") -> list[list[tuple[str, str]]]:
+    """The parameters that several layers hold (tied weights, e.g. an input embedding that is also the output
+    head's): one list per shared parameter of its (layer, parameter) names, in forward order. Declared once
+    here, from the modules as built (one Parameter object, two places); every strategy reads this list, which
+    survives a copy of a layer to another process where the object identity does not."""
+    holders: dict[int, list[tuple[str, str]]] = {}
+    for layer_name, layer in zip(model.names, model.layers):
+        for param_name, p in layer.named_parameters(remove_duplicate=False):
+            names = holders.setdefault(id(p), [])
+            if (layer_name, param_name) not in names:
+                names.append((layer_name, param_name))
+    return [names for names in holders.values() if len({layer for layer, _ in names}) > 1]
+
+
 class LayerList(nn.Module):
     """Named layers applied in order; `clusters` says which of them must stay together."""
 
@@ -97,6 +111,12 @@ class LayerList(nn.Module):
         self.layers = nn.ModuleList(modules)
         self.clusters = clusters
         self._index = {name: i for i, name in enumerate(names)}
+        self.ties = tied_parameters(self)
+
+    def __setstate__(self, state):   # a LayerList saved before ties were declared
+        super().__setstate__(state)
+        if "ties" not in self.__dict__:
+            self.ties = tied_parameters(self)
 
     def forward(self, x):
         for layer in self.layers:

@@ -255,4 +255,15 @@ def model_state(path: Path) -> dict:
         shard = load_file(path, name)
         state.update(shard["params"])
         state.update(shard.get("buffers") or {})
+    for keys in manifest.get("tied", []):   # a tied weight is written once, under its first holder's name
+        held = next((state[k] for k in keys if k in state), None)
+        if held is not None:
+            state.update({k: held for k in keys if k not in state})
     return state
+
+
+def tied_keys(model) -> list[list[str]]:
+    """The state-dict keys of each tied weight (LayerList.ties): a sharded or parameter-server checkpoint holds
+    it once, and model_state gives it under every key, as the model's own state_dict does."""
+    index = {name: i for i, name in enumerate(getattr(model, "names", []))}
+    return [[f"layers.{index[layer]}.{param}" for layer, param in tie] for tie in getattr(model, "ties", [])]

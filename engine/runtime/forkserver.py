@@ -50,8 +50,31 @@ def usable() -> bool:
     return _started or _root() is not None
 
 
-def start() -> bool:
-    """Start the fork server unless a GPU is visible or the runtime directory is not usable; True if it runs."""
+def model_modules(model) -> list[str]:
+    """transformers' modules that define `model`'s layers, for the server to import once rather than every
+    worker when it loads the model (transformers costs 4.5 s a process here). A user's own modules are left
+    to the workers: importing them may do anything, and the server must not fail."""
+    names = {type(m).__module__ for m in model.modules()} if model is not None else set()
+    return sorted(n for n in names if n.startswith("transformers."))
+
+
+def config_modules(cfg) -> list[str]:
+    """transformers' modules a `[model] name = "hf"` run's workers import (its config's model_type's)."""
+    import json
+    if cfg.model.name != "hf":
+        return []
+    path = cfg.model.hf_config or os.path.join(cfg.model.hf_weights, "config.json")
+    try:
+        with open(os.path.join(path, "config.json") if os.path.isdir(path) else path) as f:
+            kind = str(json.load(f).get("model_type", ""))
+    except (OSError, ValueError):
+        return []
+    return [f"transformers.models.{kind}.modeling_{kind}"] if kind.isidentifier() else []
+
+
+def start(preload: list[str] | tuple = ()) -> bool:
+    """Start the fork server unless a GPU is visible or the runtime directory is not usable; True if it runs.
+    `preload`: more modules for it to import (model_modules); one that fails to import is left to the workers."""
     global _started
     if _started:
         return True
@@ -71,7 +94,7 @@ def start() -> bool:
     util.Finalize(None, shutil.rmtree, args=(folder,), kwargs={"ignore_errors": True}, exitpriority=-101)
     saved, tempfile.tempdir = tempfile.tempdir, str(folder)   # where multiprocessing makes the socket's folder
     try:
-        multiprocessing.set_forkserver_preload(["engine.runtime.preload"])
+        multiprocessing.set_forkserver_preload(["engine.runtime.preload", *preload])
         forkserver.ensure_running()
     except OSError:
         return False   # launch() then spawns its workers

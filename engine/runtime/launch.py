@@ -291,7 +291,7 @@ def launch(job: Job) -> dict | None:
     agent_log.setLevel(logging.INFO)
     agent_log.propagate = False
     try:
-        if launch_cfg.start_method == "forkserver" and not forkserver.start():
+        if launch_cfg.start_method == "forkserver" and not forkserver.start(forkserver.model_modules(job.model)):
             launch_cfg.start_method = "spawn"   # engine.train's path; `trainyard run` started it before torch
         hand_over(job)   # the user's model and data, as copies of the workers' own
         with _refusals(job, agent):

@@ -49,6 +49,8 @@ class Job:
     # (kind, capacity_bytes, local_rank, local_world_size) -> device; None: engine.runtime.devices.open_device.
     # Tests give one whose probe returns a GPU's figures, so the CUDA telemetry path runs on the CPU.
     open_device: Callable | None = None
+    # a user's loss (engine/loss.py: the mean over a share's samples); None: cross entropy, -100 ignored
+    loss_fn: Callable | None = None
 
     def __getstate__(self) -> dict:
         # Pickling the caller's model to a spawned worker would move its tensors into shared memory and make

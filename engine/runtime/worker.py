@@ -20,7 +20,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from engine.data import batch_for
+from engine.data import batch_for, global_count
+from engine.loss import cross_entropy, test_accuracy
 from engine.runtime import checkpoint as ckpt
 from engine.runtime.control import COLUMN, Peaks, encode_commands, exchange, rank_rows, share_commands
 from engine.precision import compute_in
@@ -84,7 +85,8 @@ class Worker:
         self.slow_layer = SlowLayer.install(self.model, cfg.emulate)   # before any timing hook, so timed with it
         self.slow_rank = SlowRank.install(self.model, cfg.emulate, self.topo.rank)
         self.fault = Fault.install(cfg.emulate, self.topo.rank, self.restart)   # emulate.kill_rank: first attempt
-        self.strategy = make_strategy(cfg, self.model, topo, self.device)
+        self.loss_fn = job.loss_fn or cross_entropy
+        self.strategy = make_strategy(cfg, self.model, topo, self.device, self.loss_fn)
         # a pipeline stage counts only its own layers (and follows them when they migrate)
         self.device.ledger.track_module(getattr(self.strategy, "ledger_module", self.model), self.strategy.optimizer)
         # every layer's saved activations: keep, swap or recompute (a pipeline stage plans for its own layers)
@@ -143,6 +145,9 @@ class Worker:
             if not self.paused and step < cfg.run.steps:
                 share = (0, 1) if getattr(self.strategy, "global_batch", False) else (rank, world)
                 x, y = batch_for(self.data, step, cfg.data.batch_size, cfg.run.seed, *share)
+                if hasattr(self.strategy, "global_counted"):   # shares that count their targets differently
+                    self.strategy.global_counted = global_count(self.data, step, cfg.data.batch_size, cfg.run.seed,
+                                                                self.loss_fn)
                 rows_due = self._rows_due(step)
                 profile = rows_due and (self.topo.is_first or self.layer_rows.by_stage)
                 if profile:
@@ -437,7 +442,8 @@ class Worker:
             # Batches are a function of (step, seed), so the step is the whole data position.
             meta = {"name": self.cfg.run.name, "world_size": self.topo.world_size,
                     "data_position": {"step": step, "samples_seen": step * self.cfg.data.batch_size},
-                    "layout": self.strategy.layout(), "config": self.cfg.to_dict()}
+                    "layout": self.strategy.layout(), "config": self.cfg.to_dict(),
+                    "tied": ckpt.tied_keys(self.model)}
             try:
                 path = ckpt.finalize(self.run_dir, step, meta, keep=self.cfg.checkpoint.keep)
             except OSError as e:
@@ -448,21 +454,9 @@ class Worker:
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
-        ds = self.data
-        if ds.x_test is None or len(ds.x_test) == 0:
-            return None
         self.strategy.sync()   # every parameter's latest broadcast has landed
-        self.model.eval()
-        correct = total = 0
-        for i in range(0, len(ds.x_test), 1024):
-            x = ds.x_test[i:i + 1024].to(self.device.torch_device)
-            y = ds.y_test[i:i + 1024].to(self.device.torch_device)
-            with compute_in(self.cfg.precision, self.device.torch_device):   # as it trains
-                pred = self.model(x).argmax(dim=-1)
-            correct += int((pred == y).sum())
-            total += y.numel()
-        self.model.train()
-        return correct / total
+        return test_accuracy(self.model, self.data, self.device.torch_device, self.cfg.precision,
+                             self.cfg.data.eval_samples)
 
     def _prepare_eval(self) -> None:
         """Every rank: a pipeline gathers every stage's weights so that rank 0 can evaluate the model."""

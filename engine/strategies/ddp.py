@@ -26,10 +26,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
+from engine.loss import counted, cross_entropy, share_weight, weighted
 from engine.runtime import checkpoint as ckpt
 from engine.config import OptimConfig, UpdateConfig
 from engine.runtime.devices import LedgerDevice
@@ -40,9 +40,12 @@ from engine.timing import Clock, StepTimes
 COMMANDS = ("pause", "resume", "stop", "checkpoint", "set-placement")   # what an operator can do in this mode
 
 
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Classification (B, C) and next-token (B, T, V) losses alike."""
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+def share_loss(strategy, out: torch.Tensor, y: torch.Tensor, shares: int) -> torch.Tensor:
+    """This share's part of the global batch's mean loss (engine/loss.py); `strategy.global_counted` is set by
+    the step loop when shares may count differently (labels of -100), else None: each share weighs 1."""
+    total = strategy.global_counted
+    weight = 1.0 if total is None else share_weight(counted(y, strategy.loss_fn), total, shares)
+    return weighted(strategy.loss_fn, out, y, weight)
 
 
 class CommMeter:
@@ -95,6 +98,7 @@ class DDPStrategy:
                  device: LedgerDevice, update_cfg: UpdateConfig | None = None, loss_fn=cross_entropy,
                  device_clock: Clock | None = None, reduce_dtype: torch.dtype = torch.float32):
         self.model, self.topo, self.device, self.loss_fn = model, topo, device, loss_fn
+        self.global_counted: int | None = None   # the step's counted targets over the global batch (engine/loss.py)
         self.reduce_dtype = reduce_dtype   # bf16 gradients are widened to it for the all-reduce (fp32)
         clock = device_clock or Clock(device.torch_device)
         self.times = StepTimes(clock, ("fwd_ms", "bwd_ms", "after_backward_ms", "compute_ms"))
@@ -151,7 +155,7 @@ class DDPStrategy:
         self._grads_done = None
         t0 = times.mark()
         with self.device.ledger.saved_activations():
-            loss = self.loss_fn(self.ddp(x), y)
+            loss = share_loss(self, self.ddp(x), y, self.topo.world_size)
             t1 = times.mark()
             loss.backward()
         t2 = times.mark()

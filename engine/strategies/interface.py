@@ -16,6 +16,7 @@ import torch
 
 from engine.config import Config
 from engine.models import LayerList
+from engine.loss import cross_entropy
 from engine.precision import reduce_dtype
 from engine.runtime.topology import Topology
 from engine.strategies.ddp import DDPStrategy
@@ -42,17 +43,18 @@ class Strategy(Protocol):
     def load(self, source, manifest: dict) -> None: ...
 
 
-def make_strategy(cfg: Config, model: LayerList, topo: Topology, device) -> Strategy:
+def make_strategy(cfg: Config, model: LayerList, topo: Topology, device, loss_fn=cross_entropy) -> Strategy:
     p = cfg.parallel
     if p.strategy == "pipeline":
         stages = configured_stages(model, p.partition, topo.world_size)
         return PipelineStage(model, stages, topo, device, cfg.optim, micro_batches=p.micro_batches,
-                             schedule=p.schedule, update_cfg=cfg.update, rebalance=p.rebalance,
+                             schedule=p.schedule, update_cfg=cfg.update, rebalance=p.rebalance, loss_fn=loss_fn,
                              threshold=p.imbalance_threshold, check_every=p.rebalance_check_every)
     if p.strategy == "sharded":
         return ShardedStrategy(model, cfg.optim, topo, device, streams=p.streams, slices=p.slices,
                                assignment=p.slice_assignment, overlap_forward=p.overlap_forward,
                                main_stream_communicates=p.main_stream_communicates, seed=cfg.run.seed,
-                               update_cfg=cfg.update, hierarchical=p.hierarchical,
+                               update_cfg=cfg.update, hierarchical=p.hierarchical, loss_fn=loss_fn,
                                reduce_dtype=reduce_dtype(cfg.precision))
-    return DDPStrategy(model, cfg.optim, topo, device, update_cfg=cfg.update, reduce_dtype=reduce_dtype(cfg.precision))
+    return DDPStrategy(model, cfg.optim, topo, device, update_cfg=cfg.update, loss_fn=loss_fn,
+                       reduce_dtype=reduce_dtype(cfg.precision))

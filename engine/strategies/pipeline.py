@@ -12,18 +12,16 @@ stage decides a new layout, and the layers migrate during the next step without
 stopping it (engine/techniques/migration.py: the layout switches at a micro-batch, weights and
 optimizer state move at the step's start, partial gradients at its end).
 
-Rank r runs stage r (world size == number of stages). Every rank holds the whole
-LayerList (built from the same seed) but only runs, and only updates, its own layers.
-x and y are the whole global batch on every rank: stage 0 reads x, the last stage
-reads y (labels never travel). The batch is cut into `micro_batches` equal
-micro-batches; activations travel forward and their gradients backward between
-neighbouring stages by point-to-point messages on topo.compute.
+Rank r runs stage r (world size == number of stages). Every rank holds the whole LayerList (built from
+the same seed) but only runs, and only updates, its own layers (a weight tied across stages: StageTies,
+engine/techniques/tied.py). x and y are the whole global batch on every rank: stage 0 reads x, the last
+stage reads y (labels never travel). The batch is cut into `micro_batches` equal micro-batches; activations
+travel forward and their gradients backward between neighbouring stages by point-to-point messages on
+topo.compute.
 
-Loss scaling: each micro-batch's loss is weighted by micro_size / global_size, so
-the accumulated gradients equal those of one pass over the whole global batch and
-the returned loss is the mean over the global batch. One optimizer update per step,
-through HybridUpdater (begin_step before the first forward, end_backward after the
-last backward).
+Loss scaling: each micro-batch's loss is weighted by its counted targets over the global batch's (engine/loss.py:
+micro_size / global_size without -100 labels): gradients and loss are those of one pass over the whole batch.
+One optimizer update per step, through HybridUpdater (begin_step before the first forward, end_backward after).
 
 Shape exchange: the first message of a step in each direction (and, in a step
 that migrates layers, the first one under the new layout) is a header then a
@@ -34,12 +32,11 @@ the payload is the tensor of that shape and dtype: fp32, or bf16 activations and
 `precision.compute = "bf16"` (half the bytes). So stages may emit any shape (up to HEADER_LEN - 2
 dimensions), and shapes may change from step to step, at the cost of one small message per step.
 
-Ordering: sends are non-blocking (isend), receives are blocking (recv). Both
-schedules are then deadlock-free: a rank only ever blocks on a receive whose
-matching send the neighbour issues without waiting on anything this rank has not
-already sent. Forward messages use tag 0 and backward messages tag 1. The send
-works (and the tensors they read) are kept until the end of the step and waited on
-there, so no buffer is reused or freed while in flight.
+Ordering: sends are non-blocking (isend), receives are blocking (recv). Both schedules are then
+deadlock-free: a rank only ever blocks on a receive whose matching send the neighbour issues without waiting
+on anything this rank has not already sent. Forward messages use tag 0 and backward messages tag 1. The
+send works (and the tensors they read) are kept until the end of the step and waited on there, so no buffer
+is reused or freed while in flight.
 
 Schedules:
 - "gpipe": all micro-batches forward, then all backward (in reverse order).
@@ -65,12 +62,14 @@ import torch.distributed as dist
 
 from engine.config import OptimConfig, UpdateConfig
 from engine.runtime.devices import tensor_bytes
-from engine.strategies.ddp import cross_entropy, params_by_layer
+from engine.loss import counted, cross_entropy, share_weight, weighted
+from engine.strategies.ddp import params_by_layer
 from engine.techniques.hybrid import HybridUpdater
 from engine.techniques.migration import Migration
 from engine.optim import make_optimizer
 from engine.techniques.partition import Cluster, threshold_in_ms, uniform
 from engine.techniques.rebalance import LayerClock, Rebalancer, measure_link_rate
+from engine.techniques.tied import StageTies
 from engine.precision import DTYPES, dtype_code
 from engine.timing import Clock, StepTimes
 
@@ -179,15 +178,15 @@ class PipelineStage:
         self.schedule, self.micro_batches = schedule, micro_batches
         self.stages, self.rank = len(stage_layers), topo.rank
         self.is_first, self.is_last = self.rank == 0, self.rank == self.stages - 1
-        group = topo.compute
-        self.group = group
+        self.group = group = topo.compute
         self.prev = None if self.is_first else dist.get_global_rank(group, self.rank - 1)
         self.next = None if self.is_last else dist.get_global_rank(group, self.rank + 1)
         self._set_layout(stage_layers)
-        by_layer = params_by_layer(model, only={id(p) for p in self.ledger_module.parameters()})
-        self.updater = HybridUpdater(model, by_layer, optim_cfg, device, update_cfg or UpdateConfig())
-        # torch builds its first optimizer slowly (1.8 s measured here: lazy imports); a stage that starts
-        # without parameters would pay that inside the step in which layers migrate to it
+        self.owned = params_by_layer(model)   # each layer's update's; a tied weight's first holder's (StageTies)
+        mine = {i: ps if self.start <= i < self.end else [] for i, ps in self.owned.items()}
+        self.updater = HybridUpdater(model, mine, optim_cfg, device, update_cfg or UpdateConfig())
+        self.ties = StageTies(model, self.group, self.rank)
+        # torch's first optimizer is slow (1.8 s: lazy imports): not inside the step layers migrate in
         make_optimizer(optim_cfg, [torch.nn.Parameter(torch.zeros(1))])
         self.loss_rank = self.stages - 1   # the rank whose loss is the step's
         self.optimizer = self.updater
@@ -237,7 +236,7 @@ class PipelineStage:
             if i in self.updater.updates:
                 self.updater.drop_layer(i)
         for i in sorted(new - old):
-            self.updater.add_layer(i, list(self.model.layers[i].parameters()))
+            self.updater.add_layer(i, self.owned[i])
         self.device.ledger.retrack(self.ledger_module)
 
     # --- point to point ------------------------------------------------------------------------
@@ -294,7 +293,7 @@ class PipelineStage:
             if decision.changed:
                 self._adopt(decision.stages)
         dev = self.device.torch_device
-        m, total = self.micro_batches, x.shape[0]
+        m, counted_y = self.micro_batches, counted(y, self.loss_fn) if self.is_last else 0
         inputs: dict[int, torch.Tensor] = {}
         outputs: dict[int, torch.Tensor] = {}
         losses: list[torch.Tensor] = []
@@ -310,8 +309,8 @@ class PipelineStage:
             move.start()
             move.receive_state()   # first, and completed: see engine/techniques/migration.py
             ranges.append(check_stages(self.model.names, move.new)[self.rank])
-        # the ledger counts each saved tensor through autograd's hooks until it knows what a micro-batch of this
-        # layout and batch shape saves; then each micro-batch at once (MemoryLedger.unit_bytes: the same peak)
+        # saved tensors counted through autograd's hooks until a micro-batch of this layout and shape is known;
+        # then each micro-batch at once (MemoryLedger.unit_bytes: the same peak)
         key = (self.start, self.end, tuple(x.shape), x.dtype)
         with self.device.ledger.by_units(key, exact=move is not None) as units:
             for op, i in schedule_ops(self.schedule, self.stages, self.rank, m):
@@ -330,7 +329,8 @@ class PipelineStage:
                     out = self.clock.forward(self.model.layers, start, end, inp)
                     if self.is_last:
                         # the labels' own copy too: a view would share one storage across the micro-batches
-                        loss = self.loss_fn(out, y[i * size:(i + 1) * size].to(dev, copy=True)) * (size / total)
+                        mine = y[i * size:(i + 1) * size].to(dev, copy=True)
+                        loss = weighted(self.loss_fn, out, mine, share_weight(counted(mine, self.loss_fn), counted_y, 1))
                         losses.append(loss.detach())
                         outputs[i] = loss
                     else:
@@ -361,9 +361,11 @@ class PipelineStage:
         else:
             self.clock.end_step()
         self._steps += 1
+        self._sent_bytes += self.ties.sum_grads(self.layer_stages(), self._pending)
         t0 = times.mark()
         self.updater.end_backward()
         times.add("optim_ms", t0, times.mark())
+        self._sent_bytes += self.ties.return_weights(self.layer_stages(), self.updater, self._pending)
         for work, _ in self._pending:
             work.wait()
         self._pending = []
@@ -465,8 +467,9 @@ class PipelineStage:
         from engine.runtime import checkpoint as ckpt
         self.sync()
         whole = self.updater.weights_state(self.model)   # this stage's weights as its updates keep them (fp32 masters)
+        others = self.ties.not_owned_keys(self.layer_stages())   # a tied weight: its owner's file holds it
         ckpt.write_file(staged, f"stage{self.rank}.pt", {"params": {k: whole[k].detach().clone()
-                                                                    for k in self.stage_state()},
+                                                                    for k in self.stage_state() if k not in others},
                                                          "optimizer": self.updater.state_dict()})
 
     def load(self, source, manifest: dict) -> None:

@@ -243,14 +243,20 @@ class HybridUpdater:
 
     def _gate(self, index: int):
         def hook(module, args) -> None:
-            u = self.updates[index]
-            if not u.done.is_set():
-                t0 = time.perf_counter()
-                u.done.wait()
-                self._gate_s += time.perf_counter() - t0
-            self._raise_host_error()
-            u.wait_landed()
+            self.wait_layer(index)
         return hook
+
+    def wait_layer(self, index: int) -> None:
+        """Layer `index`'s update of this step has landed (a host one may still be in flight)."""
+        u = self.updates.get(index)
+        if u is None:
+            return
+        if not u.done.is_set():
+            t0 = time.perf_counter()
+            u.done.wait()
+            self._gate_s += time.perf_counter() - t0
+        self._raise_host_error()
+        u.wait_landed()
 
     def wait_host(self) -> float:
         """Every host update dispatched so far has landed; the seconds waited."""

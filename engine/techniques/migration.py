@@ -153,6 +153,8 @@ class Migration:
         """Sources: each leaving layer's weights, buffers and optimizer state go to its target, now."""
         self._t0 = time.perf_counter()
         st = self.stage
+        if self.outgoing and getattr(st, "ties", None):
+            st.updater.wait_host()   # a tied weight a leaving layer holds may be another layer's update in flight
         for dst, indices in self.outgoing.items():
             blob = {}
             for i in indices:
@@ -180,8 +182,10 @@ class Migration:
                     for t, v in zip(list(layer.parameters()) + list(layer.buffers()),
                                     entry["params"] + entry["buffers"]):
                         t.copy_(v)
-                st.updater.add_layer(i, list(layer.parameters()), entry.get("state"), entry.get("side", "device"),
-                                     entry.get("master"))   # fp32 masters of bf16 working weights
+                # the parameters the layer's update owns (a tied weight: its first holder's), in the order the
+                # source's update had them; fp32 masters of bf16 working weights
+                st.updater.add_layer(i, st.owned[i], entry.get("state"), entry.get("side", "device"),
+                                     entry.get("master"))
         self._wait()
 
     def _wait(self) -> None:
@@ -198,9 +202,14 @@ class Migration:
         st = self.stage
         dev = st.device.torch_device
         if self.cutover > 0:
+            sent: set[int] = set()   # a tied weight's gradient goes once, with the first leaving layer holding it
             for dst, indices in self.outgoing.items():
-                grads = {st.model.names[i]: [None if p.grad is None else p.grad.detach().cpu()
-                                             for p in st.model.layers[i].parameters()] for i in indices}
+                grads = {}
+                for i in indices:
+                    grads[st.model.names[i]] = entry = []
+                    for p in st.model.layers[i].parameters():
+                        entry.append(None if p.grad is None or id(p) in sent else p.grad.detach().cpu())
+                        sent.add(id(p))
                 works, nbytes = send_blob(grads, self._peer(dst), GRAD_TAG, st.group, dev)
                 self._works += [(w, t, dst, indices) for w, t in works]
                 self.sent_bytes += nbytes

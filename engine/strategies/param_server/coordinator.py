@@ -22,7 +22,7 @@ import torch
 from rich.markup import escape
 
 from engine.runtime import checkpoint as ckpt
-from engine.precision import compute_in
+from engine.loss import test_accuracy
 from engine.runtime.control import FIELDS, Peaks, rank_rows, row_values
 from engine.runtime.rank import announce
 from engine.strategies.param_server.links import (
@@ -343,7 +343,6 @@ class Coordinator(PSServer):
             self.s.links[server].send(GATHER)
         self._await(lambda: self.gathered >= set(self.s.params), "the servers' weights")
 
-    @torch.no_grad()
     def evaluate(self) -> float | None:
         ds = self.s.data
         if ds.x_test is None or len(ds.x_test) == 0:
@@ -351,16 +350,8 @@ class Coordinator(PSServer):
         if len(self.gathered) < len(self.s.params):
             self.gather()
         self.gathered = set()
-        model, device = self.s.model, self.s.device
-        model.eval()
-        correct = total = 0
-        for i in range(0, len(ds.x_test), 1024):
-            x, y = ds.x_test[i:i + 1024].to(device.torch_device), ds.y_test[i:i + 1024].to(device.torch_device)
-            with compute_in(self.s.cfg.precision, device.torch_device):   # as the workers train
-                correct += int((model(x).argmax(dim=-1) == y).sum())
-            total += y.numel()
-        model.train()
-        return correct / total
+        return test_accuracy(self.s.model, ds, self.s.device.torch_device, self.s.cfg.precision,
+                             self.s.cfg.data.eval_samples)
 
     def finish(self) -> None:
         cfg, step = self.s.cfg, self.global_step()

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import torch
 
-from engine.data import batch_for
+from engine.data import batch_for, global_count
+from engine.loss import cross_entropy
 from engine.runtime import checkpoint as ckpt
 from engine.runtime.rank import build_rank, device_fields
+from engine.strategies.ddp import params_by_layer
 from engine.strategies.param_server.links import make_links
 
 
@@ -41,20 +43,10 @@ def assign_layers(sizes: dict[int, int], servers: int) -> dict[int, int]:
 
 
 def layer_params(model) -> dict[int, list[torch.nn.Parameter]]:
-    """Each layer's parameters; refused if layers share one (its gradient would have two owners)."""
-    seen, out = {}, {}
-    for j, layer in enumerate(model.layers):
-        params = list(layer.parameters())
-        for p in params:
-            if id(p) in seen:
-                raise ParamServerError(
-                    f"layers {model.names[seen[id(p)]]!r} and {model.names[j]!r} share a parameter; "
-                    f"parallel.strategy = \"param_server\" needs every parameter in one layer")
-            seen[id(p)] = j
-        if params:
-            out[j] = params
-    return out
-
+    """Each layer's parameters, for the layers that have any. A weight several layers hold (tied) is its first
+    holder's: pushed with that layer's gradient (autograd has summed both uses into it by then), updated by
+    that layer's server, and pulled with that layer, before any later holder's forward needs it."""
+    return {j: ps for j, ps in params_by_layer(model).items() if ps}
 
 
 class Setup:
@@ -64,6 +56,7 @@ class Setup:
     def __init__(self, job, topo, stop):
         cfg = self.cfg = job.config
         self.job, self.topo, self.stop = job, topo, stop
+        self.loss_fn = job.loss_fn or cross_entropy   # engine/loss.py
         self.servers, self.workers = cfg.parallel.servers, topo.world_size - cfg.parallel.servers
         self.restart, self.device, self.data, self.model = build_rank(job, topo)
         self.params = layer_params(self.model)
@@ -93,6 +86,10 @@ class Setup:
 
     def batch(self, iteration: int, index: int):
         return batch_for(self.data, iteration, self.cfg.data.batch_size, self.cfg.run.seed, index, self.workers)
+
+    def global_counted(self, iteration: int) -> int | None:
+        """The targets the loss counts in the iteration's global batch, or None: every share counts alike."""
+        return global_count(self.data, iteration, self.cfg.data.batch_size, self.cfg.run.seed, self.loss_fn)
 
     def restore(self, server) -> None:
         """Load a server's (engine/strategies/param_server/server.py) share of the checkpoint
@@ -124,7 +121,7 @@ class Setup:
         cfg = self.cfg
         return {"name": cfg.run.name, "world_size": self.topo.world_size,
                 "data_position": {"step": step, "samples_seen": step * cfg.data.batch_size},
-                "layout": self.layout(), "config": cfg.to_dict()}
+                "layout": self.layout(), "config": cfg.to_dict(), "tied": ckpt.tied_keys(self.model)}
 
     def hello(self) -> dict:
         cfg = self.cfg

@@ -32,7 +32,7 @@ import torch
 from engine.runtime.control import row_values
 from engine.runtime.rank import StopRequest
 from engine.runtime.topology import Topology
-from engine.strategies.ddp import cross_entropy
+from engine.loss import counted, share_weight, weighted
 from engine.strategies.param_server.links import (
     ALL_LAYERS, BYE, GRAD, PAUSED, PING, PROFILE, PULL, STOP, TAG_PING, TAG_WEIGHTS, flatten, reply_bytes,
     transport_failure, unpack_weights)
@@ -164,7 +164,10 @@ class PSWorker:
                         out = layer(out)
                     if flags & STOP:
                         break
-                    loss = cross_entropy(out, y)
+                    # this worker's part of the global batch's mean, as bsp averages over the workers
+                    total = s.global_counted(self.iteration)
+                    weight = 1.0 if total is None else share_weight(counted(y, s.loss_fn), total, s.workers)
+                    loss = weighted(s.loss_fn, out, y, weight)
                     self._left = {j: len(ps) for j, ps in self.params.items()}
                     bwd_from = times.mark()
                     times.add("fwd_ms", fwd_from, bwd_from)

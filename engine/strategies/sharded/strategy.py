@@ -21,7 +21,8 @@ import torch.distributed as dist
 
 from engine.runtime import checkpoint as ckpt, emulate
 from engine.config import OptimConfig, UpdateConfig
-from engine.strategies.ddp import COMMANDS, cross_entropy, params_by_layer, stream_entry
+from engine.loss import cross_entropy
+from engine.strategies.ddp import COMMANDS, params_by_layer, share_loss, stream_entry
 from engine.runtime.devices import LedgerDevice, tensor_bytes
 from engine.techniques.hybrid import HybridUpdater
 from engine.runtime.topology import Topology
@@ -47,6 +48,7 @@ class ShardedStrategy:
             raise ValueError(f"parallel.slices = {slices} is smaller than parallel.streams = {streams}; "
                              f"every stream needs at least one slice")
         self.model, self.topo, self.device, self.loss_fn = model, topo, device, loss_fn
+        self.global_counted: int | None = None   # the step's counted targets over the global batch (engine/loss.py)
         self.overlap_forward = overlap_forward
         self.reduce_dtype = reduce_dtype   # bf16 gradients travel as bf16 and are summed in this dtype
         self.world, self.rank = topo.world_size, topo.rank
@@ -86,8 +88,10 @@ class ShardedStrategy:
                 p.grad = self.grad_flat[owner][off:off + p.numel()].view_as(p)
                 for layer in layer_of[id(p)]:
                     spans[owner].append((off, off + p.numel(), layer))
-        # buffers (batch-norm statistics, say) follow rank 0's, as in DDP
-        self.buffers = [(n, b) for n, b in model.named_buffers() if b.is_floating_point()]
+        # buffers (batch-norm statistics, say) follow rank 0's, as in DDP; those the state dict leaves out
+        # (non-persistent: a rotary embedding's frequencies) are constants of the model, and stay out
+        saved = set(model.state_dict())
+        self.buffers = [(n, b) for n, b in model.named_buffers() if b.is_floating_point() and n in saved]
         self.owned_bytes = sum(tensor_bytes(p) for p, o in zip(order, self.owners) if o == self.rank)
 
         # streams: process groups; with main_stream_communicates the compute group is stream 0
@@ -283,7 +287,7 @@ class ShardedStrategy:
         times.begin_step()   # gates passed outside a step (an evaluation) are not this step's
         t0 = times.mark()
         with self.device.ledger.saved_activations():
-            loss = self.loss_fn(self.model(x), y)
+            loss = share_loss(self, self.model(x), y, self.world)   # the sum divides by the world
             t1 = times.mark()
             loss.backward()
         t2 = times.mark()

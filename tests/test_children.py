@@ -222,11 +222,14 @@ POOL_BENCHES = {   # benches whose ranks are a DistPool's processes, in the benc
 @pytest.mark.parametrize("name", list(POOL_BENCHES))
 def test_a_pool_bench_killed_mid_run_leaves_no_rank_behind(cli, own_tmp, sessions, name):
     """A bench measuring in a DistPool, SIGTERMed while its ranks work: the ranks are killed with it (they
-    were orphaned, spawned processes still running the job)."""
+    were orphaned, processes still running the job)."""
     bench = cli.start("bench", name, "--json", *POOL_BENCHES[name])
     sessions.append(bench.pid)
-    ranks = wait_for(lambda: [p for p in psutil.Process(bench.pid).children() if "spawn" in " ".join(p.cmdline())]
-                     or None, 30, "the pool's ranks")
+    def pool_ranks():   # spawned, or forked from the bench's fork server (engine/runtime/forkserver.py)
+        procs = psutil.Process(bench.pid).children(recursive=True)
+        servers = {p.pid for p in procs if "forkserver import main" in " ".join(p.cmdline())}
+        return [p for p in procs if "spawn" in " ".join(p.cmdline()) or p.ppid() in servers] or None
+    ranks = wait_for(pool_ranks, 30, "the pool's ranks")
     time.sleep(3)   # into the measuring
     assert all(p.is_running() for p in ranks) and bench.poll() is None
     assert_gone_after(signal.SIGTERM, bench.pid, proc=bench)

@@ -135,7 +135,9 @@ def test_synthetic_is_seeded_and_learnable():
 
 def test_tensor_dataset_infers_meta():
     ds = tensor_dataset(torch.randn(10, 5), torch.tensor([0, 1, 2, 0, 1, 2, 0, 1, 2, 3]))
-    assert ds.meta == {"input_dim": 5, "num_classes": 4} and ds.n_train == 10
+    assert ds.meta == {"input_dim": 5, "num_classes": 4, "ignored_labels": False} and ds.n_train == 10
+    masked = tensor_dataset(torch.randn(3, 5), torch.tensor([0, -100, 1]))
+    assert masked.meta["num_classes"] == 2 and masked.meta["ignored_labels"]   # -100: not a class, not counted
     assert len(ds.x_test) == 0 and ds.name == "custom"
     images = tensor_dataset(torch.randn(4, 3, 2, 2), torch.zeros(4, dtype=torch.int64))
     assert images.meta["image_shape"] == (3, 2, 2)

@@ -21,7 +21,7 @@ from engine.data import batch_for
 from engine.runtime.handover import HandoverError, hand_over, load_final_weights, received_model
 from engine.runtime.rank import Job
 from tests.conftest import ROOT, train_one_process
-from tests.user_models import BLOCKS, MODELS, as_layers, masked_token_data, token_data
+from tests.user_models import BLOCKS, MODELS, SEQ_LEN, VOCAB, as_layers, masked_token_data, token_data
 
 STEPS, BATCH, SEED = 8, 32, 0
 OPTIM = {"name": "adamw", "lr": 3e-3}
@@ -241,3 +241,27 @@ def test_a_model_whose_forward_does_more_than_its_layout_is_refused_not_trained_
     hf.forward = scaled
     with pytest.raises(ValueError, match="computes something else .*logits differ"):
         engine.layers(hf)
+
+
+@pytest.mark.skipif(not _has_transformers(), reason="transformers is not installed (pip install -e '.[hf]')")
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen2-tied"])
+def test_the_llama_family_is_taken_as_it_is(family):
+    """Mistral and Qwen2 are built as Llama is: engine.layers takes them, its own check of the logits passes,
+    and a tied Qwen2 declares its tie."""
+    import transformers
+
+    import engine
+    kind = family.split("-")[0]
+    config_class = {"mistral": transformers.MistralConfig, "qwen2": transformers.Qwen2Config}[kind]
+    model_class = {"mistral": transformers.MistralForCausalLM, "qwen2": transformers.Qwen2ForCausalLM}[kind]
+    config = config_class(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ_LEN,
+                          tie_word_embeddings=family.endswith("tied"), bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    hf = model_class(config)
+    layers = engine.layers(hf)   # raises if its logits differ from the model's
+    assert layers.names == ["embed", "block0", "block1", "norm", "head"]
+    assert layers.ties == ([[("embed", "weight"), ("head", "weight")]] if family.endswith("tied") else [])
+    ids = torch.randint(0, VOCAB, (2, SEQ_LEN))
+    hf.eval()
+    torch.testing.assert_close(layers(ids), hf(ids).logits, rtol=0, atol=1e-5)

@@ -48,8 +48,8 @@ def _causal_mask(config, hidden: torch.Tensor):
     """The model's causal mask for unpadded input (positions 0 .. T-1: no packed sequences to find, which
     also lets the planners' shape-only forward on the meta device through)."""
     from transformers.masking_utils import create_causal_mask
-    return create_causal_mask(config=config, inputs_embeds=hidden, attention_mask=None, past_key_values=None,
-                              position_ids=None)
+    # the cache positionally: transformers 5.24 renamed it (past_key_values -> cache)
+    return create_causal_mask(config, hidden, None, None, position_ids=None)
 
 
 def _positions(hidden: torch.Tensor) -> torch.Tensor:
@@ -81,7 +81,7 @@ class GPT2Layer(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         positions = _positions(hidden)
         mask = _causal_mask(self.config, hidden)
-        return _hidden(self.block(hidden, None, mask, use_cache=False, position_ids=positions))
+        return _hidden(self.block(hidden, None, mask, use_cache=False, position_ids=positions))   # (hidden, cache, mask)
 
 
 class LlamaLayer(nn.Module):
@@ -98,7 +98,7 @@ class LlamaLayer(nn.Module):
         mask = _causal_mask(self.config, hidden)
         rotary = self.rotary(hidden, position_ids=positions)
         return _hidden(self.block(hidden, attention_mask=mask, position_embeddings=rotary, position_ids=positions,
-                                  past_key_values=None, use_cache=False))
+                                  use_cache=False))
 
 
 def _layout(model: nn.Module) -> str:

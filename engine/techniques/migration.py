@@ -153,7 +153,7 @@ class Migration:
         """Sources: each leaving layer's weights, buffers and optimizer state go to its target, now."""
         self._t0 = time.perf_counter()
         st = self.stage
-        if self.outgoing and getattr(st, "ties", None):
+        if self.outgoing and st.ties:
             st.updater.wait_host()   # a tied weight a leaving layer holds may be another layer's update in flight
         for dst, indices in self.outgoing.items():
             blob = {}

@@ -46,7 +46,8 @@ class RunState:
         self._sync_step = -1                # the step the sync mode was last reported at
         self.version = self.layers_version = self.messages = 0
         self.new_run = False             # a different run: the curves start afresh
-        self.points: list[tuple] = []    # (step, loss, samples/s) not yet drawn
+        # (step, loss, samples/s, lr, grad norm, clipped, skipped) not yet drawn: Curves.add_point's arguments
+        self.points: list[tuple] = []
         # each step's `streams` not yet drawn: a lane's sparkline has a bar per step, however often it is drawn
         self.stream_steps: deque[list[dict]] = deque(maxlen=STREAM_HISTORY)
         self.events: list[dict] = []     # events not yet shown
@@ -139,7 +140,9 @@ class RunState:
         # the steps between full rank rows carry `per_rank` columns: overlaid on the rows before them
         msg = protocol.with_ranks(msg, self.last_step)
         if self.last_step is None or step != self.last_step.get("step"):   # a snapshot repeats one
-            self.points.append((step, msg.get("loss", 0.0), msg.get("samples_per_s", 0.0)))
+            # lr, grad_norm, clipped, skipped: None or False in logs from before steps carried them
+            self.points.append((step, msg.get("loss", 0.0), msg.get("samples_per_s", 0.0), msg.get("lr"),
+                                msg.get("grad_norm"), bool(msg.get("clipped")), bool(msg.get("skipped"))))
             self.stream_steps.append(msg.get("streams") or [])
         self.last_step, self.step = msg, step
         if msg.get("layers"):

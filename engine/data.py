@@ -90,6 +90,11 @@ def batch_for(ds: Dataset, step: int, batch_size: int, seed: int, rank: int = 0,
     return ds.x_train[idx], ds.y_train[idx]
 
 
+def micro_steps(x: torch.Tensor, y: torch.Tensor, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A share cut into `n` micro-steps of equal size (`data.accumulate`; the config checks that they divide)."""
+    return list(zip(x.chunk(n), y.chunk(n))) if n > 1 else [(x, y)]
+
+
 def global_count(ds: Dataset, step: int, batch_size: int, seed: int, loss_fn=cross_entropy) -> int | None:
     """The targets the loss counts in the whole global batch at `step` (engine/loss.py), read by every rank
     from the data itself, no collective; None where every share of it counts alike (no -100 label in the

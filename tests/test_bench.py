@@ -193,3 +193,49 @@ def test_bench_refuses_an_unknown_precision_by_name(cli, bench):
     r = cli.run("bench", bench, "--precision", "fp16", timeout=30)
     assert r.returncode == 2
     assert "--precision" in r.stderr and "'fp16'" in r.stderr and "'fp32', 'bf16'" in r.stderr
+
+
+# --- `--clip-grad-norm X` (issue 32): no clipping, clipping after waiting for the norm, speculative clipping
+
+def assert_clip_row(row, modes, spec_rollback):
+    assert set(row["step_ms"]) == set(modes) and all(row["step_ms"][m] > 0 for m in modes)
+    guarded = [m for m in modes if m != "none"]
+    for rates in (row["rollback_rate"], row["clipped_rate"]):
+        assert set(rates) == set(guarded) and all(0.0 <= rates[m] <= 1.0 for m in guarded)
+    # a threshold of 1e-6 clips every step: a speculative run rolls back its first clipped step (a warmup step here)
+    # and then waits for the norm (engine/techniques/hybrid.py), so no timed step rolls back; waiting never does
+    assert row["rollback_rate"]["wait"] == 0.0 and all(row["clipped_rate"][m] == 1.0 for m in guarded)
+    if "speculate" in modes:
+        assert row["rollback_rate"]["speculate"] == spec_rollback
+        assert set(row["ratios"]) == {"wait_over_none", "speculate_over_none", "speculate_over_wait"}
+        assert row["meets_goals"]["speculate_within_5pct_of_none_without_rollbacks"] is None   # not judged
+        assert row["meets_goals"]["speculate_at_most_wait_every_step_clipped"] in (True, False)
+    assert row["grad_norm_median"] > 1e-6
+
+
+@pytest.mark.timeout(60)
+def test_bench_hybrid_clip_grad_norm_reports_three_modes_and_rollback_rates(cli):
+    r = cli.run("bench", "hybrid", "--json", "--clip-grad-norm", "1e-6", "--rounds", "1", "--steps", "2", "--warmup",
+                "1", "--hidden", "32", "--depth", "3", "--device", "cpu", timeout=50)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert report["clip_grad_norm"] == 1e-6 and report["modes"]["none"] == {"clip_grad_norm": 0.0,
+                                                                            "skip_nonfinite": False}
+    rows = {row["variant"]: row for row in report["variants"]}
+    assert list(rows) == ["all-device", "all-host"] and rows["all-host"]["host_updates_overlap_backward"]
+    for row in rows.values():
+        assert_clip_row(row, ("none", "wait", "speculate"), spec_rollback=0.0)
+
+
+@pytest.mark.timeout(60)
+def test_bench_broadcast_clip_grad_norm_reports_three_modes_and_rollback_rates(cli):
+    r = cli.run("bench", "broadcast", "--json", "--clip-grad-norm", "1e-6", "--world", "2", "--streams", "2",
+                "--slices", "4", "--rounds", "1", "--steps", "2", "--warmup", "1", "--hidden", "32", "--depth", "4",
+                "--features", "32", timeout=50)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    rows = {row["variant"]: row for row in report["variants"]}
+    assert list(rows) == ["ddp-inline", "sharded-2-gated"]
+    assert_clip_row(rows["ddp-inline"], ("none", "wait", "speculate"), spec_rollback=0.0)
+    assert_clip_row(rows["sharded-2-gated"], ("none", "wait"), spec_rollback=None)   # decides first: never rolls back
+    assert rows["sharded-2-gated"]["meets_goals"] == {}

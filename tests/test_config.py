@@ -53,6 +53,7 @@ train = "train.bin"
 val = "val.bin"
 dtype = "uint32"
 vocab_size = 100
+accumulate = 2
 
 [optim]
 name = "adamw"
@@ -63,6 +64,12 @@ beta1 = 0.8
 beta2 = 0.99
 eps = 1e-6
 kernel = "foreach"
+lr_schedule = "cosine"
+warmup_steps = 10
+min_lr = 1e-5
+clip_grad_norm = 1.0
+skip_nonfinite = true
+clip_mode = "wait"
 
 [parallel]
 strategy = "sharded"
@@ -144,6 +151,9 @@ slow_rank_ms = 2.0
 kill_rank = 1
 kill_at = "broadcast"
 kill_step = 4
+nonfinite_layer = "fc0"
+nonfinite_step = 3
+nonfinite_rank = 0
 """
 
 
@@ -291,7 +301,8 @@ def test_bad_size(value):
 def test_unknown_key_suggests_close_match():
     assert error_of({"optim": {"lrr": 0.1}}) == (
         "unknown key 'optim.lrr' (did you mean 'optim.lr'?); "
-        "allowed keys in [optim]: name, lr, momentum, weight_decay, beta1, beta2, eps, kernel")
+        "allowed keys in [optim]: name, lr, momentum, weight_decay, beta1, beta2, eps, kernel, lr_schedule, "
+        "warmup_steps, min_lr, clip_grad_norm, skip_nonfinite, clip_mode")
     assert error_of({"optim": {"zzzz": 1}}).startswith("unknown key 'optim.zzzz'; allowed keys in [optim]: ")
 
 

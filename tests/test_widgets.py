@@ -459,6 +459,27 @@ def test_event_log_formats_the_plans_and_an_operators_policy_and_placement():
 
 
 @pytest.mark.timeout(60)
+def test_event_log_says_in_words_when_a_step_was_skipped_or_rolled_back():
+    async def test(pilot, log: EventLog) -> None:
+        log.add_event({"type": "event", "kind": "step_skipped", "step": 120, "grad_norm": None, "redone_layers": 14})
+        log.add_event({"type": "event", "kind": "step_rolled_back", "step": 87, "grad_norm": 3.2, "clip": 1.0,
+                       "redone_layers": 14})
+        log.add_event({"type": "event", "kind": "step_skipped", "step": 121, "grad_norm": float("inf"),
+                       "redone_layers": 1})
+        log.add_event({"type": "event", "kind": "step_rolled_back", "step": 88, "grad_norm": 0.0123, "clip": 0.01,
+                       "redone_layers": 0})
+        await pilot.pause()
+        lines = ["".join(segment.text for segment in strip) for strip in log.lines]
+        assert "step    120 skipped    gradient norm not finite; 14 layers rolled back" in lines[0]
+        assert ("step     87 rollback   gradient norm 3.2 over clip 1.0, 14 layers redone with the clipped "
+                "gradient") in lines[1]
+        assert "step    121 skipped    gradient norm not finite; 1 layer rolled back" in lines[2]
+        assert "gradient norm 0.0123 over clip 0.01, 0 layers redone" in lines[3]
+
+    mounted(EventLog(), test, size=(160, 20))
+
+
+@pytest.mark.timeout(60)
 def test_event_log_lines_written_before_it_has_a_size_wrap_at_its_width():
     # the console writes the preloaded events at once, maybe before the first layout
     class Host(App):

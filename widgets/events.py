@@ -1,4 +1,5 @@
-"""The run's events, one line each: checkpoints, restarts, evals, commands, sync changes, and console notes.
+"""The run's events, one line each: checkpoints, restarts, evals, commands, sync changes, skipped and
+rolled-back steps, and console notes.
 
 `add_event(record)` takes a telemetry `event` record (docs/telemetry.md);
 `add_text("connection lost", "red")` is for lines the console itself has to say.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from math import isfinite
 
 from rich.text import Text
 from textual.widgets import RichLog
@@ -21,10 +23,11 @@ KIND_STYLES = {
     "memory_over_capacity": "bold red", "stop": "bold #ffb000", "command": "bold green",
     "rebalance": "bold #ffb000", "migration": "bold #ffb000", "sync_mode": "bold cyan",
     "worker_lost": "bold red", "ps_profile": "bold blue", "memory_plan": "bold blue", "update_plan": "bold blue",
-    "policy": "bold green", "placement": "bold green",
+    "policy": "bold green", "placement": "bold green", "step_skipped": "bold #ffb000",
+    "step_rolled_back": "bold yellow",
 }
 TAGS = {"memory_over_capacity": "memory", "sync_mode": "sync", "worker_lost": "lost", "ps_profile": "profile",
-        "memory_plan": "mem plan", "update_plan": "upd plan"}
+        "memory_plan": "mem plan", "update_plan": "upd plan", "step_skipped": "skipped", "step_rolled_back": "rollback"}
 
 
 def describe(event: dict) -> tuple[str, str]:
@@ -81,6 +84,14 @@ def describe(event: dict) -> tuple[str, str]:
         return style, (f"{event.get('planner', '?')}: {on_host} of {len(placement)} updates on the host; modelled "
                        f"step {event.get('predicted_ms', 0):.1f} ms (all device {event.get('all_device_ms', 0):.1f}, "
                        f"all host {event.get('all_host_ms', 0):.1f})")
+    # the step column and the tag say which step and what became of it: `step 120 skipped  gradient norm ...`
+    if kind == "step_skipped":
+        norm = event.get("grad_norm")
+        why = f"gradient norm {_norm(norm)}" if _finite(norm) else "gradient norm not finite"
+        return style, f"{why}; {_layers(event.get('redone_layers'))} rolled back"
+    if kind == "step_rolled_back":
+        return style, (f"gradient norm {_norm(event.get('grad_norm'))} over clip {_norm(event.get('clip'))}, "
+                       f"{_layers(event.get('redone_layers'))} redone with the clipped gradient")
     if kind in ("policy", "placement"):
         return style, f"{event.get('layer')} -> {event.get(kind)} (from {event.get('source', '?')})"
     extra = {k: v for k, v in event.items() if k not in ("schema", "time", "type", "kind", "step", "v")}
@@ -94,6 +105,23 @@ def _spread(values) -> str:
         return "—"
     low, high = min(values), max(values)
     return f"{low:.1f}" if f"{low:.1f}" == f"{high:.1f}" else f"{low:.1f}–{high:.1f}"
+
+
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and isfinite(value)
+
+
+def _norm(value) -> str:
+    """A gradient norm or a clip threshold: `3.2`, `1.0`, `0.0123`, `2.5e+04`; `?` when absent."""
+    if not _finite(value):
+        return "?" if value is None else str(value)
+    return f"{value:.1f}" if 1 <= abs(value) < 1000 else f"{value:.3g}"
+
+
+def _layers(count) -> str:
+    if not isinstance(count, int):
+        return "? layers"
+    return f"{count} layer{'' if count == 1 else 's'}"
 
 
 def _sizes(stages) -> str:

@@ -23,6 +23,7 @@ the step time is the wall time of the timed steps, the last broadcast included.
     trainyard bench broadcast [--world 4] [--streams 4] [--json]
     trainyard bench broadcast --hosts 2 --link 1gbit     # over an emulated cluster's shaped links (root)
     trainyard bench broadcast --precision bf16           # every variant in fp32 and in bf16, side by side
+    trainyard bench broadcast --clip-grad-norm 1.0       # clipping's cost, waiting for the norm or speculating
 
 With `--precision bf16` every variant runs twice in each round, in fp32 and in bf16 (compute, params and
 reduce "bf16", "bf16", "fp32": engine/precision.py), one after the other, and the bench adds each
@@ -38,6 +39,13 @@ With `--hosts N` the ranks are spread over N emulated hosts (engine/runtime/clus
 whose links are shaped with tbf to `--link`), made for the bench and removed after it, so the
 figures are network-bound rather than CPU-bound. Then sharded-1-gated runs too, and the overlap
 efficiency is given for 1 stream and for n.
+
+With `--clip-grad-norm X` the bench runs instead `ddp-inline` (trainyard's own ddp strategy: each layer's update
+inline as its bucket's all-reduce completes; torch's DDP steps one optimizer after backward and cannot
+speculate) without clipping, clipping at X after waiting for the norm, and clipping speculatively, and
+sharded-n-gated without and with clipping (its owners update after the reduce: the norm is known before any
+update, so it never rolls back), a variant's modes back to back in each round, with the rollback and clipped
+rates of the clipping runs and the goals (engine/bench/clip.py). fp32 only.
 """
 
 from __future__ import annotations
@@ -47,6 +55,8 @@ import json
 import statistics
 import sys
 import time
+
+from engine.bench.clip import ratio
 
 
 class TorchDDP:
@@ -103,30 +113,31 @@ def precision_config(name: str):
     return PrecisionConfig(compute=compute, params=params, reduce=reduce)
 
 
-def ratio(a, b, digits: int = 3):
-    """a / b rounded, None where either is missing or b is 0."""
-    return None if a is None or not b else round(a / b, digits)
-
-
 def measure(topo, variant: str, hidden: int, depth: int, features: int, batch: int, steps: int, warmup: int,
-            streams: int, slices: int, precision: str = "fp32") -> dict:
-    """One variant on this rank in `precision` (PRECISIONS): `warmup` steps, then `steps` timed ones."""
+            streams: int, slices: int, precision: str = "fp32", optim_keys: dict | None = None) -> dict:
+    """One variant on this rank in `precision` (PRECISIONS): `warmup` steps, then `steps` timed ones.
+    `optim_keys` (--clip-grad-norm): [optim] keys over the bench's SGD, and the timed steps' guard fields
+    in the result (`guard`: engine/bench/clip.py)."""
     import torch
     import torch.distributed as dist
 
     from engine.config import ModelConfig, OptimConfig
     from engine.precision import compute_in, param_dtype, reduce_dtype
     from engine.runtime.devices import LedgerDevice, tensor_bytes
+    from engine.bench.clip import GuardTally
     from engine.models import build_model
+    from engine.strategies.ddp import DDPStrategy
     from engine.strategies.sharded import ShardedStrategy
 
     prec = precision_config(precision)
     model = build_model(ModelConfig(name="mlp", hidden=hidden, depth=depth),
                         {"input_dim": features, "num_classes": 10}, seed=0)
     device = LedgerDevice(1 << 40)
-    optim = OptimConfig(name="sgd", lr=0.01)
+    optim = OptimConfig(name="sgd", lr=0.01, **(optim_keys or {}))
     if variant == "ddp":   # torch's mixed precision as users run it: fp32 weights, the step under autocast
         runner = TorchDDP(model, optim, topo, device)
+    elif variant == "ddp-inline":   # trainyard's own: each layer's update inline as its bucket's all-reduce lands
+        runner = DDPStrategy(model, optim, topo, device)
     else:   # the working weights in their dtype before the strategy makes its flat buffers of them
         model = model.to(param_dtype(prec))
         runner = ShardedStrategy(model, optim, topo, device, streams=1 if variant.startswith("sharded-1") else streams,
@@ -148,12 +159,15 @@ def measure(topo, variant: str, hidden: int, depth: int, features: int, batch: i
     for meter in meters:   # the warm-up's broadcasts are not counted
         meter.take()
     sums = dict.fromkeys(phases, 0.0)
+    guard = GuardTally() if optim_keys is not None else None
     t0 = time.perf_counter()
     for _ in range(steps):
         with compute_in(prec, where):
             runner.train_step(x, y)
         for k in phases:
             sums[k] += runner.timings.get(k, 0.0)
+        if guard is not None:
+            guard.add(runner)
     runner.sync()   # the last broadcast is part of the work
     elapsed = time.perf_counter() - t0   # wall time: every step read its loss, so the device's work is in it
     if meters:   # every timed step's broadcast, as this rank's streams carried it
@@ -166,24 +180,31 @@ def measure(topo, variant: str, hidden: int, depth: int, features: int, batch: i
               "parameters": sum(p.numel() for p in model.parameters()),
               "bytes_per_step": link_bytes, "parameter_bytes": device.ledger.bytes["parameters"],
               "master_bytes": device.ledger.bytes["master"]}
+    if guard is not None:
+        result["guard"] = guard.figures()
     runner.close()
     return result
 
 
 def run_bench(world: int, rounds: int, streams: int, slices: int, hidden: int, depth: int, features: int,
               batch: int, steps: int, warmup: int, hosts: int = 0, link: str = "1gbit",
-              precision: str = "fp32") -> dict:
+              precision: str = "fp32", clip: float | None = None) -> dict:
     """`precision` "bf16": every variant in fp32 and in bf16, side by side (the report's "bf16" and
-    "bf16_vs_fp32"); "fp32": fp32 only."""
+    "bf16_vs_fp32"); "fp32": fp32 only. `clip`: the clipping comparison at that threshold instead (fp32)."""
     precisions = ("fp32", "bf16") if precision == "bf16" else ("fp32",)
+
+    def run(cluster) -> dict:
+        if clip is not None:
+            return _run_clip(world, rounds, streams, slices, hidden, depth, features, batch, steps, warmup, cluster,
+                             clip)
+        return _run_variants(world, rounds, streams, slices, hidden, depth, features, batch, steps, warmup, cluster,
+                             precisions)
     if hosts:
         from engine.runtime.cluster import emulated_cluster
         with emulated_cluster(hosts=hosts, link=link) as cluster:
-            report = _run_variants(world, rounds, streams, slices, hidden, depth, features, batch, steps, warmup,
-                                   cluster, precisions)
+            report = run(cluster)
         return {**report, "hosts": hosts, "link": link}
-    return _run_variants(world, rounds, streams, slices, hidden, depth, features, batch, steps, warmup, None,
-                         precisions)
+    return run(None)
 
 
 def _efficiency(wait: dict, gated: dict) -> float:
@@ -192,23 +213,35 @@ def _efficiency(wait: dict, gated: dict) -> float:
     return (wait["step_ms"] - gated["step_ms"]) / hideable if hideable else 0.0
 
 
+def _in_rounds(world: int, cluster, rounds: int, jobs: list[dict], **common) -> list[list[list[dict]]]:
+    """measure() of each job (its keyword arguments over `common`) on a pool of `world` ranks, the jobs one after
+    another, `rounds` times, so that drift of the machine hits every job alike: per job, per round, the
+    ranks' results."""
+    from engine.runtime.procpool import DistPool
+    out: list[list[list[dict]]] = [[] for _ in jobs]
+    with DistPool(world, timeout_s=120, cluster=cluster) as pool:
+        for _ in range(rounds):
+            for i, job in enumerate(jobs):
+                out[i].append(pool.run(measure, timeout=600, **common, **job))
+    return out
+
+
 def _run_variants(world: int, rounds: int, streams: int, slices: int, hidden: int, depth: int, features: int,
                   batch: int, steps: int, warmup: int, cluster, precisions: tuple[str, ...] = ("fp32",)) -> dict:
-    from engine.runtime.procpool import DistPool
     variants = ["ddp", "sharded-1", f"sharded-{streams}", f"sharded-{streams}-gated"]
     if cluster is not None:   # the stream count's effect on overlap, and the two-level exchange's effect
         variants.insert(2, "sharded-1-gated")
         variants.append(f"sharded-{streams}-gated-flat")
     runs: dict[str, dict[str, list[dict]]] = {p: {v: [] for v in variants} for p in precisions}
-    with DistPool(world, timeout_s=120, cluster=cluster) as pool:
-        for _ in range(rounds):
-            for v in variants:
-                for p in precisions:   # a variant's precisions back to back: drift hits both alike
-                    results = pool.run(measure, timeout=600, variant=v, hidden=hidden, depth=depth,
-                                       features=features, batch=batch, steps=steps, warmup=warmup, streams=streams,
-                                       slices=slices, precision=p)
-                    runs[p][v].append({**results[0], "state_per_rank": [r["optimizer_state_bytes"] for r in results],
-                                       "master_per_rank": [r["master_bytes"] for r in results]})
+    # a variant's precisions back to back: drift hits both alike
+    jobs = [{"variant": v, "precision": p} for v in variants for p in precisions]
+    got = _in_rounds(world, cluster, rounds, jobs, hidden=hidden, depth=depth, features=features, batch=batch,
+                     steps=steps, warmup=warmup, streams=streams, slices=slices)
+    for job, per_round in zip(jobs, got):
+        for results in per_round:
+            runs[job["precision"]][job["variant"]].append(
+                {**results[0], "state_per_rank": [r["optimizer_state_bytes"] for r in results],
+                 "master_per_rank": [r["master_bytes"] for r in results]})
     goal = 0.7 if cluster is not None else 0.5   # network-bound: issue 10's goal; one machine: issue 4's
     compare = len(precisions) > 1
     summary = {p: _summary(runs[p], variants, world, streams, goal, with_bytes=compare) for p in precisions}
@@ -239,6 +272,30 @@ def _run_variants(world: int, rounds: int, streams: int, slices: int, hidden: in
                          for r in fp32["variants"]],
         "note": BF16_NOTE})
     return report
+
+
+# --clip-grad-norm: trainyard's ddp (torch's DDP + one optimizer cannot speculate: it steps after backward) in the
+# three modes, and the gated sharded variant without and with clipping: its owners update after the reduce, so
+# the norm is known first and it never rolls back (it waits by design)
+CLIP_NOTE = ("ddp-inline: trainyard's ddp strategy, each layer's update inline as its bucket's all-reduce "
+             "completes; sharded: the owners update after the reduce, so the norm is known before any update: it "
+             "waits by design and never rolls back (no speculate run)")
+
+
+def _run_clip(world: int, rounds: int, streams: int, slices: int, hidden: int, depth: int, features: int,
+              batch: int, steps: int, warmup: int, cluster, clip: float) -> dict:
+    from engine.bench.clip import MODES, optim_keys, variant_row
+    plan = {"ddp-inline": MODES, f"sharded-{streams}-gated": ("none", "wait")}
+    jobs = [{"variant": v, "optim_keys": optim_keys(m, clip)} for v, modes in plan.items() for m in modes]
+    got = _in_rounds(world, cluster, rounds, jobs, hidden=hidden, depth=depth, features=features, batch=batch,
+                     steps=steps, warmup=warmup, streams=streams, slices=slices)
+    results = iter(got)
+    runs = {v: {m: [per_rank[0] for per_rank in next(results)] for m in modes} for v, modes in plan.items()}
+    return {"bench": "broadcast", "clip_grad_norm": clip, "world": world, "streams": streams, "slices": slices,
+            "rounds": rounds, "steps_per_round": steps, "batch": batch,
+            "parameters": runs["ddp-inline"]["none"][0]["parameters"],
+            "modes": {m: optim_keys(m, clip) for m in MODES},
+            "variants": [variant_row(v, runs[v], overlap=False) for v in plan], "note": CLIP_NOTE}
 
 
 def _summary(runs: dict[str, list[dict]], variants: list[str], world: int, streams: int, goal: float,
@@ -301,15 +358,24 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--precision", choices=tuple(PRECISIONS), default="fp32",
                         help="bf16: every variant in fp32 and in bf16 side by side, with bytes per step and the "
                              "bf16/fp32 ratios (default fp32: fp32 only)")
+    parser.add_argument("--clip-grad-norm", type=float, default=None, metavar="X",
+                        help="instead of the variants: ddp-inline without clipping, clipping at X after waiting "
+                             "for the norm, and clipping speculatively, and sharded-n-gated without and with "
+                             "clipping, with their rollback rates (engine/bench/clip.py)")
     args = parser.parse_args(argv)
     if args.slices < args.streams or args.batch % args.world:
         parser.error("--slices must be >= --streams and --batch divisible by --world")
     if args.hosts and (args.hosts < 2 or args.world % args.hosts):
         parser.error("--hosts must be at least 2 and divide --world")
+    if args.clip_grad_norm is not None and args.clip_grad_norm <= 0:
+        parser.error("--clip-grad-norm: must be > 0 (the threshold the wait and speculate runs clip at)")
+    if args.clip_grad_norm is not None and args.precision != "fp32":
+        parser.error("--clip-grad-norm runs in fp32: leave out --precision")
     from engine.runtime.cluster import ClusterError
     try:
         report = run_bench(args.world, args.rounds, args.streams, args.slices, args.hidden, args.depth,
-                           args.features, args.batch, args.steps, args.warmup, args.hosts, args.link, args.precision)
+                           args.features, args.batch, args.steps, args.warmup, args.hosts, args.link, args.precision,
+                           args.clip_grad_norm)
     except ClusterError as e:
         print(f"trainyard bench broadcast: {e}", file=sys.stderr)
         return 2
@@ -320,6 +386,14 @@ def main(argv: list[str]) -> int:
     from rich.table import Table
     console = Console()
     where = f", {args.hosts} hosts linked at {args.link}" if args.hosts else ""
+    if args.clip_grad_norm is not None:
+        from engine.bench.clip import print_rows
+        print_rows(console, Table, f"broadcast, clipping at {report['clip_grad_norm']:g}: "
+                                   f"{report['parameters'] / 1e6:.1f}M parameters, world {args.world}{where}, median "
+                                   f"of {args.rounds} rounds (ms per step; rates over "
+                                   f"{report['variants'][0]['timed_steps']} timed steps)", report["variants"],
+                   caption=f"note: {report['note']}")
+        return 0
     compare = args.precision == "bf16"
     for label, figures in ((("fp32", report), ("bf16", report["bf16"])) if compare else ((None, report),)):
         _print_precision(console, Table, args, report["parameters"], where, figures, label)

@@ -19,6 +19,7 @@ rounds all-host runs once more as the host step was before fused kernels and a t
 pool (foreach AdamW on one host thread): `host_step` holds the two and their ratio.
 
     trainyard bench hybrid [--json] [--rounds 3] [--steps 8] [--device cuda|cpu] [--precision fp32|bf16]
+    trainyard bench hybrid --clip-grad-norm 1.0      # clipping's cost, waiting for the norm or speculating
 
 With `--precision bf16` the whole bench runs in fp32 and in bf16 (compute, params and reduce "bf16",
 "bf16", "fp32": engine/precision.py) side by side: each precision profiles, plans and measures its own
@@ -29,6 +30,12 @@ gradients down and bf16 weights up: half the bytes. Each placement gets its host
 (what the step's host updates moved, both ways) and its step time in both precisions, with the
 bf16/fp32 ratios. On a CPU bf16 matmuls may be slower than fp32: the bytes are the figure. The host step
 before and now (`host_step`) is fp32's. `--precision fp32` (the default) runs as before.
+
+With `--clip-grad-norm X` the bench runs instead all-device and all-host (no trial, no plans), each without
+clipping, clipping at X after waiting for the norm, and clipping speculatively, a placement's three modes back
+to back in each round, with the rollback and clipped rates of the clipping runs and the goals
+(engine/bench/clip.py). all-host is where speculation can win: its host updates overlap backward, and wait
+holds them until backward ends. fp32 only.
 """
 
 from __future__ import annotations
@@ -59,14 +66,15 @@ def _model_and_data(hidden: int, depth: int, batch: int, kind: str = "cpu", prec
 
 
 def _runner(topo, model, placement, profile_steps: int = 6, kernel: str = "auto", host_threads: int = 0,
-            precision: str = "fp32"):
+            precision: str = "fp32", optim_keys: dict | None = None):
+    """A DDPStrategy of one rank; `optim_keys`: [optim] keys over the bench's AdamW (--clip-grad-norm's modes)."""
     from engine.bench.broadcast import precision_config
     from engine.config import OptimConfig, UpdateConfig
     from engine.precision import reduce_dtype
     from engine.strategies.ddp import DDPStrategy
     from engine.runtime.devices import CudaDevice, LedgerDevice
     device = CudaDevice(1 << 40, 0) if next(model.parameters()).is_cuda else LedgerDevice(1 << 40)
-    runner = DDPStrategy(model, OptimConfig(name="adamw", lr=1e-3, kernel=kernel), topo, device,
+    runner = DDPStrategy(model, OptimConfig(name="adamw", lr=1e-3, kernel=kernel, **(optim_keys or {})), topo, device,
                          update_cfg=UpdateConfig(placement=placement, profile_steps=profile_steps,
                                                  host_threads=host_threads),
                          reduce_dtype=reduce_dtype(precision_config(precision)))
@@ -99,11 +107,15 @@ def profile_job(topo, hidden: int, depth: int, batch: int, trial: int, kind: str
             "host_threads": profile.host_threads}
 
 
-def measure_job(topo, hidden: int, depth: int, batch: int, placement: dict, steps: int, warmup: int,
-                kernel: str = "auto", host_threads: int = 0, kind: str = "cpu", precision: str = "fp32") -> dict:
-    """ms per step, and the host link's bytes per step (the host-placed layers' updates, both ways)."""
+def measure_job(topo, hidden: int, depth: int, batch: int, placement: dict | str, steps: int, warmup: int,
+                kernel: str = "auto", host_threads: int = 0, kind: str = "cpu", precision: str = "fp32",
+                optim_keys: dict | None = None) -> dict:
+    """ms per step, and the host link's bytes per step (the host-placed layers' updates, both ways); with
+    `optim_keys` (--clip-grad-norm) the timed steps' guard fields too (`guard`: engine/bench/clip.py)."""
+    from engine.bench.clip import GuardTally
     model, x, y = _model_and_data(hidden, depth, batch, kind, precision)
-    runner = _runner(topo, model, placement, kernel=kernel, host_threads=host_threads, precision=precision)
+    runner = _runner(topo, model, placement, kernel=kernel, host_threads=host_threads, precision=precision,
+                     optim_keys=optim_keys)
     train_step = _stepper(runner, precision)
     import torch
 
@@ -114,15 +126,18 @@ def measure_job(topo, hidden: int, depth: int, batch: int, placement: dict, step
     for _ in range(warmup):
         train_step(x, y)
     settle()
-    links = []
+    links, guard = [], GuardTally() if optim_keys is not None else None
     t0 = time.perf_counter()
     for _ in range(steps):
         train_step(x, y)
         links.append(runner.timings.get("host_link_bytes", 0))   # the step's host updates, both ways
+        if guard is not None:
+            guard.add(runner)
     settle()
     elapsed = time.perf_counter() - t0
     runner.close()
-    return {"ms": elapsed / steps * 1000, "host_link_bytes": statistics.median(links) if links else 0}
+    out = {"ms": elapsed / steps * 1000, "host_link_bytes": statistics.median(links) if links else 0}
+    return out if guard is None else {**out, "guard": guard.figures()}
 
 
 def host_updates_ms(hidden: int, depth: int, kernel: str, threads: int, repeats: int = 5) -> float:
@@ -247,6 +262,33 @@ def run_bench(hidden: int, depth: int, batch: int, rounds: int, steps: int, warm
     return report
 
 
+# --clip-grad-norm: where speculation can win (all-host: every update overlaps backward on the host executor)
+# and where its copies cost the compute thread (all-device: kept and, on a clip, redone inline)
+CLIP_PLACEMENTS = {"all-device": "device", "all-host": "host"}
+
+
+def run_clip_bench(hidden: int, depth: int, batch: int, rounds: int, steps: int, warmup: int, clip: float,
+                   kind: str = "cpu") -> dict:
+    """Each of CLIP_PLACEMENTS without clipping, clipping after waiting for the norm and speculatively
+    (engine/bench/clip.py), a placement's three modes back to back in every round."""
+    from engine.bench.clip import MODES, optim_keys, variant_row
+    from engine.runtime.procpool import DistPool
+    runs = {name: {mode: [] for mode in MODES} for name in CLIP_PLACEMENTS}
+    with DistPool(1, timeout_s=120) as pool:
+        for _ in range(rounds):
+            for name, placement in CLIP_PLACEMENTS.items():
+                for mode in MODES:
+                    got = pool.run(measure_job, timeout=600, hidden=hidden, depth=depth, batch=batch,
+                                   placement=placement, steps=steps, warmup=warmup, kind=kind,
+                                   optim_keys=optim_keys(mode, clip))[0]
+                    runs[name][mode].append({"step_ms": got["ms"], "guard": got["guard"]})
+    return {"bench": "hybrid", "clip_grad_norm": clip, "world": 1, "device": kind, "layers_with_updates": depth + 1,
+            "optimizer": "adamw", "hidden": hidden, "batch": batch, "rounds": rounds, "steps_per_round": steps,
+            "modes": {mode: optim_keys(mode, clip) for mode in MODES},
+            "variants": [variant_row(name, runs[name], overlap=placement == "host")
+                         for name, placement in CLIP_PLACEMENTS.items()]}
+
+
 def _precision_names(name: str) -> dict:
     from engine.bench.broadcast import PRECISIONS
     return dict(zip(("compute", "params", "reduce"), PRECISIONS[name]))
@@ -309,6 +351,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
                         help="bf16: the bench in fp32 and in bf16 side by side, with each placement's host link "
                              "bytes per step and the bf16/fp32 ratios (default fp32: fp32 only)")
+    parser.add_argument("--clip-grad-norm", type=float, default=None, metavar="X",
+                        help="instead of the placements: all-device and all-host without clipping, clipping at X "
+                             "after waiting for the norm, and clipping speculatively, with their rollback rates "
+                             "(engine/bench/clip.py)")
     args = parser.parse_args(argv)
     import torch
     kind = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -316,6 +362,8 @@ def main(argv: list[str]) -> int:
         parser.error("--device cuda: no CUDA device is visible")
     if args.depth + 1 > 20:
         parser.error("--depth: at most 19 (the brute force tries 2^(depth+1) placements)")
+    if args.clip_grad_norm is not None:
+        return _main_clip(parser, args, kind)
     report = run_bench(args.hidden, args.depth, args.batch, args.rounds, args.steps, args.warmup, args.trial, kind,
                        args.precision)
     if args.json:
@@ -337,6 +385,27 @@ def main(argv: list[str]) -> int:
                   f"thread), {h['now_fused_ms']:.1f} ms now (fused AdamW, {h['now_threads']} host threads): "
                   f"[b]{h['speedup']:.2f}x[/]; all-device {h['all_device_ms']:.1f} ms, all-host/all-device "
                   f"{h['all_host_over_all_device']:.2f}")
+    return 0
+
+
+def _main_clip(parser, args, kind: str) -> int:
+    if args.clip_grad_norm <= 0:
+        parser.error("--clip-grad-norm: must be > 0 (the threshold the wait and speculate runs clip at)")
+    if args.precision != "fp32":
+        parser.error("--clip-grad-norm runs in fp32: leave out --precision")
+    report = run_clip_bench(args.hidden, args.depth, args.batch, args.rounds, args.steps, args.warmup,
+                            args.clip_grad_norm, kind)
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    from engine.bench.clip import print_rows
+    title = (f"hybrid update, clipping at {report['clip_grad_norm']:g}: {report['layers_with_updates']} layers, "
+             f"AdamW, 1 worker on {kind} (ms per step, median of {report['rounds']} rounds; rates over "
+             f"{report['variants'][0]['timed_steps']} timed steps)")
+    print_rows(Console(), Table, title, report["variants"])
     return 0
 
 

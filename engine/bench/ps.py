@@ -22,7 +22,7 @@ each run's final test accuracy and the distribution per mode (worst, 10th percen
 what the servers' tally says of each run: updates per step, mean and largest staleness, and how many
 full steps' worth of gradient were applied per step (docs/param_server.md).
 
-    trainyard bench ps --repeat 30 --servers 1 --modes soft,bsp,asp
+    trainyard bench ps --repeat 30 --servers 1 --modes soft,bsp,asp [--set optim.lr_schedule=cosine ...]
 """
 
 from __future__ import annotations
@@ -149,8 +149,9 @@ def distribution(values: list[float]) -> dict:
     return {"worst": ordered[0], "p10": at(0.1), "median": median, "best": ordered[-1]}
 
 
-def measure_repeat(modes, repeat: int, steps: int, servers: int, slow: float, hidden: int, batch: int) -> dict:
-    extra = [f"model.hidden={hidden}", f"data.batch_size={batch}"]
+def measure_repeat(modes, repeat: int, steps: int, servers: int, slow: float, hidden: int, batch: int,
+                   settings: tuple[str, ...] = ()) -> dict:
+    extra = [f"model.hidden={hidden}", f"data.batch_size={batch}", *settings]
     results: dict[str, list[dict]] = {mode: [] for mode in modes}
     with ChildRuns() as runs:
         work = runs.temp_dir("trainyard-bench-ps-")
@@ -161,7 +162,7 @@ def measure_repeat(modes, repeat: int, steps: int, servers: int, slow: float, hi
                       for key in ("final_accuracy", "updates_per_step", "mean_staleness", "applied_per_step")}
                for mode, rows in results.items()}
     return {"servers": servers, "workers": 4, "slow_worker": {"rank": servers + 3, "factor": slow}, "steps": steps,
-            "hidden": hidden, "batch_size": batch, "repeat": repeat, "seeds": list(range(repeat)),
+            "hidden": hidden, "batch_size": batch, "repeat": repeat, "seeds": list(range(repeat)), "set": list(settings),
             "modes": summary, "runs": results}
 
 
@@ -170,7 +171,8 @@ def print_repeat(out: dict) -> None:
     from rich.table import Table
     table = Table(title=f"bench ps --repeat {out['repeat']}: digits, {out['servers']} server(s), 4 workers, worker "
                         f"{out['slow_worker']['rank']} {out['slow_worker']['factor']:g}x slower (emulated), "
-                        f"{out['steps']} steps, seeds 0-{out['repeat'] - 1}; CPU ledger (simulated devices)")
+                        f"{out['steps']} steps, seeds 0-{out['repeat'] - 1}"
+                        f"{''.join(', ' + s for s in out.get('set', []))}; CPU ledger (simulated devices)")
     for col in ("mode", "worst", "p10", "median", "best", "updates/step", "staleness", "applied/step"):
         table.add_column(col, justify="left" if col == "mode" else "right", no_wrap=True)
     for mode, row in out["modes"].items():
@@ -221,6 +223,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--steps", type=int, default=300, help="with --repeat: steps per run (default 300)")
     parser.add_argument("--servers", type=int, default=2,
                         help="with --repeat: parameter servers (default 2); the slow worker is the last rank")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="with --repeat: a config setting for every run, as `trainyard run --set` takes it "
+                             "(e.g. optim.lr_schedule=cosine); repeatable")
     args = parser.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     units = ("", "versions", "rounds") if args.repeat else ("",)
@@ -233,8 +238,11 @@ def main(argv: list[str]) -> int:
                      "--batch a multiple of 4")
     if args.repeat < 0 or args.steps < 1 or not 1 <= args.servers <= 3:
         parser.error("--repeat must be at least 0, --steps at least 1, --servers 1 to 3 (the model's 3 layers)")
+    if args.set and not args.repeat:
+        parser.error("--set goes with --repeat")
     if args.repeat:
-        out = measure_repeat(modes, args.repeat, args.steps, args.servers, args.slow, args.hidden, args.batch)
+        out = measure_repeat(modes, args.repeat, args.steps, args.servers, args.slow, args.hidden, args.batch,
+                             tuple(args.set))
         if args.json:
             print(json.dumps(out, indent=2))
         else:

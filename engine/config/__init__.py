@@ -5,7 +5,8 @@
 
 - settings.py: every setting, declared once (default, allowed values, one line of docs); sizes.
 - check.py: each value against its declaration, then the rules across keys (CROSS_CHECKS); files.py: the
-  files a config names (token files, a Hugging Face config) exist and fit.
+  files a config names (token files, a Hugging Face config) exist and fit; batch.py: the global batch splits
+  over ranks, micro-batches and micro-steps, and the training loop's keys agree.
 - load.py: TOML file + `--set` overrides -> a checked Config.
 - reference.py: docs/config.md from the declarations; `python -m engine.config`.
 

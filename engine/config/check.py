@@ -25,6 +25,7 @@ import re
 import tomllib
 from typing import Any, Callable
 
+from engine.config.batch import batch_splits_over_ranks, near_multiples, schedule_ends_low
 from engine.config.files import files_exist
 from engine.config.settings import PATTERN_WORDS, Config, ConfigError, parse_size
 
@@ -273,10 +274,6 @@ def apply_overrides(table: dict, overrides) -> dict:
 
 # --- rules across keys: each returns a message or None; its docstring goes to docs/config.md ---
 
-def _near_multiples(n: int, k: int) -> str:
-    return " or ".join(str(m) for m in (n // k * k, (n // k + 1) * k) if m > 0)
-
-
 def model_matches_data(cfg: Config) -> str | None:
     """Language models take token data (`text` or `tokens`), and token data needs a language model."""
     model, data = cfg.model.name, cfg.data.name
@@ -304,30 +301,6 @@ def branchy_has_square_images(cfg: Config) -> str | None:
     if cfg.data.name == "synthetic" and root * root != n:
         return (f'data.features = {n}: must be a perfect square when model.name = "branchy" '
                 f"(e.g. {root * root} or {(root + 1) ** 2})")
-    return None
-
-
-def batch_splits_over_ranks(cfg: Config) -> str | None:
-    """Data parallel: `data.batch_size` is divisible by `parallel.world_size` (every rank gets the same
-    share); pipeline: by `parallel.micro_batches`, and a partition list has `world_size` stages."""
-    batch, world = cfg.data.batch_size, cfg.parallel.world_size
-    p = cfg.parallel
-    if p.strategy == "pipeline":
-        if batch % p.micro_batches:
-            return (f"data.batch_size = {batch}: must be divisible by parallel.micro_batches = {p.micro_batches} "
-                    f"(e.g. {_near_multiples(batch, p.micro_batches)})")
-        if isinstance(p.partition, list) and len(p.partition) != world:
-            return (f"parallel.partition lists {len(p.partition)} stages but parallel.world_size = {world} "
-                    f"(one stage per worker)")
-        return None
-    if p.strategy == "param_server":
-        if batch % p.workers:
-            return (f"data.batch_size = {batch}: must be divisible by parallel.workers = {p.workers} "
-                    f"(e.g. {_near_multiples(batch, p.workers)})")
-        return None
-    if batch % world:
-        return (f"data.batch_size = {batch}: must be divisible by parallel.world_size = {world} "
-                f"(e.g. {_near_multiples(batch, world)})")
     return None
 
 
@@ -359,7 +332,7 @@ def heads_split_width(cfg: Config) -> str | None:
     d_model, heads = cfg.model.d_model, cfg.model.heads
     if cfg.model.name == "transformer" and d_model % heads:
         return (f'model.d_model = {d_model}: must be divisible by model.heads = {heads} when '
-                f'model.name = "transformer" (e.g. {_near_multiples(d_model, heads)})')
+                f'model.name = "transformer" (e.g. {near_multiples(d_model, heads)})')
     return None
 
 
@@ -488,6 +461,6 @@ def precision_makes_sense(cfg: Config) -> str | None:
     return None
 
 
-CROSS_CHECKS = [hosts_split_workers, listen_is_loopback, slices_cover_streams, model_matches_data, files_exist,
+CROSS_CHECKS = [schedule_ends_low, hosts_split_workers, listen_is_loopback, slices_cover_streams, model_matches_data, files_exist,
                 branchy_has_square_images, param_server_ranks, batch_splits_over_ranks, heads_split_width,
                 slow_layer_is_whole, slow_rank_is_whole, kill_has_its_moment, precision_makes_sense]

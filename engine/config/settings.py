@@ -116,6 +116,11 @@ class DataConfig:
     test_fraction: float = setting(0.2, "Share of the samples held out as the test split.", min=0.05, max=0.5)
     eval_samples: int = setting(2048, "Test samples an evaluation reads (the first N of the test split; "
                                       "targets of -100 are not counted); 0: all of them.", min=0)
+    accumulate: int = setting(1, "Micro-steps per optimizer step in ddp, sharded and the parameter server's "
+                                 "workers: each takes batch_size / (accumulate x data-parallel ranks) samples "
+                                 "and the gradients add up before one update; the global batch stays "
+                                 "`batch_size`. A pipeline accumulates over `parallel.micro_batches` instead.",
+                         min=1)
     seq_len: int = setting(32, "text: characters per sample; tokens: tokens per sample (each file is cut "
                                "into windows of seq_len + 1, overlapping by one).", min=2, max=131072)
     text_chars: int = setting(200_000, "text: characters of corpus to build.", min=1000)
@@ -141,6 +146,31 @@ class OptimConfig:
                                   "parameters' device, else foreach). The device and the host both use it, so on "
                                   "the CPU an update gives the same values whichever side runs it.",
                           choices=("auto", "fused", "foreach"))
+    lr_schedule: str = setting("constant", "The learning rate over the run, a pure function of the step "
+                                           "(engine/optim.py `lr_at`): `constant` (`lr` throughout), `cosine` or "
+                                           "`linear` (after the warmup, from `lr` down to `min_lr` at the last of "
+                                           "`run.steps`). Named apart from `parallel.schedule`, the pipeline's.",
+                               choices=("constant", "cosine", "linear"))
+    warmup_steps: int = setting(0, "Steps of linear warmup before the schedule: step s (from 0) uses "
+                                   "lr x (s + 1) / warmup_steps. Any schedule, `constant` included.", min=0)
+    min_lr: float = setting(0.0, "cosine, linear: the learning rate at the end of the run (at most `lr`).",
+                            min=0.0)
+    clip_grad_norm: float = setting(0.0, "Clip the global gradient norm to this (every parameter counted once, "
+                                         "over every rank, stage and shard), as torch's clip_grad_norm_; "
+                                         "0: off.", min=0.0)
+    skip_nonfinite: bool = setting(False, "Skip a step whose gradients hold inf or NaN: every rank leaves its "
+                                          "weights and optimizer state as they were before the step (the parameter "
+                                          "server: per layer window). Off by default, as in Megatron and DeepSpeed "
+                                          "under bf16: with `clip_mode = \"speculate\"` it keeps a rollback copy "
+                                          "of every layer's weights and optimizer state (docs/training.md).")
+    clip_mode: str = setting("speculate", "How clipping and skipping keep per-layer updates early: `speculate` "
+                                          "(host updates and a pipeline stage's device updates run as soon as "
+                                          "their gradient is ready, keeping a copy of their weights and optimizer "
+                                          "state until the global norm is known; a clip or skip rolls them back "
+                                          "and redoes them; after a clipped or skipped step the next one waits) "
+                                          "or `wait` (every update waits for the norm). sharded always decides "
+                                          "before its owners update, so it never rolls back (docs/training.md).",
+                            choices=("speculate", "wait"))
 
 
 @dataclass
@@ -398,6 +428,13 @@ class EmulateConfig:
                                         "holds a gradient and is still open).",
                            choices=("migration", "broadcast", "host_update", "window"))
     kill_step: int = setting(0, "The first step (counted from 0) at which `kill_rank` may die.", min=0)
+    nonfinite_layer: str = setting("", "A layer (by name) whose gradient gets an inf at step `nonfinite_step`, "
+                                       "on `nonfinite_rank`: the step guard skips that step on every rank "
+                                       "(`optim.skip_nonfinite`). Empty: none.")
+    nonfinite_step: int = setting(0, "The step (counted from 0) at which `nonfinite_layer`'s gradient is inf.",
+                                  min=0)
+    nonfinite_rank: int = setting(-1, "The rank that computes the inf; -1: every rank that runs the layer.",
+                                  min=-1)
 
 
 @dataclass

@@ -92,6 +92,8 @@ class MemoryLedger:
                 state += sum(tensor_bytes(v) for v in per_param.values() if torch.is_tensor(v))
             if hasattr(opt, "master_bytes"):   # fp32 masters beside bf16 working weights (engine/precision.py)
                 master += opt.master_bytes()
+            if hasattr(opt, "rollback_bytes"):   # speculative updates' copies, until the step is decided
+                state += opt.rollback_bytes()
         extra = self.extra
         with self._lock:
             self.bytes["parameters"] = params + extra.get("parameters", 0)

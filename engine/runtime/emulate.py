@@ -70,6 +70,32 @@ class SlowRank:
             time.sleep(self.sleep_s)
 
 
+class NonFinite:
+    """`emulate.nonfinite_layer`: at step `nonfinite_step` (every micro-step of it) the first element of each of
+    that layer's gradients, as this rank computes it, is inf: what an overflow looks like to the step guard."""
+
+    def __init__(self, module, at_step: int):
+        self.at_step, self.step = at_step, 0
+        for p in module.parameters():
+            p.register_hook(self._poison)
+
+    @classmethod
+    def install(cls, model, emulate, rank: int) -> "NonFinite | None":
+        if not emulate.nonfinite_layer or emulate.nonfinite_rank not in (-1, rank):
+            return None
+        if emulate.nonfinite_layer not in model.names:
+            raise ValueError(f"emulate.nonfinite_layer = {emulate.nonfinite_layer!r} is not a layer of this model; "
+                             f"its layers are: {', '.join(model.names)}")
+        return cls(model.layers[model.names.index(emulate.nonfinite_layer)], emulate.nonfinite_step)
+
+    def _poison(self, grad):
+        if self.step != self.at_step:
+            return grad
+        grad = grad.clone()
+        grad.view(-1)[0] = float("inf")
+        return grad
+
+
 class Fault:
     """`emulate.kill_rank` SIGKILLs itself the first time its technique reaches `kill_at` at or after step
     `kill_step`, in the first attempt of the run only (`restart` 0), so the restarted run goes on:

@@ -22,10 +22,11 @@ import torch.distributed as dist
 
 from engine.data import batch_for, global_count
 from engine.loss import cross_entropy, test_accuracy
+from engine.optim import lr_at
 from engine.runtime import checkpoint as ckpt
 from engine.runtime.control import COLUMN, Peaks, encode_commands, exchange, rank_rows, share_commands
 from engine.precision import compute_in
-from engine.runtime.emulate import Fault, SlowLayer, SlowRank
+from engine.runtime.emulate import Fault, NonFinite, SlowLayer, SlowRank
 from engine.runtime.layer_rows import LayerRows
 from engine.runtime.profiler import LayerProfiler
 from engine.runtime.rank import Job, StopRequest, announce, build_rank, device_fields, place_on_host
@@ -84,6 +85,7 @@ class Worker:
         self.restart, self.device, self.data, self.model = build_rank(job, topo)
         self.slow_layer = SlowLayer.install(self.model, cfg.emulate)   # before any timing hook, so timed with it
         self.slow_rank = SlowRank.install(self.model, cfg.emulate, self.topo.rank)
+        self.nonfinite = NonFinite.install(self.model, cfg.emulate, self.topo.rank)
         self.fault = Fault.install(cfg.emulate, self.topo.rank, self.restart)   # emulate.kill_rank: first attempt
         self.loss_fn = job.loss_fn or cross_entropy
         self.strategy = make_strategy(cfg, self.model, topo, self.device, self.loss_fn)
@@ -105,6 +107,7 @@ class Worker:
         self.paused = False
         self.stop_reason: str | None = None
         self.wait_ms = 0.0
+        self.lr = self.cfg.optim.lr   # the last step's learning rate (engine/optim.py lr_at)
         self.rebalance_requested, self.rebalance_command = False, None
         self.layer_rows = LayerRows(self.strategy, self.memory, self.topo)   # the console's layer table
 
@@ -148,6 +151,8 @@ class Worker:
                 if hasattr(self.strategy, "global_counted"):   # shares that count their targets differently
                     self.strategy.global_counted = global_count(self.data, step, cfg.data.batch_size, cfg.run.seed,
                                                                 self.loss_fn)
+                self.lr = lr_at(cfg.optim, step, cfg.run.steps)
+                self.strategy.updater.lr = self.lr   # each layer's update takes it as it goes
                 rows_due = self._rows_due(step)
                 profile = rows_due and (self.topo.is_first or self.layer_rows.by_stage)
                 if profile:
@@ -155,8 +160,9 @@ class Worker:
                 self.memory.before_step(step)
                 if self.slow_layer:
                     self.slow_layer.step = step
-                if self.slow_rank:
-                    self.slow_rank.step = step
+                for emulated in (self.slow_rank, self.nonfinite):
+                    if emulated:
+                        emulated.step = step
                 if self.fault:
                     self.fault.step = step
                 out_before, wait_before = self.memory.swapped_out_bytes(), self.memory.link_wait_s()
@@ -380,7 +386,8 @@ class Worker:
         record = {"step": step, "loss": loss, "samples_per_s": samples_per_s, "step_ms": step_ms, "ranks": ranks,
                   "time_split": {"compute_ms": round(me["fwd_ms"] + me["bwd_ms"] + me["optim_ms"], 4),
                                  "comm_ms": 0.0, "wait_ms": me["wait_ms"]},
-                  "streams": self.strategy.stream_stats(me["step_ms"])}
+                  "streams": self.strategy.stream_stats(me["step_ms"]),
+                  "lr": self.lr, **self.strategy.updater.decision.fields()}
         record["time_split"]["comm_ms"] = sum(s["busy_ms"] for s in record["streams"])
         if hasattr(self.strategy, "stage_rows"):
             record.update(self.strategy.stage_rows(ranks))
@@ -390,6 +397,12 @@ class Worker:
             self.tel.update_state(layers=layers)
         self.tel.update_state(step=step)
         self.tel.step(record)
+        decision = self.strategy.updater.decision   # a rollback is rare: the steps after it wait
+        if decision.skipped:
+            self.tel.event("step_skipped", step, grad_norm=record["grad_norm"], redone_layers=decision.redone_layers)
+        elif decision.redone_layers:
+            self.tel.event("step_rolled_back", step, grad_norm=decision.grad_norm, clip=self.cfg.optim.clip_grad_norm,
+                           redone_layers=decision.redone_layers)
 
     def _report_plan(self, step: int) -> None:
         """A placement plan was just made (after the trial of `update.placement = "auto"`)."""

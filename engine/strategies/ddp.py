@@ -21,6 +21,7 @@ tests pass a scripted GPU's).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from pathlib import Path
 
@@ -29,6 +30,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
+from engine.data import micro_steps
 from engine.loss import counted, cross_entropy, share_weight, weighted
 from engine.runtime import checkpoint as ckpt
 from engine.config import OptimConfig, UpdateConfig
@@ -40,11 +42,12 @@ from engine.timing import Clock, StepTimes
 COMMANDS = ("pause", "resume", "stop", "checkpoint", "set-placement")   # what an operator can do in this mode
 
 
-def share_loss(strategy, out: torch.Tensor, y: torch.Tensor, shares: int) -> torch.Tensor:
+def share_loss(strategy, out: torch.Tensor, y: torch.Tensor, shares: int, micro: int = 1) -> torch.Tensor:
     """This share's part of the global batch's mean loss (engine/loss.py); `strategy.global_counted` is set by
-    the step loop when shares may count differently (labels of -100), else None: each share weighs 1."""
+    the step loop when shares may count differently (labels of -100), else None: each share weighs 1, and
+    each of its `micro` micro-steps (data.accumulate) 1 / micro."""
     total = strategy.global_counted
-    weight = 1.0 if total is None else share_weight(counted(y, strategy.loss_fn), total, shares)
+    weight = 1.0 / micro if total is None else share_weight(counted(y, strategy.loss_fn), total, shares)
     return weighted(strategy.loss_fn, out, y, weight)
 
 
@@ -96,8 +99,9 @@ class DDPStrategy:
 
     def __init__(self, model: torch.nn.Module, optim_cfg: OptimConfig, topo: Topology,
                  device: LedgerDevice, update_cfg: UpdateConfig | None = None, loss_fn=cross_entropy,
-                 device_clock: Clock | None = None, reduce_dtype: torch.dtype = torch.float32):
+                 device_clock: Clock | None = None, reduce_dtype: torch.dtype = torch.float32, accumulate: int = 1):
         self.model, self.topo, self.device, self.loss_fn = model, topo, device, loss_fn
+        self.accumulate = accumulate   # micro-steps per update: all-reduced once, after the last
         self.global_counted: int | None = None   # the step's counted targets over the global batch (engine/loss.py)
         self.reduce_dtype = reduce_dtype   # bf16 gradients are widened to it for the all-reduce (fp32)
         clock = device_clock or Clock(device.torch_device)
@@ -114,7 +118,9 @@ class DDPStrategy:
         self.meter = CommMeter(clock)
         self.ddp.register_comm_hook(topo.compute, self._metered_allreduce)
         # each layer's update, on the device or the host, dispatched as its bucket's all-reduce completes
-        self.updater = HybridUpdater(model, params_by_layer(model), optim_cfg, device, update_cfg)
+        # with clipping, host updates speculate and device ones wait for the norm (they run inline either way)
+        self.updater = HybridUpdater(model, params_by_layer(model), optim_cfg, device, update_cfg,
+                                     speculate_device=False)
         self.optimizer = self.updater   # what the ledger counts: device-side optimizer state
         for p in model.parameters():    # device updates run inline on the compute thread, during backward
             p.register_post_accumulate_grad_hook(lambda _p: self.updater.run_device_ready())
@@ -154,17 +160,24 @@ class DDPStrategy:
         times = self.times
         self._grads_done = None
         t0 = times.mark()
+        micro = micro_steps(x, y, self.accumulate)
+        losses = []
         with self.device.ledger.saved_activations():
-            loss = share_loss(self, self.ddp(x), y, self.topo.world_size)
-            t1 = times.mark()
-            loss.backward()
+            for k, (xk, yk) in enumerate(micro):   # the all-reduce only in the last micro-step's backward
+                with self.ddp.no_sync() if k < len(micro) - 1 else contextlib.nullcontext():
+                    ta = times.mark()
+                    loss = share_loss(self, self.ddp(xk), yk, self.topo.world_size, len(micro))
+                    t1 = times.mark()
+                    loss.backward()
+                    times.add("fwd_ms", ta, t1)
+                    times.add("bwd_ms", t1, times.mark())
+                losses.append(loss.detach())
         t2 = times.mark()
         self.updater.end_backward()
-        times.add("fwd_ms", t0, t1)
-        times.add("bwd_ms", t1, t2)
+        self.updater.validate()   # clipping, skipping: ranks hold the same gradients, so each decides alike
         times.add("compute_ms", t0, self._grads_done if self._grads_done is not None else t2)
         times.add("after_backward_ms", t2, times.mark())
-        value = loss.item()   # waits for the step's work: its marks are read without a synchronize
+        value = float(sum(losses))   # waits for the step's work: its marks are read without a synchronize
         hybrid = self.updater.timings()
         self.timings = {**times.end_step(), "optim_ms": hybrid["update_device_ms"], **hybrid}
         self.device.ledger.refresh()

@@ -55,6 +55,6 @@ def make_strategy(cfg: Config, model: LayerList, topo: Topology, device, loss_fn
                                assignment=p.slice_assignment, overlap_forward=p.overlap_forward,
                                main_stream_communicates=p.main_stream_communicates, seed=cfg.run.seed,
                                update_cfg=cfg.update, hierarchical=p.hierarchical, loss_fn=loss_fn,
-                               reduce_dtype=reduce_dtype(cfg.precision))
+                               reduce_dtype=reduce_dtype(cfg.precision), accumulate=cfg.data.accumulate)
     return DDPStrategy(model, cfg.optim, topo, device, update_cfg=cfg.update, loss_fn=loss_fn,
-                       reduce_dtype=reduce_dtype(cfg.precision))
+                       reduce_dtype=reduce_dtype(cfg.precision), accumulate=cfg.data.accumulate)

@@ -15,22 +15,21 @@ optimizer state move at the step's start, partial gradients at its end).
 Rank r runs stage r (world size == number of stages). Every rank holds the whole LayerList (built from
 the same seed) but only runs, and only updates, its own layers (a weight tied across stages: StageTies,
 engine/techniques/tied.py). x and y are the whole global batch on every rank: stage 0 reads x, the last
-stage reads y (labels never travel). The batch is cut into `micro_batches` equal micro-batches; activations
-travel forward and their gradients backward between neighbouring stages by point-to-point messages on
-topo.compute.
+stage reads y (labels never travel). The batch is cut into `micro_batches` equal micro-batches; activations travel
+forward and their gradients backward between neighbouring stages by point-to-point messages on topo.compute.
 
-Loss scaling: each micro-batch's loss is weighted by its counted targets over the global batch's (engine/loss.py:
-micro_size / global_size without -100 labels): gradients and loss are those of one pass over the whole batch.
-One optimizer update per step, through HybridUpdater (begin_step before the first forward, end_backward after).
+Loss scaling: each micro-batch's loss is weighted by its counted targets over the global batch's (engine/loss.py),
+so gradients and loss are those of one pass over the whole batch.
+One optimizer update per step, through HybridUpdater (begin_step before the first forward, end_backward after,
+then validate: clipping and skipping decided over every stage, engine/techniques/step_guard.py).
 
-Shape exchange: the first message of a step in each direction (and, in a step
-that migrates layers, the first one under the new layout) is a header then a
-payload; the others are the payload alone, since the micro-batches of a step are
-equal and run the same layers. The header is a fixed int64 tensor of HEADER_LEN
-entries, [ndim, d0, d1, ..., dtype] (zero-padded; the last entry is engine/precision.py's dtype code);
-the payload is the tensor of that shape and dtype: fp32, or bf16 activations and gradients under
-`precision.compute = "bf16"` (half the bytes). So stages may emit any shape (up to HEADER_LEN - 2
-dimensions), and shapes may change from step to step, at the cost of one small message per step.
+Shape exchange: the first message of a step in each direction (and, in a step that migrates layers, the
+first one under the new layout) is a header then a payload; the others are the payload alone, since the
+micro-batches of a step are equal and run the same layers. The header is a fixed int64 tensor of HEADER_LEN entries,
+[ndim, d0, d1, ..., dtype] (zero-padded; the last entry is engine/precision.py's dtype code); the payload is
+the tensor of that shape and dtype: fp32, or bf16 activations and gradients under `precision.compute =
+"bf16"` (half the bytes). So stages may emit any shape (up to HEADER_LEN - 2 dimensions), and shapes may
+change from step to step, at the cost of one small message per step.
 
 Ordering: sends are non-blocking (isend), receives are blocking (recv). Both schedules are then
 deadlock-free: a rank only ever blocks on a receive whose matching send the neighbour issues without waiting
@@ -363,7 +362,8 @@ class PipelineStage:
         self._steps += 1
         self._sent_bytes += self.ties.sum_grads(self.layer_stages(), self._pending)
         t0 = times.mark()
-        self.updater.end_backward()
+        self.updater.end_backward(self.group)   # the norm over every stage decides (clip_mode "wait"), or
+        self.updater.validate(self.group)       # validates the updates that ran ("speculate": redone if clipped)
         times.add("optim_ms", t0, times.mark())
         self._sent_bytes += self.ties.return_weights(self.layer_stages(), self.updater, self._pending)
         for work, _ in self._pending:

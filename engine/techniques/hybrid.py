@@ -4,7 +4,8 @@
     updater.begin_step()                      # before forward
     updater.params_reduced(params)            # any thread: these gradients are final
     updater.run_device_ready()                # compute thread: device updates whose gradients are final
-    updater.end_backward()                    # compute thread: the rest is dispatched
+    updater.end_backward(group)               # compute thread: the rest is dispatched
+    decision = updater.validate(group)        # clipping and skipping: the global norm decides (step_guard.py)
     updater.wait_host()                       # every host update of the step has landed
 
 Every layer that has parameters gets its own optimizer (the same class and settings
@@ -21,7 +22,13 @@ layer's update runs on one side at a time:
   before the next forward uses the weights (the gate).
 
 Both sides run the same optimizer on the same fp32 values, so the parameters are the
-same whichever side updated them. Moving a layer (the plan, or `set-placement`) moves
+same whichever side updated them. With a step guard on (`optim.clip_grad_norm`, `skip_nonfinite`), each layer's
+part of the global gradient norm is taken as it is dispatched, and `clip_mode` says what the updates do until
+the norm is known: `speculate` runs host updates (and, with `speculate_device`, device ones) at once, each
+keeping a copy of what it changes (on its own side: the device's copy in the ledger, the host's in host
+memory), and `validate` undoes or redoes them and releases the others; `wait` holds them all until
+`end_backward` has decided. After a clipped or skipped step the next ones wait, until SPECULATE_AFTER steps
+in a row have stood (docs/training.md). Moving a layer (the plan, or `set-placement`) moves
 its optimizer state with it; the ledger counts only device-side state.
 
 On the CPU the "device" is the worker's compute thread and the "host" is the
@@ -44,21 +51,36 @@ from collections import deque
 import torch
 
 from engine.config import OptimConfig, UpdateConfig
+from engine.optim import set_lr
 from engine.runtime import emulate
 from engine.runtime.devices import LedgerDevice
 from engine.runtime.profiler import LayerProfiler
 from engine.techniques.layer_update import HostExecutor, LayerUpdate, default_host_threads
+from engine.techniques.step_guard import Decision, StepGuard
 from engine.techniques.update_plan import LayerCost, Profile, fixed, plan_global, plan_local
 from engine.timing import Clock
 
 SIDES = ("device", "host")
+SPECULATE_AFTER = 10   # clip_mode "speculate": steps that must stand in a row before updates speculate again
 
 
 class HybridUpdater:
     def __init__(self, model, params_by_layer: dict[int, list[torch.nn.Parameter]], optim_cfg: OptimConfig,
-                 device: LedgerDevice, cfg: UpdateConfig):
+                 device: LedgerDevice, cfg: UpdateConfig, clip_mode: str | None = None, speculate_device: bool = True):
         self.model, self.device, self.cfg, self.optim_cfg = model, device, cfg, optim_cfg
-        self.updates = {i: LayerUpdate(model.names[i], i, ps, optim_cfg) for i, ps in params_by_layer.items() if ps}
+        self.guard = StepGuard(optim_cfg, clip_mode)
+        self.mode = self.guard.mode   # this step's: "speculate" turns to "wait" after a clipped or skipped step
+        self._stood = SPECULATE_AFTER  # steps in a row that neither clipped nor skipped (before the last begun)
+        # whether device-side updates speculate too: where they would otherwise wait at the step's end (a pipeline
+        # stage, in the bubble before the last stage's backward ends); ddp's run inline during backward either
+        # way, so they wait for the norm and keep no copy on the device
+        self.speculate_device = speculate_device
+        self.decision = Decision()   # the last step's
+        self._parts: list[torch.Tensor] = []   # this step's partial sums of squares, one per dispatched update
+        self._held: list[LayerUpdate] = []     # clip_mode "wait": dispatched, waiting for the decision
+        self._decided = False
+        self.lr = optim_cfg.lr   # the step loop sets each step's (engine/optim.py lr_at); updates take it when dispatched
+        self.updates = {i: self._new_update(i, ps) for i, ps in params_by_layer.items() if ps}
         self.by_name = {u.name: u for u in self.updates.values()}
         self.layer_of = {id(p): u for u in self.updates.values() for p in u.params}
         self.executor: HostExecutor | None = None
@@ -86,6 +108,17 @@ class HybridUpdater:
             self.place(dict.fromkeys(self.by_name, "host"))
         self._gate_handles = {index: model.layers[index].register_forward_pre_hook(self._gate(index))
                               for index in self.updates}
+
+    def _new_update(self, index: int, params: list[torch.nn.Parameter]) -> LayerUpdate:
+        u = LayerUpdate(self.model.names[index], index, params, self.optim_cfg)
+        u.guard = self._speculates(u)
+        u.device_copy = self.guard.on and self.guard.mode == "speculate" and self.speculate_device
+        set_lr(u.optimizer, self.lr)
+        return u
+
+    def _speculates(self, u: LayerUpdate) -> bool:
+        """This step, `u` runs before the norm is known and keeps a copy (else, with a guard on, it waits)."""
+        return self.guard.on and self.mode == "speculate" and (u.side == "host" or self.speculate_device)
 
     # --- placement ---------------------------------------------------------------------------
     def placement(self) -> dict[str, str]:
@@ -134,11 +167,12 @@ class HybridUpdater:
         with bf16 working weights, from `master` (the fp32 master weights drop_layer gave)."""
         if not params:
             return
-        u = LayerUpdate(self.model.names[index], index, params, self.optim_cfg)
+        u = self._new_update(index, params)
         if master is not None:
             u.load_weights(master)
         if state is not None:
             u.optimizer.load_state_dict(state)
+            set_lr(u.optimizer, self.lr)
         self.updates[index] = u
         self.by_name[u.name] = u
         self.layer_of.update({id(p): u for p in params})
@@ -164,6 +198,11 @@ class HybridUpdater:
         """fp32 master weights on the device (bf16 working weights; the ledger's `master`)."""
         return sum(u.master_bytes() for u in self.updates.values())
 
+    def rollback_bytes(self) -> int:
+        """The device-side updates' rollback copies (clip_mode "speculate"; the ledger counts them with the
+        optimizer state)."""
+        return sum(u.rollback_bytes() for u in self.updates.values() if u.side == "device")
+
     # --- a step ------------------------------------------------------------------------------
     def _trial_side(self) -> str:
         """The trial starts on the host (no optimizer state on the device), then alternates."""
@@ -184,6 +223,7 @@ class HybridUpdater:
         return placement
 
     def begin_step(self) -> None:
+        self._parts, self._held, self._decided = [], [], False
         if self.trial_left:
             side = self._trial_side()
             self.place(dict.fromkeys(self.by_name, "host") if side == "host" else self._fitting_device_placement())
@@ -191,6 +231,16 @@ class HybridUpdater:
             self.device.ledger.refresh()
             self.device.ledger.reset_peak()
             self._grads_at_start = self.device.ledger.bytes["gradients"]
+        if self.guard.on and self.guard.mode == "speculate":
+            # speculation pays off when the step stands; after a step that clipped (or skipped), the next ones
+            # are likely to clip too (a loss spike, early training at clip 1.0, a norm hovering at the threshold),
+            # so they wait for the norm instead of redoing every layer, and speculate again once
+            # SPECULATE_AFTER steps in a row have stood
+            last = self.decision
+            self._stood = 0 if last.clipped or last.skipped else self._stood + 1
+            self.mode = "speculate" if self._stood >= SPECULATE_AFTER else "wait"
+        for u in self.updates.values():   # after any placement of this step: a host update speculates
+            u.guard = self._speculates(u)
         self._missing = {i: len(u.params) for i, u in self.updates.items()}
         self._dispatched = set()
         self._gate_s = 0.0
@@ -216,8 +266,19 @@ class HybridUpdater:
             if u.index in self._dispatched:
                 return
             self._dispatched.add(u.index)
+            set_lr(u.optimizer, self.lr)   # this step's (the step loop sets `lr`); its last update has landed
+            if self.guard.on:   # its gradients are final: its part of the global norm
+                part = u.grad_sq()
+                if part is not None:
+                    self._parts.append(part)
+                if not u.guard and not self._decided:   # it waits for the norm
+                    self._held.append(u)
+                    return
             if u.side == "host":
                 self._link_bytes += u.link_bytes()
+        self._submit(u)
+
+    def _submit(self, u: LayerUpdate) -> None:
         if u.side == "host":
             self.executor.submit(u)
             emulate.reached("host_update")   # emulate.kill_at: handed to the host thread, not landed
@@ -231,15 +292,60 @@ class HybridUpdater:
             u.step_device()
             self._device_ran.append(u)   # its time is read on the device's clock, in timings()
 
-    def end_backward(self) -> None:
+    def end_backward(self, group=None) -> None:
         """Compute thread, after backward: dispatch layers not dispatched yet (all layers, in backward
-        order, when the strategy reports nothing itself) and run the device ones."""
+        order, when the strategy reports nothing itself) and run the device ones. clip_mode "wait": the
+        step guard decides first, over `group` (step_guard.py), and the held updates go with its decision."""
         rows = self._profiler.finish() if self.trial_left else None
         for index in sorted(self.updates, reverse=True):
             self._dispatch(self.updates[index])
+        if self.guard.on and self.mode == "wait":
+            self._release(self._decide(group))
         self.run_device_ready()
         if self.trial_left:
             self._record_trial(rows)
+
+    def _decide(self, group) -> Decision:
+        self._decided = True
+        self.decision = self.guard.decide(self._parts, group, self.device.torch_device)
+        self._parts = []
+        return self.decision
+
+    def _release(self, decision: Decision) -> None:
+        """clip_mode "wait": the held updates run on the clipped gradient, or not at all on a skip."""
+        held, self._held = self._held, []
+        for u in held:
+            if decision.skipped:
+                u.undo()   # nothing ran: its gradients zeroed, the next step starts from none
+                continue
+            if decision.clipped:
+                u.scale_grads(decision.coef)
+            if u.side == "host":
+                self._link_bytes += u.link_bytes()
+            self._submit(u)
+
+    def validate(self, group=None) -> Decision:
+        """Compute thread, after end_backward (and any gradients exchanged after it, before weights leave):
+        clip_mode "speculate": the step guard decides over `group`, and every update that ran is settled,
+        redone on the clipped gradient or undone (after its host update has landed). The step's Decision."""
+        if not (self.guard.on and self.mode == "speculate"):
+            return self.decision
+        decision = self._decide(group)
+        ran = [u for u in self.updates.values() if u.index in self._dispatched and u.guard]
+        self._release(decision)   # those that waited (device updates that do not speculate)
+        self.run_device_ready()
+        if decision.clipped or decision.skipped:
+            self.wait_host()
+            for u in ran:
+                if decision.skipped:
+                    u.undo()
+                else:
+                    u.redo(decision.coef)
+            decision.redone_layers = len(ran)
+        else:
+            for u in ran:
+                u.settle()
+        return decision
 
     def _gate(self, index: int):
         def hook(module, args) -> None:

@@ -56,11 +56,19 @@ class LayerUpdate:
         self.clock = Clock(params[0].device if params else None)   # the device step: events on a GPU
         self._device_marks = None   # (before, after) the last device step, read by device_ms
         self._device_ms = 0.0
+        # clipping and skipping (engine/techniques/step_guard.py): a guarded update keeps a copy of what its
+        # step changes until the global gradient norm says whether the step stands (undo, redo)
+        self.guard = False          # this step's update speculates (set by the hybrid updater each step)
+        self.device_copy = False    # on the device side it would keep a rollback copy there (the planners' figure)
+        self._snap: list[torch.Tensor] | None = None   # the weights it steps, then its state tensors
+        self._snap_layout: list | None = None          # per optimizer parameter: its state's non-tensor values
+        self.speculated = False                        # stepped this step, not settled yet
 
     def move(self, side: str) -> None:
         """Carry the optimizer state and the fp32 master weights to `side`."""
         if side == self.side:
             return
+        self._snap = self._snap_layout = None   # a rollback copy lives on its side: the next guarded step makes one
         state = self.optimizer.state_dict()
         if side == "host":
             weights = self.master if self.wide else [p.detach() for p in self.params]
@@ -114,6 +122,14 @@ class LayerUpdate:
     @torch.no_grad()
     def step_device(self) -> None:
         t0 = self.clock.mark()
+        if self.guard:   # its gradients stay until the step is settled: a redo steps on them again
+            self._save()
+        self._optimizer_step_device()
+        if not self.guard:
+            self._zero_grads()
+        self._device_marks = (t0, self.clock.mark())
+
+    def _optimizer_step_device(self) -> None:
         if self.wide:   # widen each gradient for the step, narrow the master back into the working weights
             for p, m in zip(self.params, self.master):
                 m.grad = None if p.grad is None else p.grad.float()
@@ -123,8 +139,6 @@ class LayerUpdate:
                 p.copy_(m)
         else:
             self.optimizer.step()
-        self._zero_grads()
-        self._device_marks = (t0, self.clock.mark())
 
     @property
     def device_ms(self) -> float:
@@ -159,14 +173,27 @@ class LayerUpdate:
             down.synchronize()   # this layer's copy only: the host step reads what it brought
         else:
             self._grads_down(non_blocking=False)
-        for p, m, came, wide in zip(self.params, self.master, self.grads, self.grads32 or self.grads):
-            # the step runs on fp32: bf16 gradients are widened on the host, after the link
-            m.grad = None if p.grad is None else (wide.copy_(came) if self.wide else came)
+        self._had_grad = [p.grad is not None for p in self.params]
+        if self.guard:   # the gradients stay in their host buffers for a redo
+            self._save()
         t1 = time.perf_counter()
-        self.optimizer.step()
+        self._optimizer_step_host()
         t2 = time.perf_counter()
+        self._weights_up()
+        t3 = time.perf_counter()
+        self.host_ms, self.copy_ms = (t2 - t1) * 1000, ((t1 - t0) + (t3 - t2)) * 1000
+
+    def _optimizer_step_host(self) -> None:
+        for had, m, came, wide in zip(self._had_grad, self.master, self.grads, self.grads32 or self.grads):
+            # the step runs on fp32: bf16 gradients are widened on the host, after the link
+            m.grad = None if not had else (wide.copy_(came) if self.wide else came)
+        self.optimizer.step()
+
+    def _weights_up(self) -> None:
+        """The host's master weights up into the working weights (narrowed on the host, so the link carries
+        bf16); the device's gradients zeroed."""
         ups = self.master
-        if self.wide:   # narrowed on the host, so the link carries bf16
+        if self.wide:
             ups = [u.copy_(m) for u, m in zip(self.up, self.master)]
         if self.cuda:   # weights up and gradients zeroed on the side stream; the gate waits on `landed`
             with torch.cuda.stream(self.stream):
@@ -179,8 +206,113 @@ class LayerUpdate:
             for p, u in zip(self.params, ups):
                 p.copy_(u)
             self._zero_grads()
-        t3 = time.perf_counter()
-        self.host_ms, self.copy_ms = (t2 - t1) * 1000, ((t1 - t0) + (t3 - t2)) * 1000
+
+    # --- a guarded step: kept until the global norm decides (engine/techniques/step_guard.py) ----------------
+    def grad_sq(self) -> torch.Tensor | None:
+        """The sum of squares of this update's gradients (fp64, on their device), before its step: its part of
+        the global gradient norm. None without gradients."""
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if not grads:
+            return None
+        norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+        return torch.stack(norms).double().square().sum()
+
+    def _stepped(self) -> tuple[list[torch.Tensor], list, list[torch.Tensor]]:
+        """What a step changes: the weights it steps (the master where there is one), each optimizer
+        parameter's state (its non-tensor values, or None without state), and the state's tensors in order."""
+        weights = list(self.master) if self.master is not None else [p.detach() for p in self.params]
+        layout, tensors = [], []
+        for p in self.optimizer.param_groups[0]["params"]:
+            state = self.optimizer.state.get(p)
+            if not state:
+                layout.append(None)
+                continue
+            layout.append({k: v for k, v in state.items() if not torch.is_tensor(v)})
+            tensors += [state[k] for k in sorted(state) if torch.is_tensor(state[k])]
+        return weights, layout, tensors
+
+    @torch.no_grad()
+    def _save(self) -> None:
+        weights, layout, tensors = self._stepped()
+        now = weights + tensors
+        if self._snap is None or len(self._snap) != len(now) or any(
+                a.shape != b.shape or a.dtype != b.dtype or a.device != b.device for a, b in zip(self._snap, now)):
+            self._snap = [t.detach().clone() for t in now]   # once (and when the state first appears or moves)
+        else:
+            torch._foreach_copy_(self._snap, now)
+        self._snap_layout = layout
+        self.speculated = True
+
+    @torch.no_grad()
+    def _restore(self) -> None:
+        """The weights and optimizer state as they were before this step's update (exactly: copies)."""
+        params = self.optimizer.param_groups[0]["params"]
+        for p, kept in zip(params, self._snap_layout):
+            if kept is None:   # the step made this state: it goes
+                self.optimizer.state.pop(p, None)
+            else:
+                self.optimizer.state[p].update(kept)
+        weights, _, tensors = self._stepped()
+        torch._foreach_copy_(weights + tensors, self._snap[:len(weights) + len(tensors)])
+        if self.master is not None:   # the working weights from the restored master
+            if self.side == "host":
+                self._host_weights_up()
+            else:
+                for p, m in zip(self.params, self.master):
+                    p.copy_(m)
+
+    def _host_weights_up(self) -> None:
+        ups = [u.copy_(m) for u, m in zip(self.up, self.master)] if self.wide else self.master
+        for p, u in zip(self.params, ups):
+            p.copy_(u)
+
+    @torch.no_grad()
+    def undo(self) -> None:
+        """A skipped step: as if this update never ran (or it did not run: clip_mode "wait"); its gradients zeroed.
+        (Its host update has landed.)"""
+        if self.speculated:
+            self._restore()
+        self._zero_grads()
+        self.speculated = False
+
+    @torch.no_grad()
+    def redo(self, coef: float) -> None:
+        """A clipped step: undone, and run again on the gradient times `coef` (on the same side, on this
+        thread; its host update has landed). The same operations as a step that waited for the norm: the
+        gradient scaled in place in its own dtype, then the optimizer step."""
+        self._restore()
+        if self.side == "host":
+            for had, came in zip(self._had_grad, self.grads):
+                if had:
+                    came.mul_(coef)
+            self._optimizer_step_host()
+            self._host_weights_up()
+        else:
+            self.scale_grads(coef)
+            self._optimizer_step_device()
+        self._zero_grads()
+        self.speculated = False
+
+    def settle(self) -> None:
+        """The step stands: a device update's gradients, kept for a redo, are zeroed now."""
+        if self.speculated and self.side == "device":
+            self._zero_grads()
+        self.speculated = False
+
+    @torch.no_grad()
+    def scale_grads(self, coef: float) -> None:
+        for p in self.params:
+            if p.grad is not None:
+                p.grad.mul_(coef)
+
+    def rollback_bytes(self) -> int:
+        """The copy a speculating update keeps on its side (weights and optimizer state), as allocated."""
+        return sum(tensor_bytes(t) for t in self._snap) if self._snap is not None else 0
+
+    def _copy_bytes(self) -> int:
+        """What a rollback copy takes: the weights the update steps and its optimizer state."""
+        weights = self.master if self.master is not None else self.params
+        return sum(tensor_bytes(w) for w in weights) + self.state_bytes()
 
     def _grads_down(self, non_blocking: bool) -> None:
         """Each gradient into its host buffer, in its own dtype (a parameter without one is left alone by the
@@ -211,9 +343,11 @@ class LayerUpdate:
         return sum(tensor_bytes(v) for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v))
 
     def device_bytes(self) -> int:
-        """What this update holds on the device while placed there: its optimizer state and, beside bf16
-        working weights, the fp32 master (what placing it on the host frees; the planner's figure)."""
-        return self.state_bytes() + (sum(tensor_bytes(m) for m in self.master) if self.wide else 0)
+        """What this update holds on the device while placed there: its optimizer state, beside bf16 working
+        weights the fp32 master, and a guarded update's rollback copy (what placing it on the host frees; the
+        planner's figure)."""
+        return self.state_bytes() + (sum(tensor_bytes(m) for m in self.master) if self.wide else 0) + \
+            (self._copy_bytes() if self.device_copy else 0)
 
     def master_bytes(self) -> int:
         """The fp32 master's bytes on the device (bf16 working weights, device side); 0 otherwise."""
@@ -222,8 +356,8 @@ class LayerUpdate:
     def host_bytes(self) -> int:
         if self.side == "device":
             return 0
-        return self.state_bytes() + sum(tensor_bytes(t) for t in self.master + self.grads + (self.grads32 or [])
-                                        + (self.up or []))
+        return self.state_bytes() + self.rollback_bytes() + \
+            sum(tensor_bytes(t) for t in self.master + self.grads + (self.grads32 or []) + (self.up or []))
 
 
 def default_host_threads() -> int:

@@ -121,12 +121,18 @@ STEP = {
                    "step_ms": {"type": "number", "minimum": 0},
                    "ranks": {"type": "array", "minItems": 1, "items": RANK_ENTRY}, "per_rank": PER_RANK,
                    "time_split": TIME_SPLIT, "streams": {"type": "array", "items": STREAM},
-                   "layers": {"type": "array", "items": LAYER}, "ps": PS},
+                   "layers": {"type": "array", "items": LAYER}, "ps": PS,
+                   # the optimizer's step (logs from before it was recorded lack them): the learning rate used,
+                   # the global gradient norm before clipping (null when neither clipping nor skipping is on, or
+                   # not finite), whether it was clipped or skipped, and the layers whose update was redone
+                   "lr": {"type": "number", "minimum": 0}, "grad_norm": {"type": ["number", "null"], "minimum": 0},
+                   "clipped": {"type": "boolean"}, "skipped": {"type": "boolean"},
+                   "redone_layers": {"type": "integer", "minimum": 0}},
 }
 
 EVENT_KINDS = ["checkpoint", "restart", "resume", "eval", "memory_over_capacity", "stop", "command", "update_plan",
                "placement", "rebalance", "migration", "memory_plan", "policy", "sync_mode", "worker_lost",
-               "ps_profile"]
+               "ps_profile", "step_skipped", "step_rolled_back"]
 EVENT = {
     "type": "object",
     "required": ["schema", "time", "type", "kind", "step"],
@@ -155,6 +161,15 @@ EVENT = {
          "then": {"required": ["mode", "previous", "source"], "properties": {"mode": {"enum": list(SYNC_MODES)}}}},
         {"if": {"properties": {"kind": {"const": "worker_lost"}}}, "then": {"required": ["rank", "reason"]}},
         {"if": {"properties": {"kind": {"const": "ps_profile"}}}, "then": {"required": ["layers", "mode"]}},
+        {"if": {"properties": {"kind": {"const": "step_skipped"}}},
+         "then": {"required": ["grad_norm", "redone_layers"],
+                  "properties": {"grad_norm": {"type": ["number", "null"], "minimum": 0},
+                                 "redone_layers": {"type": "integer", "minimum": 0}}}},
+        {"if": {"properties": {"kind": {"const": "step_rolled_back"}}},
+         "then": {"required": ["grad_norm", "clip", "redone_layers"],
+                  "properties": {"grad_norm": {"type": "number", "minimum": 0},
+                                 "clip": {"type": "number", "exclusiveMinimum": 0},
+                                 "redone_layers": {"type": "integer", "minimum": 0}}}},
         {"if": {"properties": {"kind": {"const": "command"}}},
          "then": {"required": ["name", "args", "status"],
                   "properties": {"status": {"enum": ["applied", "rejected"]}}}},

@@ -27,6 +27,7 @@ from engine.runtime.control import FIELDS, Peaks, rank_rows, row_values
 from engine.runtime.rank import announce
 from engine.strategies.param_server.links import (
     ACK, CKPT, CONTROL, FINISH, GATHER, PAUSED, SERVER_STATS, STOP, WEIGHTS, Message, mode_code, unflatten_into)
+from engine.optim import lr_at
 from engine.strategies.param_server.server import LAYER_STATS, TALLY, PSServer
 from engine.strategies.param_server.setup import ParamServerError, Setup
 from engine.telemetry.outlets import Telemetry
@@ -219,7 +220,8 @@ class Coordinator(PSServer):
         self.t_report = now
         figures = self._figures(cfg.data.batch_size * len(losses) / dt, dt * 1000 / len(losses))
         for st, (loss, n) in enumerate(losses, self.reported + 1):
-            self.tel.step({"step": st, "loss": loss, **figures, "ps": {**figures["ps"], "loss_workers": n}})
+            self.tel.step({"step": st, "loss": loss, "lr": lr_at(cfg.optim, st - 1, cfg.run.steps), **figures,
+                           "ps": {**figures["ps"], "loss_workers": n}})
         self.reported += len(losses)
         self.losses.forget_before(self.reported)
 
@@ -292,7 +294,7 @@ class Coordinator(PSServer):
                 stats[int(j)] = {"name": self.names[int(j)], "server": r, "version": int(version),
                                  "window_workers": int(n), "mean_staleness": round(staleness, 4),
                                  "window_ms": round(ms, 4),
-                                 **{key: (int(v) if key in ("windows", "gradients") else round(v, 6))
+                                 **{key: (int(v) if key in ("windows", "gradients", "skipped") else round(v, 6))
                                     for key, v in zip(TALLY, tally)}}
         return [stats[j] for j in sorted(stats)]
 

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from engine.optim import make_optimizer
+from engine.optim import lr_at, make_optimizer, set_lr
 from engine.precision import reduce_dtype
 from engine.runtime import checkpoint as ckpt, emulate
 from engine.runtime.control import row_values
@@ -30,9 +30,9 @@ from engine.techniques.ps_sync import MODES, Arrival, LayerSync
 
 # per owned layer in a server's stats: index, version; the last update's workers, mean staleness and window ms;
 # then since the server (re)started: updates applied, gradients in them, their staleness summed and at most, and
-# their scales summed (TALLY)
-LAYER_STATS = 10
-TALLY = ("windows", "gradients", "staleness_sum", "staleness_max", "applied")
+# their scales summed, and windows skipped for a non-finite gradient (TALLY)
+LAYER_STATS = 11
+TALLY = ("windows", "gradients", "staleness_sum", "staleness_max", "applied", "skipped")
 
 
 class PSServer:
@@ -56,7 +56,7 @@ class PSServer:
                                   wait_limit_s=p.collective_timeout_s / 2, unit=p.staleness_unit) for j in self.mine}
         self.count = {j: s.first_step * len(self.workers) for j in self.mine}
         self.last = {}                           # layer -> its last Update
-        self.tally = {j: [0, 0, 0.0, 0.0, 0.0] for j in self.mine}   # layer -> TALLY's figures, since this start
+        self.tally = {j: [0, 0, 0.0, 0.0, 0.0, 0] for j in self.mine}   # layer -> TALLY's figures, since this start
         self.held = {j: [] for j in self.mine}   # layer -> [(worker, iteration)] waiting for weights
         self.flags = 0
         self.profiles: dict[int, list[float]] = {}
@@ -152,13 +152,17 @@ class PSServer:
     def apply(self, j: int, updates) -> None:
         if not updates:
             return
-        params = self.s.params[j]
+        params, optim = self.s.params[j], self.s.cfg.optim
         for update in updates:
-            if update.grad is not None:
+            if update.grad is not None and optim.skip_nonfinite and not bool(torch.isfinite(update.grad).all()):
+                self.tally[j][5] += 1   # this window's gradients hold inf or NaN: the layer's update is skipped
+            elif update.grad is not None:
                 for p in params:
                     if p.grad is None:
                         p.grad = torch.zeros_like(p)
                 unflatten_into(update.grad, [p.grad for p in params])
+                # the schedule's step: the rounds of this layer's gradients in (bsp: exactly the step trained)
+                set_lr(self.opt[j], lr_at(optim, max(0, self.count[j] // len(self.workers) - 1), self.s.cfg.run.steps))
                 self.opt[j].step()
             self.last[j] = update
             tally = self.tally[j]

@@ -32,6 +32,7 @@ import torch
 from engine.runtime.control import row_values
 from engine.runtime.rank import StopRequest
 from engine.runtime.topology import Topology
+from engine.data import micro_steps
 from engine.loss import counted, share_weight, weighted
 from engine.strategies.param_server.links import (
     ALL_LAYERS, BYE, GRAD, PAUSED, PING, PROFILE, PULL, STOP, TAG_PING, TAG_WEIGHTS, flatten, reply_bytes,
@@ -104,6 +105,7 @@ class PSWorker:
         self.layers = sorted(self.params)
         self.sizes = {j: sum(p.numel() for p in ps) for j, ps in self.params.items()}
         self.version = {j: 0 for j in self.layers}
+        self._accumulating = False
         self.clock = SlowMachine(setup.model, self.factor)
         self._left = {}
         for j, ps in self.params.items():
@@ -117,6 +119,8 @@ class PSWorker:
 
     def _grad_hook(self, j: int):
         def hook(p):
+            if self._accumulating:   # a micro-step before the last (data.accumulate): the gradient stays
+                return
             self._left[j] -= 1
             if self._left[j] == 0:
                 self.clock.segment_done()
@@ -144,6 +148,8 @@ class PSWorker:
                                          payload=self.stats if server == 0 else None)
                 x, y = s.batch(self.iteration, self.index)
                 x, y = x.to(device.torch_device), y.to(device.torch_device)
+                micro = micro_steps(x, y, cfg.data.accumulate)
+                (x, y), losses = micro[0], []
                 wait_ms, flags = 0.0, 0
                 out = x
                 with compute_in(cfg.precision, device.torch_device), device.ledger.saved_activations():
@@ -164,21 +170,30 @@ class PSWorker:
                         out = layer(out)
                     if flags & STOP:
                         break
-                    # this worker's part of the global batch's mean, as bsp averages over the workers
+                    # this worker's part of the global batch's mean, as bsp averages over the workers; each
+                    # micro-step's gradients add up, and go to the servers in the last one's backward
                     total = s.global_counted(self.iteration)
-                    weight = 1.0 if total is None else share_weight(counted(y, s.loss_fn), total, s.workers)
-                    loss = weighted(s.loss_fn, out, y, weight)
-                    self._left = {j: len(ps) for j, ps in self.params.items()}
-                    bwd_from = times.mark()
-                    times.add("fwd_ms", fwd_from, bwd_from)
-                    self.clock.backward_started()
-                    loss.backward()
-                times.add("bwd_ms", bwd_from, times.mark())
+                    for k, (xk, yk) in enumerate(micro):
+                        if k:
+                            fwd_from = times.mark()
+                            out = model(xk)
+                        weight = 1.0 / len(micro) if total is None else share_weight(counted(yk, s.loss_fn), total,
+                                                                                      s.workers)
+                        loss = weighted(s.loss_fn, out, yk, weight)
+                        self._accumulating = k < len(micro) - 1
+                        self._left = {j: len(ps) for j, ps in self.params.items()}
+                        bwd_from = times.mark()
+                        times.add("fwd_ms", fwd_from, bwd_from)
+                        self.clock.backward_started()
+                        loss.backward()
+                        times.add("bwd_ms", bwd_from, times.mark())
+                        losses.append(loss.detach())
+                    self._accumulating = False
                 t_end = time.perf_counter()
                 device.ledger.refresh()
                 step_ms = (t_end - t_start) * 1000
                 self.iteration += 1
-                value = loss.item()   # waits for the iteration's work: its marks are read without a synchronize
+                value = float(sum(losses))   # waits for the iteration's work: its marks are read without a synchronize
                 row = {"loss": value, "step_ms": step_ms, **times.end_step(), "wait_ms": wait_ms, **device.stats()}
                 self.stats = torch.tensor(row_values(row), dtype=torch.float64)
                 self._profile()

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from engine.runtime import checkpoint as ckpt, emulate
 from engine.config import OptimConfig, UpdateConfig
 from engine.loss import cross_entropy
+from engine.data import micro_steps
 from engine.strategies.ddp import COMMANDS, params_by_layer, share_loss, stream_entry
 from engine.runtime.devices import LedgerDevice, tensor_bytes
 from engine.techniques.hybrid import HybridUpdater
@@ -43,13 +44,15 @@ class ShardedStrategy:
                  streams: int = 2, slices: int = 4, assignment: str = "balanced", overlap_forward: bool = True,
                  main_stream_communicates: bool = False, seed: int = 0, update_cfg: UpdateConfig | None = None,
                  loss_fn=cross_entropy, hierarchical: bool = True, device_clock: Clock | None = None,
-                 reduce_dtype: torch.dtype = torch.float32):
+                 reduce_dtype: torch.dtype = torch.float32, accumulate: int = 1):
         if slices < streams:
             raise ValueError(f"parallel.slices = {slices} is smaller than parallel.streams = {streams}; "
                              f"every stream needs at least one slice")
         self.model, self.topo, self.device, self.loss_fn = model, topo, device, loss_fn
         self.global_counted: int | None = None   # the step's counted targets over the global batch (engine/loss.py)
         self.overlap_forward = overlap_forward
+        self.accumulate = accumulate   # micro-steps per update: gradients go to their owners after the last
+        self._accumulating = False
         self.reduce_dtype = reduce_dtype   # bf16 gradients travel as bf16 and are summed in this dtype
         self.world, self.rank = topo.world_size, topo.rank
         clock = device_clock or Clock(device.torch_device)
@@ -105,8 +108,9 @@ class ShardedStrategy:
 
         # this rank updates the parameters it owns, each layer's on the device or the host
         mine = {id(p) for p, o in zip(order, self.owners) if o == self.rank}
+        # owners update after the reduce, so the step guard decides first and never rolls back (clip_mode "wait")
         self.updater = HybridUpdater(model, params_by_layer(model, only=mine), optim_cfg, device,
-                                     update_cfg or UpdateConfig())
+                                     update_cfg or UpdateConfig(), clip_mode="wait")
         self.optimizer = self.updater   # what the ledger counts: device-side optimizer state
 
         # gradient sums: each rank sends an owner's gradient buffer to it point-to-point once that
@@ -151,6 +155,8 @@ class ShardedStrategy:
     # --- backward: reduce each owner's buffer once its gradients are complete ---------------
     def _grad_ready(self, owner: int):
         def hook(param) -> None:
+            if self._accumulating:   # a micro-step before the last: the gradient stays here
+                return
             self._remaining[owner] -= 1
             if self._remaining[owner] == 0:
                 self._reduce(owner)
@@ -286,10 +292,19 @@ class ShardedStrategy:
         times = self.times
         times.begin_step()   # gates passed outside a step (an evaluation) are not this step's
         t0 = times.mark()
+        micro = micro_steps(x, y, self.accumulate)
+        losses = []
         with self.device.ledger.saved_activations():
-            loss = share_loss(self, self.model(x), y, self.world)   # the sum divides by the world
-            t1 = times.mark()
-            loss.backward()
+            for k, (xk, yk) in enumerate(micro):
+                self._accumulating = k < len(micro) - 1
+                ta = times.mark()
+                loss = share_loss(self, self.model(xk), yk, self.world, len(micro))   # the sum divides by the world
+                t1 = times.mark()
+                loss.backward()
+                times.add("fwd_ms", ta, t1)
+                times.add("bwd_ms", t1, times.mark())
+                losses.append(loss.detach())
+        self._accumulating = False
         t2 = times.mark()
         if self._works:   # a layer the forward never ran: its slices land before the update
             self.sync()
@@ -298,7 +313,8 @@ class ShardedStrategy:
                 self._reduce(owner)
         self._sum_onto_owner()
         t3 = times.mark()
-        self.updater.end_backward()   # device updates inline, host ones on the executor meanwhile
+        self.updater.end_backward(self.topo.compute)   # the norm over every owner's shard decides; then device
+        # updates inline, host ones on the executor meanwhile
         host_wait = self.updater.wait_host()   # a slice goes out only once all of it is updated
         for _, buffer in self.buffers:
             dist.broadcast(buffer, src=0, group=self.topo.compute)
@@ -308,9 +324,9 @@ class ShardedStrategy:
             t5 = times.mark()
             self.sync()
             times.add("broadcast_wait_ms", t5, times.mark())
-        for name, a, b in (("fwd_ms", t0, t1), ("bwd_ms", t1, t2), ("reduce_ms", t2, t3), ("optim_ms", t3, t4)):
+        for name, a, b in (("reduce_ms", t2, t3), ("optim_ms", t3, t4)):
             times.add(name, a, b)
-        value = loss.item()   # waits for the step's work: its marks are read without a synchronize
+        value = float(sum(losses))   # waits for the step's work: its marks are read without a synchronize
         # host_wait_ms: host time, as the host executor's updates are the host's work
         self.timings = {**times.end_step(), "owned_bytes": self.owned_bytes,
                         "host_wait_ms": host_wait * 1000, **self.updater.timings()}

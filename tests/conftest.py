@@ -156,6 +156,8 @@ def train_one_process(model, optim_cfg, batches) -> tuple[dict, list[float]]:
         opt.zero_grad()
         loss = cross_entropy(model(x), y)
         loss.backward()
+        if optim_cfg.clip_grad_norm > 0:   # torch's own, over each parameter once (a tied weight once)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), optim_cfg.clip_grad_norm)
         opt.step()
         losses.append(loss.item())
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses

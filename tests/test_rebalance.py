@@ -441,18 +441,29 @@ def tied_model():
     return LayerList(layers)
 
 
+TIED_CLIP = 0.5   # "adamw+clip": about half of the steps' norms are above it
+
+
+def _tied_optim(name: str):
+    """"sgd", "adamw", or "adamw+clip": AdamW clipping the global norm at TIED_CLIP (speculated, redone)."""
+    import dataclasses
+    base, _, clip = name.partition("+")
+    return dataclasses.replace(_optim(base), clip_grad_norm=TIED_CLIP) if clip else _optim(base)
+
+
 def tied_job(topo, variants) -> list[dict]:
     out = []
     for optim, schedule, (start, then) in variants:
-        stage = PipelineStage(tied_model(), start, topo, LedgerDevice(1 << 30), _optim(optim), 4, schedule)
-        losses = []
+        stage = PipelineStage(tied_model(), start, topo, LedgerDevice(1 << 30), _tied_optim(optim), 4, schedule)
+        losses, clipped = [], []
         for step, (x, y) in enumerate(_batches()):
             if step == MIGRATE_BEFORE:
                 stage.migrate(then)
             losses.append(stage.train_step(x, y))
+            clipped.append(stage.updater.decision.clipped)
         stage.sync()
         out.append({"state": {k: v.detach().clone() for k, v in stage.stage_state().items()}, "losses": losses,
-                    "stages": stage.stage_layers})
+                    "stages": stage.stage_layers, "clipped": clipped})
         stage.close()
     return out
 
@@ -460,11 +471,16 @@ def tied_job(topo, variants) -> list[dict]:
 @pytest.mark.timeout(180)
 def test_a_weight_tied_across_stages_is_one_weight_through_a_migration():
     assert tied_model().ties == [[("mid0", "weight"), ("mid1", "weight")]]
-    variants = [("adamw", "1f1b", TIED_LAYOUTS[0]), ("sgd", "gpipe", TIED_LAYOUTS[1])]
+    # adamw+clip: the global norm over every stage counts the tied weight once, at its owner stage, and the
+    # clipped steps are redone exactly (engine/techniques/step_guard.py): it equals torch's clip_grad_norm_
+    variants = [("adamw", "1f1b", TIED_LAYOUTS[0]), ("sgd", "gpipe", TIED_LAYOUTS[1]),
+                ("adamw+clip", "1f1b", TIED_LAYOUTS[0])]
     with DistPool(3, timeout_s=30) as pool:
         results = pool.run(tied_job, timeout=150, variants=variants)
+    clipped = results[0][2]["clipped"]
+    assert all(r[2]["clipped"] == clipped for r in results) and 0 < sum(clipped) < len(clipped), clipped
     for k, (optim, schedule, (_, then)) in enumerate(variants):
-        ref_state, ref_losses = train_one_process(tied_model(), _optim(optim), _batches())
+        ref_state, ref_losses = train_one_process(tied_model(), _tied_optim(optim), _batches())
         merged = {}
         for per_rank in results:
             assert per_rank[k]["stages"] == then

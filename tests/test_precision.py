@@ -11,13 +11,15 @@ and the same size, as bf16 against fp32, which the test measures beside them (TO
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from engine.config import load_config
 from engine.data import batch_for, load_dataset
 from engine.models import build_model
-from engine.optim import make_optimizer
+from engine.optim import lr_at, make_optimizer, set_lr
 from engine.precision import DTYPES, compute_in, dtype_code, param_dtype
 from engine.loss import cross_entropy
 from tests.conftest import read_jsonl
@@ -30,9 +32,16 @@ PS = ["parallel.world_size=3", "parallel.servers=1", "parallel.workers=2", "para
 
 
 def one_process_losses(overrides: list[str], steps: int, config: str = DEMO) -> list[float]:
-    """The global batch's loss at each step, one process, in the config's precision: with bf16 weights, an
-    fp32 master copy steps on the widened gradient and is narrowed back into the weights (written out here,
-    apart from engine/techniques/layer_update.py, which the strategies use)."""
+    """The global batch's loss at each step, one process, in the config's precision (one_process_run)."""
+    return one_process_run(overrides, steps, config)[0]
+
+
+def one_process_run(overrides: list[str], steps: int, config: str = DEMO) -> tuple[list[float], list[float]]:
+    """The global batch's loss and gradient norm at each step, one process, in the config's precision: with bf16
+    weights, an fp32 master copy steps on the widened gradient and is narrowed back into the weights (written
+    out here, apart from engine/techniques/layer_update.py, which the strategies use). The learning rate follows
+    the schedule; the norm is taken as the step guard takes it (fp32 norms of the gradients, summed in fp64),
+    and a clip scales the gradient in its own dtype before it is widened."""
     cfg = load_config(config, overrides)
     ds = load_dataset(cfg.data, cfg.run.seed)
     model = build_model(cfg.model, ds.meta, cfg.run.seed).to(param_dtype(cfg.precision))
@@ -40,8 +49,9 @@ def one_process_losses(overrides: list[str], steps: int, config: str = DEMO) -> 
     wide = cfg.precision.params == "bf16"
     master = [p.detach().float() for p in weights] if wide else weights
     opt = make_optimizer(cfg.optim, master)
-    losses = []
+    losses, norms = [], []
     for step in range(steps):
+        set_lr(opt, lr_at(cfg.optim, step, steps))
         x, y = batch_for(ds, step, cfg.data.batch_size, cfg.run.seed)
         for p in weights:
             p.grad = None
@@ -49,6 +59,12 @@ def one_process_losses(overrides: list[str], steps: int, config: str = DEMO) -> 
             loss = cross_entropy(model(x), y)
             loss.backward()
         losses.append(loss.item())
+        grads = [p.grad for p in weights]
+        norms.append(math.sqrt(float(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).double()
+                                     .square().sum())))
+        if cfg.optim.clip_grad_norm and cfg.optim.clip_grad_norm / (norms[-1] + 1e-6) < 1:
+            for g in grads:
+                g.mul_(cfg.optim.clip_grad_norm / (norms[-1] + 1e-6))
         if wide:
             for p, m in zip(weights, master):
                 m.grad = p.grad.float()
@@ -57,7 +73,7 @@ def one_process_losses(overrides: list[str], steps: int, config: str = DEMO) -> 
             with torch.no_grad():
                 for p, m in zip(weights, master):
                     p.copy_(m)
-    return losses
+    return losses, norms
 
 
 def test_fp32_enters_no_autocast_and_bf16_computes_matmuls_in_bf16():

@@ -316,42 +316,6 @@ def test_the_rollback_copy_is_counted_where_it_lives(placement, mode):
     updater.close()
 
 
-def bf16_reference(overrides: list[str], steps: int, wide: bool) -> tuple[list[float], list[float]]:
-    """One process with clipping, bf16 working weights (fp32 masters stepping the widened gradient) when `wide`,
-    else fp32: each step's loss and gradient norm. The norm is taken as the step guard takes it (fp32 norms of
-    the gradients, summed in fp64) and the clip scales the gradient in its own dtype before it is widened."""
-    from engine.precision import compute_in, param_dtype
-    cfg = load_config(DEMO, [*overrides, *(["precision.compute=bf16", "precision.params=bf16"] if wide else [])])
-    ds = load_dataset(cfg.data, cfg.run.seed)
-    model = build_model(cfg.model, ds.meta, cfg.run.seed).to(param_dtype(cfg.precision))
-    weights = list(model.parameters())
-    master = [p.detach().float() for p in weights]
-    opt = make_optimizer(cfg.optim, master)
-    losses, norms = [], []
-    for step in range(steps):
-        set_lr(opt, lr_at(cfg.optim, step, steps))
-        x, y = batch_for(ds, step, cfg.data.batch_size, cfg.run.seed)
-        for p in weights:
-            p.grad = None
-        with compute_in(cfg.precision, torch.device("cpu")):
-            loss = cross_entropy(model(x), y)
-            loss.backward()
-        losses.append(loss.item())
-        grads = [p.grad for p in weights]
-        norm = math.sqrt(float(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).double().square().sum()))
-        norms.append(norm)
-        coef = cfg.optim.clip_grad_norm / (norm + 1e-6)
-        for p, m in zip(weights, master):
-            if coef < 1:
-                p.grad.mul_(coef)
-            m.grad = p.grad.float()
-        opt.step()
-        with torch.no_grad():
-            for p, m in zip(weights, master):
-                p.copy_(m)
-    return losses, norms
-
-
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("strategy", ["ddp", pytest.param("pipeline", marks=pytest.mark.slow)])
 def test_in_bf16_the_norms_and_clip_decisions_agree_within_bf16s_rounding(cli, strategy):
@@ -359,7 +323,7 @@ def test_in_bf16_the_norms_and_clip_decisions_agree_within_bf16s_rounding(cli, s
     tolerance of tests/test_precision.py, measured here as bf16 against fp32 under the same clipping). The norm
     agrees within that relative noise (measured: under 1e-2), and a clip decision may differ only where the norm
     lies within it of the threshold."""
-    from tests.test_precision import TOLERANCE
+    from tests.test_precision import BF16, TOLERANCE, one_process_run
     log = cli.tmp_path / "bf16.jsonl"
     sets = [*LOOP, f"parallel.strategy={strategy}", "parallel.world_size=2", "precision.compute=bf16",
             "precision.params=bf16"]
@@ -367,8 +331,8 @@ def test_in_bf16_the_norms_and_clip_decisions_agree_within_bf16s_rounding(cli, s
                 *(a for o in sets for a in ("--set", o)), "--telemetry-log", str(log), timeout=150)
     assert r.returncode == 0, r.stderr
     steps = [rec for rec in read_jsonl(log) if rec["type"] == "step"]
-    want_loss, want_norm = bf16_reference(LOOP, STEPS, wide=True)
-    fp32_loss, fp32_norm = bf16_reference(LOOP, STEPS, wide=False)
+    want_loss, want_norm = one_process_run([*LOOP, *BF16], STEPS)
+    fp32_loss, fp32_norm = one_process_run(LOOP, STEPS)
     noise = max(abs(a - b) for a, b in zip(want_loss, fp32_loss))
     norm_noise = max(abs(a - b) / b for a, b in zip(want_norm, fp32_norm))
     assert max(abs(s["loss"] - w) for s, w in zip(steps, want_loss)) <= TOLERANCE(noise)

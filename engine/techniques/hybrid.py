@@ -113,7 +113,6 @@ class HybridUpdater:
         u = LayerUpdate(self.model.names[index], index, params, self.optim_cfg)
         u.guard = self._speculates(u)
         u.device_copy = self.guard.on and self.guard.mode == "speculate" and self.speculate_device
-        set_lr(u.optimizer, self.lr)
         return u
 
     def _speculates(self, u: LayerUpdate) -> bool:
@@ -172,7 +171,6 @@ class HybridUpdater:
             u.load_weights(master)
         if state is not None:
             u.optimizer.load_state_dict(state)
-            set_lr(u.optimizer, self.lr)
         self.updates[index] = u
         self.by_name[u.name] = u
         self.layer_of.update({id(p): u for p in params})
@@ -266,14 +264,15 @@ class HybridUpdater:
             if u.index in self._dispatched:
                 return
             self._dispatched.add(u.index)
-            set_lr(u.optimizer, self.lr)   # this step's (the step loop sets `lr`); its last update has landed
-            if self.guard.on:   # its gradients are final: its part of the global norm
-                part = u.grad_sq()
-                if part is not None:
-                    self._parts.append(part)
-                if not u.guard and not self._decided:   # it waits for the norm
-                    self._held.append(u)
-                    return
+        set_lr(u.optimizer, self.lr)   # this step's (the step loop sets `lr`); its last update has landed
+        # its gradients are final: its part of the global norm, read outside the lock other layers' dispatches take
+        part = u.grad_sq() if self.guard.on else None
+        with self._lock:
+            if part is not None:
+                self._parts.append(part)
+            if self.guard.on and not u.guard and not self._decided:   # it waits for the norm
+                self._held.append(u)
+                return
             if u.side == "host":
                 self._link_bytes += u.link_bytes()
         self._submit(u)

@@ -192,20 +192,25 @@ class LayerUpdate:
     def _weights_up(self) -> None:
         """The host's master weights up into the working weights (narrowed on the host, so the link carries
         bf16); the device's gradients zeroed."""
-        ups = self.master
-        if self.wide:
-            ups = [u.copy_(m) for u, m in zip(self.up, self.master)]
         if self.cuda:   # weights up and gradients zeroed on the side stream; the gate waits on `landed`
             with torch.cuda.stream(self.stream):
-                for p, u in zip(self.params, ups):
+                for p, u in zip(self.params, self._narrowed()):
                     p.copy_(u, non_blocking=True)
                 self._zero_grads()
                 self.landed = torch.cuda.Event()
                 self.landed.record(self.stream)
         else:
-            for p, u in zip(self.params, ups):
-                p.copy_(u)
+            self._host_weights_up()
             self._zero_grads()
+
+    def _narrowed(self) -> list[torch.Tensor]:
+        """The master weights as the link carries them: narrowed on the host into `up` under bf16 weights."""
+        return [u.copy_(m) for u, m in zip(self.up, self.master)] if self.wide else self.master
+
+    def _host_weights_up(self) -> None:
+        """The master weights up into the working weights, now, on this thread."""
+        for p, u in zip(self.params, self._narrowed()):
+            p.copy_(u)
 
     # --- a guarded step: kept until the global norm decides (engine/techniques/step_guard.py) ----------------
     def grad_sq(self) -> torch.Tensor | None:
@@ -260,11 +265,6 @@ class LayerUpdate:
             else:
                 for p, m in zip(self.params, self.master):
                     p.copy_(m)
-
-    def _host_weights_up(self) -> None:
-        ups = [u.copy_(m) for u, m in zip(self.up, self.master)] if self.wide else self.master
-        for p, u in zip(self.params, ups):
-            p.copy_(u)
 
     @torch.no_grad()
     def undo(self) -> None:

@@ -32,7 +32,14 @@ def test_bench_broadcast_reports_every_variant_and_figure(cli):
     for row in sharded:   # the owners split the optimizer state: 4 equal layers over 2 ranks
         assert 0.4 <= row["state_fraction_of_ddp"] <= 0.6 and row["step_ms"] > 0
     assert sharded[2]["broadcast_wait_ms"] == 0.0 and sharded[1]["broadcast_wait_ms"] > 0
-    for figure in ("overlap_efficiency", "t_broadcast_ms", "t_forward_ms", "meets_goals", "parameters"):
+    # measured alike in every sharded variant: both spans, and the broadcast's hidden fraction in [0, 1]
+    assert ddp["overlap_efficiency"] is None
+    for row in sharded:
+        assert row["reduce_span_ms"] > 0 and row["broadcast_span_ms"] > 0
+        assert 0.0 <= row["overlap_efficiency"] <= 1.0
+        assert row["communication_ms"] == pytest.approx(row["reduce_span_ms"] + row["broadcast_span_ms"], abs=0.02)
+    assert report["best_gated"] == "sharded-2-gated" and report["goals"]["ratio_to_ddp_at_most"] == 1.0
+    for figure in ("meets_goals", "parameters"):
         assert figure in report
 
 
@@ -239,3 +246,17 @@ def test_bench_broadcast_clip_grad_norm_reports_three_modes_and_rollback_rates(c
     assert_clip_row(rows["ddp-inline"], ("none", "wait", "speculate"), spec_rollback=0.0)
     assert_clip_row(rows["sharded-2-gated"], ("none", "wait"), spec_rollback=None)   # decides first: never rolls back
     assert rows["sharded-2-gated"]["meets_goals"] == {}
+
+
+@pytest.mark.parametrize("hosts, world, variant, want", [
+    (2, 2, "sharded-4-gated", {"reduce": 50, "broadcast": 50}),        # one rank a host: half each way, twice
+    (2, 2, "ddp", {"allreduce": 100}),                                   # ring of 2: 2 (W-1)/W = 1 x P
+    (2, 4, "sharded-4-gated", {"reduce": 50, "broadcast": 50}),        # two-level: each byte crosses once
+    (2, 4, "sharded-4-gated-flat", {"reduce": 100, "broadcast": 100}),  # flat: once per remote rank
+    (2, 4, "ddp", {"allreduce": 150}),                                   # ring of 4: 1.5 x P over each edge
+    (4, 4, "sharded-4-gated", {"reduce": 75, "broadcast": 75}),        # (H-1)/H of it, each way
+])
+def test_the_line_rate_ideal_counts_the_busiest_links_bytes_per_phase(hosts, world, variant, want):
+    from engine.bench.linerate import ideal_bytes
+    owned = [100 // world] * world   # 100 bytes of parameters in equal shares
+    assert ideal_bytes(variant, owned, 100, hosts) == {**want, "total": sum(want.values())}

@@ -62,13 +62,28 @@ class Terminal:
         self.tmux("kill-server")
 
 
-def wait_screen(term: Terminal, pattern: str, timeout: float, what: str) -> re.Match:
+def wait_screen(term: Terminal, pattern: str, timeout: float, what: str, story: bool = False) -> re.Match:
+    """The first match of `pattern` on the screen within `timeout` s; else a failure showing the screen (and,
+    with `story`, what the run logged of its commands: the events panel shows only its last lines)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if found := re.search(pattern, screen := term.screen(), re.S):
             return found
         time.sleep(0.5)
-    pytest.fail(f"timed out after {timeout}s waiting for {what}; the screen:\n{screen}")
+    pytest.fail(f"timed out after {timeout}s waiting for {what}; the screen:\n{screen}"
+                + (f"\n{run_story(term.cwd / 'runs')}" if story else ""))
+
+
+def run_story(runs: Path) -> str:
+    """Each run's command events and rebalances from its telemetry log, and its log's last lines."""
+    out = []
+    for log in sorted(runs.glob("*/telemetry.jsonl")):
+        lines = log.read_text(errors="replace").splitlines()
+        out += [f"{log}:", *(line[:400] for line in lines if '"command"' in line or '"rebalance"' in line
+                             or '"run_start"' in line[:80])]
+    for log in sorted(runs.glob("*/*.log")):
+        out += [f"{log} (last lines):", *log.read_text(errors="replace").splitlines()[-30:]]
+    return "\n".join(out) or f"nothing logged under {runs}"
 
 
 def run_pids(runs: Path) -> list[int]:
@@ -137,7 +152,11 @@ def stages(screen: str) -> str:
 def press_rebalance(term: Terminal) -> None:
     before = stages(term.screen())
     term.keys("r")
-    wait_screen(term, r"rebalance: applied at step \d+", 90, "the rebalance reply")
+    try:   # the console says "pending" once it has sent the command
+        wait_screen(term, r"rebalance: (pending|applied)", 15, "the console to send the rebalance")
+    except pytest.fail.Exception:   # a key pressed while the console's keys were dimmed does nothing: again
+        term.keys("r")
+    wait_screen(term, r"rebalance: applied at step \d+", 90, "the rebalance reply", story=True)
     wait_for(lambda: stages(term.screen()) != before, 30, "the Stages panel to show the new layout", interval=0.5)
 
 

@@ -27,11 +27,22 @@ from engine.runtime.procpool import DistPool
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.integers(1, 10_000), min_size=1, max_size=40), st.integers(1, 8))
-def test_owners_are_contiguous_in_forward_order_and_balanced_by_bytes(sizes, world):
+def test_owners_are_interleaved_in_forward_order_and_balanced_by_bytes(sizes, world):
     owners = assign_owners(sizes, world)
-    assert owners == sorted(owners) and 0 <= owners[0] and owners[-1] < world   # contiguous runs, in order
+    assert all(0 <= o < world for o in owners)
     share = [sum(s for s, o in zip(sizes, owners) if o == r) for r in range(world)]
-    assert max(share) <= sum(sizes) / world + max(sizes)   # off the ideal by less than one parameter
+    assert max(share) - min(share) <= max(sizes)   # off the ideal by less than one parameter
+    for i, o in enumerate(owners):   # each parameter went to a rank with the fewest bytes before it
+        before = [sum(s for s, q in zip(sizes[:i], owners[:i]) if q == r) for r in range(world)]
+        assert before[o] == min(before)
+
+
+def test_equal_parameters_go_round_robin_so_every_owner_sends_all_through_the_forward():
+    assert assign_owners([5] * 12, 3) == [0, 1, 2] * 4
+    # an MLP's weight and bias per layer: the weights alternate owners, so the broadcast of both owners'
+    # slices runs at once (both ways over a link) in the order the forward needs them
+    owners = assign_owners([1000, 10] * 6, 2)
+    assert owners[::2] == [0, 1, 0, 1, 0, 1]
 
 
 @settings(max_examples=200, deadline=None)
@@ -247,3 +258,13 @@ def test_a_slice_whose_peer_failed_is_an_error_within_the_collective_timeout(how
     assert result["error"], f"rank 0 trained on although its peer {'left' if how == 'exit' else 'went silent'}"
     assert result["error"].startswith("RuntimeError: broadcast of slice ") and " on stream " in result["error"]
     assert result["step"] in (3, 4) and result["after_s"] < timeout_s + 5, result
+
+
+def test_balanced_gives_each_owner_streams_of_its_own_so_both_directions_always_work():
+    spans = spans_of([[1000] * 8, [1000] * 8])
+    plan = plan_slices(spans, slices=8, streams=4, assignment="balanced", seed=0)
+    assert {s.stream for s in plan if s.owner == 0} == {0, 2} and {s.stream for s in plan if s.owner == 1} == {1, 3}
+    assert [min(s.layers) for s in plan] == sorted(min(s.layers) for s in plan)   # still in forward order
+    # fewer streams than owners: each owner keeps to one stream, shared round robin
+    four = plan_slices(spans_of([[10] * 2] * 4), slices=2, streams=2, assignment="balanced", seed=0)
+    assert all(s.stream == s.owner % 2 for s in four)

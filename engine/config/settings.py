@@ -189,11 +189,13 @@ class ParallelConfig:
     world_size: int = setting(2, "Worker processes on this machine.", min=1, max=256)
     streams: int = setting(2, "sharded: communication streams (one process group each) that carry the "
                               "broadcast of updated parameters.", min=1, max=64)
-    slices: int = setting(4, "sharded: slices each owner cuts its updated shard into; at least `streams`.",
-                          min=1, max=4096)
+    slices: int = setting(4, "sharded: slices each owner cuts its shard into; at least `streams`. A slice's "
+                             "gradients go to its owner as soon as backward has made them, and its update comes "
+                             "back as one broadcast.", min=1, max=4096)
     slice_assignment: str = setting("balanced", "sharded: how slices are given to streams: `balanced` (the "
-                                                "stream with the fewest bytes so far) or `random` (seeded by "
-                                                "run.seed, the same on every rank).",
+                                                "least loaded of the owner's own streams, so every owner's "
+                                                "broadcast runs at once) or `random` (seeded by run.seed, the "
+                                                "same on every rank).",
                                     choices=("balanced", "random"))
     overlap_forward: bool = setting(True, "sharded: the next step's forward of each layer waits only for the "
                                           "broadcasts carrying that layer's parameters (false: the step waits "

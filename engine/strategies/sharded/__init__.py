@@ -6,29 +6,34 @@
     loss = strategy.train_step(x, y)      # forward (gated), backward, reduce to owners, update, broadcast
     strategy.sync()                       # every broadcast in flight has landed (before a checkpoint)
 
-Ownership. The parameters, in forward-use order (the order of the LayerList's
-layers), are split into `world` contiguous runs balanced by bytes: rank 0 owns the
-parameters the forward needs first. Each rank keeps one flat buffer per owner and
-every parameter is a view into its owner's buffer; the gradients likewise. Only the
-owner builds an optimizer over its parameters, so optimizer state exists on the
-owner alone: about 1/world of what DDP keeps.
+Ownership, interleaved. The parameters, in forward-use order (the order of the LayerList's
+layers), each go to the rank with the fewest bytes so far: equal layers go round robin, and
+every owner's parameters run through the whole forward. Each rank keeps one flat buffer per
+owner and every parameter is a view into its owner's buffer; the gradients likewise. Only the
+owner builds an optimizer over its parameters, so optimizer state exists on the owner alone:
+about 1/world of what DDP keeps.
 
-A step. Backward accumulates every gradient into the flat gradient buffers; when the
-last gradient of an owner's buffer is ready (a post-accumulate hook), that buffer is
-averaged and sent point-to-point to its owner, while backward goes on with earlier
-layers; the owner adds what the others sent into its own. No all-reduce: each rank
-receives only its own shard's parts. (Point-to-point is gloo's fastest way to do this
-here: for 19M floats on 2 workers, isend/irecv plus the sum took 30 ms where gloo's
-reduce to each owner took 2 x 38 ms and its all-reduce 51 ms.) The owner then updates its
-shard, cuts the buffer into `slices` contiguous slices, and each slice is broadcast
-from its owner on one of `streams` communicators (one process group per stream; on
-a GPU each NCCL group has its own communicator and CUDA stream). Stream i of every
-rank pairs with stream i of the others because every rank issues the same slices on
-the same groups in the same order: forward-use order.
+Slices. Each owner's buffer is cut into `slices` contiguous slices, listed in forward-use
+order across owners (plan.py). A slice is the unit of both directions of a step, so that every
+link carries traffic both ways in both: (owners in contiguous runs sent rank 0's half, then
+rank 1's, and one direction of a 1 Gbit/s link idled while the other worked).
+
+A step. Backward accumulates every gradient into the flat gradient buffers; once backward has
+made every gradient a slice holds (post-accumulate hooks count them), the slice is averaged
+and sent point-to-point to its owner, tagged with its index, while backward goes on with
+earlier layers (as DDP's buckets go); the owner adds what the others sent into its own. No
+all-reduce: each rank receives only its own slices' parts. (Point-to-point is gloo's fastest
+way to do this here: for 19M floats on 2 workers, isend/irecv plus the sum took 30 ms where
+gloo's reduce to each owner took 2 x 38 ms and its all-reduce 51 ms.) The owner then updates
+its shard and each slice is broadcast from its owner on one of `streams` communicators (one
+process group per stream; on a GPU each NCCL group has its own communicator and CUDA stream);
+`balanced` gives an owner's slices to streams of its own, so that each direction always has
+a stream at work. Stream i of every rank pairs with stream i of the others because every rank
+issues the same slices on the same groups in the same order: forward-use order.
 
 Across hosts (`hierarchical`, with several hosts of several ranks each): every byte crosses
-between hosts once. Gradients for an owner on another host are first sent to the rank of
-this host with the owner's local index (its relay), whose relay thread adds them to its own
+between hosts once. A slice's gradients for an owner on another host are first sent to the rank
+of this host with the owner's local index (its relay), whose relay thread adds them to its own
 and sends one sum across as soon as they are in (while backward goes on); a slice goes from
 its owner to its peers on the other hosts (the ranks with its local index), and each of them
 broadcasts it within its host. gloo's broadcast sends the

@@ -11,6 +11,7 @@ scripted GPU's)."""
 
 from __future__ import annotations
 
+import bisect
 import queue
 import threading
 import time
@@ -31,7 +32,9 @@ from engine.strategies.sharded.plan import assign_owners, plan_slices
 from engine.strategies.sharded.streams import StreamMeter, Tiers
 from engine.timing import Clock, StepTimes
 
-PHASES = ("fwd_ms", "bwd_ms", "reduce_ms", "optim_ms", "gate_ms", "broadcast_wait_ms")   # a step's, on the device
+PHASES = ("fwd_ms", "bwd_ms", "reduce_ms", "optim_ms", "gate_ms", "broadcast_wait_ms",   # a step's, on the device
+          "reduce_span_ms",     # from the step's first gradient sent to its last sum: the reduce, hidden or not
+          "broadcast_issue_ms")   # launching the slices: the broadcast's part of the step that nothing hides
 
 
 # --- the strategy -----------------------------------------------------------------------
@@ -113,20 +116,33 @@ class ShardedStrategy:
                                      update_cfg or UpdateConfig(), clip_mode="wait")
         self.optimizer = self.updater   # what the ledger counts: device-side optimizer state
 
-        # gradient sums: each rank sends an owner's gradient buffer to it point-to-point once that
-        # buffer is complete in backward (across hosts: to the owner's relay on this host); the owner,
-        # and a relay for the owners it stands for, receive the others' into buffers of their own
+        # gradient sums, slice by slice: each rank sends a slice's gradients to its owner point-to-point as
+        # soon as backward has made all of them (across hosts: to the owner's relay on this host), while
+        # backward goes on with earlier layers, as DDP's buckets do; the owner, and a relay for the slices it
+        # stands for, receive the others' into buffers of their own
         k = topo.local_world_size
         self.tiers = None
         if hierarchical and 1 < k < self.world and self.world % k == 0:
             self.tiers = Tiers(self.rank, k, *topo.host_stream_groups(streams), timeout_s=topo.timeout_s)
-        self._remaining = [0] * self.world
-        self._expected = [self.owners.count(r) for r in range(self.world)]
+        starts = [[s.start for s in self.plan if s.owner == o] for o in range(self.world)]
+        ids = [[i for i, s in enumerate(self.plan) if s.owner == o] for o in range(self.world)]
+        slices_of = []   # each parameter's slices: its gradient completes its part of each
+        for p, owner, off in zip(order, self.owners, offsets):
+            first = max(bisect.bisect_right(starts[owner], off) - 1, 0)
+            last = bisect.bisect_left(starts[owner], off + p.numel())
+            slices_of.append([ids[owner][j] for j in range(first, last) if self.plan[ids[owner][j]].stop > off])
+        self._expected = [0] * len(self.plan)
+        for found in slices_of:
+            for i in found:
+                self._expected[i] += 1
+        self._remaining = list(self._expected)
         self._sent: set[int] = set()
         self._sends: list = []
         self._recvs: dict[int, list] = {}
-        self.relayed = self.tiers.relayed(self.world) if self.tiers else []
-        # a relay sums and sends on a thread of its own, each owner as soon as its parts are in, while
+        relayed_owners = set(self.tiers.relayed(self.world)) if self.tiers else set()
+        self.relayed = [i for i, s in enumerate(self.plan) if s.owner in relayed_owners]
+        self._reduce_t0 = None   # this step's first send: the reduce's span runs from it to the last sum
+        # a relay sums and sends on a thread of its own, each slice as soon as its parts are in, while
         # backward goes on with earlier layers
         self._relay_queue: queue.Queue = queue.Queue()
         self._relay_done = threading.Event()
@@ -135,31 +151,34 @@ class ShardedStrategy:
         if self.relayed:
             self._relay_thread = threading.Thread(target=self._relay_loop, daemon=True, name="sharded-relay")
             self._relay_thread.start()
-        # owner -> {sender: buffer}: this rank's own shard, then the owners it relays
-        self.incoming = {o: {q: torch.empty_like(self.flat[o]) for q in self._senders(o)}
-                         for o in [self.rank, *self.relayed] if totals[o]}
+        # slice -> {sender: buffer}: this rank's own slices, then those it relays
+        relayed = set(self.relayed)
+        self.incoming = {i: {q: torch.empty(s.numel, dtype=dtype, device=dev) for q in self._senders(s.owner)}
+                         for i, s in enumerate(self.plan) if s.owner == self.rank or i in relayed}
         device.ledger.extra["gradients"] = sum(tensor_bytes(b) for bufs in self.incoming.values()
                                                for b in bufs.values())
-        for p, owner in zip(order, self.owners):
-            p.register_post_accumulate_grad_hook(self._grad_ready(owner))
+        for p, found in zip(order, slices_of):
+            p.register_post_accumulate_grad_hook(self._grad_ready(found))
         self._works: list = []                  # slice index -> work of the broadcast in flight
         self._pending: dict[int, list[int]] = {}
         for index, layer in enumerate(model.layers):
             layer.register_forward_pre_hook(self._gate(index))
+        self._broadcast_t0 = None   # the last broadcast's launch: its span runs to its last slice's landing
         self.timings = {"fwd_ms": 0.0, "bwd_ms": 0.0, "optim_ms": 0.0, "gate_ms": 0.0, "reduce_ms": 0.0,
                         "broadcast_wait_ms": 0.0, "owned_bytes": self.owned_bytes}
         # every rank starts from the owners' weights (as DDP starts from rank 0's)
         self._broadcast()
         self.sync()
 
-    # --- backward: reduce each owner's buffer once its gradients are complete ---------------
-    def _grad_ready(self, owner: int):
+    # --- backward: each slice's gradients to their owner once backward has made them -----------
+    def _grad_ready(self, slices: list[int]):
         def hook(param) -> None:
             if self._accumulating:   # a micro-step before the last: the gradient stays here
                 return
-            self._remaining[owner] -= 1
-            if self._remaining[owner] == 0:
-                self._reduce(owner)
+            for i in slices:
+                self._remaining[i] -= 1
+                if self._remaining[i] == 0:
+                    self._reduce(i)
         return hook
 
     def _senders(self, owner: int) -> list[int]:
@@ -171,29 +190,33 @@ class ShardedStrategy:
         return local + ([t.relay_on(h, owner) for h in range(self.world // t.k) if h != t.host]
                         if owner == self.rank else [])
 
-    def _reduce(self, owner: int) -> None:
-        self._sent.add(owner)
-        buffer = self.grad_flat[owner]
+    def _reduce(self, i: int) -> None:
+        """Slice `i`'s gradients are complete here: to its owner (or its relay), tagged with the slice."""
+        if self._reduce_t0 is None:
+            self._reduce_t0 = self.times.mark()
+        self._sent.add(i)
+        s = self.plan[i]
+        buffer = self.grad_flat[s.owner][s.start:s.stop]
         if buffer.dtype == self.reduce_dtype:   # the mean, as DDP's hook divides before it sums
             buffer.div_(self.world)             # (a wider sum divides once, at the owner: _sum_into)
-        if owner in self.relayed:
-            self._relay_queue.put(owner)   # the relay thread adds this host's parts and sends the sum
+        if i in self.incoming and s.owner != self.rank:
+            self._relay_queue.put(i)   # the relay thread adds this host's parts and sends the sum
             return
-        if owner == self.rank or not buffer.numel():
+        if s.owner == self.rank:
             return
         # across hosts, to the owner's relay on this host (on the owner's own host, that is the owner)
-        dst = owner if self.tiers is None else self.tiers.relay_on(self.tiers.host, owner)
-        self._sends.append(dist.isend(buffer, dst=dst, group=self.topo.compute, tag=owner))
+        dst = s.owner if self.tiers is None else self.tiers.relay_on(self.tiers.host, s.owner)
+        self._sends.append(dist.isend(buffer, dst=dst, group=self.topo.compute, tag=i))
 
     def _relay_loop(self) -> None:
-        while (owner := self._relay_queue.get()) is not None:
+        while (i := self._relay_queue.get()) is not None:
             try:
-                for work in self._recvs.get(owner, ()):
+                for work in self._recvs.get(i, ()):
                     work.wait()
-                total = self.grad_flat[owner]
-                self._sum_into(total, [self.incoming[owner][q] for q in sorted(self.incoming.get(owner, {}))])
-                if total.numel():
-                    self._sends.append(dist.isend(total, dst=owner, group=self.topo.compute, tag=owner))
+                s = self.plan[i]
+                total = self.grad_flat[s.owner][s.start:s.stop]
+                self._sum_into(total, [self.incoming[i][q] for q in sorted(self.incoming[i])])
+                self._sends.append(dist.isend(total, dst=s.owner, group=self.topo.compute, tag=i))
             except BaseException as e:   # raised on the main thread, in _sum_onto_owner
                 self._relay_error = e
             finally:
@@ -211,11 +234,14 @@ class ShardedStrategy:
             if self._relay_error is not None:
                 raise RuntimeError(f"relaying gradients to another host failed: {self._relay_error}") \
                     from self._relay_error
-        for work in self._recvs.get(self.rank, ()):
-            work.wait()
         mine = self.grad_flat[self.rank]
-        self._sum_into(mine, [self.incoming[self.rank][q] for q in sorted(self.incoming.get(self.rank, {}))],
-                       owner=True)
+        for i, parts in self.incoming.items():
+            s = self.plan[i]
+            if s.owner != self.rank:
+                continue
+            for work in self._recvs.get(i, ()):
+                work.wait()
+            self._sum_into(mine[s.start:s.stop], [parts[q] for q in sorted(parts)], owner=True)
         for work in self._sends:
             work.wait()
         self._sends, self._recvs = [], {}
@@ -237,6 +263,9 @@ class ShardedStrategy:
     # --- the broadcast and its gates ------------------------------------------------------
     def _broadcast(self) -> None:
         self._works, self._pending = [], {layer: list(ids) for layer, ids in self.gates.items()}
+        for meter in self.meters:
+            meter.last = None
+        self._broadcast_t0 = self.times.mark()
         for i, s in enumerate(self.plan):
             meter = self.meters[s.stream]
             buffer = self.flat[s.owner][s.start:s.stop]
@@ -269,6 +298,13 @@ class ShardedStrategy:
             raise RuntimeError(f"broadcast of slice {i} (from rank {s.owner} on stream {s.stream}, "
                                f"parameters of {names}) failed: {e}") from e
 
+    def _broadcast_span(self) -> float:
+        """Milliseconds from the last broadcast's launch to its last slice's landing (0 when not known)."""
+        landed = [m.last for m in self.meters if m.last is not None]
+        if self._broadcast_t0 is None or not landed:
+            return 0.0
+        return max(self.times.clock.ms(self._broadcast_t0, t) for t in landed)
+
     def sync(self) -> float:
         """Wait for every broadcast in flight; the seconds waited."""
         t0 = time.perf_counter()
@@ -284,7 +320,7 @@ class ShardedStrategy:
             if owner != self.rank:   # this rank's own shard: each update zeroed its gradients already
                 buffer.zero_()
         self.updater.begin_step()
-        self._remaining, self._sent = list(self._expected), set()
+        self._remaining, self._sent, self._reduce_t0 = list(self._expected), set(), None
         self._relay_left, self._relay_error = len(self.relayed), None
         self._relay_done.clear()
         self._recvs = {o: [dist.irecv(buffer, src=q, group=self.topo.compute, tag=o) for q, buffer in bufs.items()]
@@ -308,11 +344,14 @@ class ShardedStrategy:
         t2 = times.mark()
         if self._works:   # a layer the forward never ran: its slices land before the update
             self.sync()
-        for owner in reversed(range(self.world)):   # buffers whose gradients never all came
-            if owner not in self._sent:
-                self._reduce(owner)
+        broadcast_span = self._broadcast_span()   # the last step's broadcast: every slice of it has landed
+        for i in reversed(range(len(self.plan))):   # slices whose gradients never all came
+            if i not in self._sent:
+                self._reduce(i)
         self._sum_onto_owner()
         t3 = times.mark()
+        if self._reduce_t0 is not None:
+            times.add("reduce_span_ms", self._reduce_t0, t3)
         self.updater.end_backward(self.topo.compute)   # the norm over every owner's shard decides; then device
         # updates inline, host ones on the executor meanwhile
         host_wait = self.updater.wait_host()   # a slice goes out only once all of it is updated
@@ -320,8 +359,9 @@ class ShardedStrategy:
             dist.broadcast(buffer, src=0, group=self.topo.compute)
         t4 = times.mark()
         self._broadcast()
+        t5 = times.mark()
+        times.add("broadcast_issue_ms", t4, t5)   # launching every slice (across hosts: the first level)
         if not self.overlap_forward:   # the step waits for the whole broadcast
-            t5 = times.mark()
             self.sync()
             times.add("broadcast_wait_ms", t5, times.mark())
         for name, a, b in (("reduce_ms", t2, t3), ("optim_ms", t3, t4)):
@@ -329,7 +369,8 @@ class ShardedStrategy:
         value = float(sum(losses))   # waits for the step's work: its marks are read without a synchronize
         # host_wait_ms: host time, as the host executor's updates are the host's work
         self.timings = {**times.end_step(), "owned_bytes": self.owned_bytes,
-                        "host_wait_ms": host_wait * 1000, **self.updater.timings()}
+                        "host_wait_ms": host_wait * 1000, **self.updater.timings(),
+                        "broadcast_span_ms": broadcast_span}
         self.device.ledger.refresh()
         return value
 

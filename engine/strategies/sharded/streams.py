@@ -33,6 +33,7 @@ class StreamMeter:
         self.bytes, self.in_flight = 0, 0
         self._spans: list = []   # (launch, completion) marks not counted yet, in completion order
         self._until = None       # the latest completion counted so far
+        self.last = None         # the latest completion's mark (the strategy resets it at each broadcast)
 
     def started(self, nbytes: int):
         with self._lock:
@@ -45,6 +46,7 @@ class StreamMeter:
         with self._lock:
             self.in_flight -= 1
             self._spans.append((t0, t1))
+            self.last = t1
 
     def take(self) -> dict:
         clock, busy_ms = self.clock, 0.0

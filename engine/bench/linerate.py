@@ -1,0 +1,75 @@
+"""The line-rate ideal of a step's communication over an emulated cluster (`bench broadcast --hosts`).
+
+    rate = probe_link(topo, hosts)["bytes_per_s"]            # on every rank of the pool, at once
+    ideal = ideal_bytes("sharded-4-gated", owned_per_rank, parameter_bytes, hosts)
+    ideal["total"] / rate * 1000                              # ms, if every phase ran at the line's rate
+
+The probe is iperf's idea with the job's own transport: the first rank of every host sends 32 MiB to the
+next host's first rank while it receives as much from the previous host's (two hosts: both ways over the
+one pair), five times after a warm-up, and the fastest gives the bytes per second each link carries each
+way when both ways are busy, as they are in a step. Not the nominal rate: tbf, the veth pair, TCP and gloo
+all take their share. The fastest, not the median: a transfer now and then stalls on a dropped segment
+(tbf drops what overflows its queue; TCP waits out its retransmission timer), which takes 2x as long
+and is no property of the line; the spread is printed beside it.
+
+The bytes each phase must move over the most loaded host link, each way (H hosts of k ranks, P_h the
+parameter bytes owned on host h, P their sum, W = H k):
+- sharded, two-level (k > 1) or one rank per host: the reduce sends host g's owners their sums from every
+  other host once (up P - P_h, down (H - 1) P_h); the broadcast sends each owner's slices to every other
+  host once (up (H - 1) P_h, down P - P_h).
+- sharded, flat (k > 1): every rank sends its own part to each remote owner, and gloo's broadcast sends the
+  root's buffer to every other rank: k times the two-level figures.
+- ddp: gloo's ring all-reduce (reduce-scatter, then all-gather) sends 2 (W - 1) / W of every gradient byte
+  along each edge of the ring of ranks; one edge leaves each host, one enters it.
+A phase's figure is the larger direction of the most loaded link; phases run one after the other, so the
+total is their sum.
+"""
+
+from __future__ import annotations
+
+import time
+
+PROBE_BYTES = 32 << 20
+
+
+def probe_link(topo, hosts: int, nbytes: int = PROBE_BYTES, repeats: int = 5) -> dict:
+    """Every rank calls it (the barriers); the first rank of each host measures. Bytes per second each
+    way, from rank 0's exchanges (every host's the same shaped link)."""
+    import torch
+    import torch.distributed as dist
+
+    k = topo.world_size // hosts
+    group = topo.compute
+    host, local = divmod(topo.rank, k)
+    send = torch.zeros(nbytes // 4)
+    into = torch.empty_like(send)
+    took = []
+    for _ in range(repeats + 1):   # the first warms the connections
+        dist.barrier(group=group)
+        if local == 0:
+            t0 = time.perf_counter()
+            works = [dist.isend(send, dst=((host + 1) % hosts) * k, group=group),
+                     dist.irecv(into, src=((host - 1) % hosts) * k, group=group)]
+            for work in works:
+                work.wait()
+            took.append(time.perf_counter() - t0)
+    dist.barrier(group=group)
+    if not took:
+        return {}
+    seconds = min(took[1:])
+    return {"bytes_per_s": nbytes / seconds, "probe_bytes": nbytes, "probe_s": [round(t, 4) for t in took[1:]]}
+
+
+def ideal_bytes(variant: str, owned_per_rank: list[int], parameter_bytes: int, hosts: int) -> dict:
+    """Each phase's bytes over the most loaded host link, in its busier direction, and their `total`."""
+    world = len(owned_per_rank)
+    k = world // hosts
+    if variant.startswith("ddp"):
+        ring = 2 * (world - 1) / world * parameter_bytes
+        return {"allreduce": int(ring), "total": int(ring)}
+    per_host = [sum(owned_per_rank[h * k:(h + 1) * k]) for h in range(hosts)]
+    total = sum(per_host)
+    fan = k if variant.endswith("flat") and k > 1 else 1   # every rank on its own, not one per host
+    reduce = max(max(total - p, (hosts - 1) * p) for p in per_host) * fan
+    broadcast = max(max((hosts - 1) * p, total - p) for p in per_host) * fan
+    return {"reduce": int(reduce), "broadcast": int(broadcast), "total": int(reduce + broadcast)}

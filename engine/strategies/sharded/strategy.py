@@ -407,8 +407,9 @@ class ShardedStrategy:
     def load(self, source: Path, manifest: dict) -> None:
         ckpt.check_strategy(source, manifest, self.name)
         if manifest["layout"].get("owners") != dict(zip(self.param_names, self.owners)):
-            raise ckpt.CheckpointError(f"{source}: its parameter ownership differs from this run's "
-                                       f"(another model or world size)")
+            raise ckpt.CheckpointError(f"{source}: its parameter ownership differs from this run's (another model "
+                                       f"or world size, or a trainyard from before owners were interleaved, "
+                                       f"2026-11-25: resume it with the version that wrote it)")
         self.sync()
         by_name = dict(zip(self.param_names, self.params))
         with torch.no_grad():

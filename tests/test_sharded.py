@@ -20,6 +20,7 @@ from engine.strategies.ddp import DDPStrategy
 from engine.runtime.devices import LedgerDevice
 from engine.models import build_model
 from engine.strategies.sharded import ShardedStrategy, assign_owners, cut, plan_slices
+from engine.strategies.sharded.plan import reduce_buckets
 from engine.runtime.procpool import DistPool
 
 # --- the plan ---------------------------------------------------------------------------
@@ -268,3 +269,19 @@ def test_balanced_gives_each_owner_streams_of_its_own_so_both_directions_always_
     # fewer streams than owners: each owner keeps to one stream, shared round robin
     four = plan_slices(spans_of([[10] * 2] * 4), slices=2, streams=2, assignment="balanced", seed=0)
     assert all(s.stream == s.owner % 2 for s in four)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.integers(1, 5000), min_size=0, max_size=6), min_size=1, max_size=4), st.integers(1, 16),
+       st.integers(1, 20_000))
+def test_reduce_buckets_are_whole_slices_covering_each_owner_once_each_at_least_the_minimum(sizes, slices, min_bytes):
+    spans = spans_of(sizes)
+    plan = plan_slices(spans, slices=max(slices, 1), streams=1, assignment="balanced", seed=0)
+    buckets = reduce_buckets(plan, len(spans), 4, min_bytes)
+    for owner in range(len(spans)):
+        mine = [(b.start, b.stop) for b in buckets if b.owner == owner]
+        cuts = sorted((s.start, s.stop) for s in plan if s.owner == owner)
+        assert mine == sorted(mine) and [a for a, _ in mine[1:]] == [b for _, b in mine[:-1]]   # contiguous, once
+        assert (mine[0][0], mine[-1][1]) == (0, cuts[-1][1]) if cuts else mine == []
+        assert {a for a, _ in mine} <= {a for a, _ in cuts}   # bucket edges are slice edges
+        assert all((b - a) * 4 >= min_bytes for a, b in mine[:-1])   # only an owner's last may be short

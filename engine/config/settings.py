@@ -189,9 +189,9 @@ class ParallelConfig:
     world_size: int = setting(2, "Worker processes on this machine.", min=1, max=256)
     streams: int = setting(2, "sharded: communication streams (one process group each) that carry the "
                               "broadcast of updated parameters.", min=1, max=64)
-    slices: int = setting(4, "sharded: slices each owner cuts its shard into; at least `streams`. A slice's "
-                             "gradients go to its owner as soon as backward has made them, and its update comes "
-                             "back as one broadcast.", min=1, max=4096)
+    slices: int = setting(4, "sharded: slices each owner cuts its shard into; at least `streams`. Each slice's "
+                             "update goes out as one broadcast; its gradients go to the owner as soon as backward "
+                             "has made them, consecutive slices merged up to 1 MiB a message.", min=1, max=4096)
     slice_assignment: str = setting("balanced", "sharded: how slices are given to streams: `balanced` (the "
                                                 "least loaded of the owner's own streams, so every owner's "
                                                 "broadcast runs at once) or `random` (seeded by run.seed, the "

@@ -14,15 +14,16 @@ owner builds an optimizer over its parameters, so optimizer state exists on the 
 about 1/world of what DDP keeps.
 
 Slices. Each owner's buffer is cut into `slices` contiguous slices, listed in forward-use
-order across owners (plan.py). A slice is the unit of both directions of a step, so that every
-link carries traffic both ways in both: (owners in contiguous runs sent rank 0's half, then
-rank 1's, and one direction of a 1 Gbit/s link idled while the other worked).
+order across owners (plan.py), so that every link carries traffic both ways (owners in
+contiguous runs sent rank 0's half, then rank 1's, and one direction of a 1 Gbit/s link idled
+while the other worked). Gradients travel in buckets: an owner's consecutive slices, merged up
+to 1 MiB (a bench-sized model's slices are a bucket each; a tiny model's, one per owner).
 
 A step. Backward accumulates every gradient into the flat gradient buffers; once backward has
-made every gradient a slice holds (post-accumulate hooks count them), the slice is averaged
+made every gradient a bucket holds (post-accumulate hooks count them), the bucket is averaged
 and sent point-to-point to its owner, tagged with its index, while backward goes on with
 earlier layers (as DDP's buckets go); the owner adds what the others sent into its own. No
-all-reduce: each rank receives only its own slices' parts. (Point-to-point is gloo's fastest
+all-reduce: each rank receives only its own buckets' parts. (Point-to-point is gloo's fastest
 way to do this here: for 19M floats on 2 workers, isend/irecv plus the sum took 30 ms where
 gloo's reduce to each owner took 2 x 38 ms and its all-reduce 51 ms.) The owner then updates
 its shard and each slice is broadcast from its owner on one of `streams` communicators (one

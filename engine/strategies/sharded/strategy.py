@@ -28,7 +28,7 @@ from engine.strategies.ddp import COMMANDS, params_by_layer, share_loss, stream_
 from engine.runtime.devices import LedgerDevice, tensor_bytes
 from engine.techniques.hybrid import HybridUpdater
 from engine.runtime.topology import Topology
-from engine.strategies.sharded.plan import assign_owners, plan_slices
+from engine.strategies.sharded.plan import assign_owners, plan_slices, reduce_buckets
 from engine.strategies.sharded.streams import StreamMeter, Tiers
 from engine.timing import Clock, StepTimes
 
@@ -116,23 +116,24 @@ class ShardedStrategy:
                                      update_cfg or UpdateConfig(), clip_mode="wait")
         self.optimizer = self.updater   # what the ledger counts: device-side optimizer state
 
-        # gradient sums, slice by slice: each rank sends a slice's gradients to its owner point-to-point as
-        # soon as backward has made all of them (across hosts: to the owner's relay on this host), while
-        # backward goes on with earlier layers, as DDP's buckets do; the owner, and a relay for the slices it
-        # stands for, receive the others' into buffers of their own
+        # gradient sums, bucket by bucket (an owner's slices, merged up to 1 MiB): each rank sends a bucket's
+        # gradients to its owner point-to-point as soon as backward has made all of them (across hosts: to the
+        # owner's relay on this host), while backward goes on with earlier layers, as DDP's buckets do; the
+        # owner, and a relay for the buckets it stands for, receive the others' into buffers of their own
         k = topo.local_world_size
         self.tiers = None
         if hierarchical and 1 < k < self.world and self.world % k == 0:
             self.tiers = Tiers(self.rank, k, *topo.host_stream_groups(streams), timeout_s=topo.timeout_s)
-        starts = [[s.start for s in self.plan if s.owner == o] for o in range(self.world)]
-        ids = [[i for i, s in enumerate(self.plan) if s.owner == o] for o in range(self.world)]
-        slices_of = []   # each parameter's slices: its gradient completes its part of each
+        self.buckets = reduce_buckets(self.plan, self.world, order[0].element_size() if order else 4)
+        starts = [[b.start for b in self.buckets if b.owner == o] for o in range(self.world)]
+        ids = [[i for i, b in enumerate(self.buckets) if b.owner == o] for o in range(self.world)]
+        buckets_of = []   # each parameter's buckets: its gradient completes its part of each
         for p, owner, off in zip(order, self.owners, offsets):
             first = max(bisect.bisect_right(starts[owner], off) - 1, 0)
             last = bisect.bisect_left(starts[owner], off + p.numel())
-            slices_of.append([ids[owner][j] for j in range(first, last) if self.plan[ids[owner][j]].stop > off])
-        self._expected = [0] * len(self.plan)
-        for found in slices_of:
+            buckets_of.append([ids[owner][j] for j in range(first, last) if self.buckets[ids[owner][j]].stop > off])
+        self._expected = [0] * len(self.buckets)
+        for found in buckets_of:
             for i in found:
                 self._expected[i] += 1
         self._remaining = list(self._expected)
@@ -140,9 +141,9 @@ class ShardedStrategy:
         self._sends: list = []
         self._recvs: dict[int, list] = {}
         relayed_owners = set(self.tiers.relayed(self.world)) if self.tiers else set()
-        self.relayed = [i for i, s in enumerate(self.plan) if s.owner in relayed_owners]
+        self.relayed = [i for i, b in enumerate(self.buckets) if b.owner in relayed_owners]
         self._reduce_t0 = None   # this step's first send: the reduce's span runs from it to the last sum
-        # a relay sums and sends on a thread of its own, each slice as soon as its parts are in, while
+        # a relay sums and sends on a thread of its own, each bucket as soon as its parts are in, while
         # backward goes on with earlier layers
         self._relay_queue: queue.Queue = queue.Queue()
         self._relay_done = threading.Event()
@@ -151,13 +152,13 @@ class ShardedStrategy:
         if self.relayed:
             self._relay_thread = threading.Thread(target=self._relay_loop, daemon=True, name="sharded-relay")
             self._relay_thread.start()
-        # slice -> {sender: buffer}: this rank's own slices, then those it relays
+        # bucket -> {sender: buffer}: this rank's own buckets, then those it relays
         relayed = set(self.relayed)
-        self.incoming = {i: {q: torch.empty(s.numel, dtype=dtype, device=dev) for q in self._senders(s.owner)}
-                         for i, s in enumerate(self.plan) if s.owner == self.rank or i in relayed}
+        self.incoming = {i: {q: torch.empty(b.numel, dtype=dtype, device=dev) for q in self._senders(b.owner)}
+                         for i, b in enumerate(self.buckets) if b.owner == self.rank or i in relayed}
         device.ledger.extra["gradients"] = sum(tensor_bytes(b) for bufs in self.incoming.values()
                                                for b in bufs.values())
-        for p, found in zip(order, slices_of):
+        for p, found in zip(order, buckets_of):
             p.register_post_accumulate_grad_hook(self._grad_ready(found))
         self._works: list = []                  # slice index -> work of the broadcast in flight
         self._pending: dict[int, list[int]] = {}
@@ -170,12 +171,12 @@ class ShardedStrategy:
         self._broadcast()
         self.sync()
 
-    # --- backward: each slice's gradients to their owner once backward has made them -----------
-    def _grad_ready(self, slices: list[int]):
+    # --- backward: each bucket's gradients to their owner once backward has made them ----------
+    def _grad_ready(self, buckets: list[int]):
         def hook(param) -> None:
             if self._accumulating:   # a micro-step before the last: the gradient stays here
                 return
-            for i in slices:
+            for i in buckets:
                 self._remaining[i] -= 1
                 if self._remaining[i] == 0:
                     self._reduce(i)
@@ -191,11 +192,11 @@ class ShardedStrategy:
                         if owner == self.rank else [])
 
     def _reduce(self, i: int) -> None:
-        """Slice `i`'s gradients are complete here: to its owner (or its relay), tagged with the slice."""
+        """Bucket `i`'s gradients are complete here: to its owner (or its relay), tagged with the bucket."""
         if self._reduce_t0 is None:
             self._reduce_t0 = self.times.mark()
         self._sent.add(i)
-        s = self.plan[i]
+        s = self.buckets[i]
         buffer = self.grad_flat[s.owner][s.start:s.stop]
         if buffer.dtype == self.reduce_dtype:   # the mean, as DDP's hook divides before it sums
             buffer.div_(self.world)             # (a wider sum divides once, at the owner: _sum_into)
@@ -213,7 +214,7 @@ class ShardedStrategy:
             try:
                 for work in self._recvs.get(i, ()):
                     work.wait()
-                s = self.plan[i]
+                s = self.buckets[i]
                 total = self.grad_flat[s.owner][s.start:s.stop]
                 self._sum_into(total, [self.incoming[i][q] for q in sorted(self.incoming[i])])
                 self._sends.append(dist.isend(total, dst=s.owner, group=self.topo.compute, tag=i))
@@ -236,7 +237,7 @@ class ShardedStrategy:
                     from self._relay_error
         mine = self.grad_flat[self.rank]
         for i, parts in self.incoming.items():
-            s = self.plan[i]
+            s = self.buckets[i]
             if s.owner != self.rank:
                 continue
             for work in self._recvs.get(i, ()):
@@ -345,7 +346,7 @@ class ShardedStrategy:
         if self._works:   # a layer the forward never ran: its slices land before the update
             self.sync()
         broadcast_span = self._broadcast_span()   # the last step's broadcast: every slice of it has landed
-        for i in reversed(range(len(self.plan))):   # slices whose gradients never all came
+        for i in reversed(range(len(self.buckets))):   # buckets whose gradients never all came
             if i not in self._sent:
                 self._reduce(i)
         self._sum_onto_owner()

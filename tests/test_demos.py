@@ -62,15 +62,22 @@ class Terminal:
         self.tmux("kill-server")
 
 
+def screen_match(term: Terminal, pattern: str, timeout: float) -> re.Match | None:
+    """The first match of `pattern` on the screen within `timeout` s, or None."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if found := re.search(pattern, term.screen(), re.S):
+            return found
+        time.sleep(0.5)
+    return None
+
+
 def wait_screen(term: Terminal, pattern: str, timeout: float, what: str, story: bool = False) -> re.Match:
     """The first match of `pattern` on the screen within `timeout` s; else a failure showing the screen (and,
     with `story`, what the run logged of its commands: the events panel shows only its last lines)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if found := re.search(pattern, screen := term.screen(), re.S):
-            return found
-        time.sleep(0.5)
-    pytest.fail(f"timed out after {timeout}s waiting for {what}; the screen:\n{screen}"
+    if found := screen_match(term, pattern, timeout):
+        return found
+    pytest.fail(f"timed out after {timeout}s waiting for {what}; the screen:\n{term.screen()}"
                 + (f"\n{run_story(term.cwd / 'runs')}" if story else ""))
 
 
@@ -152,9 +159,9 @@ def stages(screen: str) -> str:
 def press_rebalance(term: Terminal) -> None:
     before = stages(term.screen())
     term.keys("r")
-    try:   # the console says "pending" once it has sent the command
-        wait_screen(term, r"rebalance: (pending|applied)", 15, "the console to send the rebalance")
-    except pytest.fail.Exception:   # a key pressed while the console's keys were dimmed does nothing: again
+    # the console says "pending" once it has sent the command; a key pressed while its keys were dimmed does
+    # nothing: press again
+    if not screen_match(term, r"rebalance: (pending|applied)", 15):
         term.keys("r")
     wait_screen(term, r"rebalance: applied at step \d+", 90, "the rebalance reply", story=True)
     wait_for(lambda: stages(term.screen()) != before, 30, "the Stages panel to show the new layout", interval=0.5)

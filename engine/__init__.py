@@ -80,7 +80,9 @@ def train(config: Config | dict | str | Path, *, model: LayerList | "torch.nn.Mo
         cfg = load_config(config, overrides)
     if model is not None and not isinstance(model, LayerList):
         from engine.models.hf import layers
-        model = layers(model)   # a Hugging Face causal LM, as it is: its own modules, so it gets the final weights
+        # a Hugging Face causal LM, as it is: its own modules, so it gets the final weights; checked against
+        # its own forward at the run's sequence length (ValueError naming what differs, or the positions)
+        model = layers(model, seq_len=_seq_len(cfg, data))
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"loss_fn must be a function (output, target) -> loss, got {type(loss_fn).__name__}")
     job = Job(config=cfg, model=model, data=data, resume=Path(resume) if resume else None,
@@ -91,3 +93,11 @@ def train(config: Config | dict | str | Path, *, model: LayerList | "torch.nn.Mo
         from engine.runtime.handover import load_final_weights
         load_final_weights(model, cfg.run_dir)
     return summary
+
+
+def _seq_len(cfg, data) -> int | None:
+    """The tokens a sample holds: token ids given as data (2-D integers), else a tokens or text data set's."""
+    if data is not None:
+        x = data.x_train
+        return int(x.shape[1]) if len(x.shape) == 2 and not x.is_floating_point() else data.meta.get("seq_len")
+    return cfg.data.seq_len if cfg.data.name in ("tokens", "text") else None

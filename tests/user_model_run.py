@@ -3,6 +3,8 @@ parity tests compare (tests/test_user_models.py runs it in a process session of 
 
     python tests/user_model_run.py OUT.pt '{"model": "gpt2", "runs": [{"label": "ddp", "world": 2, "config": {...}}]}'
 
+A run may name a model of its own ("model": "mixtral"); the spec's is the default.
+
 OUT.pt holds one entry per run, each on a fresh model: the caller's model before and after the run (as the
 LayerList engine.train makes of it), the final checkpoint's weights, every step's loss, the kinds of the run's
 events, and whether a tied weight is still one tensor in the caller's model.
@@ -31,7 +33,7 @@ def main(out: str, spec: dict) -> None:
         config = run["config"]
         config.setdefault("parallel", {})["world_size"] = run["world"]
         config["run"]["name"] = f"{config['run']['name']}-w{run['world']}"
-        model = MODELS[spec["model"]](seed=0)
+        model = MODELS[run.get("model", spec["model"])](seed=0)
         before = state(as_layers(model))
         log = Path(config["run"]["dir"]) / f"{config['run']['name']}.jsonl"
         data = masked_token_data() if spec.get("data") == "masked" else token_data()
@@ -39,7 +41,8 @@ def main(out: str, spec: dict) -> None:
         records = [json.loads(line) for line in log.read_text().splitlines()]
         run_dir = Path(config["run"]["dir"]) / config["run"]["name"]
         layers = as_layers(model)
-        results.append({"label": run["label"], "world": run["world"], "before": before, "caller": state(layers),
+        results.append({"label": run["label"], "world": run["world"], "model": run.get("model", spec["model"]),
+                        "before": before, "caller": state(layers),
                         "checkpoint": model_state(list_checkpoints(run_dir)[-1]),
                         "losses": [r["loss"] for r in records if r["type"] == "step"],
                         "events": [r["kind"] for r in records if r["type"] == "event"],

@@ -3,6 +3,7 @@
     model = encoder_model(seed=0)      # torch's own nn.TransformerEncoderLayer blocks, wrapped by hand
     model = gpt2_model(seed=0)         # transformers' GPT2LMHeadModel as it is: tied embeddings
     model = llama_model(seed=0)        # transformers' LlamaForCausalLM as it is: rotary embeddings, GQA
+    model = mistral_model(seed=0)      # ... a sliding window shorter than the sequence; gemma2, mixtral, qwen2-moe too
     as_layers(model)                   # the LayerList engine.train makes of either (engine.layers)
     data = token_data(seed=1)          # next-token pairs over VOCAB, SEQ_LEN long
 
@@ -64,11 +65,49 @@ def llama_model(seed: int = 0):
     return LlamaForCausalLM(config)
 
 
+def _family(name: str, seed: int, **extra):
+    """A family of tests/hf_families.py at this module's sizes (VOCAB, SEQ_LEN positions, D_MODEL, BLOCKS)."""
+    from transformers import AutoModelForCausalLM
+    from tests.hf_families import FAMILIES
+    config = FAMILIES[name].config()
+    for key, value in {"vocab_size": VOCAB, "max_position_embeddings": SEQ_LEN, "hidden_size": D_MODEL,
+                       "num_hidden_layers": BLOCKS, **extra}.items():
+        setattr(config, key, value)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config)
+
+
+def mistral_model(seed: int = 0):
+    """A tiny MistralForCausalLM with a sliding window of 5 tokens: past it (SEQ_LEN is 16), each block's
+    attention sees only the 5 tokens before, by the mask of its layer type."""
+    return _family("mistral", seed)
+
+
+def gemma2_model(seed: int = 0):
+    """A tiny Gemma2ForCausalLM: sliding and full layers alternating, logit soft caps, tied embeddings."""
+    return _family("gemma2", seed)
+
+
+# many small experts, so that a rank's share of a batch (256 tokens) leaves some of them without a token
+
+
+def mixtral_model(seed: int = 0):
+    """A tiny MixtralForCausalLM: 256 experts, two per token (Mixtral renormalises the chosen experts' weights:
+    with one per token its router would learn nothing), a sliding window."""
+    return _family("mixtral", seed, num_local_experts=256, num_experts_per_tok=2)
+
+
+def qwen2_moe_model(seed: int = 0):
+    """A tiny Qwen2MoeForCausalLM: 64 experts, one per token, and a shared expert."""
+    return _family("qwen2-moe", seed, num_experts=64, num_experts_per_tok=1)
+
+
 def as_layers(model) -> LayerList:
     return engine.layers(model, check=False)
 
 
-MODELS = {"encoder": encoder_model, "gpt2": gpt2_model, "llama": llama_model}
+MODELS = {"encoder": encoder_model, "gpt2": gpt2_model, "llama": llama_model, "mistral": mistral_model,
+          "gemma2": gemma2_model, "mixtral": mixtral_model, "qwen2-moe": qwen2_moe_model}
 
 
 def masked_token_data(seed: int = 1):

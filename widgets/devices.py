@@ -17,6 +17,8 @@ rank's card would show, for the console's card dialog.
 
 from __future__ import annotations
 
+import functools
+
 from time import monotonic
 
 from rich.text import Text
@@ -40,12 +42,18 @@ CATEGORIES = [
     ("optimizer_state_bytes", "optim", "#2ec4b6"),
     ("master_bytes", "master", "#f4d35e"),   # fp32 masters beside bf16 weights (precision.params); else absent
     ("activations_bytes", "act", "#e879a6"),
+    ("inputs_bytes", "inputs", "#9be564"),   # masks and rotary tables a model's blocks share; else absent
 ]
+OPTIONAL = ("master_bytes", "inputs_bytes")   # in the legend only where a rank has some
 WARN_FRACTION, CRIT_FRACTION = 0.80, 0.95
 LEDGER_FIELDS = ("used_bytes", "capacity_bytes")   # a card without them has no memory to draw
-LEGEND = Text(" ").join(Text.assemble(("■", colour), label) for field, label, colour in CATEGORIES
-                        if field != "master_bytes")
-LEGEND_MASTER = Text(" ").join(Text.assemble(("■", colour), label) for _, label, colour in CATEGORIES)
+
+
+@functools.lru_cache(maxsize=8)
+def legend(present: frozenset) -> Text:
+    """The bar's legend: every category but the optional ones a rank does not have."""
+    return Text(" ").join(Text.assemble(("■", colour), label) for field, label, colour in CATEGORIES
+                          if field not in OPTIONAL or field in present)
 
 
 class Throttle:
@@ -152,8 +160,8 @@ class DeviceCard(Widget):
         parts = [(entry.get(field) or 0, colour) for field, _, colour in CATEGORIES]
         level_style = {"ok": "", "warn": "bold #ffb000", "crit": "bold red"}[self.level()]
         lines = self.name_lines(entry, self.device_name) + lines
-        legend = LEGEND_MASTER if entry.get("master_bytes") else LEGEND   # masters only where there are some
-        lines += [segment_bar(parts, capacity, width, entry.get("peak_bytes")), legend.copy()]
+        present = frozenset(field for field in OPTIONAL if entry.get(field))
+        lines += [segment_bar(parts, capacity, width, entry.get("peak_bytes")), legend(present).copy()]
         # beside the allocator's figures, "used" would be ambiguous: the bar is the ledger's
         used = Text.assemble("ledger " if self.is_gpu(entry) else "used ",
                              (human_bytes(entry.get("used_bytes")), "bold"), " / cap ", human_bytes(capacity))

@@ -79,8 +79,9 @@ class RunConfig:
 class ModelConfig:
     """The built-in model and its shape."""
 
-    name: str = setting("mlp", "Built-in model, or `hf`: a Hugging Face decoder-only causal LM (GPT-2 or Llama "
-                               "layout, engine/models/hf.py) built from `hf_config`, needs transformers "
+    name: str = setting("mlp", "Built-in model, or `hf`: a Hugging Face decoder-only causal LM (any family "
+                               "docs/models.md lists as equal, engine/models/hf/) built from `hf_config`, "
+                               "checked against its own forward before any worker starts; needs transformers "
                                "(pip install -e '.[hf]'). `user`: the model given to engine.train (it sets "
                                "this; a config file cannot).", choices=("mlp", "transformer", "branchy", "hf", "user"))
     hf_config: str = setting("", "hf: path to the model's config.json (or the folder holding it); its weights "

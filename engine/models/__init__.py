@@ -39,7 +39,7 @@ def build_model(cfg: ModelConfig, meta: dict, seed: int) -> LayerList:
     if cfg.name == "hf":
         from engine.models.hf import from_files
         torch.manual_seed(seed)
-        return from_files(cfg.hf_config, cfg.hf_weights, meta.get("vocab_size"))
+        return from_files(cfg.hf_config, cfg.hf_weights, meta.get("vocab_size"))   # checked by the launcher
     if cfg.name not in _NEEDS:
         raise ValueError(f"unknown model {cfg.name!r}; built-in models are {sorted(_NEEDS)}")
     keys, kind = _NEEDS[cfg.name]

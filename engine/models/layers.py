@@ -80,6 +80,38 @@ def tied_parameters(model: "LayerList") -> list[list[tuple[str, str]]]:
     return [names for names in holders.values() if len({layer for layer, _ in names}) > 1]
 
 
+class SharedInputs(nn.Module):
+    """Tensors several layers take besides the hidden state, computed from the input's shape alone and shared
+    by every layer that takes them (a Hugging Face decoder's attention masks and rotary tables:
+    engine/models/hf/parts.py BlockInputs). Not parameters: it has no parameters or buffers, so nothing of it
+    is in state_dict, a checkpoint or an export. The layers that take it hold it as a submodule, so
+    `module.modules()` finds it once however many layers share it, and the ledger counts `nbytes()`
+    (shared_input_bytes)."""
+
+    def tensors(self) -> list:
+        """The tensors held now."""
+        return []
+
+    def nbytes(self) -> int:
+        """Their bytes, each storage once."""
+        storages = {(t.device, t.untyped_storage().data_ptr()): t.untyped_storage().nbytes() for t in self.tensors()}
+        return sum(storages.values())
+
+
+def _shared_inputs(modules) -> list[SharedInputs]:
+    return list({id(m): m for module in modules for m in module.modules() if isinstance(m, SharedInputs)}.values())
+
+
+def shared_input_bytes(modules) -> int:
+    """Bytes the SharedInputs under `modules` hold now, each SharedInputs once."""
+    return sum(m.nbytes() for m in _shared_inputs(modules))
+
+
+def shared_input_ptrs(modules) -> set[int]:
+    """The storages of the tensors the SharedInputs under `modules` hold now."""
+    return {t.untyped_storage().data_ptr() for m in _shared_inputs(modules) for t in m.tensors()}
+
+
 class LayerList(nn.Module):
     """Named layers applied in order; `clusters` says which of them must stay together."""
 

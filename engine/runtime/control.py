@@ -24,7 +24,7 @@ GPU_FIELDS = ("allocated_bytes", "reserved_bytes", "allocator_peak_bytes", "nvml
               "gpu_util_percent")
 FIELDS = ("stop", "command_bytes", "loss", "step_ms", "fwd_ms", "bwd_ms", "optim_ms", "compute_ms", "wait_ms", "gate_ms", "owned_bytes", "host_bytes", "host_busy_ms",
           "parameters_bytes", "gradients_bytes", "optimizer_state_bytes", "master_bytes", "activations_bytes",
-          "swapped_bytes", "used_bytes", "peak_bytes", "capacity_bytes", "over_capacity",
+          "inputs_bytes", "swapped_bytes", "used_bytes", "peak_bytes", "capacity_bytes", "over_capacity",
           "rss_bytes", "cpu_percent", "sent_bytes", "migration_bytes", "migration_ms", "swap_layers", "recompute_layers",
           "plan_made", "plan_estimate_bytes", "min_capacity_bytes", "swapped_out_bytes", "link_wait_ms", "host_link_bytes",
           *GPU_FIELDS)

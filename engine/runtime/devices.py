@@ -1,7 +1,8 @@
 """Worker devices and the memory ledger.
 
     device = open_device("auto", None, local_rank, local_world_size)   # CudaDevice or LedgerDevice
-    device.ledger.track_module(model, optimizer)        # parameters, gradients, optimizer state, fp32 masters
+    device.ledger.track_module(model, optimizer)        # parameters, gradients, optimizer state, fp32 masters,
+                                                        # the blocks' shared inputs (masks, rotary tables)
     with device.ledger.saved_activations():             # live saved activations
         loss = model(x).sum(); loss.backward()
     device.stats()                                      # the ledger's keys on both kinds, plus the GPU's own
@@ -22,9 +23,12 @@ from contextlib import contextmanager
 import psutil
 import torch
 
+from engine.models.layers import shared_input_bytes, shared_input_ptrs
 from engine.runtime.refusal import Refused
 
-CATEGORIES = ("parameters", "gradients", "optimizer_state", "master", "activations", "swapped")
+# "inputs": tensors a model's blocks share per input shape besides the hidden state (a Hugging Face model's
+# attention masks and rotary tables, engine/models/hf/parts.py), each counted once however many blocks take it
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "master", "activations", "inputs", "swapped")
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
@@ -95,7 +99,9 @@ class MemoryLedger:
             if hasattr(opt, "rollback_bytes"):   # speculative updates' copies, until the step is decided
                 state += opt.rollback_bytes()
         extra = self.extra
+        inputs = shared_input_bytes(self._modules)
         with self._lock:
+            self.bytes["inputs"] = inputs
             self.bytes["parameters"] = params + extra.get("parameters", 0)
             self.bytes["gradients"] = grads + extra.get("gradients", 0)
             self.bytes["optimizer_state"] = state + extra.get("optimizer_state", 0)
@@ -128,14 +134,18 @@ class MemoryLedger:
     def saved_activations(self):
         """Count tensors autograd saves for backward while they are alive.
 
-        Parameters saved for backward are not activations and are skipped; a storage
+        Parameters saved for backward are not activations and are skipped (so are the inputs the blocks
+        share, counted under "inputs" once they exist: from the second step on); a storage
         saved twice (a ReLU output kept by the ReLU and the next Linear) counts once.
         While a swap-policy layer runs (engine/techniques/memory/), what it saves goes to the host.
         """
         if not self.count_activations and self.swapper is None:
             yield
             return
+        # parameters, and the tensors the blocks share (masks, rotary tables: counted under "inputs", kept
+        # across steps, so neither counted again nor swapped out when a block saves them)
         self._param_ptrs = {p.untyped_storage().data_ptr() for m in self._modules for p in m.parameters()}
+        self._param_ptrs |= shared_input_ptrs(self._modules)
 
         def unpack(saved):
             return saved if torch.is_tensor(saved) else saved.unpack()   # _Saved, memory.swap._SwapHandle

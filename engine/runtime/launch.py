@@ -84,6 +84,7 @@ def prepare_run_dir(job: Job) -> None:
     they would resume."""
     cfg = job.config
     check_machine(job)
+    check_model(job)
     run_dir = cfg.run_dir
     node = cfg.cluster.node_rank
     if node:
@@ -126,6 +127,22 @@ def prepare_run_dir(job: Job) -> None:
         if not stale.name.startswith("launcher-node"):   # another host's launcher may be up already
             stale.unlink()
     (run_dir / "pids" / "launcher.pid").write_text(str(os.getpid()))
+
+
+def check_model(job: Job) -> None:
+    """A `[model] name = "hf"` model is compared with its own forward before any worker starts, on a reduced
+    copy built from its config (engine/models/hf/check.py): what is not reproduced, or a data.seq_len past
+    its table of positions, is refused by name (RunSetupError, exit status 2). A model given to engine.train
+    was checked when its LayerList was made."""
+    cfg = job.config
+    if cfg.model.name != "hf" or job.model is not None:
+        return
+    from engine.models.hf import check_files
+    seq_len = cfg.data.seq_len if cfg.data.name in ("tokens", "text") else None
+    try:
+        check_files(cfg.model.hf_config, cfg.model.hf_weights, seq_len)
+    except ValueError as e:
+        raise RunSetupError(str(e)) from None
 
 
 def check_machine(job: Job) -> None:

@@ -20,7 +20,7 @@ RANK_ENTRY = {
                                                          "link_wait_ms", "compute_ms")},
         "stale_steps": {"type": "integer", "minimum": 0},
         **{k: _BYTES for k in ("parameters_bytes", "gradients_bytes", "optimizer_state_bytes", "master_bytes",
-                               "host_link_bytes", "activations_bytes", "swapped_bytes", "used_bytes", "peak_bytes",
+                               "host_link_bytes", "activations_bytes", "inputs_bytes", "swapped_bytes", "used_bytes", "peak_bytes",
                                "capacity_bytes", "rss_bytes", "swapped_out_bytes", "sent_bytes")},
         **{k: {"type": "integer", "minimum": 0} for k in ("swap_layers", "recompute_layers")},
         "over_capacity": {"type": "boolean"}, "cpu_percent": {"type": "number", "minimum": 0},

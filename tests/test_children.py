@@ -110,8 +110,11 @@ def own_tmp(tmp_path, monkeypatch) -> Path:
 # A command owning a child, which has a grandchild in another process group of its session that ignores
 # SIGINT: only the session scan and the SIGKILL after the grace find it.
 OWNER = textwrap.dedent("""
-    import json, subprocess, sys, time
+    import json, signal, subprocess, sys, time
     from engine.runtime import children
+    # a command started from a terminal: a suite run as a shell's background job inherits SIGINT ignored, which
+    # ChildRuns rightly leaves be (the SIGINT case then never ends the owner)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     children.STOP_GRACE_S = 1.0
     CHILD = '''
     import subprocess, sys, time

@@ -186,7 +186,7 @@ def test_each_layer_types_mask_and_rotary_table_is_computed_once_and_shared():
 def test_a_mask_a_block_saves_for_backward_is_not_counted_again_as_an_activation():
     """sdpa saves its mask for backward; the ledger counts the mask under inputs, once, never as an activation
     (nor would a swap policy copy it to the host)."""
-    from engine.models.layers import shared_input_ptrs
+    from engine.models.layers import shared_input_ptrs, shared_inputs
     from engine.runtime.devices import MemoryLedger
     layers = engine.layers(build("mistral"))
     ledger = MemoryLedger(1 << 30)
@@ -198,7 +198,7 @@ def test_a_mask_a_block_saves_for_backward_is_not_counted_again_as_an_activation
     assert mask is not None and ledger.bytes["inputs"] >= mask.numel()
     with ledger.saved_activations():
         out = layers(ids)
-        assert set(ledger._saved) and not set(ledger._saved) & shared_input_ptrs([layers])
+        assert set(ledger._saved) and not set(ledger._saved) & shared_input_ptrs(shared_inputs([layers]))
         out.sum().backward()
 
 

@@ -522,14 +522,19 @@ def test_a_lane_has_one_bar_per_step_however_often_it_is_drawn():
 
 
 @pytest.mark.timeout(60)
-def test_a_card_names_the_fp32_masters_only_where_a_rank_keeps_some():
-    """bf16 weights (precision.params): the masters are a category of their own on the bar and its legend."""
+def test_a_card_names_the_fp32_masters_and_the_blocks_shared_inputs_only_where_a_rank_keeps_some():
+    """bf16 weights (precision.params): the masters are a category of their own on the bar and its legend; so
+    are the inputs a model's blocks share (masks, rotary tables)."""
     async def test(pilot, card: DeviceCard) -> None:
         card.update_data(rank_entry(3), simulated=True)
         await pilot.pause()
         assert "■param ■grad ■optim ■act" in screen_text(pilot) and "master" not in screen_text(pilot)
         card.update_data(rank_entry(3, master_bytes=4 * MIB), simulated=True)
         await pilot.pause(REPAINT_WAIT_S)
-        assert "■param ■grad ■optim ■master ■act" in screen_text(pilot)
+        assert "■param ■grad ■optim ■master ■act" in screen_text(pilot) and "inputs" not in screen_text(pilot)
+        # a Hugging Face model's masks and rotary tables, shared by its blocks (docs/models.md)
+        card.update_data(rank_entry(3, master_bytes=4 * MIB, inputs_bytes=MIB), simulated=True)
+        await pilot.pause(REPAINT_WAIT_S)
+        assert "■param ■grad ■optim ■master ■act ■inputs" in screen_text(pilot)
 
     mounted(DeviceCard(3), test)

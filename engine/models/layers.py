@@ -86,7 +86,7 @@ class SharedInputs(nn.Module):
     engine/models/hf/parts.py BlockInputs). Not parameters: it has no parameters or buffers, so nothing of it
     is in state_dict, a checkpoint or an export. The layers that take it hold it as a submodule, so
     `module.modules()` finds it once however many layers share it, and the ledger counts `nbytes()`
-    (shared_input_bytes)."""
+    (shared_inputs, shared_input_bytes)."""
 
     def tensors(self) -> list:
         """The tensors held now."""
@@ -98,18 +98,19 @@ class SharedInputs(nn.Module):
         return sum(storages.values())
 
 
-def _shared_inputs(modules) -> list[SharedInputs]:
+def shared_inputs(modules) -> list[SharedInputs]:
+    """The SharedInputs under `modules`, each once (found by walking them: keep the list while they stay)."""
     return list({id(m): m for module in modules for m in module.modules() if isinstance(m, SharedInputs)}.values())
 
 
-def shared_input_bytes(modules) -> int:
-    """Bytes the SharedInputs under `modules` hold now, each SharedInputs once."""
-    return sum(m.nbytes() for m in _shared_inputs(modules))
+def shared_input_bytes(found: list[SharedInputs]) -> int:
+    """Bytes the SharedInputs `found` hold now."""
+    return sum(m.nbytes() for m in found)
 
 
-def shared_input_ptrs(modules) -> set[int]:
-    """The storages of the tensors the SharedInputs under `modules` hold now."""
-    return {t.untyped_storage().data_ptr() for m in _shared_inputs(modules) for t in m.tensors()}
+def shared_input_ptrs(found: list[SharedInputs]) -> set[int]:
+    """The storages of the tensors the SharedInputs `found` hold now."""
+    return {t.untyped_storage().data_ptr() for m in found for t in m.tensors()}
 
 
 class LayerList(nn.Module):

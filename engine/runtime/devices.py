@@ -23,7 +23,7 @@ from contextlib import contextmanager
 import psutil
 import torch
 
-from engine.models.layers import shared_input_bytes, shared_input_ptrs
+from engine.models.layers import shared_input_bytes, shared_input_ptrs, shared_inputs
 from engine.runtime.refusal import Refused
 
 # "inputs": tensors a model's blocks share per input shape besides the hidden state (a Hugging Face model's
@@ -45,6 +45,7 @@ class MemoryLedger:
         self.over_capacity = False
         self._lock = threading.RLock()   # RLock: a handle freed by the GC inside a locked section
         self._modules: list[torch.nn.Module] = []
+        self._shared: list = []   # the tracked modules' SharedInputs (engine/models/layers.py), found as tracked
         self._optimizers: list[torch.optim.Optimizer] = []
         self._saved: dict[int, list] = {}   # storage pointer -> [bytes, references]
         self.extra: dict[str, int] = {}     # bytes a strategy holds outside parameters/.grad/state, by category
@@ -66,6 +67,7 @@ class MemoryLedger:
     # --- what the engine holds -------------------------------------------------
     def track_module(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
         self._modules.append(module)
+        self._shared = shared_inputs(self._modules)
         if optimizer is not None:
             self._optimizers.append(optimizer)
         self.refresh()
@@ -81,6 +83,7 @@ class MemoryLedger:
             self._modules[index] = module
         else:
             self._modules.append(module)
+        self._shared = shared_inputs(self._modules)
         self.refresh()
 
     def refresh(self) -> None:
@@ -99,7 +102,7 @@ class MemoryLedger:
             if hasattr(opt, "rollback_bytes"):   # speculative updates' copies, until the step is decided
                 state += opt.rollback_bytes()
         extra = self.extra
-        inputs = shared_input_bytes(self._modules)
+        inputs = shared_input_bytes(self._shared)
         with self._lock:
             self.bytes["inputs"] = inputs
             self.bytes["parameters"] = params + extra.get("parameters", 0)
@@ -145,7 +148,7 @@ class MemoryLedger:
         # parameters, and the tensors the blocks share (masks, rotary tables: counted under "inputs", kept
         # across steps, so neither counted again nor swapped out when a block saves them)
         self._param_ptrs = {p.untyped_storage().data_ptr() for m in self._modules for p in m.parameters()}
-        self._param_ptrs |= shared_input_ptrs(self._modules)
+        self._param_ptrs |= shared_input_ptrs(self._shared)
 
         def unpack(saved):
             return saved if torch.is_tensor(saved) else saved.unpack()   # _Saved, memory.swap._SwapHandle

@@ -22,7 +22,7 @@ from engine.data import batch_for
 from engine.runtime.handover import HandoverError, hand_over, load_final_weights, received_model
 from engine.runtime.rank import Job
 from tests.conftest import ROOT, train_one_process
-from tests.user_models import BLOCKS, MODELS, SEQ_LEN, VOCAB, as_layers, masked_token_data, token_data
+from tests.user_models import BLOCKS, MODELS, RARE, SEQ_LEN, VOCAB, as_layers, masked_token_data, token_data
 
 STEPS, BATCH, SEED = 8, 32, 0
 MOE_STEPS = 3   # test_mixture_of_experts_...: before a router's near tie can part the runs
@@ -54,7 +54,7 @@ def reference(model_name: str, data: str = "tokens", steps: int = STEPS) -> tupl
 
 def train_in_a_script(tmp_path, model_name: str | list[str], strategies: list[str], timeout_s: float = 150,
                       data: str = "tokens", worlds: dict | None = None, precision: dict | None = None,
-                      steps: int = STEPS) -> list[dict]:
+                      steps: int = STEPS, find_unused: list[str] = ()) -> list[dict]:
     """tests/user_model_run.py in a process session of its own, reaped whatever happens: each model (one name or
     several), each strategy at each of its world sizes (`worlds`, else WORLDS), one after the other in one
     process (as a user's script would; transformers is imported once, and the workers fork from a server that
@@ -66,6 +66,9 @@ def train_in_a_script(tmp_path, model_name: str | list[str], strategies: list[st
                         "data": {"batch_size": BATCH}, "optim": OPTIM, "telemetry": {"hub": False},
                         **({"precision": precision} if precision else {}), **STRATEGIES[strategy]}}
             for name in names for strategy in strategies for world in (worlds or WORLDS).get(strategy, [2])]
+    for run in runs:   # `find_unused`: the models that leave a parameter without a gradient in some step
+        if run["model"] in find_unused and run["label"].startswith("ddp"):
+            run["config"]["parallel"] = {**run["config"].get("parallel", {}), "find_unused_parameters": True}
     out = tmp_path / "results.pt"
     proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "user_model_run.py"), str(out),
                              json.dumps({"model": names[0], "runs": runs, "data": data})],
@@ -298,8 +301,10 @@ def test_bf16_weights_on_a_hugging_face_model_equal_one_process_in_bf16(tmp_path
 @pytest.mark.skipif(not _has_transformers(), reason="transformers is not installed (pip install -e '.[hf]')")
 def test_mixture_of_experts_models_under_data_parallel_equal_one_worker(tmp_path):
     """Mixtral and Qwen2-MoE in ddp and sharded at world 2, 64 experts and one per token: a rank's share sends
-    no token to a third of the experts, and their gradient there is zero (transformers keeps a block's experts
-    in one tensor), so the sum over ranks is the one worker's gradient. Three steps: a top-1 router picks
+    no token to many of the experts, and their gradient there is zero (transformers keeps a block's experts
+    in one tensor), so the sum over ranks is the one worker's gradient. A user's model with an expert per
+    module (tests/user_models.py RoutedEmbedding) equals one worker in sharded as it is, and in ddp with
+    parallel.find_unused_parameters (torch's DDP cannot do without: its buckets would wait for the gradient). Three steps: a top-1 router picks
     between experts that score alike to within a rounding, and the sum over two ranks rounds otherwise than one
     process's sum (1e-7), so over more steps a token can change experts and the runs part (seen: 1.5e-4 at the
     fourth step), in torch's DDP as here; the first steps show whether the gradients are summed right."""
@@ -315,10 +320,14 @@ def test_mixture_of_experts_models_under_data_parallel_equal_one_worker(tmp_path
         assert idle.sum() > 10, (name, int(idle.sum()))
         grad = mlp.experts.gate_up_proj.grad
         assert grad is not None and not grad[idle].any() and grad[~idle].any()
-    runs = train_in_a_script(tmp_path, ["mixtral", "qwen2-moe"], ["ddp", "sharded-gated-host"], timeout_s=280,
-                             worlds={"ddp": [2]}, steps=MOE_STEPS)
+    ds = token_data()   # the routed model of tests/user_models.py: a step where one rank runs its rare expert
+    rare = [[bool((batch_for(ds, step, BATCH, SEED, rank, 2)[0][:, 0] == RARE).any()) for rank in (0, 1)]
+            for step in range(MOE_STEPS)]
+    assert all(a or b for a, b in rare) and any(a != b for a, b in rare), rare
+    runs = train_in_a_script(tmp_path, ["mixtral", "qwen2-moe", "routed"], ["ddp", "sharded-gated-host"],
+                             timeout_s=280, worlds={"ddp": [2]}, steps=MOE_STEPS, find_unused=["routed"])
     failures = []
-    for name in ("mixtral", "qwen2-moe"):
+    for name in ("mixtral", "qwen2-moe", "routed"):
         want_state, want_losses = reference(name, steps=MOE_STEPS)
         failures += [f"{name}: {f}" for f in check_runs([r for r in runs if r["model"] == name], want_state,
                                                         want_losses)]

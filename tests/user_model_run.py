@@ -3,7 +3,8 @@ parity tests compare (tests/test_user_models.py runs it in a process session of 
 
     python tests/user_model_run.py OUT.pt '{"model": "gpt2", "runs": [{"label": "ddp", "world": 2, "config": {...}}]}'
 
-A run may name a model of its own ("model": "mixtral"); the spec's is the default.
+A run may name a model of its own ("model": "mixtral"); the spec's is the default. A run that raises is
+recorded by its error alone.
 
 OUT.pt holds one entry per run, each on a fresh model: the caller's model before and after the run (as the
 LayerList engine.train makes of it), the final checkpoint's weights, every step's loss, the kinds of the run's
@@ -37,7 +38,12 @@ def main(out: str, spec: dict) -> None:
         before = state(as_layers(model))
         log = Path(config["run"]["dir"]) / f"{config['run']['name']}.jsonl"
         data = masked_token_data() if spec.get("data") == "masked" else token_data()
-        summary = engine.train(config, model=model, data=data, telemetry_log=log)
+        try:
+            summary = engine.train(config, model=model, data=data, telemetry_log=log)
+        except Exception as e:   # a refused run: what it said
+            results.append({"label": run["label"], "world": run["world"], "model": run.get("model", spec["model"]),
+                            "error": f"{type(e).__name__}: {e}"})
+            continue
         records = [json.loads(line) for line in log.read_text().splitlines()]
         run_dir = Path(config["run"]["dir"]) / config["run"]["name"]
         layers = as_layers(model)

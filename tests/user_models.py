@@ -102,12 +102,42 @@ def qwen2_moe_model(seed: int = 0):
     return _family("qwen2-moe", seed, num_experts=64, num_experts_per_tok=1)
 
 
+# a first token id that every global batch of token_data's first three steps holds, and that each rank's share
+# lacks in one of them (a batch without it at all: torch's optimizer skips a parameter whose gradient is None,
+# where every strategy here, torch's DDP too, steps it on a zero gradient)
+RARE = 13
+
+
+class RoutedEmbedding(nn.Module):
+    """A mixture of experts as users write one, a module per expert: a sample's first token goes to the `rare`
+    embedding when its id is RARE, every other token to `common`. Per sample, so data parallel computes one
+    worker's function; a rank whose share has no such sample runs no `rare`, which gets no gradient there."""
+
+    def __init__(self, vocab: int, d_model: int):
+        super().__init__()
+        self.common, self.rare = nn.Embedding(vocab, d_model), nn.Embedding(vocab, d_model)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out = self.common(ids)
+        chosen = ids[:, :1] == RARE
+        if not chosen.any():
+            return out
+        first = torch.where(chosen.unsqueeze(-1), self.rare(ids[:, :1]), out[:, :1])
+        return torch.cat([first, out[:, 1:]], dim=1)
+
+
+def routed_model(seed: int = 0) -> LayerList:
+    torch.manual_seed(seed)
+    return LayerList([("route", RoutedEmbedding(VOCAB, D_MODEL)), ("norm", nn.LayerNorm(D_MODEL)),
+                      ("head", nn.Linear(D_MODEL, VOCAB))])
+
+
 def as_layers(model) -> LayerList:
     return engine.layers(model, check=False)
 
 
 MODELS = {"encoder": encoder_model, "gpt2": gpt2_model, "llama": llama_model, "mistral": mistral_model,
-          "gemma2": gemma2_model, "mixtral": mixtral_model, "qwen2-moe": qwen2_moe_model}
+          "gemma2": gemma2_model, "mixtral": mixtral_model, "qwen2-moe": qwen2_moe_model, "routed": routed_model}
 
 
 def masked_token_data(seed: int = 1):

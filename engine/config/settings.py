@@ -188,6 +188,13 @@ class ParallelConfig:
                                    "(docs/param_server.md).",
                             choices=("ddp", "sharded", "pipeline", "param_server"))
     world_size: int = setting(2, "Worker processes on this machine.", min=1, max=256)
+    find_unused_parameters: bool = setting(False, "ddp: torch DistributedDataParallel's own flag: set it for a "
+                                                  "model that leaves some parameter without a gradient in some "
+                                                  "step (a mixture of experts with a module per expert: a rank's "
+                                                  "share may route no token to one). It costs a walk of the "
+                                                  "autograd graph every step; `sharded` needs no flag (a "
+                                                  "gradient that never comes counts as zero). Hugging Face "
+                                                  "models keep a block's experts in one tensor and need neither.")
     streams: int = setting(2, "sharded: communication streams (one process group each) that carry the "
                               "broadcast of updated parameters.", min=1, max=64)
     slices: int = setting(4, "sharded: slices each owner cuts its shard into; at least `streams`. Each slice's "

@@ -35,11 +35,16 @@ from engine.loss import counted, cross_entropy, share_weight, weighted
 from engine.runtime import checkpoint as ckpt
 from engine.config import OptimConfig, UpdateConfig
 from engine.runtime.devices import LedgerDevice
+from engine.runtime.refusal import Refused
 from engine.techniques.hybrid import HybridUpdater
 from engine.runtime.topology import Topology
 from engine.timing import Clock, StepTimes
 
 COMMANDS = ("pause", "resume", "stop", "checkpoint", "set-placement")   # what an operator can do in this mode
+UNUSED_PARAMETERS = ("a parameter of the model got no gradient in a step (a layer that skips some of its parameters, "
+                     "as a mixture of experts with a module per expert does): torch's DistributedDataParallel, which "
+                     "parallel.strategy = \"ddp\" runs, then needs parallel.find_unused_parameters = true; or train "
+                     "with parallel.strategy = \"sharded\", which counts a gradient that never came as zero")
 
 
 def share_loss(strategy, out: torch.Tensor, y: torch.Tensor, shares: int, micro: int = 1) -> torch.Tensor:
@@ -99,7 +104,8 @@ class DDPStrategy:
 
     def __init__(self, model: torch.nn.Module, optim_cfg: OptimConfig, topo: Topology,
                  device: LedgerDevice, update_cfg: UpdateConfig | None = None, loss_fn=cross_entropy,
-                 device_clock: Clock | None = None, reduce_dtype: torch.dtype = torch.float32, accumulate: int = 1):
+                 device_clock: Clock | None = None, reduce_dtype: torch.dtype = torch.float32, accumulate: int = 1,
+                 find_unused_parameters: bool = False):
         self.model, self.topo, self.device, self.loss_fn = model, topo, device, loss_fn
         self.accumulate = accumulate   # micro-steps per update: all-reduced once, after the last
         self.global_counted: int | None = None   # the step's counted targets over the global batch (engine/loss.py)
@@ -114,7 +120,8 @@ class DDPStrategy:
         update_cfg = update_cfg or UpdateConfig()
         bucket_mb = 25.0 if update_cfg.placement == "device" else 1.0
         self.ddp = DistributedDataParallel(model, device_ids=ids, process_group=topo.compute,
-                                           gradient_as_bucket_view=True, bucket_cap_mb=bucket_mb)
+                                           gradient_as_bucket_view=True, bucket_cap_mb=bucket_mb,
+                                           find_unused_parameters=find_unused_parameters)
         self.meter = CommMeter(clock)
         self.ddp.register_comm_hook(topo.compute, self._metered_allreduce)
         # each layer's update, on the device or the host, dispatched as its bucket's all-reduce completes
@@ -133,6 +140,14 @@ class DDPStrategy:
                      None)
         for p in first.parameters() if first is not None else ():
             p.register_post_accumulate_grad_hook(self._gradient_done)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        try:
+            return self.ddp(x)
+        except RuntimeError as e:   # torch's DDP, after a step where some parameter got no gradient
+            if "Expected to have finished reduction" not in str(e):
+                raise
+            raise Refused(UNUSED_PARAMETERS) from None
 
     def _gradient_done(self, _param) -> None:
         self._grads_done = self.times.clock.mark()
@@ -166,7 +181,7 @@ class DDPStrategy:
             for k, (xk, yk) in enumerate(micro):   # the all-reduce only in the last micro-step's backward
                 with self.ddp.no_sync() if k < len(micro) - 1 else contextlib.nullcontext():
                     ta = times.mark()
-                    loss = share_loss(self, self.ddp(xk), yk, self.topo.world_size, len(micro))
+                    loss = share_loss(self, self._forward(xk), yk, self.topo.world_size, len(micro))
                     t1 = times.mark()
                     loss.backward()
                     times.add("fwd_ms", ta, t1)

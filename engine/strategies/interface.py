@@ -57,4 +57,5 @@ def make_strategy(cfg: Config, model: LayerList, topo: Topology, device, loss_fn
                                update_cfg=cfg.update, hierarchical=p.hierarchical, loss_fn=loss_fn,
                                reduce_dtype=reduce_dtype(cfg.precision), accumulate=cfg.data.accumulate)
     return DDPStrategy(model, cfg.optim, topo, device, update_cfg=cfg.update, loss_fn=loss_fn,
-                       reduce_dtype=reduce_dtype(cfg.precision), accumulate=cfg.data.accumulate)
+                       reduce_dtype=reduce_dtype(cfg.precision), accumulate=cfg.data.accumulate,
+                       find_unused_parameters=p.find_unused_parameters)

@@ -74,6 +74,7 @@ clip_mode = "wait"
 [parallel]
 strategy = "sharded"
 world_size = 4
+find_unused_parameters = true
 streams = 3
 slices = 9
 micro_batches = 2

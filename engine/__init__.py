@@ -66,9 +66,12 @@ def train(config: Config | dict | str | Path, *, model: LayerList | "torch.nn.Mo
     (engine/loss.py).
     """
     from engine.config import Config, load_config
+    from engine.runtime.children import torch_cache_out_of_temp
     from engine.runtime.launch import launch, prepare_run_dir
     from engine.models import LayerList
     from engine.runtime.rank import Job
+
+    torch_cache_out_of_temp()   # before the check below builds models (torch._dynamo's cache: not the temp dir)
 
     # the model given replaces [model]: its name says so, and no built-in model's needs are checked
     overrides = [*overrides, 'model.name="user"'] if model is not None else list(overrides)

@@ -75,11 +75,7 @@ class BlockInputs(SharedInputs):
         self._cache: OrderedDict = OrderedDict()
 
     def __getstate__(self):   # a pickled or copied model carries no computed tensors
-        state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__.copy()
-        state = dict(state)
-        for k in ("_lock", "_shells", "_cache"):
-            state.pop(k, None)
-        return state
+        return {k: v for k, v in self.__dict__.items() if k not in ("_lock", "_shells", "_cache")}
 
     def __setstate__(self, state):
         super().__setstate__(state)
@@ -105,9 +101,9 @@ class BlockInputs(SharedInputs):
     def _shell(self, device: torch.device, dtype: torch.dtype):
         """The template on `device` with weights in `dtype` that occupy nothing (one zero, expanded); its
         floating buffers (rotary frequencies) cast as Module.to(dtype) casts the model's own."""
-        shell = self._shells.get((device, dtype))
-        if shell is not None:
-            return shell
+        made = self._shells.get((device, dtype))
+        if made is not None:
+            return made
         template = self._template[0]
         memo = {}
         for p in template.parameters():

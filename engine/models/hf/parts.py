@@ -176,10 +176,11 @@ class Head(nn.Module):
         for child in model.children():
             if child is not base:
                 memo[id(child)] = child   # lm_head itself: the same parameters (a tied one stays tied)
-        for name, m in base.named_modules():   # the rest of the base, where it is not the runner: never run
-            inside = anatomy.runner_path.startswith(f"{anatomy.base_path}.{name}".rstrip("."))
-            if m is not base and not inside and next(m.parameters(), None) is not None:
-                memo.setdefault(id(m), _Absent(f"{anatomy.base_path}.{name}"))
+        if base is not runner:   # the rest of the base (OPT's model around its decoder): never run here
+            for name, m in base.named_modules():
+                inside = anatomy.runner_path.startswith(f"{anatomy.base_path}.{name}".rstrip("."))
+                if m is not base and not inside and next(m.parameters(), None) is not None:
+                    memo.setdefault(id(m), _Absent(f"{anatomy.base_path}.{name}"))
         self.model = copy.deepcopy(model, memo)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:

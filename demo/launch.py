@@ -7,7 +7,7 @@
 The demo's training runs in its own process session with its output in RUN_DIR/demo.log, so
 the console can detach and leave it training; choosing "stop the run" ends it, and so does a closed
 terminal, SIGTERM or SIGINT to this command (after the run's final checkpoint: the run is owned through
-engine/runtime/children.py). This module sits above both the engine (its config) and the console (its
+engine/processes/children.py). This module sits above both the engine (its config) and the console (its
 app): neither imports it.
 """
 
@@ -25,7 +25,7 @@ from demo import DEMOS, run_name
 from engine import protocol
 from engine.config import ConfigError, load_config
 from engine.config.load import read_toml
-from engine.runtime.children import SIGNALS, ChildRuns
+from engine.processes.children import SIGNALS, ChildRuns
 
 DEMO_STEPS = 3000          # about four minutes at DEMO_PAUSE_MS
 DEMO_PAUSE_MS = 80

@@ -66,10 +66,10 @@ def train(config: Config | dict | str | Path, *, model: LayerList | "torch.nn.Mo
     (engine/loss.py).
     """
     from engine.config import Config, load_config
-    from engine.runtime.children import torch_cache_out_of_temp
-    from engine.runtime.launch import launch, prepare_run_dir
+    from engine.processes.children import torch_cache_out_of_temp
+    from engine.run.launch import launch, prepare_run_dir
     from engine.models import LayerList
-    from engine.runtime.rank import Job
+    from engine.run.rank import Job
 
     torch_cache_out_of_temp()   # before the check below builds models (torch._dynamo's cache: not the temp dir)
 
@@ -93,7 +93,7 @@ def train(config: Config | dict | str | Path, *, model: LayerList | "torch.nn.Mo
     prepare_run_dir(job)
     summary = launch(job)
     if model is not None:
-        from engine.runtime.handover import load_final_weights
+        from engine.run.handover import load_final_weights
         load_final_weights(model, cfg.run_dir)
     return summary
 

@@ -104,10 +104,10 @@ def _usages() -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["cluster"]:   # its own parser, `--help` included
-        from engine.runtime import cluster
+        from engine.processes import cluster
         return cluster.main(argv[1:])
     args = _parser().parse_args(argv)
-    from engine.runtime.children import torch_cache_out_of_temp
+    from engine.processes.children import torch_cache_out_of_temp
     from engine.telemetry.protocol import RuntimeDirError
     torch_cache_out_of_temp()
     try:
@@ -166,11 +166,12 @@ def _run(config: Path, overrides: list[str], steps: int | None, telemetry_log: P
         return 2
 
     if cfg.device.kind != "cuda":   # the workers' fork server imports torch while this process does
-        from engine.runtime import forkserver
-        forkserver.start(forkserver.config_modules(cfg))
+        from engine.processes import forkserver
+        from engine.run import PRELOAD
+        forkserver.start([PRELOAD, *forkserver.config_modules(cfg)])
     from engine.runtime.checkpoint import CheckpointError
-    from engine.runtime.launch import RunFailed, RunInterrupted, RunRefused, RunSetupError, launch, prepare_run_dir
-    from engine.runtime.rank import Job
+    from engine.run.launch import RunFailed, RunInterrupted, RunRefused, RunSetupError, launch, prepare_run_dir
+    from engine.run.rank import Job
 
     job = Job(config=cfg, resume=resume, telemetry_log=telemetry_log, headless=headless)
     try:

@@ -55,6 +55,15 @@ def share_weight(local: int, total: int, shares: int) -> float:
     return 1.0 if local * shares == total else local * shares / total
 
 
+def share_loss(loss_fn, out: torch.Tensor, y: torch.Tensor, total: int | None, shares: int,
+               micro: int = 1) -> torch.Tensor:
+    """One share's part of the global batch's mean loss, every strategy's: its `y` of the global batch's
+    `total` counted targets, in a mean over `shares` shares. `total` None: every share holds as many (no
+    label is IGNORE), so each weighs 1 and each of its `micro` micro-steps (data.accumulate) 1 / micro."""
+    weight = 1.0 / micro if total is None else share_weight(counted(y, loss_fn), total, shares)
+    return weighted(loss_fn, out, y, weight)
+
+
 @torch.no_grad()
 def test_accuracy(model, ds, device: torch.device, precision, limit: int = 0) -> float | None:
     """The share of the test split's counted targets (not IGNORE) that the model's argmax gets right, over its

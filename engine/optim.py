@@ -6,7 +6,7 @@ each step.
 
 A fused step is one kernel over all of a layer's tensors: on an H100's host, AdamW over 100M fp32
 parameters took 110 ms fused against 716 ms with foreach (single thread). Host updates
-(engine/techniques/hybrid.py) run far beside backward only at that speed. The device side uses the same
+(engine/techniques/updates/updater.py) run far beside backward only at that speed. The device side uses the same
 kernel, so an update gives the same values wherever it runs.
 """
 

@@ -8,7 +8,7 @@
 
 With `params = "bf16"` the working weights, their gradients and everything on a link that carries weights
 or gradients are bf16; the fp32 master weights and the optimizer state live only where an update runs
-(engine/techniques/layer_update.py: the owner in sharded, the host for a host-placed layer; the server in
+(engine/techniques/updates/layer.py: the owner in sharded, the host for a host-placed layer; the server in
 param_server), and the ledger counts the masters under `master`. `reduce = "fp32"` widens bf16
 gradients to fp32 for the sum (the result is stored back as the bf16 gradient every update reads, on the
 device or the host alike); `reduce = "bf16"` sums them as they are.

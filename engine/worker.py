@@ -1,5 +1,5 @@
 """`torchrun --nproc-per-node N -m engine.worker CONFIG.toml [--set k=v ...]`: one worker started by any
-elastic agent (docs/cluster.md). The step loop itself is engine/runtime/worker.py."""
+elastic agent (docs/cluster.md). The step loop itself is engine/run/worker.py."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import argparse
 import time
 
 from engine.config import load_config
-from engine.runtime.rank import Job
-from engine.runtime.worker import worker_main
+from engine.run.rank import Job
+from engine.run.worker import worker_main
 
 
 def main(argv: list[str] | None = None) -> None:

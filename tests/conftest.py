@@ -40,7 +40,7 @@ def pytest_configure(config):
     if config.option.basetemp is None:
         config.option.basetemp = str(_session["tmp"] / "pytest")
     # torch's compile cache, for this process's own optimizers (torch._dynamo makes it on import); the runs
-    # the tests start keep theirs in their runtime dir (engine/runtime/children.py)
+    # the tests start keep theirs in their runtime dir (engine/processes/children.py)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(_session["tmp"] / "inductor")
 
 

@@ -210,7 +210,7 @@ def assert_clip_row(row, modes, spec_rollback):
     for rates in (row["rollback_rate"], row["clipped_rate"]):
         assert set(rates) == set(guarded) and all(0.0 <= rates[m] <= 1.0 for m in guarded)
     # a threshold of 1e-6 clips every step: a speculative run rolls back its first clipped step (a warmup step here)
-    # and then waits for the norm (engine/techniques/hybrid.py), so no timed step rolls back; waiting never does
+    # and then waits for the norm (engine/techniques/updates/updater.py), so no timed step rolls back; waiting never does
     assert row["rollback_rate"]["wait"] == 0.0 and all(row["clipped_rate"][m] == 1.0 for m in guarded)
     if "speculate" in modes:
         assert row["rollback_rate"]["speculate"] == spec_rollback

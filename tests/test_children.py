@@ -1,4 +1,4 @@
-"""Nothing left behind (engine/runtime/children.py, engine/runtime/launch.py): a command that starts a child
+"""Nothing left behind (engine/processes/children.py, engine/run/launch.py): a command that starts a child
 run owns it, and a run leaves nothing in the system temp dir.
 
 A command killed mid-run (SIGTERM to it alone, as `kill` does) takes its child run's whole session with it
@@ -21,7 +21,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from engine.runtime import cluster
+from engine.processes import cluster
 from tests.conftest import ROOT, wait_for
 
 DEMO = str(ROOT / "demo" / "configs" / "digits_ddp.toml")
@@ -111,7 +111,7 @@ def own_tmp(tmp_path, monkeypatch) -> Path:
 # SIGINT: only the session scan and the SIGKILL after the grace find it.
 OWNER = textwrap.dedent("""
     import json, signal, subprocess, sys, time
-    from engine.runtime import children
+    from engine.processes import children
     # a command started from a terminal: a suite run as a shell's background job inherits SIGINT ignored, which
     # ChildRuns rightly leaves be (the SIGINT case then never ends the owner)
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -174,7 +174,7 @@ def test_an_owner_stops_its_childs_whole_session_and_removes_its_folders(own_tmp
 
 
 def test_the_handlers_before_an_owner_come_back_after_it():
-    from engine.runtime.children import SIGNALS, ChildRuns
+    from engine.processes.children import SIGNALS, ChildRuns
     before = {sig: signal.getsignal(sig) for sig in SIGNALS}
     signal.signal(signal.SIGHUP, signal.SIG_IGN)   # ignored before: left ignored
     try:
@@ -228,7 +228,7 @@ def test_a_pool_bench_killed_mid_run_leaves_no_rank_behind(cli, own_tmp, session
     were orphaned, processes still running the job)."""
     bench = cli.start("bench", name, "--json", *POOL_BENCHES[name])
     sessions.append(bench.pid)
-    def pool_ranks():   # spawned, or forked from the bench's fork server (engine/runtime/forkserver.py)
+    def pool_ranks():   # spawned, or forked from the bench's fork server (engine/processes/forkserver.py)
         procs = psutil.Process(bench.pid).children(recursive=True)
         servers = {p.pid for p in procs if "forkserver import main" in " ".join(p.cmdline())}
         return [p for p in procs if "spawn" in " ".join(p.cmdline()) or p.ppid() in servers] or None
@@ -269,7 +269,7 @@ needs_cluster = pytest.mark.skipif(cluster.available() is not None, reason=clust
 # a process running inside host 1.
 CLUSTER_OWNER = textwrap.dedent("""
     import json, subprocess, sys, time
-    from engine.runtime.cluster import emulated_cluster
+    from engine.processes.cluster import emulated_cluster
     with emulated_cluster(hosts=2, link="10mbit", name=sys.argv[1]) as c:
         inside = subprocess.Popen(c.command(1, ["sleep", "600"]))
         print(json.dumps({"inside": inside.pid}), flush=True)
@@ -332,8 +332,8 @@ def test_a_run_leaves_nothing_in_the_temp_dir(cli, own_tmp):
 
 def test_the_agent_keeps_its_logs_in_the_run_directory(tmp_path):
     from engine.config import load_config
-    from engine.runtime.launch import _launch_config, agent_dir
-    from engine.runtime.rank import Job
+    from engine.run.launch import _launch_config, agent_dir
+    from engine.run.rank import Job
     job = Job(config=load_config(DEMO, [f"run.dir={tmp_path}", "run.name=logs"]))
     logs = agent_dir(job.config.run_dir, 0)
     assert logs == tmp_path / "logs" / "agent" / "node0"
@@ -342,8 +342,8 @@ def test_the_agent_keeps_its_logs_in_the_run_directory(tmp_path):
 
 def test_a_fresh_start_removes_the_earlier_agent_logs(tmp_path):
     from engine.config import load_config
-    from engine.runtime.launch import agent_dir, prepare_run_dir
-    from engine.runtime.rank import Job
+    from engine.run.launch import agent_dir, prepare_run_dir
+    from engine.run.rank import Job
     cfg = load_config(DEMO, [f"run.dir={tmp_path}", "run.name=again"])
     old = agent_dir(cfg.run_dir, 0) / "again-1_x" / "attempt_0" / "1" / "error.json"
     old.parent.mkdir(parents=True)
@@ -353,7 +353,7 @@ def test_a_fresh_start_removes_the_earlier_agent_logs(tmp_path):
 
 
 def test_empty_agent_folders_are_removed_and_a_failed_workers_error_kept(tmp_path):
-    from engine.runtime.launch import _remove_empty_folders
+    from engine.run.launch import _remove_empty_folders
     agent = tmp_path / "agent" / "node0"
     for rank in (0, 1):
         (agent / "run-1_x" / "attempt_0" / str(rank)).mkdir(parents=True)
@@ -370,7 +370,7 @@ def test_empty_agent_folders_are_removed_and_a_failed_workers_error_kept(tmp_pat
 
 WORKER_RAISES = textwrap.dedent("""
     import sys
-    from engine.runtime import launch
+    from engine.run import launch
     def worker_main(job):
         raise RuntimeError("a worker's own error")
     launch.worker_main = worker_main

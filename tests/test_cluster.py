@@ -1,4 +1,4 @@
-"""Runs across hosts (engine/runtime/launch.py, engine/runtime/cluster.py): two emulated hosts, each a network namespace
+"""Runs across hosts (engine/run/launch.py, engine/processes/cluster.py): two emulated hosts, each a network namespace
 with a 1 Gbit/s tbf-shaped link, one `trainyard run --nnodes 2 --node-rank R` per host.
 
 These need root and `ip netns` (CI runs as root); elsewhere they skip, saying why.
@@ -13,7 +13,7 @@ import subprocess
 import pytest
 import torch
 
-from engine.runtime import cluster
+from engine.processes import cluster
 
 from engine import protocol
 from engine.runtime.checkpoint import list_checkpoints, model_state, verify
@@ -188,7 +188,7 @@ def test_the_emulated_cluster_refuses_bad_settings_and_leaves_nothing_behind():
 def test_a_host_that_never_joins_ends_the_run_after_the_rendezvous_timeout(cli):
     """Host 0 alone (on loopback, no namespaces needed): after cluster.rdzv_timeout_s it fails, saying so, and
     leaves nothing running."""
-    from engine.runtime.procpool import free_port
+    from engine.processes.procpool import free_port
     r = cli.run("run", DEMO, "--headless", *cli.base_args("alone"), "--nnodes", "2", "--node-rank", "0",
                 "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--set", "cluster.rdzv_timeout_s=2", timeout=50)
     assert r.returncode == 1, r.stderr

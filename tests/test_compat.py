@@ -10,8 +10,8 @@ import pytest
 
 from engine.runtime import compat
 from engine.config import load_config
-from engine.runtime.launch import _launch_config, start_method
-from engine.runtime.rank import Job
+from engine.run.launch import _launch_config, start_method
+from engine.run.rank import Job
 
 DDP = "demo/configs/digits_ddp.toml"
 

@@ -17,10 +17,10 @@ from engine.runtime import devices
 from engine.config import load_config
 from engine.runtime.control import GPU_FIELDS, rank_rows, row_values
 from engine.runtime.devices import LedgerDevice, choose_device
-from engine.runtime.launch import RunSetupError, check_machine
+from engine.run.launch import RunSetupError, check_machine
 from engine.runtime.refusal import Refused
 from engine.telemetry.schema import RECORD_SCHEMA
-from engine.runtime.rank import Job
+from engine.run.rank import Job
 from tests.conftest import ROOT, pid_alive, read_jsonl
 
 DEMO = str(ROOT / "demo" / "configs" / "digits_ddp.toml")
@@ -60,7 +60,7 @@ def gpus(monkeypatch):
     """Pretend this host has `n` CUDA devices (for the choice of device only; nothing runs on them)."""
     def visible(n: int):
         monkeypatch.setattr(devices, "cuda_count", lambda: n)
-        monkeypatch.setattr("engine.runtime.launch.cuda_count", lambda: n)
+        monkeypatch.setattr("engine.run.launch.cuda_count", lambda: n)
     return visible
 
 
@@ -167,8 +167,8 @@ def launch_script(tmp_path, overrides: list[str], stub: bool) -> subprocess.Comp
         import json, sys
         sys.path.insert(0, {str(ROOT / 'tests')!r})
         from engine.config import load_config
-        from engine.runtime.launch import RunSetupError, launch, prepare_run_dir
-        from engine.runtime.rank import Job
+        from engine.run.launch import RunSetupError, launch, prepare_run_dir
+        from engine.run.rank import Job
         from test_gpu import open_stub_device
         cfg = load_config({DEMO!r}, {overrides!r})
         job = Job(config=cfg, open_device=open_stub_device if {stub!r} else None)

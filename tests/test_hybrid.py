@@ -1,4 +1,4 @@
-"""Hybrid optimizer update (engine/techniques/hybrid.py): the same parameters whichever side runs each
+"""Hybrid optimizer update (engine/techniques/updates/updater.py): the same parameters whichever side runs each
 layer's update, the trial and the plan, live placement changes."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from engine.data import batch_for, load_dataset
 from engine.strategies.ddp import DDPStrategy
 from engine.runtime.devices import LedgerDevice
 from engine.models import build_model
-from engine.runtime.procpool import DistPool
+from engine.processes.procpool import DistPool
 from engine.strategies.sharded import ShardedStrategy
 
 STEPS = 20
@@ -134,14 +134,14 @@ def test_placement_table_naming_an_unknown_layer_is_refused():
     cfg = Config()
     model = build_model(cfg.model, {"input_dim": 4, "num_classes": 2}, 0)
     from engine.strategies.ddp import params_by_layer
-    from engine.techniques.hybrid import HybridUpdater
+    from engine.techniques.updates.updater import LayerUpdates
     with pytest.raises(ValueError, match=r"update.placement names unknown layer 'fc9'; layers are fc0, "):
-        HybridUpdater(model, params_by_layer(model), cfg.optim, LedgerDevice(1 << 20),
-                      UpdateConfig(placement={"fc9": "host"}))
+        LayerUpdates(model, params_by_layer(model), cfg.optim, LedgerDevice(1 << 20),
+                     UpdateConfig(placement={"fc9": "host"}))
 
 
 def test_layer_update_moves_state_and_weights_exactly():
-    from engine.techniques.layer_update import LayerUpdate
+    from engine.techniques.updates.layer import LayerUpdate
     torch.manual_seed(0)
     layer = torch.nn.Linear(4, 3)
     twin = torch.nn.Linear(4, 3)

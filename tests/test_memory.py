@@ -14,12 +14,12 @@ from engine.config import Config, MemoryConfig, OptimConfig, load_config
 from engine.data import batch_for, load_dataset
 from engine.loss import cross_entropy
 from engine.runtime.devices import LedgerDevice
-from engine.techniques.memory import (EXHAUSTIVE_MAX_LAYERS, ActivationPolicy, LayerCost, PlanError, estimate,
+from engine.techniques.memory import (EXHAUSTIVE_MAX_LAYERS, ActivationPolicy, ActivationCost, PlanError, estimate,
                            order_by_ratio, plan, swap_ms)
 from engine.models import build_model
 from engine.optim import make_optimizer
 from engine.strategies.pipeline import PipelineStage
-from engine.runtime.procpool import DistPool
+from engine.processes.procpool import DistPool
 
 ZOO = {  # every layer type of the model zoo, dropout on where the model has it
     "mlp": ["model.name=mlp", "model.hidden=48", "model.depth=2", "model.dropout=0.2"],
@@ -148,11 +148,11 @@ def test_a_prefetch_waits_for_room_however_slow_the_compute_and_lands_at_once_wh
 
 # --- the plan ------------------------------------------------------------------------------------------
 LINK = 1e6   # bytes per ms (1 GB/s)
-COSTS = [LayerCost("a", 4_000_000, 1000, fwd_ms=10.0, bwd_ms=20.0),    # swap 4 ms, ratio 0.4
-         LayerCost("b", 2_000_000, 1000, fwd_ms=1.0, bwd_ms=2.0),      # swap 2 ms, ratio 2
-         LayerCost("c", 3_000_000, 1000, fwd_ms=6.0, bwd_ms=12.0),     # swap 3 ms, ratio 0.5
-         LayerCost("d", 1_000_000, 1000, fwd_ms=0.2, bwd_ms=0.4),      # swap 1 ms, ratio 5
-         LayerCost("e", 0, 0, fwd_ms=0.1, bwd_ms=0.1)]                 # saves nothing
+COSTS = [ActivationCost("a", 4_000_000, 1000, fwd_ms=10.0, bwd_ms=20.0),    # swap 4 ms, ratio 0.4
+         ActivationCost("b", 2_000_000, 1000, fwd_ms=1.0, bwd_ms=2.0),      # swap 2 ms, ratio 2
+         ActivationCost("c", 3_000_000, 1000, fwd_ms=6.0, bwd_ms=12.0),     # swap 3 ms, ratio 0.5
+         ActivationCost("d", 1_000_000, 1000, fwd_ms=0.2, bwd_ms=0.4),      # swap 1 ms, ratio 5
+         ActivationCost("e", 0, 0, fwd_ms=0.1, bwd_ms=0.1)]                 # saves nothing
 
 
 def modelled(policies, base=1_000_000, flight=1):
@@ -237,7 +237,7 @@ def test_an_infeasible_capacity_names_the_smallest_that_fits_and_pins_hold():
     with pytest.raises(PlanError, match="set-policy"):
         plan(COSTS, capacity_bytes=floor, base_bytes=1_000_000, in_flight=1, link_bytes_per_ms=LINK,
              pinned={"a": "keep"})
-    many = [LayerCost(f"l{i}", 1000, 10, 1.0, 2.0) for i in range(EXHAUSTIVE_MAX_LAYERS + 1)]
+    many = [ActivationCost(f"l{i}", 1000, 10, 1.0, 2.0) for i in range(EXHAUSTIVE_MAX_LAYERS + 1)]
     got = plan(many, capacity_bytes=estimate(many, {c.name: "recompute" for c in many}, 0, 1, LINK),
                base_bytes=0, in_flight=1, link_bytes_per_ms=LINK, planner="exhaustive")
     assert got.planner == "ratio" and "exhaustive" in got.note
@@ -413,8 +413,8 @@ def test_auto_plans_again_after_layers_migrate_and_training_is_unchanged():
 
 def test_a_storage_two_layers_save_leaves_the_device_only_when_neither_keeps_it():
     # a ReLU's output, saved by the ReLU and again by the Linear after it (attributed to the ReLU)
-    relu = LayerCost("act", 4096, 4096, fwd_ms=0.1, bwd_ms=0.1, shared_next=4096)
-    linear = LayerCost("fc", 0, 4096, fwd_ms=0.5, bwd_ms=1.0)
+    relu = ActivationCost("act", 4096, 4096, fwd_ms=0.1, bwd_ms=0.1, shared_next=4096)
+    linear = ActivationCost("fc", 0, 4096, fwd_ms=0.5, bwd_ms=1.0)
     costs = [relu, linear]
 
     def held(policies):
@@ -435,8 +435,9 @@ def test_a_plan_is_never_modelled_slower_than_a_uniform_policy_that_fits():
     from engine.techniques.memory import extra_ms, plan
     rng = random.Random(3)
     for _ in range(300):
-        costs = [LayerCost(f"l{i}", act_bytes=rng.randrange(1, 200) * 1000, in_bytes=rng.randrange(1, 50) * 1000,
-                           fwd_ms=rng.uniform(0.1, 2.0), bwd_ms=rng.uniform(0.1, 4.0)) for i in range(rng.randrange(2, 7))]
+        costs = [ActivationCost(f"l{i}", act_bytes=rng.randrange(1, 200) * 1000, in_bytes=rng.randrange(1, 50) * 1000,
+                                fwd_ms=rng.uniform(0.1, 2.0), bwd_ms=rng.uniform(0.1, 4.0))
+                 for i in range(rng.randrange(2, 7))]
         link = rng.uniform(20, 400)   # bytes per ms
         keep_bytes = sum(c.act_bytes for c in costs)
         capacity = int(keep_bytes * rng.uniform(0.3, 0.9))

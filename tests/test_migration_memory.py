@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from engine.config import MemoryConfig
 from engine.models import LayerList
 from engine.runtime.devices import LedgerDevice
-from engine.techniques.memory import ActivationPolicy, LayerCost, estimate
+from engine.techniques.memory import ActivationPolicy, ActivationCost, estimate
 from tests.conftest import ROOT, read_jsonl
 
 TOUR = str(ROOT / "demo" / "configs" / "tour.toml")
@@ -37,8 +37,9 @@ def test_the_plan_ahead_of_a_migration_fits_whenever_any_plan_can(data):
     names = [f"l{i}" for i in range(n)]
     cut = data.draw(st.integers(1, n - 1))
     own, arriving = names[:cut], names[cut:]
-    costs = {name: LayerCost(name, act_bytes=data.draw(st.integers(0, 4000)), in_bytes=data.draw(st.integers(0, 500)),
-                             fwd_ms=data.draw(st.floats(0.01, 5)), bwd_ms=data.draw(st.floats(0.01, 10)))
+    costs = {name: ActivationCost(name, act_bytes=data.draw(st.integers(0, 4000)),
+                                  in_bytes=data.draw(st.integers(0, 500)),
+                                  fwd_ms=data.draw(st.floats(0.01, 5)), bwd_ms=data.draw(st.floats(0.01, 10)))
              for name in names}
     static, brought = data.draw(st.integers(0, 5000)), data.draw(st.integers(0, 5000))
     flight = data.draw(st.integers(1, 4))
@@ -59,7 +60,7 @@ def test_the_plan_ahead_of_a_migration_fits_whenever_any_plan_can(data):
 def test_a_layer_never_measured_is_recomputed_when_planned_ahead():
     names = ["a", "b", "c"]
     policy = _policy(names, 1 << 20, ["a"], 0, 1)
-    policy.plan_ahead(names, {"a": LayerCost("a", 100, 10, 1.0, 2.0)}, 0)
+    policy.plan_ahead(names, {"a": ActivationCost("a", 100, 10, 1.0, 2.0)}, 0)
     assert policy.policy["b"] == policy.policy["c"] == "recompute" and policy.policy["a"] == "keep"
 
 

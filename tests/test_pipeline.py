@@ -1,4 +1,4 @@
-"""Pipeline parallel (engine/strategies/pipeline.py): a pipelined step equals a single-process step on the
+"""Pipeline parallel (engine/strategies/pipeline/stage.py): a pipelined step equals a single-process step on the
 whole global batch, for both schedules, several micro-batch counts and both optimizers."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from engine.data import batch_for, load_dataset
 from engine.runtime.devices import LedgerDevice
 from engine.models import Block, LayerList, build_model
 from engine.strategies.pipeline import PipelineStage, check_stages, schedule_ops, split_micro
-from engine.runtime.procpool import DistPool
+from engine.processes.procpool import DistPool
 from tests.conftest import train_one_process
 
 STEPS = 10

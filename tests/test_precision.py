@@ -39,7 +39,7 @@ def one_process_losses(overrides: list[str], steps: int, config: str = DEMO) -> 
 def one_process_run(overrides: list[str], steps: int, config: str = DEMO) -> tuple[list[float], list[float]]:
     """The global batch's loss and gradient norm at each step, one process, in the config's precision: with bf16
     weights, an fp32 master copy steps on the widened gradient and is narrowed back into the weights (written
-    out here, apart from engine/techniques/layer_update.py, which the strategies use). The learning rate follows
+    out here, apart from engine/techniques/updates/layer.py, which the strategies use). The learning rate follows
     the schedule; the norm is taken as the step guard takes it (fp32 norms of the gradients, summed in fp64),
     and a clip scales the gradient in its own dtype before it is widened."""
     cfg = load_config(config, overrides)
@@ -211,7 +211,7 @@ def test_bf16_weights_halve_the_parameters_and_the_mlp_activations_exactly():
     an MLP layer saves under autocast (its input, its output, the ReLU's mask). The masters are counted on
     their own (`master`), never as parameters."""
     from engine.runtime.devices import MemoryLedger
-    from engine.techniques.hybrid import HybridUpdater
+    from engine.techniques.updates.updater import LayerUpdates
     from engine.strategies.ddp import params_by_layer
     from engine.config import UpdateConfig
     from engine.runtime.devices import LedgerDevice
@@ -221,7 +221,7 @@ def test_bf16_weights_halve_the_parameters_and_the_mlp_activations_exactly():
         ds = load_dataset(cfg.data, cfg.run.seed)
         model = build_model(cfg.model, ds.meta, cfg.run.seed).to(param_dtype(cfg.precision))
         device = LedgerDevice(1 << 30)
-        updater = HybridUpdater(model, params_by_layer(model), cfg.optim, device, UpdateConfig())
+        updater = LayerUpdates(model, params_by_layer(model), cfg.optim, device, UpdateConfig())
         device.ledger.track_module(model, updater)
         for layer_name, layer in zip(model.names, model.layers):
             layer.register_forward_pre_hook(lambda *_, n=layer_name: setattr(device.ledger, "current_layer", n))
@@ -274,7 +274,7 @@ def test_a_bf16_run_resumes_exactly_from_its_fp32_masters_and_refuses_another_pr
     """A checkpoint holds the fp32 masters (not the bf16 weights), so a resumed run repeats the losses of an
     uninterrupted one bit for bit; resuming it in another precision is refused by name. Sharded with its
     updates on the host: the masters live on the host and are written from there. (ddp and the pipeline's
-    stages write theirs through the same HybridUpdater.weights_state; a server's layers are fp32 already;
+    stages write theirs through the same LayerUpdates.weights_state; a server's layers are fp32 already;
     resumed by hand here with ps-bsp and pipeline, bit for bit.)"""
     from engine.runtime.checkpoint import list_checkpoints, model_state
     sets = {"sharded-host": ["parallel.strategy=sharded", "update.placement=host", "optim.name=adamw"],

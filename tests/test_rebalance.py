@@ -14,7 +14,7 @@ from engine.config import ModelConfig
 from engine.runtime.devices import LedgerDevice
 from engine.models import build_model
 from engine.strategies.pipeline import PipelineStage
-from engine.runtime.procpool import DistPool
+from engine.processes.procpool import DistPool
 from engine.techniques.rebalance import LayerClock, decide
 from tests.conftest import train_one_process
 from tests.test_pipeline import META, _optim
@@ -58,7 +58,8 @@ def migrating_job(topo, variants) -> list[dict]:
             if move is not None:
                 moved.append((step + 1, move.moves, move.sent_bytes))
         stage.sync()
-        out.append({"state": {k: v.detach().clone() for k, v in stage.stage_state().items()},
+        # the contract's weights(): this stage's, under the model's own names, each name on one stage only
+        out.append({"state": stage.weights(),
                     "losses": losses, "stages": stage.stage_layers, "moved": moved,
                     "own_params": sum(p.numel() for p in stage.stage_params()),
                     "ledger_params": device.ledger.bytes["parameters"]})
@@ -301,7 +302,7 @@ def test_the_rebalance_command_answers_with_the_step_the_new_layout_took_effect(
 def test_the_hub_refuses_a_rebalance_when_off_or_while_one_is_in_flight(tmp_path):
     from engine.config import config_from_dict
     from engine.telemetry.outlets import RankZeroTelemetry
-    from engine.runtime.rank import Job
+    from engine.run.rank import Job
     job = Job(config=config_from_dict({"telemetry": {"hub": False}}), telemetry_log=tmp_path / "t.jsonl",
               headless=False)
     base = {"mode": "pipeline", "layers": NAMES, "capabilities": ["pause", "stop"]}
@@ -309,8 +310,10 @@ def test_the_hub_refuses_a_rebalance_when_off_or_while_one_is_in_flight(tmp_path
     assert off._validate("rebalance", []) == 'rebalancing is off in this run (parallel.rebalance = "off")'
     on = RankZeroTelemetry(job, {**base, "capabilities": ["pause", "stop", "rebalance"]}, 0)
     assert on._validate("rebalance", []) is None
-    on.rebalancing = "decided at step 10"
+    on.event("rebalance", 10, reason="command")   # a decided layout is in flight until its migration's record
     assert on._validate("rebalance", []) == "a rebalance is already in flight (decided at step 10)"
+    on.event("migration", 11)
+    assert on._validate("rebalance", []) is None
     ddp = RankZeroTelemetry(job, {**base, "mode": "ddp"}, 0)
     assert ddp._validate("rebalance", []) == "rebalance is not available in mode ddp"
 
@@ -463,7 +466,8 @@ def tied_job(topo, variants) -> list[dict]:
             clipped.append(stage.updater.decision.clipped)
         stage.sync()
         out.append({"state": {k: v.detach().clone() for k, v in stage.stage_state().items()}, "losses": losses,
-                    "stages": stage.stage_layers, "clipped": clipped})
+                    "stages": stage.stage_layers, "clipped": clipped,
+                    "weights": sorted(stage.weights())})
         stage.close()
     return out
 
@@ -486,6 +490,11 @@ def test_a_weight_tied_across_stages_is_one_weight_through_a_migration():
             assert per_rank[k]["stages"] == then
             merged.update(per_rank[k]["state"])
         assert set(merged) == set(ref_state)
+        # the contract's weights(): each name once over the stages; the tied weight at least under its owner's
+        # name (mid0's), and under mid1's too only where the owner stage holds mid1 as well
+        held = [n for per_rank in results for n in per_rank[k]["weights"]]
+        assert len(held) == len(set(held)) and set(ref_state) - set(held) <= {"layers.4.weight"}
+        assert "layers.2.weight" in held
         for name in ref_state:   # both holders' copies, wherever they ran, equal the one weight of one process
             torch.testing.assert_close(merged[name], ref_state[name], atol=1e-5, rtol=0,
                                        msg=lambda m, name=name: f"{optim}/{schedule} {name}: {m}")

@@ -21,7 +21,7 @@ from engine.runtime.devices import LedgerDevice
 from engine.models import build_model
 from engine.strategies.sharded import ShardedStrategy, assign_owners, cut, plan_slices
 from engine.strategies.sharded.plan import reduce_buckets
-from engine.runtime.procpool import DistPool
+from engine.processes.procpool import DistPool
 
 # --- the plan ---------------------------------------------------------------------------
 
@@ -127,9 +127,10 @@ def _train(topo, strategy: str, optim: str, depth: int, steps: int, **options) -
     for step in range(steps):
         x, y = batch_for(ds, step, cfg.data.batch_size, cfg.run.seed, topo.rank, topo.world_size)
         runner.train_step(x, y)
+    weights = runner.weights()   # the contract's: this rank's weights under the model's own names
     runner.close()
     device.ledger.refresh()
-    return {"state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+    return {"state": {k: v.detach().clone() for k, v in model.state_dict().items()}, "weights": weights,
             "optimizer_state_bytes": device.ledger.bytes["optimizer_state"],
             "largest_param_bytes": max(p.numel() * p.element_size() for p in model.parameters()),
             "gate_ms": getattr(runner, "timings", {}).get("gate_ms", 0.0),
@@ -144,7 +145,9 @@ def sharded_vs_ddp(topo, optim: str = "sgd", depth: int = 2, steps: int = STEPS,
     got = _train(topo, "sharded", optim, depth, steps, **options)
     assert got["state"].keys() == want["state"].keys()
     diff = max(float((got["state"][k] - want["state"][k]).abs().max()) for k in want["state"])
-    return {"max_diff": diff, "two_level": got["two_level"], "ddp_state_bytes": want["optimizer_state_bytes"],
+    held = max((float((v - want["state"][k]).abs().max()) for k, v in got["weights"].items()), default=0.0)
+    return {"max_diff": diff, "held": sorted(got["weights"]), "held_diff": held, "names": sorted(want["state"]),
+            "two_level": got["two_level"], "ddp_state_bytes": want["optimizer_state_bytes"],
             "sharded_state_bytes": got["optimizer_state_bytes"], "largest_param_bytes": got["largest_param_bytes"]}
 
 
@@ -190,6 +193,10 @@ def check_against_ddp(pools, case) -> None:
     for rank, result in enumerate(results):
         assert result["two_level"] == two_level, f"rank {rank}: two_level is {result['two_level']}"
         assert result["max_diff"] <= 1e-5, f"rank {rank}: parameters differ from DDP by {result['max_diff']}"
+        assert result["held_diff"] <= 1e-5, f"rank {rank}: its weights() differ from DDP by {result['held_diff']}"
+    # every rank's weights() together: each of the model's own names exactly once (an owner's)
+    held = [name for result in results for name in result["held"]]
+    assert sorted(held) == results[0]["names"]
 
 
 @pytest.mark.timeout(180)

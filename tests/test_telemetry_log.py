@@ -38,8 +38,21 @@ def test_a_runs_records_follow_the_schema(cli):
     kinds = [r.get("kind") for r in records if r["type"] == "event"]
     assert {"checkpoint", "eval", "memory_over_capacity"} <= set(kinds)
     assert records[0]["type"] == "run_start" and records[-1]["type"] == "summary"
+    assert {"devices", "device_note"} <= set(records[0])   # the schema lets logs from before them replay
     assert [r["step"] for r in records if r["type"] == "step"] == list(range(1, 13))
     assert "warning" in r.stdout and "over its device capacity" in r.stdout
+
+
+@pytest.mark.parametrize("feed", sorted(p.name for p in (ROOT / "tests" / "fixtures").glob("*.jsonl")))
+def test_every_fixture_feed_follows_the_schema_the_engine_writes(feed):
+    """The console's tests replay these: a fixture that drifted from the engine's records (a stage row's
+    `micro_batches_in_flight`, which no engine sent) would test a console no run feeds."""
+    path = ROOT / "tests" / "fixtures" / feed
+    validator = jsonschema.Draft202012Validator(RECORD_SCHEMA)
+    for record in read_raw(path) + read_jsonl(path):
+        validator.validate(record)
+    stages = [s for r in read_jsonl(path) if r["type"] == "step" for s in r.get("stages", [])]
+    assert all(set(s) <= set(RECORD_SCHEMA["oneOf"][1]["properties"]["stages"]["items"]["properties"]) for s in stages)
 
 
 def test_the_schema_rejects_a_step_record_without_loss():

@@ -21,11 +21,10 @@ from engine.config import Config, MemoryConfig, OptimConfig
 from engine.models.layers import LayerList
 from engine.runtime.control import FIELDS
 from engine.runtime.devices import LedgerDevice
-from engine.runtime.procpool import DistPool
+from engine.processes.procpool import DistPool
 from engine.runtime.profiler import LayerProfiler
-from engine.strategies.ddp import CommMeter
-from engine.strategies.sharded.streams import StreamMeter
-from engine.techniques.layer_update import LayerUpdate
+from engine.runtime.meter import CommMeter
+from engine.techniques.updates.layer import LayerUpdate
 from engine.techniques.memory import ActivationPolicy
 from engine.timing import Clock, StepTimes
 from test_stream_swap import FakeCopies
@@ -272,23 +271,21 @@ def test_step_times_on_the_cpu_are_the_steps_own_exactly():
         assert times.end_step() == {"fwd_ms": (b - a) * 1000}
 
 
-def test_stream_meters_count_what_ran_on_the_device_and_never_wait():
-    for meter_type in (CommMeter, StreamMeter):
-        gpu = FakeGPU()
-        meter = meter_type(Clock(events=gpu.event))
-        t0 = meter.started(100)
-        gpu.now += 4.0
-        t1 = meter.started(50)
-        gpu.now += 6.0
-        meter.finished(t0)   # [0, 10]
-        gpu.now += 5.0
-        meter.finished(t1)   # [4, 15]
-        taken = meter.take()
-        assert taken == {"bytes": 150, "busy_ms": 0.0, "in_flight": 0} and gpu.ran == 0, meter_type
-        gpu.run()
-        # ddp's meter sums its operations; a sharded stream's is their union
-        busy = 10.0 + 11.0 if meter_type is CommMeter else 15.0
-        assert meter.take() == {"bytes": 0, "busy_ms": busy, "in_flight": 0}, meter_type
+def test_the_stream_meter_counts_what_ran_on_the_device_and_never_waits():
+    gpu = FakeGPU()
+    meter = CommMeter(Clock(events=gpu.event))
+    t0 = meter.started(100)
+    gpu.now += 4.0
+    t1 = meter.started(50)
+    gpu.now += 6.0
+    meter.finished(t0)   # [0, 10]
+    gpu.now += 5.0
+    meter.finished(t1)   # [4, 15]
+    taken = meter.take()
+    assert taken == {"bytes": 150, "busy_ms": 0.0, "in_flight": 0} and gpu.ran == 0
+    gpu.run()
+    # busy is the union of the two operations' intervals, [0, 15]: their overlap counts once
+    assert meter.take() == {"bytes": 0, "busy_ms": 15.0, "in_flight": 0}
 
 
 def run_steps(gpu: FakeGPU, strategy, steps: int, batch: int = 8) -> list[dict]:

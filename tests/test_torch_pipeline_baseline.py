@@ -9,7 +9,7 @@ import torch
 
 from engine.bench.torch_pipeline import _Stage, mlp, torch_1f1b_job
 from engine.config import OptimConfig
-from engine.runtime.procpool import DistPool
+from engine.processes.procpool import DistPool
 from tests.conftest import train_one_process
 
 STEPS, BATCH, MICRO = 5, 32, 4

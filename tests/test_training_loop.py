@@ -15,7 +15,7 @@ from engine.loss import cross_entropy
 from engine.models import build_model
 from engine.optim import lr_at, make_optimizer, set_lr
 from engine.runtime.checkpoint import list_checkpoints, model_state
-from engine.techniques.layer_update import LayerUpdate
+from engine.techniques.updates.layer import LayerUpdate
 from engine.techniques.step_guard import StepGuard
 from tests.conftest import read_jsonl
 from tests.test_training import DEMO
@@ -202,7 +202,7 @@ def test_ddp_equals_one_process_through_clips_a_skip_and_accumulation(cli, place
         # while steps stand, every host update runs before the norm is known: all three layers redone or undone
         # where a step clips or skips; after that, steps wait for the norm (none redone) until SPECULATE_AFTER
         # steps in a row have stood
-        from engine.techniques.hybrid import SPECULATE_AFTER
+        from engine.techniques.updates.updater import SPECULATE_AFTER
         want, stood = [], SPECULATE_AFTER
         for s in steps:
             bad = s["clipped"] or s["skipped"]
@@ -291,12 +291,12 @@ def test_the_rollback_copy_is_counted_where_it_lives(placement, mode):
     from engine.config import Config, UpdateConfig
     from engine.runtime.devices import LedgerDevice, tensor_bytes
     from engine.strategies.ddp import params_by_layer
-    from engine.techniques.hybrid import HybridUpdater
+    from engine.techniques.updates.updater import LayerUpdates
     cfg = Config()
     cfg.optim.name, cfg.optim.clip_grad_norm, cfg.optim.clip_mode = "adamw", 1e3, mode
     model = build_model(cfg.model, {"input_dim": 8, "num_classes": 3}, 0)
     device = LedgerDevice(1 << 30)
-    updater = HybridUpdater(model, params_by_layer(model), cfg.optim, device, UpdateConfig(placement=placement))
+    updater = LayerUpdates(model, params_by_layer(model), cfg.optim, device, UpdateConfig(placement=placement))
     device.ledger.track_module(model, updater)
     for _ in range(2):   # the first step's copy has no optimizer state yet (the step makes it)
         updater.begin_step()

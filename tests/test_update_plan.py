@@ -12,11 +12,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.config import format_size
-import engine.techniques.update_plan as update_plan
-from engine.techniques.update_plan import (
+import engine.techniques.updates.plan as update_plan
+from engine.techniques.updates.plan import (
     PLACEMENTS,
     InfeasibleCapacity,
-    LayerCost,
+    UpdateCost,
     Profile,
     _Bounds,
     describe,
@@ -31,8 +31,8 @@ from engine.techniques.update_plan import (
 D, H = PLACEMENTS
 
 
-def layer(name, fwd=1.0, bwd=2.0, device=1.0, host=1.0, copy=0.0, state=10) -> LayerCost:
-    return LayerCost(name, fwd_ms=fwd, bwd_ms=bwd, device_ms=device, host_ms=host, copy_ms=copy, state_bytes=state)
+def layer(name, fwd=1.0, bwd=2.0, device=1.0, host=1.0, copy=0.0, state=10) -> UpdateCost:
+    return UpdateCost(name, fwd_ms=fwd, bwd_ms=bwd, device_ms=device, host_ms=host, copy_ms=copy, state_bytes=state)
 
 
 THREE = (layer("a", fwd=1, bwd=2, device=1, host=3, copy=1, state=100),
@@ -176,7 +176,7 @@ _MS = st.one_of(st.integers(0, 4).map(float), st.floats(0, 20, allow_nan=False, 
 @st.composite
 def profiles(draw, max_layers=12):
     n = draw(st.integers(0, max_layers))
-    layers = tuple(LayerCost(f"l{i}", *(draw(_MS) for _ in range(5)), state_bytes=draw(st.integers(0, 100)))
+    layers = tuple(UpdateCost(f"l{i}", *(draw(_MS) for _ in range(5)), state_bytes=draw(st.integers(0, 100)))
                    for i in range(n))
     peak = draw(st.integers(0, 1000))
     total = sum(l.state_bytes for l in layers)
@@ -206,7 +206,7 @@ def _random_profile(seed: int, n: int, headroom: float, kinds: int | None = None
                 rng.uniform(0.5, 5), rng.randint(1, 10**6))
     # kinds: a model of a few repeated blocks, so many layers cost exactly the same.
     blocks = [costs() for _ in range(kinds or n)]
-    layers = tuple(LayerCost(f"l{i}", *blocks[i % len(blocks)]) for i in range(n))
+    layers = tuple(UpdateCost(f"l{i}", *blocks[i % len(blocks)]) for i in range(n))
     peak = 10**7
     return Profile(layers, peak_bytes=peak, capacity_bytes=peak + int(headroom * sum(l.state_bytes for l in layers)))
 
@@ -354,8 +354,8 @@ def test_global_matches_brute_force_on_fourteen_layers_and_several_threads(seed,
 def _busy_host_profile(seed: int, n: int, k: int, headroom: float) -> Profile:
     """A host busy throughout: updates 10-40 times a layer's backward (an H100's host beside its GPU)."""
     rng = random.Random(seed)
-    layers = tuple(LayerCost(f"l{i}", rng.uniform(0.3, 1), rng.uniform(0.6, 2), rng.uniform(0.02, 0.1),
-                             rng.uniform(10, 40), rng.uniform(0.5, 2), rng.randint(10**7, 10**8)) for i in range(n))
+    layers = tuple(UpdateCost(f"l{i}", rng.uniform(0.3, 1), rng.uniform(0.6, 2), rng.uniform(0.02, 0.1),
+                              rng.uniform(10, 40), rng.uniform(0.5, 2), rng.randint(10**7, 10**8)) for i in range(n))
     peak = 10**9
     return Profile(layers, peak_bytes=peak, capacity_bytes=peak + int(headroom * sum(l.state_bytes for l in layers)),
                    host_threads=k)

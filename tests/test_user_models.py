@@ -19,8 +19,8 @@ import torch
 
 from engine.config import OptimConfig, config_from_dict
 from engine.data import batch_for
-from engine.runtime.handover import HandoverError, hand_over, load_final_weights, received_model
-from engine.runtime.rank import Job
+from engine.run.handover import HandoverError, hand_over, load_final_weights, received_model
+from engine.run.rank import Job
 from tests.conftest import ROOT, train_one_process
 from tests.user_models import BLOCKS, MODELS, RARE, SEQ_LEN, VOCAB, as_layers, masked_token_data, token_data
 

@@ -266,13 +266,13 @@ def test_streams_one_lane_per_stream():
 @pytest.mark.timeout(60)
 def test_stages_bars_and_imbalance():
     async def test(pilot, panel: StagesPanel) -> None:
-        stages = [{"stage": 0, "fwd_ms": 1.0, "bwd_ms": 2.0, "idle_ms": 1.0},
-                  {"stage": 1, "fwd_ms": 2.0, "bwd_ms": 4.0, "idle_ms": 0.0, "micro_batches_in_flight": 2}]
+        stages = [{"stage": 0, "fwd_ms": 1.0, "bwd_ms": 2.0, "idle_ms": 1.0, "micro_batches": 2},
+                  {"stage": 1, "fwd_ms": 2.0, "bwd_ms": 4.0, "idle_ms": 0.0, "micro_batches": 2}]
         panel.update_stages(stages, "pipeline", imbalance_ms=3.0, threshold_ms=1.0, migrating=True)
         await pilot.pause()
         text = screen_text(pilot)
         assert "stage 0" in text and "stage 1" in text and "⟳ rebalancing" in text
-        assert "imbalance 3.00 ms > threshold 1.00 ms" in text and "mb 2" in text
+        assert "imbalance 3.00 ms > threshold 1.00 ms" in text and "ms/step  2 micro-batches/step" in text
 
     mounted(StagesPanel(), test)
 

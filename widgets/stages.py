@@ -55,7 +55,8 @@ def fitted(span: str, count: int, width: int) -> str:
 
 
 class StagesPanel(Widget):
-    """`stage 0 embed, blocks.0-2 (19)  ████████▓▓▓▓▓▓▓▓▓▓░░  1.2/3.4/0.5 ms  mb 2`, one row per stage."""
+    """`stage 0 embed, blocks.0-2 (19)  ████████▓▓▓▓▓▓▓▓▓▓░░  1.2/3.4/0.5 ms`, one row per stage, under a header
+    with the imbalance, the threshold and the micro-batches a step is cut into (the same on every stage)."""
 
     DEFAULT_CSS = """
     StagesPanel { height: auto; min-height: 1; padding: 0 1; }
@@ -98,7 +99,11 @@ class StagesPanel(Widget):
         for _, label, colour in PARTS:
             legend.append("■", colour).append(f"{label} ", "dim")
         legend.append("ms/step", "dim")
-        return text + legend if text.cell_len + legend.cell_len <= width else text
+        micro = self.stages[0].get("micro_batches")   # parallel.micro_batches (logs from before it lack it)
+        for extra in [legend] + ([Text(f"  {micro} micro-batches/step", "dim")] if micro is not None else []):
+            if text.cell_len + extra.cell_len <= width:   # each whole or not at all
+                text = text + extra
+        return text
 
     def render(self) -> RenderResult:
         if not self.stages:
@@ -136,13 +141,11 @@ class StagesPanel(Widget):
 
     @staticmethod
     def figures(stage: dict) -> Text:
-        """`  25.4/50.8/9.2 ms  mb 4`: fwd / bwd / idle, and the micro-batches in flight where known."""
+        """`  25.4/50.8/9.2 ms`: fwd / bwd / idle."""
         text = Text.assemble(
             "  ", (f"{stage.get('fwd_ms') or 0:.1f}", "#4c8dff"), "/",
             (f"{stage.get('bwd_ms') or 0:.1f}", "#b07cff"), "/",
             (f"{stage.get('idle_ms') or 0:.1f}", "grey62"), " ms")
-        if stage.get("micro_batches_in_flight") is not None:
-            text.append(f"  mb {stage['micro_batches_in_flight']}", "dim")
         return text
 
     @staticmethod

@@ -23,10 +23,10 @@ BENCHES = {"telemetry": "engine.bench.telemetry", "console": "console.bench", "b
 
 
 def run(name: str, argv: list[str]) -> int:
-    """Run bench `name`. It owns what it starts (engine/runtime/children.py): a SIGTERM, SIGINT or SIGHUP
+    """Run bench `name`. It owns what it starts (engine/processes/children.py): a SIGTERM, SIGINT or SIGHUP
     unwinds it through its own clean-ups (a DistPool's ranks killed, a child run stopped, a folder removed)
     before it ends by that signal."""
-    from engine.runtime.children import ChildRuns
+    from engine.processes.children import ChildRuns
     module = importlib.import_module(BENCHES[name])
     with ChildRuns():
         return module.main(argv)

@@ -40,7 +40,7 @@ and state at each owner) and step under autocast; ddp is torch's own mixed preci
 (fp32 weights, gradients and all-reduce under bf16 autocast), so its bytes stay. On a CPU bf16 matmuls
 may be slower than fp32: the bytes are the figure. `--precision fp32` (the default) runs as before.
 
-With `--hosts N` the ranks are spread over N emulated hosts (engine/runtime/cluster.py: network namespaces
+With `--hosts N` the ranks are spread over N emulated hosts (engine/processes/cluster.py: network namespaces
 whose links are shaped with tbf to `--link`), made for the bench and removed after it: network-bound
 figures, with sharded-1-gated and sharded-n-gated-flat too.
 
@@ -148,7 +148,7 @@ def measure(topo, variant: str, hidden: int, depth: int, features: int, batch: i
                                  slices=slices, overlap_forward="gated" in variant,
                                  hierarchical=not variant.endswith("flat"), reduce_dtype=reduce_dtype(prec))
     device.ledger.track_module(model, runner.optimizer)
-    meters = getattr(runner, "meters", [])   # sharded: one per stream, counting every slice broadcast
+    meters = runner.meters if isinstance(runner, ShardedStrategy) else []   # one per stream: every slice broadcast
     per_rank = batch // topo.world_size
     gen = torch.Generator().manual_seed(topo.rank)
     x = torch.randn(per_rank, features, generator=gen)
@@ -205,7 +205,7 @@ def run_bench(world: int, rounds: int, streams: int, slices: int, hidden: int, d
         return _run_variants(world, rounds, streams, slices, hidden, depth, features, batch, steps, warmup, cluster,
                              precisions)
     if hosts:
-        from engine.runtime.cluster import emulated_cluster
+        from engine.processes.cluster import emulated_cluster
         with emulated_cluster(hosts=hosts, link=link) as cluster:
             report = run(cluster)
         return {**report, "hosts": hosts, "link": link}
@@ -227,7 +227,7 @@ def _in_rounds(world: int, cluster, rounds: int, jobs: list[dict], **common) -> 
     """measure() of each job (its keyword arguments over `common`) on a pool of `world` ranks, the jobs one after
     another, `rounds` times, so that drift of the machine hits every job alike: per job, per round, the
     ranks' results; and over a cluster, the link probe's figures (engine/bench/linerate.py; else {})."""
-    from engine.runtime.procpool import DistPool
+    from engine.processes.procpool import DistPool
     out: list[list[list[dict]]] = [[] for _ in jobs]
     link: dict = {}
     with DistPool(world, timeout_s=120, cluster=cluster) as pool:
@@ -320,7 +320,7 @@ def _goal(hosts: int, world: int, link: str) -> dict:
     its communication against the line-rate ideal)."""
     if not hosts:   # one machine: no slower than DDP, as before
         return {"ratio_to_ddp_at_most": 1.0}
-    from engine.runtime.cluster import rate_bits
+    from engine.processes.cluster import rate_bits
     if world > hosts:   # several ranks a host: the two-level exchange crosses once where DDP's ring crosses more
         return {"ratio_to_ddp_at_most": 0.75}
     if rate_bits(link) <= 10**9:   # network-bound: at the line rate both ways
@@ -389,7 +389,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--features", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=32, help="global batch")
     parser.add_argument("--hosts", type=int, default=0, help="spread the ranks over this many emulated hosts "
-                                                             "(0: one machine; needs root, engine/runtime/cluster.py)")
+                                                             "(0: one machine; needs root, engine/processes/cluster.py)")
     parser.add_argument("--link", default="1gbit", help="each emulated host's link rate, with --hosts "
                                                         "(default 1gbit)")
     parser.add_argument("--precision", choices=tuple(PRECISIONS), default="fp32",
@@ -408,7 +408,7 @@ def main(argv: list[str]) -> int:
         parser.error("--clip-grad-norm: must be > 0 (the threshold the wait and speculate runs clip at)")
     if args.clip_grad_norm is not None and args.precision != "fp32":
         parser.error("--clip-grad-norm runs in fp32: leave out --precision")
-    from engine.runtime.cluster import ClusterError
+    from engine.processes.cluster import ClusterError
     try:
         report = run_bench(args.world, args.rounds, args.streams, args.slices, args.hidden, args.depth,
                            args.features, args.batch, args.steps, args.warmup, args.hosts, args.link, args.precision,

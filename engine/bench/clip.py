@@ -9,8 +9,8 @@ in three modes, the modes of a variant back to back in every round (same process
 
 Figures per variant: each mode's median step time; wait/none, speculate/none, speculate/wait; for wait and
 speculate the rollback rate (timed steps with `redone_layers` > 0, over the timed steps) and the clipped rate
-(steps with `clipped`), counted from the fields every step record carries (step_guard.py Decision.fields(),
-which engine/runtime/worker.py writes into the telemetry log). A variant that cannot speculate (sharded: its
+(steps with `clipped`), counted from the fields every step record carries (step_guard.py GuardDecision.fields(),
+which engine/run/worker.py writes into the telemetry log). A variant that cannot speculate (sharded: its
 owners update after the reduce, so the norm is known before any update) runs none and wait only.
 
 Goals, each judged only where it applies (else not judged, with the reason):
@@ -88,7 +88,7 @@ def variant_row(variant: str, runs: dict[str, list[dict]], overlap: bool) -> dic
 def _goals(ratios: dict, rollback: float, clipped: float, overlap: bool) -> tuple[dict, dict]:
     """Each goal: met (True), missed (False) or not judged on this run (None; its reason in the second dict).
     Clipping on every step is judged by the clipped rate: after a clipped step a speculative run waits until 10
-    steps in a row stand (hybrid.py), so it rolls back once, not every step."""
+    steps in a row stand (engine/techniques/updates/updater.py), so it rolls back once, not every step."""
     spec_le_wait = ratios["speculate_over_wait"] <= 1.0
     rate, clip_rate = f"rollback rate {rollback:.2f}", f"clipped rate {clipped:.2f}"
     goals = [   # name, met, judged on this run, else why not

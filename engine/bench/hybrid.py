@@ -8,7 +8,7 @@ infeasible and not run), and a roomy one, where everything fits:
 
     all-device   every update inline on the compute thread
     all-host     every update on the host executor (ZeRO-Offload's placement)
-    auto-global  the exact plan of the cost model (engine/techniques/update_plan.py)
+    auto-global  the exact plan of the cost model (engine/techniques/updates/plan.py)
     auto-local   the layer-by-layer rule
     brute-force  the best of all 2^12 placements under the cost model
 
@@ -146,7 +146,7 @@ def host_updates_ms(hidden: int, depth: int, kernel: str, threads: int, repeats:
     import torch
 
     from engine.config import OptimConfig
-    from engine.techniques.layer_update import HostExecutor, LayerUpdate
+    from engine.techniques.updates.layer import HostExecutor, LayerUpdate
     model, _, _ = _model_and_data(hidden, depth, 1)
     cfg = OptimConfig(name="adamw", lr=1e-3, kernel=kernel)
     updates = [LayerUpdate(name, i, list(layer.parameters()), cfg)
@@ -172,8 +172,8 @@ def host_updates_ms(hidden: int, depth: int, kernel: str, threads: int, repeats:
 def _plan_cases(measured: dict) -> dict:
     """From a profile job's figures: the layer costs, the state they add, and each capacity's plans and the
     distinct placements that fit (`todo`: placement tuple -> {layer: side})."""
-    from engine.techniques.update_plan import LayerCost, Profile, fixed, plan_brute_force, plan_global, plan_local
-    layers = tuple(LayerCost(**c) for c in measured["layers"])
+    from engine.techniques.updates.plan import UpdateCost, Profile, fixed, plan_brute_force, plan_global, plan_local
+    layers = tuple(UpdateCost(**c) for c in measured["layers"])
     total_state = sum(c.state_bytes for c in layers)
     capacities = {"tight": measured["peak_bytes"] + total_state // 2,
                   "roomy": measured["peak_bytes"] + total_state + (1 << 20)}
@@ -198,7 +198,7 @@ def run_bench(hidden: int, depth: int, batch: int, rounds: int, steps: int, warm
               kind: str = "cpu", precision: str = "fp32") -> dict:
     """`precision` "bf16": the whole bench in fp32 and in bf16, side by side (the report's "bf16" and
     "bf16_vs_fp32"); "fp32": fp32 only."""
-    from engine.runtime.procpool import DistPool
+    from engine.processes.procpool import DistPool
     precisions = ("fp32", "bf16") if precision == "bf16" else ("fp32",)
     compare = len(precisions) > 1
     with DistPool(1, timeout_s=120) as pool:
@@ -231,7 +231,7 @@ def run_bench(hidden: int, depth: int, batch: int, rounds: int, steps: int, warm
               "hidden": hidden, "batch": batch, "rounds": rounds, "steps_per_round": steps,
               "peak_bytes_without_state": measured["peak_bytes"], "optimizer_state_bytes": fp32["total_state"],
               "profile": measured["layers"], "cases": {}}
-    from engine.techniques.layer_update import default_host_threads
+    from engine.techniques.updates.layer import default_host_threads
     threads = default_host_threads()
     alone_before = host_updates_ms(hidden, depth, "foreach", 1)
     alone_now = host_updates_ms(hidden, depth, "auto", threads)
@@ -272,7 +272,7 @@ def run_clip_bench(hidden: int, depth: int, batch: int, rounds: int, steps: int,
     """Each of CLIP_PLACEMENTS without clipping, clipping after waiting for the norm and speculatively
     (engine/bench/clip.py), a placement's three modes back to back in every round."""
     from engine.bench.clip import MODES, optim_keys, variant_row
-    from engine.runtime.procpool import DistPool
+    from engine.processes.procpool import DistPool
     runs = {name: {mode: [] for mode in MODES} for name in CLIP_PLACEMENTS}
     with DistPool(1, timeout_s=120) as pool:
         for _ in range(rounds):

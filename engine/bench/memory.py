@@ -30,7 +30,7 @@ torch's own variants save through their own hooks, which the ledger cannot see.
 With `--precision bf16` every variant runs in fp32 and in bf16 (compute, params and reduce "bf16", "bf16",
 "fp32": engine/precision.py) in the same rounds, each precision at 50% of its own keep's peak. In bf16 the
 model is cast to bf16 before anything is built on it, each step runs under autocast, and AdamW steps an
-fp32 master of each layer's weights on the device (engine/techniques/layer_update.py; the ledger's
+fp32 master of each layer's weights on the device (engine/techniques/updates/layer.py; the ledger's
 `master`). Beside each precision's table the bench gives the bytes keep holds (parameters, gradients,
 optimizer state, masters, the activations saved by the end of the forward, the peak) in both with the
 bf16/fp32 ratios, and each variant's peak, swapped bytes and step time in both. Parameters and gradients
@@ -54,13 +54,13 @@ TORCH_VARIANTS = ("torch-checkpoint", "torch-save-on-cpu")
 
 class _MasterUpdates:
     """AdamW over bf16 working weights, as the engine steps them: one LayerUpdate per layer with parameters
-    (engine/techniques/layer_update.py), each widening the gradient, stepping an fp32 master on the device
+    (engine/techniques/updates/layer.py), each widening the gradient, stepping an fp32 master on the device
     and writing it back narrowed; one optimizer's math over the model. `state` and `master_bytes()` are what
     the ledger counts (optimizer state and masters)."""
 
     def __init__(self, model, cfg):
         from engine.strategies.ddp import params_by_layer
-        from engine.techniques.layer_update import LayerUpdate
+        from engine.techniques.updates.layer import LayerUpdate
         self.params = list(model.parameters())
         self.updates = [LayerUpdate(model.names[i], i, ps, cfg) for i, ps in params_by_layer(model).items() if ps]
 

@@ -151,7 +151,7 @@ def _slowest(results: list[dict], lo: int, hi: int) -> float:
 
 def run(rounds: int, steps: int, stages: int = STAGES) -> dict:
     from engine.bench.torch_pipeline import torch_1f1b_job
-    from engine.runtime.procpool import DistPool
+    from engine.processes.procpool import DistPool
     names = bench_model().names
     rows: dict[str, list[float]] = {k: [] for k in ("before", "migration", "around", "after", "best", "torch", "even",
                                                 "even_uncounted")}

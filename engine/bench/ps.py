@@ -35,7 +35,7 @@ import sys
 import time
 from pathlib import Path
 
-from engine.runtime.children import ChildRuns
+from engine.processes.children import ChildRuns
 
 MODES = ("bsp", "asp", "ssp", "soft")
 TARGET = 0.90

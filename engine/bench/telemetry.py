@@ -31,7 +31,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from engine.runtime.children import ChildRuns
+from engine.processes.children import ChildRuns
 
 DEMO = Path(__file__).resolve().parents[2] / "demo" / "configs" / "digits_ddp.toml"
 GOAL = 0.97

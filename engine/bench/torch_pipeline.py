@@ -1,5 +1,5 @@
 """The torch.distributed.pipelining baseline that `trainyard bench pipeline` runs beside trainyard's
-own pipeline (engine/strategies/pipeline.py): the same stages, micro-batches and optimizer, but torch's
+own pipeline (engine/strategies/pipeline/stage.py): the same stages, micro-batches and optimizer, but torch's
 PipelineStage and Schedule1F1B / ScheduleGPipe doing the schedule and the messages.
 
     with DistPool(world=2) as pool:

@@ -7,6 +7,8 @@ that dies in the middle of a technique.
     straggler.step = step
     fault = Fault.install(cfg.emulate, rank, restart)         # None unless this rank is `kill_rank`, first attempt
     fault.step = step
+    emulated = Emulated.install(model, cfg.emulate, rank, restart)   # all of them: the step loop's
+    emulated.at(step)
     reached("migration")                                       # in the technique, at its moment: maybe SIGKILL
 
 The layer's forward sleeps `slow_layer_ms` from step `slow_from_step` on. Every rank builds the
@@ -134,3 +136,21 @@ def reached(moment: str, step: int | None = None) -> None:
         print(f"trainyard: emulate.kill_rank: rank {os.environ.get('RANK', '?')} kills itself at {moment} "
               f"(step {step})", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+class Emulated:
+    """Every kind of emulated trouble configured for this rank, told the step before each one."""
+
+    def __init__(self, parts: list):
+        self.parts = parts
+
+    @classmethod
+    def install(cls, model, emulate, rank: int, restart: int) -> "Emulated":
+        slow = SlowLayer.install(model, emulate)   # before any timing hook, so timed with it
+        parts = [slow, SlowRank.install(model, emulate, rank), NonFinite.install(model, emulate, rank),
+                 Fault.install(emulate, rank, restart)]   # emulate.kill_rank: first attempt only
+        return cls([p for p in parts if p is not None])
+
+    def at(self, step: int) -> None:
+        for part in self.parts:
+            part.step = step

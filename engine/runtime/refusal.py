@@ -6,7 +6,7 @@
 A deterministic error (a bad setting only a worker can check, an update or memory plan that
 cannot fit, a damaged checkpoint) fails the same way after every restart, so restarting it only
 delays the answer. The worker that meets one writes it to the launcher's refusal file, signals the
-launcher (REFUSAL_SIGNAL) and waits; the launcher's handler (engine/runtime/launch.py) stops the worker
+launcher (REFUSAL_SIGNAL) and waits; the launcher's handler (engine/run/launch.py) stops the worker
 group and exits 2 with the error's line. A worker that *dies* (a signal, a lost peer, a collective
 timing out) raises none of these and is restarted by the elastic agent as before. Under torchrun
 there is no launcher of ours to tell, and the error is raised as before.
@@ -29,15 +29,15 @@ class Refused(RuntimeError):
 
 def is_refusal(error: BaseException) -> bool:
     """Errors that a restart would meet again: settings and plans (ValueError, e.g. update_plan's
-    InfeasibleCapacity), memory plans (memory.PlanError), checkpoints (CheckpointError), Refused."""
+    InfeasibleCapacity), checkpoints (CheckpointError), Refused, and an error whose class says `refusal = True`
+    (a technique's own, e.g. memory.PlanError: the ground imports no technique)."""
     from engine.runtime.checkpoint import CheckpointError
-    from engine.techniques.memory import PlanError
-    return isinstance(error, (Refused, ValueError, CheckpointError, PlanError))
+    return isinstance(error, (Refused, ValueError, CheckpointError)) or getattr(type(error), "refusal", False) is True
 
 
 def refuse(path: str, launcher_pid: int, rank: int, error: BaseException, stopped) -> None:
     """Hand `error` to the launcher and wait for it to stop this worker; never returns. `stopped()` is
-    true once the launcher's SIGTERM has arrived (worker.StopRequest)."""
+    true once the launcher's SIGTERM has arrived (engine/runtime/lifecycle.py: StopRequest)."""
     text = f"rank {rank}: {error}"
     # The first rank to refuse is the one reported. Its text is written whole before the file takes the
     # path (a link fails where one exists): a second rank signalling meanwhile must not make the launcher

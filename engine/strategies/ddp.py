@@ -6,7 +6,7 @@
     strategy.stream_stats()               # the one communicator: bytes, busy time, in flight
     strategy.save(staged_dir); strategy.load(checkpoint, manifest)
 
-Every strategy has this interface (engine/strategies/interface.py: Strategy): it builds its own
+Every strategy has this contract (engine/strategies/base.py: Strategy): it builds its own
 optimizer over what it updates, and writes and reads its own checkpoint files.
 
 Each rank runs its slice of the global batch; DDP averages gradients, so a step
@@ -22,7 +22,6 @@ tests pass a scripted GPU's).
 from __future__ import annotations
 
 import contextlib
-import threading
 from pathlib import Path
 
 import torch
@@ -31,76 +30,25 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from engine.data import micro_steps
-from engine.loss import counted, cross_entropy, share_weight, weighted
+from engine.loss import cross_entropy, share_loss
 from engine.runtime import checkpoint as ckpt
 from engine.config import OptimConfig, UpdateConfig
 from engine.runtime.devices import LedgerDevice
 from engine.runtime.refusal import Refused
-from engine.techniques.hybrid import HybridUpdater
+from engine.techniques.updates.updater import LayerUpdates
+from engine.runtime.meter import CommMeter, stream_entry
 from engine.runtime.topology import Topology
+from engine.strategies.base import Strategy
 from engine.timing import Clock, StepTimes
 
-COMMANDS = ("pause", "resume", "stop", "checkpoint", "set-placement")   # what an operator can do in this mode
 UNUSED_PARAMETERS = ("a parameter of the model got no gradient in a step (a layer that skips some of its parameters, "
                      "as a mixture of experts with a module per expert does): torch's DistributedDataParallel, which "
                      "parallel.strategy = \"ddp\" runs, then needs parallel.find_unused_parameters = true; or train "
                      "with parallel.strategy = \"sharded\", which counts a gradient that never came as zero")
 
 
-def share_loss(strategy, out: torch.Tensor, y: torch.Tensor, shares: int, micro: int = 1) -> torch.Tensor:
-    """This share's part of the global batch's mean loss (engine/loss.py); `strategy.global_counted` is set by
-    the step loop when shares may count differently (labels of -100), else None: each share weighs 1, and
-    each of its `micro` micro-steps (data.accumulate) 1 / micro."""
-    total = strategy.global_counted
-    weight = 1.0 / micro if total is None else share_weight(counted(y, strategy.loss_fn), total, shares)
-    return weighted(strategy.loss_fn, out, y, weight)
-
-
-class CommMeter:
-    """Bytes and busy time of one communicator, from launch to completion of each operation, on the
-    device's clock. On a GPU the launch is marked on the compute stream as the bucket is handed over,
-    and the completion on the stream its callback runs on (which waits for the all-reduce); `take`
-    reads the operations that have run and leaves the others to the next take, never waiting."""
-
-    def __init__(self, clock: Clock | None = None):
-        self.clock = clock or Clock()
-        self._lock = threading.Lock()
-        self.bytes = 0
-        self.in_flight = 0
-        self._spans: list = []   # (launch, completion) marks not read yet
-
-    def started(self, nbytes: int):
-        with self._lock:
-            self.in_flight += 1
-            self.bytes += nbytes
-        return self.clock.mark()
-
-    def finished(self, t0) -> None:
-        t1 = self.clock.mark()
-        with self._lock:
-            self.in_flight -= 1
-            self._spans.append((t0, t1))
-
-    def take(self) -> dict:
-        with self._lock:
-            ran = [s for s in self._spans if self.clock.done(s[1])]
-            self._spans = [s for s in self._spans if not self.clock.done(s[1])]
-            busy_ms = sum(self.clock.ms(a, b) for a, b in ran)
-            out = {"bytes": self.bytes, "busy_ms": busy_ms, "in_flight": self.in_flight}
-            self.bytes = 0
-        return out
-
-
-def stream_entry(stream: int, taken: dict, step_ms: float) -> dict:
-    """A step record's `streams` entry from a meter's take(): its busy time as a fraction of the step."""
-    busy = min(taken["busy_ms"] / step_ms, 1.0) if step_ms > 0 else 0.0
-    return {"stream": stream, "bytes": taken["bytes"], "busy_ms": round(taken["busy_ms"], 3),
-            "busy_fraction": round(busy, 4), "in_flight": taken["in_flight"]}
-
-
-class DDPStrategy:
+class DDPStrategy(Strategy):
     name = "ddp"
-    commands = COMMANDS
 
     def __init__(self, model: torch.nn.Module, optim_cfg: OptimConfig, topo: Topology,
                  device: LedgerDevice, update_cfg: UpdateConfig | None = None, loss_fn=cross_entropy,
@@ -126,8 +74,8 @@ class DDPStrategy:
         self.ddp.register_comm_hook(topo.compute, self._metered_allreduce)
         # each layer's update, on the device or the host, dispatched as its bucket's all-reduce completes
         # with clipping, host updates speculate and device ones wait for the norm (they run inline either way)
-        self.updater = HybridUpdater(model, params_by_layer(model), optim_cfg, device, update_cfg,
-                                     speculate_device=False)
+        self.updater = LayerUpdates(model, params_by_layer(model), optim_cfg, device, update_cfg,
+                                    speculate_device=False)
         self.optimizer = self.updater   # what the ledger counts: device-side optimizer state
         for p in model.parameters():    # device updates run inline on the compute thread, during backward
             p.register_post_accumulate_grad_hook(lambda _p: self.updater.run_device_ready())
@@ -181,7 +129,8 @@ class DDPStrategy:
             for k, (xk, yk) in enumerate(micro):   # the all-reduce only in the last micro-step's backward
                 with self.ddp.no_sync() if k < len(micro) - 1 else contextlib.nullcontext():
                     ta = times.mark()
-                    loss = share_loss(self, self._forward(xk), yk, self.topo.world_size, len(micro))
+                    loss = share_loss(self.loss_fn, self._forward(xk), yk, self.global_counted, self.topo.world_size,
+                                      len(micro))
                     t1 = times.mark()
                     loss.backward()
                     times.add("fwd_ms", ta, t1)
@@ -204,18 +153,14 @@ class DDPStrategy:
     def layout(self) -> dict:
         return {"strategy": self.name}
 
-    def sync(self) -> float:
-        """Host updates in flight land (before a checkpoint, an evaluation, the end)."""
-        return self.updater.wait_host()
-
-    def close(self) -> None:
-        self.updater.close()
-
     # --- checkpoints: ranks hold equal copies, rank 0 writes them ---------------------------
+    def weights(self) -> dict[str, torch.Tensor]:
+        self.sync()   # the weights as the updates keep them: fp32 masters under bf16 working weights
+        return self.updater.weights_state(self.model)
+
     def save(self, staged: Path) -> None:
-        self.sync()
-        if self.topo.is_first:   # the weights as the updates keep them: fp32 masters under bf16 working weights
-            ckpt.write_file(staged, "model.pt", self.updater.weights_state(self.model))
+        if self.topo.is_first:
+            ckpt.write_file(staged, "model.pt", self.weights())
             ckpt.write_file(staged, "optimizer.pt", self.updater.state_dict())
 
     def load(self, source: Path, manifest: dict) -> None:

@@ -1,5 +1,5 @@
-"""What the step loop (engine/runtime/worker.py) asks of a data-parallel or pipeline strategy, and the
-factory that applies the configured one to a model.
+"""The factory that applies the configured data-parallel or pipeline strategy to a model; what the step loop
+(engine/run/worker.py) asks of it is the contract in base.py (Strategy).
 
     strategy = make_strategy(cfg, model, topo, device)
     loss = strategy.train_step(x, y)            # one optimizer step on this rank's share of the batch
@@ -10,37 +10,16 @@ own loops (engine/strategies/param_server/) and is not made here.
 
 from __future__ import annotations
 
-from typing import Protocol
-
-import torch
 
 from engine.config import Config
 from engine.models import LayerList
 from engine.loss import cross_entropy
 from engine.precision import reduce_dtype
 from engine.runtime.topology import Topology
+from engine.strategies.base import Strategy
 from engine.strategies.ddp import DDPStrategy
 from engine.strategies.pipeline import PipelineStage, configured_stages
 from engine.strategies.sharded import ShardedStrategy
-
-
-class Strategy(Protocol):
-    """The members every strategy has. Optional ones the step loop looks for: `boundary` and
-    `take_migration` (a pipeline's rebalance), `layer_stages` and `stage_rows` (pipeline stages),
-    `layer_owners` (sharded owners), `ledger_module`, `owned_layers`, `in_flight` (what a stage holds),
-    `global_batch` and `loss_rank` (every rank takes the whole batch; which rank's loss counts)."""
-
-    commands: tuple[str, ...]   # the operator commands this mode takes (the hello's capabilities)
-    optimizer: object           # what the ledger counts as optimizer state
-    updater: object             # the hybrid updater: placement per layer (engine/techniques/hybrid.py)
-    timings: dict[str, float]   # this step's fwd_ms, bwd_ms, optim_ms (and the mode's own figures)
-
-    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float | None: ...
-    def layout(self) -> dict: ...
-    def stream_stats(self, step_ms: float) -> list[dict]: ...
-    def sync(self) -> None: ...
-    def save(self, staged) -> None: ...
-    def load(self, source, manifest: dict) -> None: ...
 
 
 def make_strategy(cfg: Config, model: LayerList, topo: Topology, device, loss_fn=cross_entropy) -> Strategy:

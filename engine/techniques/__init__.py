@@ -1,14 +1,15 @@
 """The scheduling techniques a strategy applies, each with its planner, apart from the strategies'
 communication.
 
-- hybrid.py + layer_update.py + update_plan.py: technique 3, each layer's optimizer update on the
-  device or the host, planned from a measured trial (update_plan.py: the cost model, exact planner).
+- updates/: technique 3, every strategy's optimizer: each layer's update on the device or the host (fp32
+  masters, host updates speculating ahead of the clipping decision), planned from a measured trial.
 - memory/: technique 4's per-layer activation policy (keep / swap to host / recompute), the host
-  link and the planners.
-- partition.py, rebalance.py, migration.py, tied.py: technique 4's pipeline balance: the exact split, the
-  timing and the decision, the live move of layers between stages, a weight tied across stages.
+  link and the planners; memory_report.py: its figures for the exchange, its plans as events, its refusal.
+- partition.py, rebalance.py: technique 4's pipeline balance: the exact split, the timing and the decision (the
+  live move itself is the pipeline's: engine/strategies/pipeline/).
 - ps_sync.py: technique 5's sync rules (soft windows, bsp, asp, ssp, staleness scaling).
+- step_guard.py: the global gradient norm: clip or skip, every rank alike.
 
-Imports: engine.config, engine.optim and engine.runtime's lower modules (devices, profiler,
-topology, checkpoint, emulate). Never a strategy, engine.runtime.worker or engine.runtime.launch.
+Imports: engine.config, engine.optim, engine.timing and engine.runtime (the ground). Never a strategy or
+engine.run (tests/test_layout.py).
 """

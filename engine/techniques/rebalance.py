@@ -20,7 +20,7 @@ splits the clusters exactly (engine/techniques/partition.py) and keeps the new l
 its slowest stage beats the current slowest stage by more than the threshold, so
 noise below the threshold never moves a layer back and forth. The decision travels
 back to every stage (one broadcast), and the layers migrate during the next step
-(engine/techniques/migration.py).
+(engine/strategies/pipeline/migration.py).
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ class LayerClock:
 
 
 @dataclass
-class Decision:
+class RebalanceDecision:
     """What the last stage decided at a check; the same object on every rank."""
     step: int
     reason: str                 # "auto" or "command"
@@ -144,7 +144,7 @@ class Rebalancer:
     def due(self, step: int, requested: bool) -> bool:
         return requested or (self.mode == "auto" and step % self.check_every == 0)
 
-    def check(self, step: int, clock: LayerClock, stage_layers: list[list[str]], requested: bool) -> Decision:
+    def check(self, step: int, clock: LayerClock, stage_layers: list[list[str]], requested: bool) -> RebalanceDecision:
         """Every rank, at the same boundary: the last stage decides from every stage's layer times."""
         n = len(self.names)
         ms, out_bytes = clock.take()
@@ -158,12 +158,14 @@ class Rebalancer:
             {name: float(vec[i]) for i, name in enumerate(self.names)},
             {name: int(vec[n + i]) for i, name in enumerate(self.names)}), self.threshold, self.micro_batches)
 
-    def initial(self, model, x: torch.Tensor, y: torch.Tensor, loss_fn, stage_layers: list[list[str]]) -> Decision:
+    def initial(self, model, x: torch.Tensor, y: torch.Tensor, loss_fn,
+                stage_layers: list[list[str]]) -> RebalanceDecision:
         """`partition = "balanced"`: the last stage profiles the whole model on one micro-batch and
         splits it time-optimally (threshold 0); every rank gets the layout."""
         return self._share(0, "balanced", stage_layers, lambda: profile_layers(model, x, y, loss_fn), 0.0, 1)
 
-    def _share(self, step: int, reason: str, stage_layers, measure, threshold: float, micro_batches: int) -> Decision:
+    def _share(self, step: int, reason: str, stage_layers, measure, threshold: float,
+               micro_batches: int) -> RebalanceDecision:
         # the decision as one vector: [changed, stage of every layer, threshold, stage ms, predicted ms,
         # layer ms, layer output bytes]
         n, k = len(self.names), len(stage_layers)
@@ -184,12 +186,13 @@ class Rebalancer:
                                                      dtype=torch.float64)
         dist.broadcast(answer, src=self.last, group=self.topo.side)
         stage_idx = [int(v) for v in answer[1:1 + n].tolist()]
-        return Decision(step=step, reason=reason, changed=bool(answer[0]), threshold_ms=float(answer[1 + n]),
-                        stages=[[name for name, s in zip(self.names, stage_idx) if s == st] for st in range(k)],
-                        stage_ms=answer[2 + n:2 + n + k].tolist(), predicted_ms=answer[2 + n + k:2 + n + 2 * k].tolist(),
-                        layer_ms=dict(zip(self.names, answer[2 + n + 2 * k:2 + 2 * n + 2 * k].tolist())),
-                        out_bytes=dict(zip(self.names, (int(v) for v in answer[2 + 2 * n + 2 * k:].tolist()))),
-                        link_bytes_per_ms=self.link_bytes_per_ms, micro_batches=micro_batches)
+        stages = [[name for name, s in zip(self.names, stage_idx) if s == stage] for stage in range(k)]
+        return RebalanceDecision(step=step, reason=reason, changed=bool(answer[0]), threshold_ms=float(answer[1 + n]),
+                                 stages=stages, stage_ms=answer[2 + n:2 + n + k].tolist(),
+                                 predicted_ms=answer[2 + n + k:2 + n + 2 * k].tolist(),
+                                 layer_ms=dict(zip(self.names, answer[2 + n + 2 * k:2 + 2 * n + 2 * k].tolist())),
+                                 out_bytes=dict(zip(self.names, (int(v) for v in answer[2 + 2 * n + 2 * k:].tolist()))),
+                                 link_bytes_per_ms=self.link_bytes_per_ms, micro_batches=micro_batches)
 
 
 def decide(clusters: list[list[str]], names: list[str], layer_ms: dict[str, float], out_bytes: dict[str, int],

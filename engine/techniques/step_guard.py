@@ -5,11 +5,11 @@ the step is clipped, skipped or stands, the same on every rank.
     decision = guard.decide(parts, group)       # parts: this rank's sums of squares (fp64), one per update
     decision.coef                               # the gradient's factor when clipped (torch's clip_grad_norm_)
 
-Each parameter is counted once: a rank passes the sums of the updates it runs (engine/techniques/layer_update.py
+Each parameter is counted once: a rank passes the sums of the updates it runs (engine/techniques/updates/layer.py
 `grad_sq`), and `group` sums them over the ranks that hold different parameters: sharded's owners, a pipeline's
 stages. ddp's ranks hold the same reduced gradients, so each decides alone (group None) and all decide alike.
 
-How the updates keep early while the norm is unknown (engine/techniques/hybrid.py): `clip_mode = "speculate"`
+How the updates keep early while the norm is unknown (engine/techniques/updates/updater.py): `clip_mode = "speculate"`
 runs each layer's update as soon as its gradient is ready, keeping a copy of what it changes; the decision
 then undoes (skip) or redoes with the clipped gradient (clip). `wait` holds the updates until the decision.
 """
@@ -28,7 +28,7 @@ EPS = 1e-6   # torch.nn.utils.clip_grad_norm_'s: coef = max_norm / (norm + 1e-6)
 
 
 @dataclasses.dataclass
-class Decision:
+class GuardDecision:
     grad_norm: float | None = None   # None when no guard is on (nothing computed)
     clipped: bool = False
     skipped: bool = False
@@ -49,10 +49,10 @@ class StepGuard:
         self.on = self.clip > 0 or self.skip
         self.mode = mode or cfg.clip_mode
 
-    def decide(self, parts: list[torch.Tensor], group=None, device: torch.device | None = None) -> Decision:
-        """From this rank's partial sums of squares, summed over `group`: the same Decision on every rank."""
+    def decide(self, parts: list[torch.Tensor], group=None, device: torch.device | None = None) -> GuardDecision:
+        """From this rank's partial sums of squares, summed over `group`: the same GuardDecision on every rank."""
         if not self.on:
-            return Decision()
+            return GuardDecision()
         if parts:
             total = torch.stack([p.to(torch.float64) for p in parts]).sum()
         else:
@@ -61,8 +61,8 @@ class StepGuard:
             dist.all_reduce(total, group=group)
         norm = math.sqrt(float(total))   # nan and inf stay so
         if not math.isfinite(norm):
-            return Decision(grad_norm=norm, skipped=self.skip)
+            return GuardDecision(grad_norm=norm, skipped=self.skip)
         coef = self.clip / (norm + EPS) if self.clip > 0 else 1.0
         if coef < 1.0:
-            return Decision(grad_norm=norm, clipped=True, coef=coef)
-        return Decision(grad_norm=norm)
+            return GuardDecision(grad_norm=norm, clipped=True, coef=coef)
+        return GuardDecision(grad_norm=norm)

@@ -75,6 +75,8 @@ class RankRows:
 class Telemetry:
     """What ranks other than 0 have: nothing to write, no commands to take."""
 
+    writes = False   # rank 0's writes the log and the files its events name
+
     def step(self, record: dict) -> None: ...
     def event(self, kind: str, step: int, **fields) -> None: ...
     def note(self, text: str) -> None: ...
@@ -90,6 +92,8 @@ class Telemetry:
 
 
 class RankZeroTelemetry(Telemetry):
+    writes = True
+
     def __init__(self, job, hello: dict, first_step: int):
         cfg = job.config
         self.log = TelemetryLog(job.log_path(), max_bytes=cfg.telemetry.log_max_mb << 20)
@@ -164,6 +168,8 @@ class RankZeroTelemetry(Telemetry):
             self.progress.update(record["step"], record["loss"], record["samples_per_s"])
 
     def event(self, kind: str, step: int | None, **fields) -> None:
+        if kind in ("rebalance", "migration"):   # a decided layout is in flight until its migration is reported
+            self.rebalancing = f"decided at step {step}" if kind == "rebalance" else None
         self.rank_rows.noted(kind)
         self._write({"type": "event", "kind": kind, "step": step, **fields})
 

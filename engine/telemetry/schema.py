@@ -56,8 +56,9 @@ _COMMON = {"schema": {"const": 1}, "time": {"type": "number"}}
 
 RUN_START = {
     "type": "object",
+    # every run writes devices and device_note; logs from before they were written still replay without them
     "required": ["schema", "time", "type", "name", "strategy", "world_size", "backend", "device", "simulated",
-                 "devices", "device_note", "layers", "first_step", "restart", "config"],
+                 "layers", "first_step", "restart", "config"],
     "properties": {**_COMMON, "type": {"const": "run_start"}, "name": {"type": "string"},
                    "strategy": {"type": "string"}, "world_size": {"type": "integer", "minimum": 1},
                    "hosts": {"type": "array", "items": {"type": "integer", "minimum": 0}},
@@ -112,6 +113,16 @@ PER_RANK = {
                    **{k: _UNITS for k in [*MEMORY_COLUMNS, *OPTIONAL_MEMORY_COLUMNS]}},
 }
 
+STAGE = {   # pipeline: one per stage, from every rank's timings (engine/strategies/pipeline/stage.py: stage_rows)
+    "type": "object", "required": ["stage", "rank", "layers", "fwd_ms", "bwd_ms", "idle_ms"],
+    "properties": {"stage": {"type": "integer", "minimum": 0}, "rank": {"type": "integer", "minimum": 0},
+                   "layers": {"type": "array", "items": {"type": "string"}},
+                   "fwd_ms": {"type": "number", "minimum": 0}, "bwd_ms": {"type": "number", "minimum": 0},
+                   "idle_ms": {"type": "number", "minimum": 0},
+                   # the micro-batches a step is cut into (parallel.micro_batches); logs before 2026-11-25 lack it
+                   "micro_batches": {"type": "integer", "minimum": 1}, "sent_bytes": _BYTES},
+}
+
 STEP = {
     "type": "object",
     "required": ["schema", "time", "type", "step", "loss", "samples_per_s", "step_ms"],
@@ -122,6 +133,9 @@ STEP = {
                    "ranks": {"type": "array", "minItems": 1, "items": RANK_ENTRY}, "per_rank": PER_RANK,
                    "time_split": TIME_SPLIT, "streams": {"type": "array", "items": STREAM},
                    "layers": {"type": "array", "items": LAYER}, "ps": PS,
+                   "stages": {"type": "array", "minItems": 1, "items": STAGE},
+                   "imbalance_ms": {"type": "number", "minimum": 0}, "threshold_ms": {"type": "number", "minimum": 0},
+                   "migrating": {"type": "boolean"},
                    # the optimizer's step (logs from before it was recorded lack them): the learning rate used,
                    # the global gradient norm before clipping (null when neither clipping nor skipping is on, or
                    # not finite), whether it was clipped or skipped, and the layers whose update was redone

@@ -30,7 +30,7 @@ coordinator.py (server 0: Coordinator, and run_server, where every server rank s
 and links, setup <- worker: a server and a worker never import each other. It may import
 engine.runtime (rank, topology, checkpoint, control), engine.techniques.ps_sync (the sync rules),
 engine.strategies.ddp (the loss), engine.optim, engine.data and engine.telemetry.outlets; nothing
-imports it back but engine.runtime.worker (worker_main: run_server, supervise) and tests.
+imports it back but engine.run.worker (worker_main: run_server, supervise) and tests.
 """
 
 from engine.strategies.param_server.coordinator import run_server

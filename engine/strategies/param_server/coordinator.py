@@ -2,7 +2,7 @@
 tells the other servers the sync mode and the flags, logs the telemetry, writes the checkpoints and
 ends the run; and `run_server`, where every server rank starts.
 
-    summary = run_server(job, topo, stop)      # engine/runtime/worker.py, on ranks below parallel.servers
+    summary = run_server(job, topo, stop, build_rank)   # engine/run/worker.py, on ranks below parallel.servers
 
 The global step is the least gradient count of its own layers, over the number of workers. A checkpoint is every
 server's file of its own layers (CKPT, then an ACK each), finalized here with the run's manifest; an
@@ -24,7 +24,7 @@ from rich.markup import escape
 from engine.runtime import checkpoint as ckpt
 from engine.loss import test_accuracy
 from engine.runtime.control import FIELDS, Peaks, rank_rows, row_values
-from engine.runtime.rank import announce
+from engine.runtime.lifecycle import RunControl, announce
 from engine.strategies.param_server.links import (
     ACK, CKPT, CONTROL, FINISH, GATHER, PAUSED, SERVER_STATS, STOP, WEIGHTS, Message, mode_code, unflatten_into)
 from engine.optim import lr_at
@@ -67,14 +67,16 @@ class StepLosses:
             del self.by_iteration[iteration]
 
 
-class Coordinator(PSServer):
-    """Server 0: also counts the global step, applies commands, logs telemetry and ends the run."""
+class Coordinator(PSServer, RunControl):
+    """Server 0: also counts the global step, applies commands (engine/runtime/lifecycle.py: those every run
+    takes, and set-sync), logs telemetry and ends the run."""
 
     def __init__(self, setup: "Setup", tel):
         super().__init__(setup)
-        self.tel = tel
+        self.tel, self.cfg, self.job = tel, setup.cfg, setup.job
         cfg = setup.cfg
-        self.mode = cfg.parallel.sync
+        self.sync_mode = cfg.parallel.sync
+        self.mode = "param_server"
         self.paused = False
         self.reported = setup.first_step         # the last step whose record is written
         self.counted = setup.first_step          # the last global step seen (checkpoints, evaluations)
@@ -114,7 +116,7 @@ class Coordinator(PSServer):
         elif m.kind == ACK:
             self.acks[(m.peer, m.iteration)] = int(m.a)
         elif m.kind == WEIGHTS:
-            unflatten_into(m.payload, self.s.params[m.layer])
+            unflatten_into(m.payload, self.setup.params[m.layer])
             self.gathered.add(m.layer)
 
     def worker_lost(self, worker: int, reason: str) -> None:
@@ -126,10 +128,10 @@ class Coordinator(PSServer):
                       f"with {len(self.live)} worker(s)")
 
     def profile_done(self) -> None:
-        order = sorted(self.s.params)
+        order = sorted(self.setup.params)
         layers = []
         for j in order:
-            entry = {"name": self.names[j], "server": self.s.owner[j],
+            entry = {"name": self.names[j], "server": self.setup.owner[j],
                      "window_ms": {str(w): round(self.profiles[w][order.index(j)], 4)
                                    for w in sorted(self.profiles)}}
             if j in self.last:   # the arrival spread of the last measuring (bsp) window
@@ -144,14 +146,14 @@ class Coordinator(PSServer):
         if self.finished:
             return
         for command in self.tel.take_commands():
-            self.command(command)
-        if self.s.stop.requested and self.stop_reason is None:
-            self.begin_stop(f"signal {signal.Signals(self.s.stop.signal).name}")
+            self.take(command, self.global_step())
+        if self.setup.stop.requested and self.stop_reason is None:
+            self.begin_stop(f"signal {signal.Signals(self.setup.stop.signal).name}")
         step = self.global_step()
-        self.report(min(step, self.s.cfg.run.steps))   # the records whose losses are in
+        self.report(min(step, self.setup.cfg.run.steps))   # the records whose losses are in
         if step > self.counted:
             self.boundary(step)
-        if step >= self.s.cfg.run.steps and self.stop_reason is None:
+        if step >= self.setup.cfg.run.steps and self.stop_reason is None:
             self.begin_stop("finished")
         if now - self.last_control >= CONTROL_EVERY_S:
             self.tell_servers()
@@ -167,46 +169,38 @@ class Coordinator(PSServer):
 
     def tell_servers(self) -> None:
         self.last_control = time.monotonic()
-        for server in range(1, self.s.servers):
-            self.s.links[server].send(CONTROL, iteration=self.global_step(), a=mode_code(self.mode), b=self.flags)
+        for server in range(1, self.setup.servers):
+            self.setup.links[server].send(CONTROL, iteration=self.global_step(), a=mode_code(self.sync_mode),
+                                          b=self.flags)
 
-    def command(self, command: dict) -> None:
-        name, step = command["name"], self.global_step()
-        if name in ("pause", "resume"):
-            self.paused = name == "pause"
-            self.control(self.mode, (self.flags & ~PAUSED) | (PAUSED if self.paused else 0), time.monotonic())
-            self.tel.update_state(paused=self.paused)
-        elif name == "checkpoint":
-            self.checkpoint(step)
-        elif name == "stop":
-            self.stop_command = command
-            self.begin_stop("command")
-            return
-        elif name == "set-sync":
-            previous, self.mode = self.mode, command["args"][0]
-            self.control(self.mode, self.flags, time.monotonic())
-            self.tel.event("sync_mode", step, mode=self.mode, previous=previous, source="command")
-            self.tel.update_state(sync=self.mode)
-        else:   # the hub rejects these in this mode; a command from elsewhere gets the same answer
-            self.tel.reply(command, "rejected", reason=f"{name} is not available in mode param_server")
-            return
+    def own_command(self, command: dict, step: int) -> bool:
+        if command["name"] != "set-sync":
+            return False
+        previous, self.sync_mode = self.sync_mode, command["args"][0]
+        self.control(self.sync_mode, self.flags, time.monotonic())
+        self.tel.event("sync_mode", step, mode=self.sync_mode, previous=previous, source="command")
+        self.tel.update_state(sync=self.sync_mode)
         self.tell_servers()
-        self.tel.reply(command, "applied", step=step)
+        return True
+
+    def paused_changed(self) -> None:
+        self.control(self.sync_mode, (self.flags & ~PAUSED) | (PAUSED if self.paused else 0), time.monotonic())
+        self.tell_servers()
 
     def begin_stop(self, reason: str) -> None:
-        self.stop_reason = reason
-        self.stop_deadline = time.monotonic() + self.s.cfg.parallel.collective_timeout_s
-        self.control(self.mode, self.flags | STOP, time.monotonic())
+        super().begin_stop(reason)
+        self.stop_deadline = time.monotonic() + self.setup.cfg.parallel.collective_timeout_s
+        self.control(self.sync_mode, self.flags | STOP, time.monotonic())
         self.tell_servers()
 
     # --- telemetry -----------------------------------------------------------------------------
     def report(self, step: int, final: bool = False) -> None:
         """Step records up to global step `step`, each once its loss is known (StepLosses); `final`: the run
         ends, and a step whose losses never came (its workers died) repeats the previous loss."""
-        cfg = self.s.cfg
+        cfg = self.setup.cfg
         losses = []
-        for st in range(self.reported + 1, step + 1):
-            mean = self.losses.of_step(st, self.live, step, final)
+        for record_step in range(self.reported + 1, step + 1):
+            mean = self.losses.of_step(record_step, self.live, step, final)
             if mean is None:
                 if not final or self.last_loss is None:
                     break
@@ -219,21 +213,22 @@ class Coordinator(PSServer):
         dt = max(now - self.t_report, 1e-9)
         self.t_report = now
         figures = self._figures(cfg.data.batch_size * len(losses) / dt, dt * 1000 / len(losses))
-        for st, (loss, n) in enumerate(losses, self.reported + 1):
-            self.tel.step({"step": st, "loss": loss, "lr": lr_at(cfg.optim, st - 1, cfg.run.steps), **figures,
+        for record_step, (loss, n) in enumerate(losses, self.reported + 1):
+            lr = lr_at(cfg.optim, record_step - 1, cfg.run.steps)
+            self.tel.step({"step": record_step, "loss": loss, "lr": lr, **figures,
                            "ps": {**figures["ps"], "loss_workers": n}})
         self.reported += len(losses)
         self.losses.forget_before(self.reported)
 
     def _figures(self, samples_per_s: float, step_ms: float) -> dict:
         """What a step record says besides its step and loss: every rank's row, the workers and the layers now."""
-        cfg = self.s.cfg
+        cfg = self.setup.cfg
         table = self._table()
         ranks = rank_rows(table)
         for entry in ranks:
             r = entry["rank"]
-            entry["role"] = "server" if r < self.s.servers else "worker"
-            if r >= self.s.servers:
+            entry["role"] = "server" if r < self.setup.servers else "worker"
+            if r >= self.setup.servers:
                 entry["alive"] = self.info[r]["alive"]
                 entry["stale_steps"] = self._stale_steps(self.info[r])
         self.peaks.note(ranks)
@@ -244,7 +239,7 @@ class Coordinator(PSServer):
         return {"samples_per_s": samples_per_s, "step_ms": step_ms, "ranks": ranks,
                 "time_split": {"compute_ms": round(mean("compute_ms"), 4), "comm_ms": 0.0,
                                "wait_ms": round(mean("wait_ms"), 4)},
-                "streams": [], "ps": {"mode": self.mode, "profiling": self.profiling,
+                "streams": [], "ps": {"mode": self.sync_mode, "profiling": self.profiling,
                                       "staleness_bound": cfg.parallel.staleness_bound,
                                       "workers_live": len(self.live), "workers_lost": sorted(self.lost),
                                       "workers": workers, "layers": self._layer_rows()}}
@@ -261,7 +256,7 @@ class Coordinator(PSServer):
 
     def boundary(self, step: int) -> None:
         """The global step moved on to `step` (from self.counted): the checkpoints and evaluations due."""
-        cfg = self.s.cfg
+        cfg = self.setup.cfg
         steps = step - self.counted
         self.counted = step
         self.tel.update_state(step=step)
@@ -272,14 +267,14 @@ class Coordinator(PSServer):
             self.checkpoint(step)
         if evals and step // evals > (step - steps) // evals and step < cfg.run.steps:
             self.tel.event("eval", step, test_accuracy=self.evaluate(), wall_s=round(
-                time.time() - (self.s.job.launched_at or time.time()), 3))
+                time.time() - (self.setup.job.launched_at or time.time()), 3))
 
     def _table(self) -> torch.Tensor:
         rows = []
-        for r in range(self.s.topo.world_size):
+        for r in range(self.setup.topo.world_size):
             if r == self.rank:
                 row = self.stats()[:len(FIELDS)].tolist()
-            elif r < self.s.servers:
+            elif r < self.setup.servers:
                 row = self.server_rows[r][:len(FIELDS)].tolist() if r in self.server_rows else row_values({})
             else:
                 row = self.rows.get(r) or row_values({})
@@ -300,7 +295,7 @@ class Coordinator(PSServer):
 
     # --- checkpoints, evaluation, the end -------------------------------------------------------
     def _await(self, done, what: str) -> None:
-        deadline = time.monotonic() + self.s.cfg.parallel.collective_timeout_s
+        deadline = time.monotonic() + self.setup.cfg.parallel.collective_timeout_s
         while not done():
             if time.monotonic() > deadline:
                 raise ParamServerError(f"timed out waiting for {what}")
@@ -312,10 +307,11 @@ class Coordinator(PSServer):
             PSServer.tick(self, time.monotonic())
 
     def checkpoint(self, step: int) -> None:
-        for server in range(1, self.s.servers):
-            self.s.links[server].send(CKPT, iteration=step)
+        """Every server's file of its own layers, then the run's manifest (RunControl's checkpoint command too)."""
+        for server in range(1, self.setup.servers):
+            self.setup.links[server].send(CKPT, iteration=step)
         failed = self.try_save(step)
-        self._await(lambda: all((s, step) in self.acks for s in range(1, self.s.servers)),
+        self._await(lambda: all((s, step) in self.acks for s in range(1, self.setup.servers)),
                     f"the servers' checkpoint files for step {step}")
         self.publish(step, failed)
 
@@ -323,12 +319,12 @@ class Coordinator(PSServer):
         """Checkpoint `step` once every server has answered: published, or, when a server's write failed
         (`failed`: this one's errno, the others' in their ACKs), the staged files removed and the run
         stopped with CheckpointWriteError naming the previous checkpoint (exit status 2, no restart)."""
-        run_dir = self.s.cfg.run_dir
-        errors = {0: failed, **{s: self.acks[(s, step)] for s in range(1, self.s.servers)}}
+        run_dir = self.setup.cfg.run_dir
+        errors = {0: failed, **{s: self.acks[(s, step)] for s in range(1, self.setup.servers)}}
         path = None
         if not any(errors.values()):
             try:
-                path = ckpt.finalize(run_dir, step, self.s.manifest(step), keep=self.s.cfg.checkpoint.keep)
+                path = ckpt.finalize(run_dir, step, self.setup.manifest(step), keep=self.setup.cfg.checkpoint.keep)
             except OSError as e:
                 errors[0] = e.errno or -1
         if path is None:
@@ -341,55 +337,49 @@ class Coordinator(PSServer):
     def gather(self) -> None:
         """Every layer's weights, from the servers that own them, into this rank's model."""
         self.gathered = set(self.mine)
-        for server in range(1, self.s.servers):
-            self.s.links[server].send(GATHER)
-        self._await(lambda: self.gathered >= set(self.s.params), "the servers' weights")
+        for server in range(1, self.setup.servers):
+            self.setup.links[server].send(GATHER)
+        self._await(lambda: self.gathered >= set(self.setup.params), "the servers' weights")
 
     def evaluate(self) -> float | None:
-        ds = self.s.data
+        ds = self.setup.data
         if ds.x_test is None or len(ds.x_test) == 0:
             return None
-        if len(self.gathered) < len(self.s.params):
+        if len(self.gathered) < len(self.setup.params):
             self.gather()
         self.gathered = set()
-        return test_accuracy(self.s.model, ds, self.s.device.torch_device, self.s.cfg.precision,
-                             self.s.cfg.data.eval_samples)
+        return test_accuracy(self.setup.model, ds, self.setup.device.torch_device, self.setup.cfg.precision,
+                             self.setup.cfg.data.eval_samples)
 
     def finish(self) -> None:
-        cfg, step = self.s.cfg, self.global_step()
+        cfg, step = self.setup.cfg, self.global_step()
         step = min(step, cfg.run.steps) if self.stop_reason == "finished" else step
         stopped_early = step < cfg.run.steps
-        save = step > self.s.first_step or stopped_early
+        save = step > self.setup.first_step or stopped_early
         self.report(step, final=True)   # every worker has left: every loss that will come is in
         self.gathered = set(self.mine)
-        for server in range(1, self.s.servers):
-            self.s.links[server].send(FINISH, iteration=step, a=float(save))
+        for server in range(1, self.setup.servers):
+            self.setup.links[server].send(FINISH, iteration=step, a=float(save))
         failed = self.try_save(step) if save else 0
-        self._await(lambda: all((s, step) in self.acks for s in range(1, self.s.servers))
-                    and self.gathered >= set(self.s.params), "the servers' final checkpoint files and weights")
-        for link in self.s.links.values():
+        self._await(lambda: all((s, step) in self.acks for s in range(1, self.setup.servers))
+                    and self.gathered >= set(self.setup.params), "the servers' final checkpoint files and weights")
+        for link in self.setup.links.values():
             link.flush()
         if save:
             self.publish(step, failed)
-        if stopped_early:
-            self.tel.event("stop", step, reason=self.stop_reason if self.stop_reason != "finished" else "workers left")
-        if self.stop_command:
-            self.tel.reply(self.stop_command, "applied", step=step)
-        self.summary = {"name": cfg.run.name, "final_loss": self.last_loss, "test_accuracy": self.evaluate(),
-                        "steps": step, "wall_s": time.time() - (self.s.job.launched_at or time.time()),
-                        **self.peaks.summary(), "capacity_bytes": self.s.device.ledger.capacity_bytes,
-                        "simulated": self.s.device.simulated, "restarts": self.s.restart,
-                        "stopped_early": stopped_early, "sync": self.mode,
-                        "workers_lost": sorted(self.lost)}
-        self.tel.summary(self.summary)
-        self.tel.close("run stopped" if stopped_early else "run finished")
+        if self.stop_reason == "finished":
+            self.stop_reason = "workers left"   # "finished" short of the steps: its workers left
+        self.summary = self.end(step, stopped_early, self.last_loss, self.evaluate(), {
+            **self.peaks.summary(), "capacity_bytes": self.setup.device.ledger.capacity_bytes,
+            "simulated": self.setup.device.simulated, "restarts": self.setup.restart, "sync": self.sync_mode,
+            "workers_lost": sorted(self.lost)})
         self.finished = True
 
 
-def run_server(job, topo, stop) -> dict | None:
+def run_server(job, topo, stop, build) -> dict | None:
     """A server rank (rank 0: the coordinator too). Returns rank 0's summary."""
     try:
-        setup = Setup(job, topo, stop)
+        setup = Setup(job, topo, stop, build)
         if topo.rank != 0:
             PSServer(setup).run()
             return None

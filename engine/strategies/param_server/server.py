@@ -1,7 +1,7 @@
 """A server rank: owns whole layers and their optimizer state, applies the workers' gradients as the
 layer's sync mode says (engine/techniques/ps_sync.py), and answers pulls for the layers' weights.
 
-    PSServer(Setup(job, topo, stop)).run()     # a server rank but 0, until server 0 says FINISH
+    PSServer(Setup(job, topo, stop, build_rank)).run()     # a server rank but 0, until server 0 says FINISH
 
 Its loop takes one message at a time from every link's receiver thread: a gradient (GRAD), a pull
 (PULL), a worker's sync profile (PROFILE), a paused worker's question (PING), a worker leaving (BYE,
@@ -37,7 +37,7 @@ TALLY = ("windows", "gradients", "staleness_sum", "staleness_max", "applied", "s
 
 class PSServer:
     def __init__(self, setup: "Setup"):
-        self.s = s = setup
+        self.setup = s = setup
         cfg, topo = s.cfg, s.topo
         p = cfg.parallel
         self.rank, self.is_coordinator = topo.rank, topo.rank == 0
@@ -107,7 +107,7 @@ class PSServer:
                 self.serve(j)
         elif m.kind == PROFILE:
             self.profiles[m.peer] = m.payload.tolist()
-            order = sorted(self.s.params)
+            order = sorted(self.setup.params)
             for j in self.mine:
                 self.sync[j].window_s[m.peer] = m.payload[order.index(j)].item() / 1000
             self._end_profile(m.t)
@@ -127,17 +127,17 @@ class PSServer:
                 self.lose(m.peer, f"its process ended ({m.error})", m.t)
         elif m.kind == CONTROL:
             self.control(MODES[int(m.a)], int(m.b), m.t)
-            self.s.links[0].send(SERVER_STATS, payload=self.stats())
+            self.setup.links[0].send(SERVER_STATS, payload=self.stats())
         elif m.kind == CKPT:
-            self.s.links[0].send(ACK, iteration=m.iteration, a=self.try_save(m.iteration))
+            self.setup.links[0].send(ACK, iteration=m.iteration, a=self.try_save(m.iteration))
         elif m.kind == GATHER:
             self.send_weights()
         elif m.kind == FINISH:
             failed = self.try_save(m.iteration) if m.a else 0
             self.send_weights()
-            self.s.links[0].send(ACK, iteration=m.iteration, a=failed)
-            self.s.links[0].send(BYE)
-            self.s.links[0].flush()
+            self.setup.links[0].send(ACK, iteration=m.iteration, a=failed)
+            self.setup.links[0].send(BYE)
+            self.setup.links[0].flush()
             self.finished = True
         else:
             self.coordinate(m)
@@ -152,7 +152,7 @@ class PSServer:
     def apply(self, j: int, updates) -> None:
         if not updates:
             return
-        params, optim = self.s.params[j], self.s.cfg.optim
+        params, optim = self.setup.params[j], self.setup.cfg.optim
         for update in updates:
             if update.grad is not None and optim.skip_nonfinite and not bool(torch.isfinite(update.grad).all()):
                 self.tally[j][5] += 1   # this window's gradients hold inf or NaN: the layer's update is skipped
@@ -162,7 +162,8 @@ class PSServer:
                         p.grad = torch.zeros_like(p)
                 unflatten_into(update.grad, [p.grad for p in params])
                 # the schedule's step: the rounds of this layer's gradients in (bsp: exactly the step trained)
-                set_lr(self.opt[j], lr_at(optim, max(0, self.count[j] // len(self.workers) - 1), self.s.cfg.run.steps))
+                rounds = max(0, self.count[j] // len(self.workers) - 1)
+                set_lr(self.opt[j], lr_at(optim, rounds, self.setup.cfg.run.steps))
                 self.opt[j].step()
             self.last[j] = update
             tally = self.tally[j]
@@ -176,7 +177,7 @@ class PSServer:
     def serve(self, j: int) -> None:
         """Answer every held pull of layer j that may be answered now."""
         sync, still = self.sync[j], []
-        done = self.flags & STOP or self.global_step() >= self.s.cfg.run.steps
+        done = self.flags & STOP or self.global_step() >= self.setup.cfg.run.steps
         for worker, iteration in self.held[j]:
             if worker not in self.live:
                 continue
@@ -187,16 +188,16 @@ class PSServer:
         self.held[j] = still
 
     def send_layer(self, worker: int, j: int, flags: int) -> None:
-        reply = pack_weights(self.s.params[j], self.s.link_dtype, self.sync[j].version, flags)
+        reply = pack_weights(self.setup.params[j], self.setup.link_dtype, self.sync[j].version, flags)
         try:
-            self.s.links[worker].send_tensor(reply, TAG_WEIGHTS + j)
+            self.setup.links[worker].send_tensor(reply, TAG_WEIGHTS + j)
         except RuntimeError as e:
             self.lose(worker, f"its link failed ({link_error(e)})", time.monotonic())
 
     def _reply_flags(self, worker: int) -> None:
-        flags = self.flags | (STOP if self.global_step() >= self.s.cfg.run.steps else 0)
+        flags = self.flags | (STOP if self.global_step() >= self.setup.cfg.run.steps else 0)
         try:
-            self.s.links[worker].send_tensor(torch.tensor([float(flags)]), TAG_PING)
+            self.setup.links[worker].send_tensor(torch.tensor([float(flags)]), TAG_PING)
         except RuntimeError:
             pass
 
@@ -242,8 +243,8 @@ class PSServer:
     # --- stats, checkpoints, weights -----------------------------------------------------------
     def stats(self) -> torch.Tensor:
         """This server's figures: one row of control.FIELDS, then LAYER_STATS numbers per owned layer."""
-        self.s.device.ledger.refresh()
-        ledger = self.s.device.stats()
+        self.setup.device.ledger.refresh()
+        ledger = self.setup.device.stats()
         row = row_values(ledger)
         for j in self.mine:
             u = self.last.get(j)
@@ -262,19 +263,19 @@ class PSServer:
         return 0
 
     def save(self, step: int) -> None:
-        model = self.s.model
+        model = self.setup.model
         params, buffers = {}, {}
         for j in self.mine:
             for key, value in model.layers[j].state_dict().items():
                 (params if key in dict(model.layers[j].named_parameters()) else buffers)[f"layers.{j}.{key}"] = value
-        ckpt.write_file(ckpt.staging_dir(self.s.cfg.run_dir, step), f"server{self.rank}.pt", {
+        ckpt.write_file(ckpt.staging_dir(self.setup.cfg.run_dir, step), f"server{self.rank}.pt", {
             "params": params, "buffers": buffers,
             "optimizer": {self.names[j]: self.opt[j].state_dict() for j in self.mine},
             "version": {self.names[j]: self.sync[j].version for j in self.mine},
             "count": {self.names[j]: self.count[j] for j in self.mine}})
 
     def load(self, state: dict) -> None:
-        model = self.s.model
+        model = self.setup.model
         model.load_state_dict({**state["params"], **state["buffers"]}, strict=False)
         for j in self.mine:
             name = self.names[j]
@@ -286,4 +287,4 @@ class PSServer:
 
     def send_weights(self) -> None:
         for j in self.mine:
-            self.s.links[0].send(WEIGHTS, j, self.sync[j].version, payload=flatten(self.s.params[j]))
+            self.setup.links[0].send(WEIGHTS, j, self.sync[j].version, payload=flatten(self.setup.params[j]))

@@ -1,7 +1,7 @@
 """What every rank of a parameter-server run sets up alike: which server owns which layer, the
 device, data and model, the links, where the run resumes, and what it writes about its layout.
 
-    setup = Setup(job, topo, stop)     # every rank, servers and workers, at the start
+    setup = Setup(job, topo, stop, build_rank)   # every rank, servers and workers, at the start (engine/run/rank.py)
     setup.owner                        # layer index -> server rank (assign_layers)
     setup.links                        # peer rank -> Link (engine/strategies/param_server/links.py)
     setup.first_step                   # 0, or the step of the checkpoint it resumes from
@@ -17,7 +17,7 @@ import torch
 from engine.data import batch_for, global_count
 from engine.loss import cross_entropy
 from engine.runtime import checkpoint as ckpt
-from engine.runtime.rank import build_rank, device_fields
+from engine.runtime.lifecycle import device_fields
 from engine.strategies.ddp import params_by_layer
 from engine.strategies.param_server.links import make_links
 
@@ -53,12 +53,12 @@ class Setup:
     """What every rank of a parameter-server run builds the same way: device, data, model, the
     layers' owners, the links, and where it resumes."""
 
-    def __init__(self, job, topo, stop):
+    def __init__(self, job, topo, stop, build):
         cfg = self.cfg = job.config
         self.job, self.topo, self.stop = job, topo, stop
         self.loss_fn = job.loss_fn or cross_entropy   # engine/loss.py
         self.servers, self.workers = cfg.parallel.servers, topo.world_size - cfg.parallel.servers
-        self.restart, self.device, self.data, self.model = build_rank(job, topo)
+        self.restart, self.device, self.data, self.model = build(job, topo)   # the run's build_rank
         self.params = layer_params(self.model)
         self.owner = assign_layers({j: sum(p.numel() * p.element_size() for p in ps)
                                     for j, ps in self.params.items()}, self.servers)

@@ -2,7 +2,7 @@
 server just before that layer's forward and pushing the layer's gradient the moment its backward
 completes; and `supervise`, the process the elastic agent sees as the rank.
 
-    supervise(job)     # engine/runtime/worker.py, on ranks from parallel.servers up
+    supervise(job, build_rank)     # engine/run/worker.py, on ranks from parallel.servers up
 
 `supervise` forks the worker: a worker that dies is reported and absorbed there, so the servers go on
 with the others, where the agent would otherwise restart everything. Its first sync_profile_steps
@@ -30,10 +30,10 @@ import traceback
 import torch
 
 from engine.runtime.control import row_values
-from engine.runtime.rank import StopRequest
+from engine.runtime.lifecycle import StopRequest
 from engine.runtime.topology import Topology
 from engine.data import micro_steps
-from engine.loss import counted, share_weight, weighted
+from engine.loss import share_loss
 from engine.strategies.param_server.links import (
     ALL_LAYERS, BYE, GRAD, PAUSED, PING, PROFILE, PULL, STOP, TAG_PING, TAG_WEIGHTS, flatten, reply_bytes,
     transport_failure, unpack_weights)
@@ -96,7 +96,7 @@ class PSWorker:
     pushing each layer's gradient the moment its backward completes."""
 
     def __init__(self, setup: "Setup", device_clock: Clock | None = None):
-        self.s = setup
+        self.setup = setup
         self.times = StepTimes(device_clock or Clock(setup.device.torch_device), ("fwd_ms", "bwd_ms"))
         cfg, topo = setup.cfg, setup.topo
         self.index = topo.rank - setup.servers
@@ -106,7 +106,7 @@ class PSWorker:
         self.sizes = {j: sum(p.numel() for p in ps) for j, ps in self.params.items()}
         self.version = {j: 0 for j in self.layers}
         self._accumulating = False
-        self.clock = SlowMachine(setup.model, self.factor)
+        self.slow_machine = SlowMachine(setup.model, self.factor)
         self._left = {}
         for j, ps in self.params.items():
             for p in ps:
@@ -123,16 +123,16 @@ class PSWorker:
                 return
             self._left[j] -= 1
             if self._left[j] == 0:
-                self.clock.segment_done()
+                self.slow_machine.segment_done()
                 grad = flatten([q.grad for q in self.params[j]], dtype=self.params[j][0].dtype)   # bf16: half
-                self.s.links[self.s.owner[j]].send(GRAD, j, self.version[j], self.iteration, payload=grad)
+                self.setup.links[self.setup.owner[j]].send(GRAD, j, self.version[j], self.iteration, payload=grad)
                 for q in self.params[j]:
                     q.grad = None
                 self.pushed_at[j] = time.perf_counter()
         return hook
 
     def run(self) -> None:
-        s, cfg = self.s, self.s.cfg
+        s, cfg = self.setup, self.setup.cfg
         model, device = s.model, s.device
         flags, t_idle, times = 0, 0.0, self.times
         try:
@@ -177,14 +177,12 @@ class PSWorker:
                         if k:
                             fwd_from = times.mark()
                             out = model(xk)
-                        weight = 1.0 / len(micro) if total is None else share_weight(counted(yk, s.loss_fn), total,
-                                                                                      s.workers)
-                        loss = weighted(s.loss_fn, out, yk, weight)
+                        loss = share_loss(s.loss_fn, out, yk, total, s.workers, len(micro))
                         self._accumulating = k < len(micro) - 1
                         self._left = {j: len(ps) for j, ps in self.params.items()}
                         bwd_from = times.mark()
                         times.add("fwd_ms", fwd_from, bwd_from)
-                        self.clock.backward_started()
+                        self.slow_machine.backward_started()
                         loss.backward()
                         times.add("bwd_ms", bwd_from, times.mark())
                         losses.append(loss.detach())
@@ -197,7 +195,7 @@ class PSWorker:
                 row = {"loss": value, "step_ms": step_ms, **times.end_step(), "wait_ms": wait_ms, **device.stats()}
                 self.stats = torch.tensor(row_values(row), dtype=torch.float64)
                 self._profile()
-                self.clock.stretch_rest((time.perf_counter() - t_start) * 1000 - wait_ms)
+                self.slow_machine.stretch_rest((time.perf_counter() - t_start) * 1000 - wait_ms)
                 t_idle = time.perf_counter()
                 if cfg.run.step_pause_ms:
                     time.sleep(cfg.run.step_pause_ms / 1000)
@@ -218,38 +216,38 @@ class PSWorker:
     def _profile(self) -> None:
         """After `sync_profile_steps` iterations, every server gets this worker's slack per layer
         (the mean over those iterations but the first)."""
-        steps = self.s.cfg.parallel.sync_profile_steps
-        done = self.iteration - self.s.first_step
+        steps = self.setup.cfg.parallel.sync_profile_steps
+        done = self.iteration - self.setup.first_step
         if done > steps:
             return
         if done > 1:
             self.profile.append([self.slack.get(j, 0.0) for j in self.layers])
         if done == steps:
             mean = torch.tensor(self.profile, dtype=torch.float64).mean(dim=0)
-            for server in range(self.s.servers):
-                self.s.links[server].send(PROFILE, iteration=self.iteration, payload=mean)
+            for server in range(self.setup.servers):
+                self.setup.links[server].send(PROFILE, iteration=self.iteration, payload=mean)
 
     def _paused(self) -> int:
         """Ask the servers every PAUSED_POLL_S whether to go on (this also keeps the links alive)."""
         while True:
             time.sleep(PAUSED_POLL_S)
             flags = 0
-            for server in range(self.s.servers):
+            for server in range(self.setup.servers):
                 answer = torch.zeros(1)
-                work = self.s.links[server].expect(answer, TAG_PING)
-                self.s.links[server].send(PING, iteration=self.iteration)
+                work = self.setup.links[server].expect(answer, TAG_PING)
+                self.setup.links[server].send(PING, iteration=self.iteration)
                 work.wait()
                 flags |= int(answer[0])
-            if not flags & PAUSED or flags & STOP or self.s.stop.requested:
+            if not flags & PAUSED or flags & STOP or self.setup.stop.requested:
                 return flags
 
 
 
-def run_worker(job, topo, stop) -> None:
-    PSWorker(Setup(job, topo, stop)).run()
+def run_worker(job, topo, stop, build) -> None:
+    PSWorker(Setup(job, topo, stop, build)).run()
 
 
-def supervise(job) -> None:
+def supervise(job, build) -> None:
     """A worker rank as the elastic agent sees it: the worker trains in a child process, and its
     death is reported and absorbed here, so the servers go on with the others."""
     rank = int(os.environ["RANK"])
@@ -262,7 +260,7 @@ def supervise(job) -> None:
             stop = StopRequest()
             topo = Topology.from_env(cfg.parallel.backend, cfg.device.kind, cfg.parallel.collective_timeout_s)
             try:
-                run_worker(job, topo, stop)
+                run_worker(job, topo, stop, build)
                 code = 0
             finally:
                 topo.shutdown()

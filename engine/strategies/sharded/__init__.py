@@ -50,7 +50,7 @@ waits for every broadcast before it returns.
 
 Here: plan.py (owners, slices, streams: pure functions), streams.py (stream meters and the two-level
 exchange across hosts), strategy.py (ShardedStrategy). It may import engine.config, engine.runtime
-(devices, topology, checkpoint), engine.techniques.hybrid and engine.strategies.ddp (the loss, the
+(devices, topology, checkpoint), engine.techniques.updates.updater and engine.strategies.ddp (the loss, the
 layer grouping, the commands); nothing imports it back but the strategy factory, benches and tests.
 """
 

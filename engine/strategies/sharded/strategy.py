@@ -22,14 +22,16 @@ import torch.distributed as dist
 
 from engine.runtime import checkpoint as ckpt, emulate
 from engine.config import OptimConfig, UpdateConfig
-from engine.loss import cross_entropy
+from engine.loss import cross_entropy, share_loss
 from engine.data import micro_steps
-from engine.strategies.ddp import COMMANDS, params_by_layer, share_loss, stream_entry
+from engine.strategies.base import Strategy
+from engine.strategies.ddp import params_by_layer
 from engine.runtime.devices import LedgerDevice, tensor_bytes
-from engine.techniques.hybrid import HybridUpdater
+from engine.runtime.meter import CommMeter, stream_entry
+from engine.techniques.updates.updater import LayerUpdates
 from engine.runtime.topology import Topology
 from engine.strategies.sharded.plan import assign_owners, plan_slices, reduce_buckets
-from engine.strategies.sharded.streams import StreamMeter, Tiers
+from engine.strategies.sharded.streams import Tiers
 from engine.timing import Clock, StepTimes
 
 PHASES = ("fwd_ms", "bwd_ms", "reduce_ms", "optim_ms", "gate_ms", "broadcast_wait_ms",   # a step's, on the device
@@ -39,9 +41,9 @@ PHASES = ("fwd_ms", "bwd_ms", "reduce_ms", "optim_ms", "gate_ms", "broadcast_wai
 
 # --- the strategy -----------------------------------------------------------------------
 
-class ShardedStrategy:
+class ShardedStrategy(Strategy):
     name = "sharded"
-    commands = COMMANDS
+    owning = True   # each parameter's update runs on its owner (layer_owners)
 
     def __init__(self, model, optim_cfg: OptimConfig, topo: Topology, device: LedgerDevice, *,
                  streams: int = 2, slices: int = 4, assignment: str = "balanced", overlap_forward: bool = True,
@@ -102,7 +104,7 @@ class ShardedStrategy:
 
         # streams: process groups; with main_stream_communicates the compute group is stream 0
         self.groups = topo.stream_groups(streams, include_compute=main_stream_communicates)
-        self.meters = [StreamMeter(clock) for _ in range(streams)]
+        self.meters = [CommMeter(clock) for _ in range(streams)]
         self.plan = plan_slices(spans, slices, streams, assignment, seed)
         self.gates: dict[int, list[int]] = {}   # layer -> the slices it waits for
         for i, s in enumerate(self.plan):
@@ -112,8 +114,8 @@ class ShardedStrategy:
         # this rank updates the parameters it owns, each layer's on the device or the host
         mine = {id(p) for p, o in zip(order, self.owners) if o == self.rank}
         # owners update after the reduce, so the step guard decides first and never rolls back (clip_mode "wait")
-        self.updater = HybridUpdater(model, params_by_layer(model, only=mine), optim_cfg, device,
-                                     update_cfg or UpdateConfig(), clip_mode="wait")
+        self.updater = LayerUpdates(model, params_by_layer(model, only=mine), optim_cfg, device,
+                                    update_cfg or UpdateConfig(), clip_mode="wait")
         self.optimizer = self.updater   # what the ledger counts: device-side optimizer state
 
         # gradient sums, bucket by bucket (an owner's slices, merged up to 1 MiB): each rank sends a bucket's
@@ -335,7 +337,8 @@ class ShardedStrategy:
             for k, (xk, yk) in enumerate(micro):
                 self._accumulating = k < len(micro) - 1
                 ta = times.mark()
-                loss = share_loss(self, self.model(xk), yk, self.world, len(micro))   # the sum divides by the world
+                loss = share_loss(self.loss_fn, self.model(xk), yk, self.global_counted, self.world,
+                                  len(micro))   # the sum divides by the world
                 t1 = times.mark()
                 loss.backward()
                 times.add("fwd_ms", ta, t1)
@@ -396,14 +399,21 @@ class ShardedStrategy:
                 "slices": len(self.plan), "owners": dict(zip(self.param_names, self.owners))}
 
     # --- checkpoints: every owner writes its shard ------------------------------------------
-    def save(self, staged: Path) -> None:
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The parameters this rank owns (rank 0: the buffers too)."""
         self.sync()
         kept = self.updater.master_of()   # the weights as the owner's updates keep them (fp32 masters)
         mine = {n: kept.get(id(p), p.detach()).clone() for n, p, o in zip(self.param_names, self.params, self.owners)
                 if o == self.rank}
-        buffers = {n: b.detach().clone() for n, b in self.buffers} if self.topo.is_first else {}
+        return {**mine, **({n: b.detach().clone() for n, b in self.buffers} if self.topo.is_first else {})}
+
+    def save(self, staged: Path) -> None:
+        held = self.weights()
+        buffer_names = {n for n, _ in self.buffers}
         ckpt.write_file(staged, f"shard{self.rank}.pt",
-                        {"params": mine, "buffers": buffers, "optimizer": self.updater.state_dict()})
+                        {"params": {n: v for n, v in held.items() if n not in buffer_names},
+                         "buffers": {n: v for n, v in held.items() if n in buffer_names},
+                         "optimizer": self.updater.state_dict()})
 
     def load(self, source: Path, manifest: dict) -> None:
         ckpt.check_strategy(source, manifest, self.name)

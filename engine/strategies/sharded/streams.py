@@ -1,7 +1,5 @@
-"""The sharded strategy's communication: a meter per stream (bytes, busy time, operations in flight), and
-across hosts the two-level sum and broadcast (Tiers: one relay per host, each byte crosses once).
-
-    meter = StreamMeter(clock); t0 = meter.started(nbytes); ...; meter.finished(t0); meter.take()
+"""The sharded strategy's communication across hosts: the two-level sum and broadcast (Tiers: one relay per
+host, each byte crosses once). Each stream's meter is engine/runtime/meter.py's CommMeter.
 """
 
 from __future__ import annotations
@@ -14,53 +12,6 @@ import torch.distributed as dist
 
 from engine.runtime.devices import tensor_bytes
 from engine.strategies.sharded.plan import Slice
-from engine.timing import Clock
-
-
-# --- stream meters ----------------------------------------------------------------------
-
-class StreamMeter:
-    """Bytes, busy time (the union of its operations' launch-to-completion intervals) and
-    operations in flight of one communication stream. Completions arrive on the
-    backend's threads, hence the lock. Intervals are on the device's clock (engine/timing.py): on a
-    GPU the launch is marked on the launching thread's stream and the completion on the stream its
-    callback runs on (which waits for the operation); `take` counts those that have run, in the
-    order they completed, and leaves the others to the next take, never waiting."""
-
-    def __init__(self, clock: Clock | None = None):
-        self.clock = clock or Clock()
-        self._lock = threading.Lock()
-        self.bytes, self.in_flight = 0, 0
-        self._spans: list = []   # (launch, completion) marks not counted yet, in completion order
-        self._until = None       # the latest completion counted so far
-        self.last = None         # the latest completion's mark (the strategy resets it at each broadcast)
-
-    def started(self, nbytes: int):
-        with self._lock:
-            self.bytes += nbytes
-            self.in_flight += 1
-        return self.clock.mark()
-
-    def finished(self, t0) -> None:
-        t1 = self.clock.mark()
-        with self._lock:
-            self.in_flight -= 1
-            self._spans.append((t0, t1))
-            self.last = t1
-
-    def take(self) -> dict:
-        clock, busy_ms = self.clock, 0.0
-        with self._lock:
-            while self._spans and clock.done(self._spans[0][1]):
-                t0, t1 = self._spans.pop(0)
-                # the part of [t0, t1] after the latest completion counted: t1 - max(t0, until)
-                overlap = max(0.0, clock.ms(t0, self._until)) if self._until is not None else 0.0
-                busy_ms += max(0.0, clock.ms(t0, t1) - overlap)
-                if self._until is None or clock.ms(self._until, t1) > 0:
-                    self._until = t1
-            out = {"bytes": self.bytes, "busy_ms": busy_ms, "in_flight": self.in_flight}
-            self.bytes = 0
-        return out
 
 
 # --- across hosts: two levels -----------------------------------------------------------

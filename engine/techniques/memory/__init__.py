@@ -13,9 +13,9 @@ What lives here, one idea a module:
     stream_swap.py  StreamSwapper: the same on a GPU, copies queued on side streams and booked by event
     link.py      HostLink (CPU threads), StreamLink and CudaCopies (GPU streams), HostBufferPool,
                  measure_link_gbps: copies between device and host memory
-    measure.py   Measure: one measured step's per-layer times and input bytes, turned into LayerCosts
-    cost.py      LayerCost and the cost model (estimate, activation_peak, extra_ms): pure functions
-    planner.py   plan (ratio / reverse / exhaustive), Plan, PlanError: pure functions of LayerCosts
+    measure.py   Measure: one measured step's per-layer times and input bytes, turned into ActivationCosts
+    cost.py      ActivationCost and the cost model (estimate, activation_peak, extra_ms): pure functions
+    planner.py   plan (ratio / reverse / exhaustive), Plan, PlanError: pure functions of ActivationCosts
 
 Imports within the package go one way: policy.py imports the others; stream_swap.py imports swap.py
 and link.py; swap.py imports link.py; measure.py and planner.py import cost.py; cost.py and link.py
@@ -24,7 +24,8 @@ model, the device and its ledger are handed in, so nothing here imports engine.r
 the devices) or any strategy.
 """
 
-from engine.techniques.memory.cost import (POLICIES, LayerCost, activation_peak, estimate, extra_ms, resident_bytes,
+from engine.techniques.memory.cost import (POLICIES, ActivationCost, activation_peak, estimate, extra_ms,
+                                           resident_bytes,
                                            swap_ms, swaps_pending)
 from engine.techniques.memory.link import (FETCH_TIMEOUT_S, CudaCopies, HostBufferPool, HostLink, StreamLink,
                                            measure_link_gbps)
@@ -34,6 +35,7 @@ from engine.techniques.memory.stream_swap import StreamSwapper
 from engine.techniques.memory.swap import Swapper
 
 __all__ = ["EXHAUSTIVE_MAX_LAYERS", "FETCH_TIMEOUT_S", "PLANNERS", "POLICIES", "ActivationPolicy",
-           "CudaCopies", "HostBufferPool", "HostLink", "LayerCost", "Plan", "PlanError", "StreamLink", "StreamSwapper",
+           "CudaCopies", "HostBufferPool", "HostLink", "ActivationCost", "Plan", "PlanError", "StreamLink",
+           "StreamSwapper",
            "Swapper", "activation_peak", "estimate", "extra_ms", "measure_link_gbps", "order_by_ratio", "plan",
            "resident_bytes", "swap_ms", "swaps_pending"]

@@ -1,10 +1,10 @@
 """The cost model: what a stage holds and how much time it loses under given per-layer policies.
 
-    costs = [LayerCost("block0.attn", act_bytes=..., in_bytes=..., fwd_ms=..., bwd_ms=...), ...]
+    costs = [ActivationCost("block0.attn", act_bytes=..., in_bytes=..., fwd_ms=..., bwd_ms=...), ...]
     peak = estimate(costs, {"block0.attn": "swap", ...}, base_bytes, in_flight, link_bytes_per_ms)
     lost = extra_ms(costs, policies, budget_ms, link_bytes_per_ms)
 
-Pure functions of measured per-layer costs (measure.py makes the LayerCosts from a measured step;
+Pure functions of measured per-layer costs (measure.py makes the ActivationCosts from a measured step;
 planner.py searches policies with them; docs/memory.md, "The model"). Swapping a layer costs its
 activation bytes over the link rate, recomputing it its forward time. Imports nothing of the engine.
 """
@@ -17,7 +17,7 @@ POLICIES = ("keep", "swap", "recompute")
 
 
 @dataclass
-class LayerCost:
+class ActivationCost:
     """One layer, per micro-batch: bytes it saves for backward, bytes of its input, times in ms."""
 
     name: str
@@ -28,19 +28,19 @@ class LayerCost:
     shared_next: int = 0   # of act_bytes, what the next layer saves too (a ReLU's output, the next Linear's input)
 
 
-def resident_bytes(cost: LayerCost, policy: str, next_policy: str = "keep") -> int:
+def resident_bytes(cost: ActivationCost, policy: str, next_policy: str = "keep") -> int:
     """What a layer holds on the device per micro-batch between its forward and its backward. Storage
     it shares with the next layer stays on the device while either of the two keeps it."""
     shared = cost.shared_next if next_policy == "keep" else 0
     return {"keep": cost.act_bytes, "swap": shared, "recompute": cost.in_bytes + shared}[policy]
 
 
-def _residents(costs: list[LayerCost], policies: dict[str, str]) -> list[int]:
+def _residents(costs: list[ActivationCost], policies: dict[str, str]) -> list[int]:
     following = [policies[c.name] for c in costs[1:]] + ["keep"]
     return [resident_bytes(c, policies[c.name], nxt) for c, nxt in zip(costs, following)]
 
 
-def activation_peak(costs: list[LayerCost], policies: dict[str, str], link_bytes_per_ms: float,
+def activation_peak(costs: list[ActivationCost], policies: dict[str, str], link_bytes_per_ms: float,
                     in_flight: int) -> int:
     """Modelled peak of the stage's activation bytes, walking one micro-batch's backward while the other
     `in_flight - 1` hold everything they keep. At the turn from forward to backward every layer's
@@ -61,7 +61,7 @@ def activation_peak(costs: list[LayerCost], policies: dict[str, str], link_bytes
     return int((in_flight - 1) * total + peak)
 
 
-def swaps_pending(costs: list[LayerCost], policies: dict[str, str], link_bytes_per_ms: float) -> int:
+def swaps_pending(costs: list[ActivationCost], policies: dict[str, str], link_bytes_per_ms: float) -> int:
     """Bytes still on their way to the host when the forward ends: the link copies in order, each swap
     layer's storages from the end of that layer's forward."""
     now = link_free = 0.0
@@ -74,17 +74,18 @@ def swaps_pending(costs: list[LayerCost], policies: dict[str, str], link_bytes_p
     return sum(nbytes for t, nbytes in landed_at if t > now)
 
 
-def estimate(costs: list[LayerCost], policies: dict[str, str], base_bytes: int, in_flight: int,
+def estimate(costs: list[ActivationCost], policies: dict[str, str], base_bytes: int, in_flight: int,
              link_bytes_per_ms: float) -> int:
     """Modelled peak: what the stage holds besides layer activations, plus the activations' peak."""
     return base_bytes + activation_peak(costs, policies, link_bytes_per_ms, in_flight)
 
 
-def swap_ms(cost: LayerCost, link_bytes_per_ms: float) -> float:
+def swap_ms(cost: ActivationCost, link_bytes_per_ms: float) -> float:
     return cost.act_bytes / link_bytes_per_ms
 
 
-def extra_ms(costs: list[LayerCost], policies: dict[str, str], budget_ms: float, link_bytes_per_ms: float) -> float:
+def extra_ms(costs: list[ActivationCost], policies: dict[str, str], budget_ms: float,
+             link_bytes_per_ms: float) -> float:
     """The modelled time policies add to a micro-batch: recomputed forwards, plus swap time beyond
     what the stage's own forward and backward hide."""
     recompute = sum(c.fwd_ms for c in costs if policies[c.name] == "recompute")

@@ -1,5 +1,5 @@
 """The measuring step: per layer, per micro-batch, its forward and backward time and the bytes of its
-input, turned into the LayerCosts the planners take.
+input, turned into the ActivationCosts the planners take.
 
     measure = Measure(Clock(device))                      # ActivationPolicy.before_step, a plan due
     t0 = measure.clock.mark(); ...                        # before each layer's forward, in that step
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.techniques.memory.cost import LayerCost
+from engine.techniques.memory.cost import ActivationCost
 from engine.timing import Clock
 
 
@@ -84,7 +84,8 @@ class Measure:
         """Forward passes in the measured step (micro-batches): the most calls of any layer."""
         return max(self.calls.values(), default=1)
 
-    def costs(self, owned: list[str], policy: dict[str, str], known: dict[str, LayerCost], ledger) -> list[LayerCost]:
+    def costs(self, owned: list[str], policy: dict[str, str], known: dict[str, ActivationCost],
+              ledger) -> list[ActivationCost]:
         """The per-micro-batch costs of the `owned` layers that ran, each also recorded in `known`. A
         recomputed layer's activations are not seen in its forward: its last known cost stands in."""
         by_layer, shared = ledger.activations_by_layer, ledger.shared_bytes
@@ -109,7 +110,7 @@ class Measure:
                 shared_next = last.shared_next
             else:
                 shared_next = shared.get((name, owned[k + 1]), 0) // calls if k + 1 < len(owned) else 0
-            cost = LayerCost(name, act, self.in_bytes.get(name, 0), fwd, bwd, min(shared_next, act))
+            cost = ActivationCost(name, act, self.in_bytes.get(name, 0), fwd, bwd, min(shared_next, act))
             known[name] = cost
             costs.append(cost)
         return costs

@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass
 
 from engine.config import format_size
-from engine.techniques.memory.cost import POLICIES, LayerCost, estimate, extra_ms, swap_ms
+from engine.techniques.memory.cost import POLICIES, ActivationCost, estimate, extra_ms, swap_ms
 
 PLANNERS = ("ratio", "reverse", "exhaustive")
 EXHAUSTIVE_MAX_LAYERS = 9    # 3^9 = 19683 assignments, well under a second
@@ -29,6 +29,8 @@ EXHAUSTIVE_MAX_LAYERS = 9    # 3^9 = 19683 assignments, well under a second
 
 class PlanError(RuntimeError):
     """The stage does not fit its capacity even with every layer recomputed, nor with every one swapped."""
+
+    refusal = True   # a restart would meet it again: the run ends (engine/runtime/refusal.py)
 
     def __init__(self, message: str, min_capacity_bytes: int):
         super().__init__(message)
@@ -47,7 +49,7 @@ class Plan:
     note: str = ""
 
 
-def plan(costs: list[LayerCost], *, capacity_bytes: int, base_bytes: int, in_flight: int,
+def plan(costs: list[ActivationCost], *, capacity_bytes: int, base_bytes: int, in_flight: int,
          link_bytes_per_ms: float, planner: str = "ratio", pinned: dict[str, str] | None = None) -> Plan:
     """Policies for the layers of one stage (`pinned` ones fixed) so the modelled peak fits the capacity.
 
@@ -101,7 +103,7 @@ def plan(costs: list[LayerCost], *, capacity_bytes: int, base_bytes: int, in_fli
     return made(policies, how, note)
 
 
-def order_by_ratio(free: list[LayerCost], link_bytes_per_ms: float, reverse: bool = False) -> list[LayerCost]:
+def order_by_ratio(free: list[ActivationCost], link_bytes_per_ms: float, reverse: bool = False) -> list[ActivationCost]:
     """Layers by swap cost over recompute cost, cheapest swap (relative to its recompute) first. Left out:
     layers that save nothing of their own and share nothing with the layer before (no policy changes
     what they hold); a layer that only saves what the one before saved (a Linear after a ReLU) is in,

@@ -37,7 +37,7 @@ from torch.utils.checkpoint import checkpoint
 
 from engine.config import format_size
 from engine.timing import Clock
-from engine.techniques.memory.cost import POLICIES, LayerCost, estimate
+from engine.techniques.memory.cost import POLICIES, ActivationCost, estimate
 from engine.techniques.memory.link import HostLink, StreamLink, measure_link_gbps
 from engine.techniques.memory.measure import Measure, tensors
 from engine.techniques.memory.planner import Plan, PlanError, plan, round_up_mib
@@ -72,7 +72,7 @@ class ActivationPolicy:
         self.link = None
         self.swapper = None
         self._ensure_link("swap" in self.policy.values())   # measures the link when no rate is given
-        self.known: dict[str, LayerCost] = {}     # measured costs, by layer
+        self.known: dict[str, ActivationCost] = {}     # measured costs, by layer
         self.plan: Plan | None = None
         self.plan_due = self.auto
         self._warm = False        # the run's first step is not measured (one-off costs)
@@ -255,11 +255,11 @@ class ActivationPolicy:
         self.ledger.reset_peak()
         return made
 
-    def own_costs(self) -> dict[str, LayerCost]:
+    def own_costs(self) -> dict[str, ActivationCost]:
         """The measured costs of the layers this rank runs (what a migration's target plans with)."""
         return {n: self.known[n] for n in self._last_owned if n in self.known}
 
-    def plan_ahead(self, held: list[str], costs: dict[str, LayerCost], arriving_bytes: int) -> Plan | None:
+    def plan_ahead(self, held: list[str], costs: dict[str, ActivationCost], arriving_bytes: int) -> Plan | None:
         """Before layers migrate (`auto`): plan the policies of every layer this rank holds during the
         migration step, its own and those arriving (`held`, in model order), from the costs measured where
         each ran, against the static bytes it will hold then: its own, plus `arriving_bytes` (the arriving

@@ -33,8 +33,8 @@ TIMES = ("fwd_ms", "bwd_ms", "activation_bytes")
 class LayerRows:
     def __init__(self, strategy, memory, topo):
         self.strategy, self.memory, self.topo = strategy, memory, topo
-        self.by_stage = hasattr(strategy, "layer_stages")
-        self.by_owner = hasattr(strategy, "layer_owners") and topo.world_size > 1
+        self.by_stage = strategy.staged
+        self.by_owner = strategy.owning and topo.world_size > 1
         self.stale = False                     # a command changed a policy or placement since the last rows
         self.own: list[dict] = []              # pipeline: this stage's last rows
         self.layout: list[list[str]] | None = None   # pipeline: the layout of the last gathered rows
@@ -47,7 +47,7 @@ class LayerRows:
         """The profiler's rows (a pipeline stage: of its own layers) with what this rank knows of each
         layer: its policy, owner or stage, update placement, and the update's measured time on that side."""
         strategy = self.strategy
-        owners = strategy.layer_owners() if hasattr(strategy, "layer_owners") else {}
+        owners = strategy.layer_owners()
         stages = strategy.layer_stages() if self.by_stage else {}
         updates = strategy.updater.by_name
         rows = []

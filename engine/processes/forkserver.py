@@ -1,6 +1,7 @@
-"""Workers as forks of one server process that has imported torch and the engine (engine/runtime/preload.py).
+"""Workers as forks of one server process that has imported torch and what its starter names (the launcher: the
+engine, engine/run/preload.py).
 
-    forkserver.start()            # trainyard run: as soon as the config is read, before this process imports torch
+    forkserver.start([PRELOAD])   # trainyard run: as soon as the config is read, before this process imports torch
     launch.start_method()         # "forkserver" where it can run, else "spawn" (launch() starts it if need be)
 
 A worker spawned afresh spends 2.8 s of CPU before it does anything (torch 1.4 s, torch._dynamo 1.4 s more:
@@ -29,6 +30,8 @@ def gpu_visible() -> bool:
 
 
 # the server's socket: ROOT/forkserver-PID/pymp-XXXXXXXX/listener-XXXXXXXX, within a Unix socket path's bytes
+# what the server imports whoever starts it; the launcher adds the engine (engine/run/preload.py)
+TORCH = ("torch", "torch._dynamo", "torch.distributed")
 SOCKET_TAIL = len("/forkserver-4194304/pymp-xxxxxxxx/listener-xxxxxxxx")
 
 
@@ -94,7 +97,7 @@ def start(preload: list[str] | tuple = ()) -> bool:
     util.Finalize(None, shutil.rmtree, args=(folder,), kwargs={"ignore_errors": True}, exitpriority=-101)
     saved, tempfile.tempdir = tempfile.tempdir, str(folder)   # where multiprocessing makes the socket's folder
     try:
-        multiprocessing.set_forkserver_preload(["engine.runtime.preload", *preload])
+        multiprocessing.set_forkserver_preload([*TORCH, *preload])
         forkserver.ensure_running()
     except OSError:
         return False   # launch() then spawns its workers

@@ -5,22 +5,23 @@
     loss = stage.train_step(x, y)   # the global-batch loss on the last stage, None elsewhere
     stage.stage_params()            # the parameters this rank trains
     stage.layout()                  # {"strategy": "pipeline", "stages": ..., "schedule": ..., ...}
-    decision = stage.boundary(step, requested=False)   # every rank, at each step boundary: rebalance?
+    decision = stage.check(step, requested=False)      # every rank, at each step boundary: rebalance?
+    events = stage.boundary(step, trained, memory)     # the same, as the step loop asks it (rebalancing.py)
 
 Rebalancing (engine/techniques/rebalance.py): every stage times its layers; at a check the last
 stage decides a new layout, and the layers migrate during the next step without
-stopping it (engine/techniques/migration.py: the layout switches at a micro-batch, weights and
+stopping it (engine/strategies/pipeline/migration.py: the layout switches at a micro-batch, weights and
 optimizer state move at the step's start, partial gradients at its end).
 
 Rank r runs stage r (world size == number of stages). Every rank holds the whole LayerList (built from
 the same seed) but only runs, and only updates, its own layers (a weight tied across stages: StageTies,
-engine/techniques/tied.py). x and y are the whole global batch on every rank: stage 0 reads x, the last
+engine/strategies/pipeline/tied.py). x and y are the whole global batch on every rank: stage 0 reads x, the last
 stage reads y (labels never travel). The batch is cut into `micro_batches` equal micro-batches; activations travel
 forward and their gradients backward between neighbouring stages by point-to-point messages on topo.compute.
 
 Loss scaling: each micro-batch's loss is weighted by its counted targets over the global batch's (engine/loss.py),
 so gradients and loss are those of one pass over the whole batch.
-One optimizer update per step, through HybridUpdater (begin_step before the first forward, end_backward after,
+One optimizer update per step, through LayerUpdates (begin_step before the first forward, end_backward after,
 then validate: clipping and skipping decided over every stage, engine/techniques/step_guard.py).
 
 Shape exchange: the first message of a step in each direction (and, in a step that migrates layers, the
@@ -61,105 +62,30 @@ import torch.distributed as dist
 
 from engine.config import OptimConfig, UpdateConfig
 from engine.runtime.devices import tensor_bytes
-from engine.loss import counted, cross_entropy, share_weight, weighted
+from engine.loss import counted, cross_entropy, share_loss
 from engine.strategies.ddp import params_by_layer
-from engine.techniques.hybrid import HybridUpdater
-from engine.techniques.migration import Migration
+from engine.techniques.updates.updater import LayerUpdates
+from engine.runtime.events import Event
+from engine.strategies.base import Strategy
+from engine.strategies.pipeline.migration import Migration
+from engine.strategies.pipeline.rebalancing import Rebalancing
+from engine.strategies.pipeline.schedule import SCHEDULES, check_stages, schedule_ops, split_micro, uniform_stages
 from engine.optim import make_optimizer
-from engine.techniques.partition import Cluster, threshold_in_ms, uniform
+from engine.techniques.partition import threshold_in_ms
 from engine.techniques.rebalance import LayerClock, Rebalancer, measure_link_rate
-from engine.techniques.tied import StageTies
+from engine.strategies.pipeline.tied import StageTies
 from engine.precision import DTYPES, dtype_code
 from engine.timing import Clock, StepTimes
 
-SCHEDULES = ("gpipe", "1f1b")
 HEADER_LEN = 8
 FWD_TAG, BWD_TAG = 0, 1
 TIME_EVERY = 4   # a stage times its layers on every 4th step (and before each automatic check)
 
 
-def check_stages(names: list[str], stage_layers: list[list[str]], world_size: int | None = None,
-                 clusters: list[list[str]] | None = None) -> list[tuple[int, int]]:
-    """Validate a split of `names` into stages; return each stage's [start, end) range of layer indices.
-
-    The stages must be non-empty, contiguous and together cover `names` in order; with
-    `world_size`, there must be exactly one stage per rank; with `clusters` (LayerList.clusters),
-    no stage boundary may fall inside a cluster (a Block is never split)."""
-    if not isinstance(stage_layers, (list, tuple)) or not stage_layers:
-        raise ValueError(f"stage_layers must be a non-empty list of lists of layer names, got {stage_layers!r}")
-    if world_size is not None and len(stage_layers) != world_size:
-        raise ValueError(f"pipeline needs one stage per rank: {len(stage_layers)} stages but world size "
-                         f"{world_size}")
-    index = {name: i for i, name in enumerate(names)}
-    ranges, expected = [], 0
-    for s, stage in enumerate(stage_layers):
-        if not isinstance(stage, (list, tuple)) or not stage:
-            raise ValueError(f"stage {s} is empty; every stage needs at least one layer")
-        for name in stage:
-            if name not in index:
-                raise ValueError(f"stage {s} names unknown layer {name!r}; layers are {', '.join(names)}")
-        start = index[stage[0]]
-        if start != expected:
-            what = f"layer {names[expected]!r} is missing" if start > expected else f"layer {stage[0]!r} repeats"
-            raise ValueError(f"stage {s} starts at {stage[0]!r} but layers must be covered in order, each "
-                             f"once: {what}")
-        for k, name in enumerate(stage):
-            if index[name] != start + k:
-                raise ValueError(f"stage {s} is not contiguous in forward order: {name!r} follows "
-                                 f"{stage[k - 1]!r}, expected {names[start + k] if start + k < len(names) else 'nothing'!r}")
-        expected = start + len(stage)
-    if expected != len(names):
-        raise ValueError(f"stages cover layers up to {names[expected - 1]!r}; layers "
-                         f"{names[expected:]} are in no stage")
-    ranges = [(index[st[0]], index[st[0]] + len(st)) for st in stage_layers]
-    if clusters:
-        for s, (start, _) in enumerate(ranges[1:], 1):
-            for cluster in clusters:
-                if len(cluster) > 1 and cluster[0] != names[start] and names[start] in cluster:
-                    raise ValueError(f"stage {s} starts at {names[start]!r}, inside the block "
-                                     f"{cluster[0].split('.')[0]!r}; a block is never split across stages")
-    return ranges
-
-
-def uniform_stages(model, stages: int) -> list[list[str]]:
-    """The same number of clusters per stage (earlier stages take the remainder)."""
-    split = uniform([Cluster(tuple(c), 0.0, 0) for c in model.clusters], stages)
-    return [list(stage) for stage in split.stages]
-
-
-def configured_stages(model, partition, stages: int) -> list[list[str]]:
-    """`parallel.partition`: "uniform" (uniform_stages over `stages`), or the stages as listed."""
-    return uniform_stages(model, stages) if partition == "uniform" else partition
-
-
-def split_micro(batch_size: int, micro_batches: int) -> int:
-    """The micro-batch size; ValueError unless `batch_size` divides into `micro_batches` equal parts."""
-    if not isinstance(micro_batches, int) or micro_batches < 1:
-        raise ValueError(f"micro_batches must be a positive integer, got {micro_batches!r}")
-    if batch_size % micro_batches:
-        raise ValueError(f"global batch of {batch_size} does not split into {micro_batches} equal micro-batches")
-    return batch_size // micro_batches
-
-
-def schedule_ops(schedule: str, stages: int, rank: int, micro_batches: int) -> list[tuple[str, int]]:
-    """The order of ("F", i) forwards and ("B", i) backwards that stage `rank` runs."""
-    m = micro_batches
-    if schedule == "gpipe":
-        return [("F", i) for i in range(m)] + [("B", i) for i in reversed(range(m))]
-    if schedule == "1f1b":
-        warm = min(stages - rank - 1, m)
-        ops = [("F", i) for i in range(warm)]
-        for i in range(m - warm):
-            ops += [("F", warm + i), ("B", i)]
-        ops += [("B", i) for i in range(m - warm, m)]
-        return ops
-    raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
-
-
-class PipelineStage:
+class PipelineStage(Strategy):
     name = "pipeline"
-
     global_batch = True   # every rank takes the whole global batch: stage 0 its inputs, the last its labels
+    staged = True
 
     def __init__(self, model, stage_layers: list[list[str]] | str, topo, device, optim_cfg: OptimConfig,
                  micro_batches: int, schedule: str = "1f1b", loss_fn=cross_entropy,
@@ -183,7 +109,7 @@ class PipelineStage:
         self._set_layout(stage_layers)
         self.owned = params_by_layer(model)   # each layer's update's; a tied weight's first holder's (StageTies)
         mine = {i: ps if self.start <= i < self.end else [] for i, ps in self.owned.items()}
-        self.updater = HybridUpdater(model, mine, optim_cfg, device, update_cfg or UpdateConfig())
+        self.updater = LayerUpdates(model, mine, optim_cfg, device, update_cfg or UpdateConfig())
         self.ties = StageTies(model, self.group, self.rank)
         # torch's first optimizer is slow (1.8 s: lazy imports): not inside the step layers migrate in
         make_optimizer(optim_cfg, [torch.nn.Parameter(torch.zeros(1))])
@@ -192,8 +118,8 @@ class PipelineStage:
         self.timings = {"fwd_ms": 0.0, "bwd_ms": 0.0, "optim_ms": 0.0}
         self._sent_bytes = 0   # payload bytes sent to the neighbours in the step (activations, gradients)
         self.times = StepTimes(device_clock or Clock(device.torch_device), ("fwd_ms", "bwd_ms", "optim_ms"))
-        self.clock = LayerClock(model.names, self.times.clock)   # the layer times the rebalance plans with
-        self.clock.armed = rebalance != "off"
+        self.layer_clock = LayerClock(model.names, self.times.clock)   # the layer times the rebalance plans with
+        self.layer_clock.armed = rebalance != "off"
         self._steps = 0   # steps run, for the clock's sampling
         self._deferred = False   # an operator's check waits for one timed step
         # the layout's model counts each boundary's sends at the links' measured rate (only where it can move)
@@ -205,6 +131,7 @@ class PipelineStage:
         self.pending: list[list[str]] | None = None   # the layout the next step migrates to
         self.migration: Migration | None = None      # the last step's migration, until reported
         self._move: Migration | None = None
+        self.rebalancing = Rebalancing(self)   # the operator's command and the check, as the step loop asks
 
     def _set_layout(self, stage_layers: list[list[str]]) -> None:
         """This rank's range of layers (at construction, after a migration, on resume)."""
@@ -213,6 +140,9 @@ class PipelineStage:
         self.stage_layers = [list(s) for s in stage_layers]
         self.start, self.end = ranges[self.rank]
         self.ledger_module = torch.nn.ModuleList(self.model.layers[self.start:self.end])
+
+    def tracked_module(self) -> torch.nn.Module:
+        return self.ledger_module
 
     def owned_layers(self) -> list[str]:
         """The layers this stage runs now (engine/techniques/memory/ plans their activation policies)."""
@@ -306,7 +236,7 @@ class PipelineStage:
         ranges = [(self.start, self.end)]
         if move is not None:
             move.start()
-            move.receive_state()   # first, and completed: see engine/techniques/migration.py
+            move.receive_state()   # first, and completed: see engine/strategies/pipeline/migration.py
             ranges.append(check_stages(self.model.names, move.new)[self.rank])
         # saved tensors counted through autograd's hooks until a micro-batch of this layout and shape is known;
         # then each micro-batch at once (MemoryLedger.unit_bytes: the same peak)
@@ -325,11 +255,11 @@ class PipelineStage:
                         inp = received.requires_grad_(True)
                     start, end = ranges[1] if new_layout else ranges[0]
                     units.forward_begin()
-                    out = self.clock.forward(self.model.layers, start, end, inp)
+                    out = self.layer_clock.forward(self.model.layers, start, end, inp)
                     if self.is_last:
                         # the labels' own copy too: a view would share one storage across the micro-batches
                         mine = y[i * size:(i + 1) * size].to(dev, copy=True)
-                        loss = weighted(self.loss_fn, out, mine, share_weight(counted(mine, self.loss_fn), counted_y, 1))
+                        loss = share_loss(self.loss_fn, out, mine, counted_y, 1)
                         losses.append(loss.detach())
                         outputs[i] = loss
                     else:
@@ -343,7 +273,7 @@ class PipelineStage:
                     grad = None if self.is_last else self._recv(self.next, BWD_TAG, new_layout)
                     t0 = times.mark()
                     if out.requires_grad:   # a stage of layers without parameters on stage 0 has no graph
-                        self.clock.backward(out, grad)
+                        self.layer_clock.backward(out, grad)
                     if not self.is_first:
                         self._send(inp.grad if inp.grad is not None else torch.zeros_like(inp), self.prev, BWD_TAG,
                                    new_layout)
@@ -353,12 +283,12 @@ class PipelineStage:
             move.finish()   # partial gradients change hands before the update
             self._set_layout(move.new)
             self.device.ledger.retrack(self.ledger_module)
-            self.clock.take()   # the next check measures the new layout only
+            self.layer_clock.take()   # the next check measures the new layout only
             self.migration, self._move = move, None
         elif self._steps == 0:
-            self.clock.take()   # the first step pays one-off costs (allocations, lazy imports): not a cost
+            self.layer_clock.take()   # the first step pays one-off costs (allocations, lazy imports): not a cost
         else:
-            self.clock.end_step()
+            self.layer_clock.end_step()
         self._steps += 1
         self._sent_bytes += self.ties.sum_grads(self.layer_stages(), self._pending)
         t0 = times.mark()
@@ -378,20 +308,20 @@ class PipelineStage:
         return loss
 
     # --- rebalancing -----------------------------------------------------------------------------
-    def boundary(self, step: int, requested: bool = False):
-        """Every rank, at every step boundary. A check when one is due (or `requested`): the Decision,
+    def check(self, step: int, requested: bool = False):
+        """Every rank, at every step boundary. A check when one is due (or `requested`): the RebalanceDecision,
         whose layout (if changed) the next step migrates to; otherwise None."""
         decision = None
         requested, self._deferred = requested or self._deferred, False
-        if requested and self.clock.steps == 0:   # nothing timed since the last change: time this step first
+        if requested and self.layer_clock.steps == 0:   # nothing timed since the last change: time this step first
             self._deferred = True
         elif self.pending is None and self.rebalancer.due(step, requested):
-            decision = self.rebalancer.check(step, self.clock, self.stage_layers, requested)
+            decision = self.rebalancer.check(step, self.layer_clock, self.stage_layers, requested)
             if decision.changed:
                 self.pending = decision.stages
         # time every TIME_EVERY-th step, and always the step before an automatic check
         r = self.rebalancer
-        self.clock.armed = r.mode != "off" and (self._steps % TIME_EVERY == 0 or self._deferred or (
+        self.layer_clock.armed = r.mode != "off" and (self._steps % TIME_EVERY == 0 or self._deferred or (
             r.mode == "auto" and (step + 1) % r.check_every == 0))
         return decision
 
@@ -429,12 +359,19 @@ class PipelineStage:
         return {"strategy": "pipeline", "stages": self.stage_layers, "schedule": self.schedule,
                 "micro_batches": self.micro_batches}
 
-    def sync(self) -> float:
-        return self.updater.wait_host()
+    # --- what the step loop asks (engine/strategies/base.py) --------------------------------------
+    def step_loss(self, losses: torch.Tensor) -> float:
+        return float(losses[self.loss_rank])   # the last stage's: the global batch's loss
 
-    # --- what the worker needs of a strategy -----------------------------------------------------
-    def stream_stats(self, step_ms: float) -> list[dict]:
-        return []   # activations travel point to point between neighbours; no broadcast streams
+    def events(self, step: int, table: torch.Tensor, run_dir) -> list[Event]:
+        return super().events(step, table, run_dir) + self.rebalancing.migrated(step, table)
+
+    def command(self, command: dict, step: int) -> list[Event] | None:
+        return self.rebalancing.command(command) if command["name"] == "rebalance" and "rebalance" in self.commands \
+            else None
+
+    def boundary(self, step: int, trained: bool, memory) -> list[Event]:
+        return self.rebalancing.boundary(step, trained, memory)
 
     def layer_stages(self) -> dict[str, int]:
         return {name: stage for stage, names in enumerate(self.stage_layers) for name in names}
@@ -463,14 +400,17 @@ class PipelineStage:
                     for t in list(layer.parameters()) + list(layer.buffers()):
                         dist.broadcast(t.data, src=dist.get_global_rank(self.group, stage), group=self.group)
 
-    def save(self, staged) -> None:
-        from engine.runtime import checkpoint as ckpt
+    def weights(self) -> dict[str, torch.Tensor]:
+        """This stage's entries of the model's state_dict (a tied weight: its owner stage's only)."""
         self.sync()
         whole = self.updater.weights_state(self.model)   # this stage's weights as its updates keep them (fp32 masters)
-        others = self.ties.not_owned_keys(self.layer_stages())   # a tied weight: its owner's file holds it
-        ckpt.write_file(staged, f"stage{self.rank}.pt", {"params": {k: whole[k].detach().clone()
-                                                                    for k in self.stage_state() if k not in others},
-                                                         "optimizer": self.updater.state_dict()})
+        others = self.ties.not_owned_keys(self.layer_stages())
+        return {k: whole[k].detach().clone() for k in self.stage_state() if k not in others}
+
+    def save(self, staged) -> None:
+        from engine.runtime import checkpoint as ckpt
+        ckpt.write_file(staged, f"stage{self.rank}.pt",
+                        {"params": self.weights(), "optimizer": self.updater.state_dict()})
 
     def load(self, source, manifest: dict) -> None:
         from engine.runtime import checkpoint as ckpt
@@ -495,6 +435,3 @@ class PipelineStage:
                     weights = {id(p): part["params"][n] for n, p in self.model.named_parameters(remove_duplicate=False)
                                if n in part["params"]}
                     self.updater.load_state_dict(part["optimizer"], weights)
-
-    def close(self) -> None:
-        self.updater.close()

@@ -1,6 +1,6 @@
-"""Technique 3: each layer's optimizer update on the device or on the host.
+"""Technique 3: LayerUpdates, every strategy's optimizer: each layer's update on the device or on the host.
 
-    updater = HybridUpdater(model, params_by_layer, optim_cfg, device, update_cfg)
+    updater = LayerUpdates(model, params_by_layer, optim_cfg, device, update_cfg)
     updater.begin_step()                      # before forward
     updater.params_reduced(params)            # any thread: these gradients are final
     updater.run_device_ready()                # compute thread: device updates whose gradients are final
@@ -36,8 +36,8 @@ executor thread, which runs on another core; the copies are memory copies. Nothi
 assumes a speed ratio: `placement = "auto"` measures both sides for
 `update.profile_steps` trial steps (host steps first, then alternating: a device step holds
 on the device only the updates whose state fits the capacity beside the measured peak, the rest
-modelled) and plans from what it measured (engine/techniques/update_plan.py). One layer's update on
-either side, and the host executor's threads: engine/techniques/layer_update.py.
+modelled) and plans from what it measured (engine/techniques/updates/plan.py). One layer's update on
+either side, and the host executor's threads: engine/techniques/updates/layer.py.
 """
 
 from __future__ import annotations
@@ -55,16 +55,16 @@ from engine.optim import set_lr
 from engine.runtime import emulate
 from engine.runtime.devices import LedgerDevice
 from engine.runtime.profiler import LayerProfiler
-from engine.techniques.layer_update import HostExecutor, LayerUpdate, default_host_threads
-from engine.techniques.step_guard import Decision, StepGuard
-from engine.techniques.update_plan import LayerCost, Profile, fixed, plan_global, plan_local
+from engine.techniques.updates.layer import HostExecutor, LayerUpdate, default_host_threads
+from engine.techniques.step_guard import GuardDecision, StepGuard
+from engine.techniques.updates.plan import UpdateCost, Profile, fixed, plan_global, plan_local
 from engine.timing import Clock
 
 SIDES = ("device", "host")
 SPECULATE_AFTER = 10   # clip_mode "speculate": steps that must stand in a row before updates speculate again
 
 
-class HybridUpdater:
+class LayerUpdates:
     def __init__(self, model, params_by_layer: dict[int, list[torch.nn.Parameter]], optim_cfg: OptimConfig,
                  device: LedgerDevice, cfg: UpdateConfig, clip_mode: str | None = None, speculate_device: bool = True):
         self.model, self.device, self.cfg, self.optim_cfg = model, device, cfg, optim_cfg
@@ -75,7 +75,7 @@ class HybridUpdater:
         # stage, in the bubble before the last stage's backward ends); ddp's run inline during backward either
         # way, so they wait for the norm and keep no copy on the device
         self.speculate_device = speculate_device
-        self.decision = Decision()   # the last step's
+        self.decision = GuardDecision()   # the last step's
         self._parts: list[torch.Tensor] = []   # this step's partial sums of squares, one per dispatched update
         self._held: list[LayerUpdate] = []     # clip_mode "wait": dispatched, waiting for the decision
         self._decided = False
@@ -304,13 +304,13 @@ class HybridUpdater:
         if self.trial_left:
             self._record_trial(rows)
 
-    def _decide(self, group) -> Decision:
+    def _decide(self, group) -> GuardDecision:
         self._decided = True
         self.decision = self.guard.decide(self._parts, group, self.device.torch_device)
         self._parts = []
         return self.decision
 
-    def _release(self, decision: Decision) -> None:
+    def _release(self, decision: GuardDecision) -> None:
         """clip_mode "wait": the held updates run on the clipped gradient, or not at all on a skip."""
         held, self._held = self._held, []
         for u in held:
@@ -323,10 +323,10 @@ class HybridUpdater:
                 self._link_bytes += u.link_bytes()
             self._submit(u)
 
-    def validate(self, group=None) -> Decision:
+    def validate(self, group=None) -> GuardDecision:
         """Compute thread, after end_backward (and any gradients exchanged after it, before weights leave):
         clip_mode "speculate": the step guard decides over `group`, and every update that ran is settled,
-        redone on the clipped gradient or undone (after its host update has landed). The step's Decision."""
+        redone on the clipped gradient or undone (after its host update has landed). The step's GuardDecision."""
         if not (self.guard.on and self.mode == "speculate"):
             return self.decision
         decision = self._decide(group)
@@ -419,7 +419,7 @@ class HybridUpdater:
             if name not in self.by_name:
                 carry_fwd, carry_bwd = carry_fwd + fwd, carry_bwd + bwd
                 continue
-            costs.append(LayerCost(
+            costs.append(UpdateCost(
                 name=name, fwd_ms=fwd + carry_fwd, bwd_ms=bwd + carry_bwd,
                 device_ms=device_ms[name],
                 host_ms=median([t["updates"][name][1] for t in host]),

@@ -1,6 +1,6 @@
 """One layer's optimizer update, on the device or the host (LayerUpdate), and the host executor: the
 threads that run host updates while backward goes on (HostExecutor). The hybrid updater
-(engine/techniques/hybrid.py) decides which side each layer's update runs on.
+(engine/techniques/updates/updater.py) decides which side each layer's update runs on.
 
     update = LayerUpdate(name, index, params, optim_cfg)
     update.move("host")                        # fp32 master weights and state to host memory

@@ -43,7 +43,7 @@ def model_file(run_dir: Path, node_rank: int) -> Path:
 def hand_over(job) -> None:
     """Once per launch, before the workers start: the user's model to a file they load (job.model_file),
     and the user's data to a private copy in shared memory (job.data). `job.model` stays the caller's
-    object, for the launcher alone: a Job that is pickled leaves it out (engine/runtime/rank.py,
+    object, for the launcher alone: a Job that is pickled leaves it out (engine/run/rank.py,
     Job.__getstate__)."""
     if job.model is not None:
         path = model_file(job.config.run_dir, job.config.cluster.node_rank)

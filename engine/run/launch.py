@@ -41,15 +41,17 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, r
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from engine.runtime import checkpoint as ckpt
-from engine.runtime import compat, forkserver
-from engine.runtime.children import torch_cache_out_of_temp
+from engine.runtime import compat
+from engine.processes import forkserver
+from engine.run import PRELOAD
+from engine.processes.children import torch_cache_out_of_temp
 from engine.config import config_to_toml, format_size
 from engine.runtime.devices import choose_device, cuda_count, tensor_bytes
-from engine.runtime.handover import hand_over, release
+from engine.run.handover import hand_over, release
 from engine.strategies.pipeline import configured_stages
 from engine.runtime.refusal import REFUSAL_SIGNAL, Refused
-from engine.runtime.rank import Job
-from engine.runtime.worker import worker_main
+from engine.run.rank import Job
+from engine.run.worker import worker_main
 
 
 class RunSetupError(RuntimeError):
@@ -308,7 +310,8 @@ def launch(job: Job) -> dict | None:
     agent_log.setLevel(logging.INFO)
     agent_log.propagate = False
     try:
-        if launch_cfg.start_method == "forkserver" and not forkserver.start(forkserver.model_modules(job.model)):
+        preload = [PRELOAD, *forkserver.model_modules(job.model)]
+        if launch_cfg.start_method == "forkserver" and not forkserver.start(preload):
             launch_cfg.start_method = "spawn"   # engine.train's path; `trainyard run` started it before torch
         hand_over(job)   # the user's model and data, as copies of the workers' own
         with _refusals(job, agent):
@@ -336,7 +339,7 @@ def launch(job: Job) -> dict | None:
 
 
 def start_method() -> str:
-    """How the agent starts a worker: forked from the fork server where it runs (engine/runtime/forkserver.py:
+    """How the agent starts a worker: forked from the fork server where it runs (engine/processes/forkserver.py:
     no GPU visible), else spawned afresh."""
     return "forkserver" if forkserver.usable() else "spawn"
 

@@ -1,6 +1,6 @@
-"""The hybrid update's cost model: a layer's measured costs (LayerCost), a rank's profile (Profile),
+"""The hybrid update's cost model: a layer's measured costs (UpdateCost), a rank's profile (Profile),
 and a placement scored on it (simulate, fixed -> Timeline). The model itself is described in
-engine/techniques/update_plan.py, beside the planners that use it.
+engine/techniques/updates/plan.py, beside the planners that use it.
 
     profile = Profile(layers_in_backward_order, peak_bytes=..., capacity_bytes=..., host_threads=2)
     timeline = fixed(profile, "host")            # makespan_ms, device_end_ms, host_end_ms, fits, ...
@@ -19,7 +19,7 @@ BRUTE_FORCE_MAX_LAYERS = 20
 
 
 @dataclass(frozen=True)
-class LayerCost:
+class UpdateCost:
     name: str
     fwd_ms: float      # forward time of the layer
     bwd_ms: float      # backward time of the layer
@@ -37,7 +37,7 @@ class LayerCost:
 
 @dataclass(frozen=True)
 class Profile:
-    layers: tuple[LayerCost, ...]  # backward order
+    layers: tuple[UpdateCost, ...]  # backward order
     peak_bytes: int                # device peak without any optimizer state
     capacity_bytes: int
     host_threads: int = 1          # host servers: each host update runs on the first free one

@@ -6,10 +6,10 @@ variants side by side in one process tree.
     with DistPool(world=2) as pool:
         results = pool.run(some_module.job, steps=20)   # job(topo, steps=20) on every rank
 
-With `cluster` (engine/runtime/cluster.py), the ranks are spread over its emulated hosts, consecutive
+With `cluster` (engine/processes/cluster.py), the ranks are spread over its emulated hosts, consecutive
 ranks per host as an elastic agent places them, and talk over its shaped links.
 
-The ranks fork from the launcher's fork server (engine/runtime/forkserver.py: torch and the engine already
+The ranks fork from the launcher's fork server (engine/processes/forkserver.py: torch and the engine already
 imported, 2.8 s of CPU saved a rank) where it runs, else are spawned; either way each starts with the
 environment its pool was made in, as a spawned child would.
 
@@ -43,7 +43,7 @@ def _serve(rank: int, world: int, port: int, timeout_s: float, inbox, outbox, pl
     torch.set_num_threads(1)
     addr, local, per_host = "127.0.0.1", rank, world
     if place is not None:   # (netns, interface, first host's address, ranks per host)
-        from engine.runtime.cluster import enter_host
+        from engine.processes.cluster import enter_host
         netns, interface, addr, per_host = place
         if netns is not None:
             enter_host(netns)
@@ -75,7 +75,7 @@ class DistPool:
     def __init__(self, world: int, timeout_s: float = 20.0, cluster=None, per_host: int | None = None):
         """`per_host`: without a cluster, tell the ranks they sit on hosts of that many (LOCAL_WORLD_SIZE),
         all on this machine's loopback: the code paths of several hosts, without the links."""
-        from engine.runtime import forkserver
+        from engine.processes import forkserver
         ctx = mp.get_context("forkserver" if forkserver.start() else "spawn")
         self.world, self.timeout_s = world, timeout_s
         self.inboxes = [ctx.Queue() for _ in range(world)]

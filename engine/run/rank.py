@@ -1,18 +1,16 @@
-"""What every rank of every mode sets up alike: the Job it was given, its stop flag, its place among the
-hosts, its pid file, device, data and model, and rank 0's run_start record.
+"""What every rank of every mode sets up alike: the Job it was given, its place among the hosts, its pid
+file, device, data and model.
 
     job = Job(config=cfg)                       # pickled to each worker process by the launcher
-    stop = StopRequest()                        # SIGINT/SIGTERM -> a flag the step loop reads
     restart, device, data, model = build_rank(job, topo)
 
-The data-parallel and pipeline step loop (engine/runtime/worker.py) and the parameter server's roles
-(engine/strategies/param_server/) both start here.
+The data-parallel and pipeline step loop (engine/run/worker.py) starts here, and hands `build_rank` to the
+parameter server's roles (engine/strategies/param_server/), which sit below the run.
 """
 
 from __future__ import annotations
 
 import os
-import signal
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -25,14 +23,14 @@ from engine.data import Dataset, load_dataset
 from engine.models import LayerList, build_model
 from engine.precision import param_dtype
 from engine.runtime.devices import open_device
-from engine.runtime.handover import received_model
+from engine.run.handover import received_model
 from engine.runtime.topology import Topology
 
 
 @dataclass
 class Job:
     """Everything a worker needs; pickled to each worker process (never with the caller's model: see
-    engine/runtime/handover.py)."""
+    engine/run/handover.py)."""
     config: Config
     model: LayerList | None = None       # a user's model, the caller's own object: the launcher's alone
     data: Dataset | None = None          # a user's data (None: load cfg.data); handed over as a private copy
@@ -66,22 +64,6 @@ class Job:
         return Path(log) if log else self.config.run_dir / "telemetry.jsonl"
 
 
-class StopRequest:
-    """SIGINT/SIGTERM set a flag; the step loop acts on it at the next boundary."""
-
-    def __init__(self):
-        self.signal: int | None = None
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame):
-        self.signal = signum
-
-    @property
-    def requested(self) -> bool:
-        return self.signal is not None
-
-
 def place_on_host(job: Job) -> None:
     """Before the process group starts: the network interface, and (several hosts under our launcher)
     global ranks by host number instead of the rendezvous's order of hosts, with the store on host 0."""
@@ -109,7 +91,7 @@ def build_rank(job: Job, topo: Topology):
     model = received_model(job) if job.model_file is not None else build_model(cfg.model, data.meta, cfg.run.seed)
     restart, device.rank_names = meet(topo, device.name)
     # the working weights in their dtype (bf16 under precision.params = "bf16"; the fp32 masters are made
-    # where the updates run: engine/techniques/layer_update.py)
+    # where the updates run: engine/techniques/updates/layer.py)
     return restart, device, data, model.to(device.torch_device, dtype=param_dtype(cfg.precision))
 
 
@@ -121,32 +103,3 @@ def meet(topo: Topology, device_name: str) -> tuple[int, list[str]]:
     everyone: list = [None] * topo.world_size
     dist.all_gather_object(everyone, mine, group=topo.side)
     return max(count for count, _ in everyone), [name for _, name in everyone]
-
-
-def announce(tel, cfg: Config, topo: Topology, device, names, first_step: int, restart: int,
-             resumed_from, layout: dict | None = None) -> None:
-    """Rank 0: the run_start record, and the restart and resume events."""
-    if not topo.is_first:
-        return
-    start = {"type": "run_start", "name": cfg.run.name, "strategy": cfg.parallel.strategy,
-             "world_size": topo.world_size, "hosts": topo.hosts(), "backend": topo.backend, **device_fields(device),
-             "layers": list(names), "first_step": first_step,
-             "restart": restart, "config": cfg.to_dict()}
-    if layout is not None:
-        start["layout"] = layout
-    tel._write(start)
-    if restart:
-        tel.event("restart", first_step, restart=restart, max_restarts=cfg.parallel.max_restarts)
-        tel.note(f"[yellow]restart {restart} of {cfg.parallel.max_restarts}:[/] a worker failed; "
-                 f"resumed from step {first_step}")
-    if first_step:
-        tel.event("resume", first_step, checkpoint=str(resumed_from))
-        if not restart:
-            tel.note(f"resumed from {resumed_from} at step {first_step}")
-
-
-def device_fields(device) -> dict:
-    """What hello and run_start say of the devices: rank 0's name, whether simulated, every rank's
-    name, and which device the run uses and why."""
-    return {"device": device.name, "simulated": device.simulated,
-            "devices": list(device.rank_names or [device.name]), "device_note": device.note}

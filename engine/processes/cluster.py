@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.runtime.children import ChildRuns
+from engine.processes.children import ChildRuns
 
 INTERFACE = "ty0"            # the one interface of every host, for `[cluster] interface`
 SUBNET = "10.213.0"          # host i is 10.213.0.<i+1>/24
@@ -235,7 +235,7 @@ def sweep() -> list[str]:
 def emulated_cluster(hosts: int = 2, link: str = "1gbit", name: str | None = None, **kw):
     """`up` for the duration of the block, and `down` (which kills every process inside) however the block
     ends: an exception, or SIGTERM, SIGINT or SIGHUP to this process, which is raised again once the
-    cluster is gone (engine/runtime/children.py). Only SIGKILL leaves it, for the next `up` to sweep."""
+    cluster is gone (engine/processes/children.py). Only SIGKILL leaves it, for the next `up` to sweep."""
     reason = available()
     if reason:   # before anything is owned: `down` cannot run here either
         raise ClusterError(reason)

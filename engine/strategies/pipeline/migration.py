@@ -1,6 +1,6 @@
 """Live layer migration between pipeline stages, inside one training step.
 
-    move = Migration(stage, new_stages)     # at the step's start, on every rank (after a Decision)
+    move = Migration(stage, new_stages)     # at the step's start, on every rank (after a RebalanceDecision)
     move.start()                            # sources: send each leaving layer's weights and optimizer state
     move.receive_state()                    # targets: take them over (before any other message of the step)
     move.use_new(i)                         # does micro-batch i run with the new layout?

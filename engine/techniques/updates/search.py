@@ -1,4 +1,4 @@
-"""The exact search behind `plan_global` (engine/techniques/update_plan.py): a DP over layers in backward
+"""The exact search behind `plan_global` (engine/techniques/updates/plan.py): a DP over layers in backward
 order keeping a Pareto front of (device clock, host threads' free times, device bytes), cut by lower
 bounds (branch and bound), with the module's tie-break; with several host threads the front is capped.
 
@@ -12,7 +12,7 @@ from bisect import bisect_left, bisect_right, insort
 from collections.abc import Sequence
 from itertools import accumulate
 
-from engine.techniques.update_cost import LayerCost, Profile
+from engine.techniques.updates.cost import UpdateCost, Profile
 
 
 # Relative slack, far above rounding: on the branch-and-bound cut, because the lower bound
@@ -90,7 +90,7 @@ class _Bounds:
         return lower
 
 
-def _tail(layers: Sequence[LayerCost], hc: list[float], i: int) -> tuple[list[int], list[float]]:
+def _tail(layers: Sequence[UpdateCost], hc: list[float], i: int) -> tuple[list[int], list[float]]:
     """The tail bound of `_Bounds` for the layers from i on, from a device clock of 0, by the
     device bytes free. A placement whose latest host update ends at T holds on the device
     every layer whose host update would end after T: the first m of the layers in order of

@@ -49,15 +49,15 @@ import dataclasses
 from heapq import heapreplace
 from itertools import accumulate
 
-from engine.techniques.update_cost import (BRUTE_FORCE_MAX_LAYERS, PLACEMENTS, InfeasibleCapacity, LayerCost, Profile,
+from engine.techniques.updates.cost import (BRUTE_FORCE_MAX_LAYERS, PLACEMENTS, InfeasibleCapacity, UpdateCost, Profile,
                                            Timeline, _bits_of, _placement_of, _require_fits, describe, fixed,
                                            min_capacity, simulate)
-from engine.techniques.update_search import _Bounds, _search
+from engine.techniques.updates.search import _Bounds, _search
 
 _BEAM_WIDTH = 64  # states per layer of the heuristic search that sets the first bound
 _FRONT_LIMIT = 2048  # with several host threads: states per layer the exact search keeps at most
 
-__all__ = ["BRUTE_FORCE_MAX_LAYERS", "PLACEMENTS", "InfeasibleCapacity", "LayerCost", "Profile", "Timeline",
+__all__ = ["BRUTE_FORCE_MAX_LAYERS", "PLACEMENTS", "InfeasibleCapacity", "UpdateCost", "Profile", "Timeline",
            "describe", "fixed", "min_capacity", "plan_brute_force", "plan_global", "plan_local", "simulate"]
 
 

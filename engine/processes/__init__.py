@@ -1,0 +1,10 @@
+"""How the engine and its commands run processes, apart from training.
+
+- forkserver.py: the fork server workers start from (torch imported once; the launcher adds the engine).
+- procpool.py: pools of ranks for tests and benches (one process group, jobs sent as functions).
+- cluster.py: the emulated cluster (network namespaces joined by shaped links) for tests and benches.
+- children.py: a command's child runs, each in a process session of its own, stopped with the command.
+
+Imports: engine.runtime's ground (topology) and engine.telemetry.protocol (the runtime directory). Nothing of
+the strategies or the run.
+"""

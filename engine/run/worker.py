@@ -1,0 +1,304 @@
+"""One training worker: process setup, resume, the step loop, checkpoints, telemetry.
+
+The launcher (engine/run/launch.py) starts `world_size` of these through torch's
+elastic agent; `torchrun --nproc-per-node N -m engine.worker CONFIG.toml` starts
+them the same way on any number of hosts.
+
+Every step ends at a boundary where the ranks exchange one small vector on the
+side group: loss, timings, ledger figures and a stop flag. So every rank agrees on
+when to stop, and rank 0 has what it logs and draws. The loop asks the strategy only what its contract
+names (engine/strategies/base.py), and forwards the events each technique makes (engine/runtime/events.py).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.data import batch_for, global_count
+from engine.loss import cross_entropy, test_accuracy
+from engine.optim import lr_at
+from engine.precision import compute_in
+from engine.runtime import checkpoint as ckpt
+from engine.runtime.control import COLUMN, encode_commands, exchange, share_commands
+from engine.runtime.emulate import Emulated
+from engine.runtime.events import forward
+from engine.runtime.lifecycle import RunControl, StopRequest, announce, device_fields
+from engine.runtime.profiler import LayerProfiler
+from engine.runtime.refusal import is_refusal, refuse
+from engine.runtime.topology import Topology
+from engine.run.layer_rows import LayerRows
+from engine.run.rank import Job, build_rank, place_on_host
+from engine.run.report import StepReport
+from engine.strategies.interface import make_strategy
+from engine.techniques.memory import ActivationPolicy
+from engine.techniques.memory_report import plans_made, step_fields
+from engine.telemetry.outlets import Telemetry
+from engine.timing import Clock
+
+PAUSED_POLL_S = 0.1   # how often paused ranks meet at the boundary to hear "resume" or "stop"
+
+
+def worker_main(job: Job) -> dict | None:
+    torch.set_num_threads(1)   # one thread per worker: on a few cores the pools would thrash
+    cfg = job.config
+    place_on_host(job)
+    param_server = cfg.parallel.strategy == "param_server"
+    if param_server and int(os.environ["RANK"]) >= cfg.parallel.servers:
+        from engine.strategies.param_server import supervise
+        return supervise(job, build_rank)   # a parameter-server worker: its death does not end the run
+    stop = StopRequest()
+    topo = Topology.from_env(cfg.parallel.backend, cfg.device.kind, cfg.parallel.collective_timeout_s)
+    worker = None
+    try:
+        if param_server:
+            from engine.strategies.param_server import run_server
+            return run_server(job, topo, stop, build_rank)
+        worker = Worker(job, topo, stop)
+        return worker.run()
+    except Exception as e:
+        refused = is_refusal(e) and job.launcher_pid is not None and not stop.requested
+        if worker is not None:   # consoles hear why, and the socket and registry entry go away
+            worker.tel.close(f"run {'refused' if refused else 'failed'} ({type(e).__name__}: {e})")
+        if refused:   # a restart would fail the same way: the launcher ends the run (exit 2)
+            refuse(job.refusal_path, job.launcher_pid, topo.rank, e, lambda: stop.requested)
+        if stop.requested:   # being shut down and a peer already left: nothing more to save
+            print(f"trainyard: rank {topo.rank} stopped ({type(e).__name__} after a peer left)",
+                  file=sys.stderr, flush=True)
+            os._exit(1)
+        raise
+    finally:
+        if stop.requested:
+            sys.stdout.flush()
+            # The elastic agent is shutting the group down and will not collect a return
+            # value; leave now rather than wait for its SIGKILL.
+            os._exit(0)
+        topo.shutdown()
+
+
+@dataclass
+class Trained:
+    """What this rank's part of a step leaves for the boundary."""
+    loss: float
+    step_ms: float
+    fields: dict          # the activation policy's figures for the exchange
+    layers: list | None   # this rank's measured layer rows, when due
+    rows_due: bool
+
+
+class Worker(RunControl):
+    def __init__(self, job: Job, topo: Topology, stop: StopRequest):
+        cfg = self.cfg = job.config
+        self.job, self.topo, self.stop = job, topo, stop
+        self.mode, self.run_dir = cfg.parallel.strategy, cfg.run_dir
+        self.restart, self.device, self.data, self.model = build_rank(job, topo)
+        self.emulated = Emulated.install(self.model, cfg.emulate, topo.rank, self.restart)   # before any timing hook
+        self.loss_fn = job.loss_fn or cross_entropy
+        self.strategy = make_strategy(cfg, self.model, topo, self.device, self.loss_fn)
+        self.device.ledger.track_module(self.strategy.tracked_module(), self.strategy.optimizer)
+        # every layer's saved activations: keep, swap or recompute (a pipeline stage plans for its own layers)
+        self.memory = ActivationPolicy(self.model, self.device, cfg.memory, owned=self.strategy.owned_layers,
+                                       in_flight=self.strategy.in_flight)
+        self.resumed_from = None
+        self.first_step = self._resume()
+        if self.first_step == 0:   # dropout streams differ per rank, reproducible from the seed
+            torch.manual_seed(cfg.run.seed + 1000 * topo.rank)
+        self.profiler = LayerProfiler(self.model, self.device.ledger, Clock(self.device.torch_device)) \
+            if cfg.telemetry.layer_every else None
+        self.tel = Telemetry.open(job, self._hello(), topo.is_first, self.first_step)
+        self.wait_ms = 0.0
+        self.lr = cfg.optim.lr   # the last step's learning rate (engine/optim.py lr_at)
+        self.layer_rows = LayerRows(self.strategy, self.memory, self.topo)   # the console's layer table
+        self.report = StepReport(self.tel, cfg, self.strategy, self.layer_rows, topo)
+
+    def _hello(self) -> dict:
+        cfg = self.cfg
+        return {"run": cfg.run.name, "mode": cfg.parallel.strategy, "world_size": self.topo.world_size,
+                "hosts": self.topo.hosts(), "backend": self.topo.backend, **device_fields(self.device),
+                "layers": list(self.model.names), "layout": self.strategy.layout(),
+                "updated_layers": [n for n, layer in zip(self.model.names, self.model.layers)
+                                   if any(True for _ in layer.parameters())],
+                "capabilities": list(self.strategy.commands) + ["set-policy"], "steps": cfg.run.steps,
+                "config": cfg.to_dict()}
+
+    def _resume(self) -> int:
+        source = ckpt.resume_source(self.run_dir, self.job.resume, self.restart)
+        if source is None:
+            return 0
+        manifest = ckpt.verify(source)
+        ckpt.check_world_size(source, manifest, self.topo.world_size)
+        self.strategy.load(source, manifest)
+        rng = ckpt.load_file(source, f"rank{self.topo.rank}.pt")
+        torch.set_rng_state(rng["torch"])
+        if self.device.kind == "cuda" and "cuda" in rng:
+            torch.cuda.set_rng_state(rng["cuda"])
+        self.device.ledger.refresh()
+        self.resumed_from = source
+        return int(manifest["step"])
+
+    # --- the loop: batch, train step, exchange, report, commands, boundary -----------------------------
+    def run(self) -> dict | None:
+        self.tel.update_state(step=self.first_step, steps=self.cfg.run.steps, paused=False)
+        announce(self.tel, self.cfg, self.topo, self.device, self.model.names, self.first_step, self.restart,
+                 self.resumed_from)
+        step, loss, last = self.first_step, None, time.perf_counter()
+        while True:
+            trained = self._train(step) if not self.paused and step < self.cfg.run.steps else None
+            step += trained is not None
+            table, commands = self._exchange(trained)
+            if trained:
+                refusal, events = plans_made(self.memory, table, self.topo.rank, self.cfg, step)
+                if refusal:
+                    return self._refuse(step, refusal)
+                forward(self.tel, step, events)
+                loss = self.strategy.step_loss(table[:, COLUMN["loss"]])
+                layers = self.layer_rows.gather(trained.layers, table, trained.rows_due)
+                now = time.perf_counter()
+                self.report.step(step, loss, table, self.cfg.data.batch_size / max(now - last, 1e-9), layers, self.lr)
+                last = now
+                self._due(step)
+                forward(self.tel, step, self.strategy.events(step, table, self.run_dir))
+            for command in commands:
+                self.take(command, step)
+            forward(self.tel, step, self.strategy.boundary(step, trained is not None, self.memory))
+            if table[:, COLUMN["stop"]].max() > 0 and self.stop_reason is None:
+                self.begin_stop(f"signal {self.stop.signal or 'on another rank'}")
+            if self.stop_reason or step >= self.cfg.run.steps:
+                return self._finish(step, loss)
+            if self.paused:
+                time.sleep(PAUSED_POLL_S)
+                last = time.perf_counter()
+            elif self.cfg.run.step_pause_ms:
+                time.sleep(self.cfg.run.step_pause_ms / 1000)
+
+    def _train(self, step: int) -> Trained:
+        """This rank's part of step `step` (0-based): its share of the batch, through the strategy."""
+        cfg, strategy = self.cfg, self.strategy
+        share = (0, 1) if strategy.global_batch else (self.topo.rank, self.topo.world_size)
+        x, y = batch_for(self.data, step, cfg.data.batch_size, cfg.run.seed, *share)
+        self.lr = lr_at(cfg.optim, step, cfg.run.steps)
+        strategy.begin_step(self.lr, None if strategy.global_batch else
+                            global_count(self.data, step, cfg.data.batch_size, cfg.run.seed, self.loss_fn))
+        rows_due = bool(self.profiler) and (step == self.first_step or (step + 1) % cfg.telemetry.layer_every == 0)
+        profile = rows_due and (self.topo.is_first or self.layer_rows.by_stage)
+        if profile:
+            self.profiler.arm()
+        self.memory.before_step(step)
+        self.emulated.at(step)
+        out_before, wait_before = self.memory.swapped_out_bytes(), self.memory.link_wait_s()
+        t0 = time.perf_counter()
+        with compute_in(cfg.precision, self.device.torch_device):   # bf16: under autocast
+            loss = strategy.train_step(x, y) or 0.0   # None: a pipeline stage before the last
+        step_ms = (time.perf_counter() - t0) * 1000
+        plan = self.memory.after_step(step)
+        fields = step_fields(self.memory, plan, self.memory.swapped_out_bytes() - out_before,
+                             self.memory.link_wait_s() - wait_before)
+        return Trained(loss, step_ms, fields, self.profiler.finish() if profile else None, rows_due)
+
+    def _exchange(self, trained: Trained | None) -> tuple[torch.Tensor, list[dict]]:
+        """Every rank's figures and the operator's commands, the same on every rank (engine/runtime/control.py)."""
+        payload = encode_commands(self.tel.take_commands())
+        t_wait = time.perf_counter()
+        idle = step_fields(self.memory, None, 0, 0.0)
+        table = exchange(self.topo, {"stop": float(self.stop.requested), "command_bytes": len(payload),
+                                     "loss": trained.loss if trained else 0.0,
+                                     "step_ms": trained.step_ms if trained else 0.0, "wait_ms": self.wait_ms,
+                                     **self.strategy.timings, **(trained.fields if trained else idle),
+                                     **self.device.stats()})
+        commands = share_commands(self.topo, payload, table)
+        self.wait_ms = (time.perf_counter() - t_wait) * 1000
+        return table, commands
+
+    def _due(self, step: int) -> None:
+        """The checkpoint and evaluation due after step `step`."""
+        cfg = self.cfg
+        if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step < cfg.run.steps:
+            self.checkpoint(step)
+        if cfg.run.eval_every and step % cfg.run.eval_every == 0:
+            self.strategy.gather_weights()
+            if self.topo.is_first:
+                self.tel.event("eval", step, test_accuracy=self.evaluate())
+
+    # --- the operator's commands (engine/runtime/lifecycle.py: those every run takes) --------------------
+    def own_command(self, command: dict, step: int) -> bool | None:
+        """Every rank runs this for the same commands at the same boundary."""
+        name, args = command["name"], command.get("args", [])
+        events = self.strategy.command(command, step)
+        if events is not None:   # the strategy's own (a pipeline's rebalance): answered in its events or later
+            forward(self.tel, step, events)
+            return None
+        if name == "set-policy":
+            self.memory.set(*args)
+            self.layer_rows.stale = True
+            self.tel.event("policy", step, layer=args[0], policy=args[1], source="command")
+        elif name == "set-placement":
+            self.strategy.sync()
+            self.strategy.updater.set_placement(*args)
+            self.layer_rows.stale = True
+            self.tel.event("placement", step, layer=args[0], placement=args[1], source="command")
+        else:
+            return False
+        return True
+
+    def _refuse(self, step: int, reason: str) -> dict | None:
+        """End a run whose memory plan cannot fit: no checkpoint, no restart (it would fail the same way)."""
+        self.memory.close()
+        if not self.topo.is_first:
+            return None
+        self.tel.event("stop", step, reason=f"refused: {reason}")
+        self.tel.close(f"run refused ({reason})")
+        return {"type": "refused", "error": reason}
+
+    # --- checkpoints, evaluation, the end ----------------------------------------
+    def checkpoint(self, step: int) -> None:
+        """Every rank writes its files, rank 0 publishes the checkpoint. A write that fails on any rank (a full
+        disk) stops the run on every rank with CheckpointWriteError, the staged files removed and the previous
+        checkpoint untouched: the ranks agree on it first, so none waits at a barrier for one that gave up."""
+        staged = ckpt.staging_dir(self.run_dir, step)
+        rng = {"torch": torch.get_rng_state()}
+        if self.device.kind == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state()
+        failed = None
+        try:
+            ckpt.write_file(staged, f"rank{self.topo.rank}.pt", rng)
+            self.strategy.save(staged)
+        except OSError as e:
+            failed = e
+        ckpt.agree_written(self.topo.side, self.topo.rank, self.run_dir, step, failed)
+        path, failed = None, None
+        if self.topo.is_first:
+            # Batches are a function of (step, seed), so the step is the whole data position.
+            meta = {"name": self.cfg.run.name, "world_size": self.topo.world_size,
+                    "data_position": {"step": step, "samples_seen": step * self.cfg.data.batch_size},
+                    "layout": self.strategy.layout(), "config": self.cfg.to_dict(),
+                    "tied": ckpt.tied_keys(self.model)}
+            try:
+                path = ckpt.finalize(self.run_dir, step, meta, keep=self.cfg.checkpoint.keep)
+            except OSError as e:
+                failed = e
+        ckpt.agree_written(self.topo.side, self.topo.rank, self.run_dir, step, failed)
+        if path is not None:
+            self.tel.event("checkpoint", step, path=str(path))
+
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        self.strategy.sync()   # every parameter's latest broadcast has landed
+        return test_accuracy(self.model, self.data, self.device.torch_device, self.cfg.precision,
+                             self.cfg.data.eval_samples)
+
+    def _finish(self, step: int, loss: float | None) -> dict | None:
+        self.memory.close()
+        stopped_early = step < self.cfg.run.steps
+        if step > self.first_step or stopped_early:
+            self.checkpoint(step)
+        self.strategy.gather_weights()
+        if not self.topo.is_first:
+            return None
+        summary = self.end(step, stopped_early, loss, self.evaluate(), {
+            **self.report.peaks.summary(), "capacity_bytes": self.device.ledger.capacity_bytes,
+            "simulated": self.device.simulated, "restarts": self.restart})
+        return {"type": "summary", **summary}

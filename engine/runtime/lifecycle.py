@@ -1,0 +1,122 @@
+"""What every run does alike at its start, at the operator's commands and at its end, whichever loop drives it:
+the data-parallel and pipeline step loop (engine/run/worker.py) and the parameter server's coordinator
+(engine/strategies/param_server/coordinator.py).
+
+    stop = StopRequest()                        # SIGINT/SIGTERM -> a flag the loop reads at its boundary
+    announce(tel, cfg, topo, device, names, first_step, restart, resumed_from)   # rank 0: run_start
+    class Loop(RunControl): ...                 # take(command, step) for every command; end(...) once
+
+Imports torch (nothing else of the engine's own).
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+
+class StopRequest:
+    """SIGINT/SIGTERM set a flag; the loop acts on it at the next boundary."""
+
+    def __init__(self):
+        self.signal: int | None = None
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        self.signal = signum
+
+    @property
+    def requested(self) -> bool:
+        return self.signal is not None
+
+
+def device_fields(device) -> dict:
+    """What hello and run_start say of the devices: rank 0's name, whether simulated, every rank's
+    name, and which device the run uses and why."""
+    return {"device": device.name, "simulated": device.simulated,
+            "devices": list(device.rank_names or [device.name]), "device_note": device.note}
+
+
+def announce(tel, cfg, topo, device, names, first_step: int, restart: int, resumed_from,
+             layout: dict | None = None) -> None:
+    """Rank 0: the run_start record, and the restart and resume events."""
+    if not topo.is_first:
+        return
+    start = {"type": "run_start", "name": cfg.run.name, "strategy": cfg.parallel.strategy,
+             "world_size": topo.world_size, "hosts": topo.hosts(), "backend": topo.backend, **device_fields(device),
+             "layers": list(names), "first_step": first_step,
+             "restart": restart, "config": cfg.to_dict()}
+    if layout is not None:
+        start["layout"] = layout
+    tel._write(start)
+    if restart:
+        tel.event("restart", first_step, restart=restart, max_restarts=cfg.parallel.max_restarts)
+        tel.note(f"[yellow]restart {restart} of {cfg.parallel.max_restarts}:[/] a worker failed; "
+                 f"resumed from step {first_step}")
+    if first_step:
+        tel.event("resume", first_step, checkpoint=str(resumed_from))
+        if not restart:
+            tel.note(f"resumed from {resumed_from} at step {first_step}")
+
+
+class RunControl:
+    """The operator's commands every run takes (pause, resume, checkpoint, stop) and the end of a run. A loop
+    gives `tel`, `mode` and its own `checkpoint(step)`; `own_command` takes the commands of its mode."""
+
+    tel = None    # the run's telemetry (engine/telemetry/outlets.py)
+    cfg = None    # the run's Config
+    job = None    # the run's Job (engine/run/rank.py)
+    mode = ""
+    paused = False
+    stop_reason: str | None = None
+    stop_command: dict | None = None
+
+    def checkpoint(self, step: int) -> None:
+        raise NotImplementedError
+
+    def own_command(self, command: dict, step: int) -> bool | None:
+        """A command of this mode: True once applied, None when answered later (or already), False: not taken."""
+        return False
+
+    def paused_changed(self) -> None:
+        """After pause or resume (the coordinator tells its servers)."""
+
+    def begin_stop(self, reason: str) -> None:
+        self.stop_reason = reason
+
+    def take(self, command: dict, step: int) -> None:
+        """One operator command, answered: applied, rejected, or (stop) once the final checkpoint is written."""
+        name = command["name"]
+        if name in ("pause", "resume"):
+            self.paused = name == "pause"
+            self.paused_changed()
+            self.tel.update_state(paused=self.paused)
+        elif name == "checkpoint":
+            self.checkpoint(step)
+        elif name == "stop":
+            self.stop_command = command
+            self.begin_stop("command")
+            return
+        else:
+            taken = self.own_command(command, step)
+            if taken is None:
+                return
+            if not taken:   # the hub rejects these in this mode; a command from elsewhere gets the same answer
+                self.tel.reply(command, "rejected", reason=f"{name} is not available in mode {self.mode}")
+                return
+        self.tel.reply(command, "applied", step=step)
+
+    def end(self, step: int, stopped_early: bool, loss: float | None, accuracy: float | None, fields: dict) -> dict:
+        """Rank 0, once the final checkpoint is written: the stop event and reply, the summary, the consoles
+        told. `fields`: the rest of the summary (peaks, restarts...). Returns the summary."""
+        if stopped_early:
+            self.tel.event("stop", step, reason=self.stop_reason)
+        if self.stop_command:
+            self.tel.reply(self.stop_command, "applied", step=step)
+        summary = {"name": self.cfg.run.name, "final_loss": loss, "test_accuracy": accuracy, "steps": step,
+                   "wall_s": time.time() - (self.job.launched_at or time.time()), **fields,
+                   "stopped_early": stopped_early}
+        self.tel.summary(summary)
+        self.tel.close("run stopped" if stopped_early else "run finished")
+        return summary

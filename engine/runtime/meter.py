@@ -1,0 +1,69 @@
+"""The one meter of a communication stream, every strategy's: bytes, busy time and operations in flight, on the
+device's clock, read without waiting; and a step record's `streams` entry from it.
+
+    meter = CommMeter(clock); t0 = meter.started(nbytes); ...; meter.finished(t0)   # completions: any thread
+    entry = stream_entry(0, meter.take(), step_ms)
+
+Busy is the union of the operations' launch-to-completion intervals, so two all-reduces in flight at once count
+their overlap once (DDP's buckets overlap; each sharded stream's slices too).
+
+Imports engine.timing.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from engine.timing import Clock
+
+
+class CommMeter:
+    """Bytes, busy time (the union of its operations' launch-to-completion intervals: the time the stream was
+    busy, however many operations overlapped) and operations in flight of one communication stream.
+    Completions arrive on the
+    backend's threads, hence the lock. Intervals are on the device's clock (engine/timing.py): on a
+    GPU the launch is marked on the launching thread's stream and the completion on the stream its
+    callback runs on (which waits for the operation); `take` counts those that have run, in the
+    order they completed, and leaves the others to the next take, never waiting."""
+
+    def __init__(self, clock: Clock | None = None):
+        self.clock = clock or Clock()
+        self._lock = threading.Lock()
+        self.bytes, self.in_flight = 0, 0
+        self._spans: list = []   # (launch, completion) marks not counted yet, in completion order
+        self._until = None       # the latest completion counted so far
+        self.last = None         # the latest completion's mark (sharded resets it at each broadcast)
+
+    def started(self, nbytes: int):
+        with self._lock:
+            self.bytes += nbytes
+            self.in_flight += 1
+        return self.clock.mark()
+
+    def finished(self, t0) -> None:
+        t1 = self.clock.mark()
+        with self._lock:
+            self.in_flight -= 1
+            self._spans.append((t0, t1))
+            self.last = t1
+
+    def take(self) -> dict:
+        clock, busy_ms = self.clock, 0.0
+        with self._lock:
+            while self._spans and clock.done(self._spans[0][1]):
+                t0, t1 = self._spans.pop(0)
+                # the part of [t0, t1] after the latest completion counted: t1 - max(t0, until)
+                overlap = max(0.0, clock.ms(t0, self._until)) if self._until is not None else 0.0
+                busy_ms += max(0.0, clock.ms(t0, t1) - overlap)
+                if self._until is None or clock.ms(self._until, t1) > 0:
+                    self._until = t1
+            out = {"bytes": self.bytes, "busy_ms": busy_ms, "in_flight": self.in_flight}
+            self.bytes = 0
+        return out
+
+
+def stream_entry(stream: int, taken: dict, step_ms: float) -> dict:
+    """A step record's `streams` entry from a meter's take(): its busy time as a fraction of the step."""
+    busy = min(taken["busy_ms"] / step_ms, 1.0) if step_ms > 0 else 0.0
+    return {"stream": stream, "bytes": taken["bytes"], "busy_ms": round(taken["busy_ms"], 3),
+            "busy_fraction": round(busy, 4), "in_flight": taken["in_flight"]}

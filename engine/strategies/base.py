@@ -1,0 +1,123 @@
+"""The strategy contract: every call the step loop (engine/run/worker.py) makes of a data-parallel or pipeline
+strategy, with what a strategy that has nothing to say there answers. A strategy subclasses Strategy and
+overrides what it does otherwise; the loop never asks whether a strategy has a member.
+
+    strategy.begin_step(lr, counted)        # before the step: its learning rate, the global batch's targets
+    loss = strategy.train_step(x, y)        # one optimizer step on this rank's share (None: not the loss's rank)
+    strategy.step_loss(losses)              # every rank's loss -> the step's
+    events = strategy.events(step, table, run_dir)         # after the exchange: what happened in the step
+    strategy.command(command, step)         # an operator command of this strategy's own (None: not one)
+    events = strategy.boundary(step, trained, memory)      # at the boundary, after the commands
+
+What the console and the ledger see: tracked_module, owned_layers, in_flight, layer_owners, layer_stages,
+stage_rows, stream_stats, layout. Checkpoints: weights (this rank's, under global names), save, load.
+
+A fifth strategy: subclass Strategy in a module (or folder) of its own under engine/strategies/, implement
+train_step, weights, save and load, override what it does otherwise (its commands and events, what the console
+sees), and add it to make_strategy (interface.py) and to `parallel.strategy`'s choices (engine/config/settings.py).
+The step loop does not change.
+
+Imports engine.runtime.events and engine.techniques.updates.report.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from engine.runtime.events import Event
+from engine.techniques.updates.report import plan_events
+
+COMMANDS = ("pause", "resume", "stop", "checkpoint", "set-placement")   # what an operator can do in every mode
+
+
+class Strategy:
+    name = ""
+    commands: tuple[str, ...] = COMMANDS   # the operator commands this mode takes (the hello's capabilities)
+    global_batch = False   # every rank takes the whole batch (a pipeline: stage 0 its inputs, the last its labels)
+    staged = False         # its layers live on stages: layer_stages and stage_rows say which
+    owning = False         # each parameter's update runs on its owner rank: layer_owners says which
+
+    # set by every strategy's constructor
+    model: torch.nn.Module
+    updater: object         # every layer's update, on the device or the host (engine/techniques/updates/updater.py)
+    optimizer: object       # what the ledger counts as optimizer state
+    timings: dict           # this step's fwd_ms, bwd_ms, optim_ms (and the mode's own figures)
+    global_counted: int | None = None   # the step's counted targets over the global batch (engine/loss.py)
+
+    # --- the step --------------------------------------------------------------------------------
+    def begin_step(self, lr: float, counted: int | None) -> None:
+        self.updater.lr = lr   # each layer's update takes it as it goes
+        self.global_counted = counted
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float | None:
+        raise NotImplementedError
+
+    def step_loss(self, losses: torch.Tensor) -> float:
+        """The step's loss from every rank's (each rank's share of the global batch's mean)."""
+        return float(losses.mean())
+
+    def events(self, step: int, table: torch.Tensor, run_dir: Path) -> list[Event]:
+        """Every rank, after the step's exchange (`table`: every rank's figures): what happened in it."""
+        return plan_events(self.updater, step, run_dir)
+
+    def command(self, command: dict, step: int) -> list[Event] | None:
+        """An operator command of this strategy's own, taken (its answer in the events, or later); None: not one."""
+        return None
+
+    def boundary(self, step: int, trained: bool, memory) -> list[Event]:
+        """Every rank, at the step boundary after the commands (a pipeline's rebalance check)."""
+        return []
+
+    def sync(self) -> float:
+        """Host updates in flight land (before a checkpoint, an evaluation, the end)."""
+        return self.updater.wait_host()
+
+    def gather_weights(self) -> None:
+        """Every rank: every weight this rank does not keep current comes to it (before rank 0 evaluates)."""
+
+    # --- what the ledger, the memory policy and the console see ----------------------------------
+    def tracked_module(self) -> torch.nn.Module:
+        """What this rank's ledger counts (a pipeline stage: its own layers, followed as they move)."""
+        return self.model
+
+    def owned_layers(self) -> list[str]:
+        """The layers this rank runs (their activation policies are planned here)."""
+        return list(self.model.names)
+
+    def in_flight(self) -> int:
+        """Micro-batches whose activations this rank holds at once, at most."""
+        return 1
+
+    def layer_owners(self) -> dict[str, int]:
+        return {}
+
+    def layer_stages(self) -> dict[str, int]:
+        return {}
+
+    def stage_rows(self, ranks: list[dict]) -> dict:
+        """The step record's stage fields (a pipeline's `stages`, `imbalance_ms`...)."""
+        return {}
+
+    def stream_stats(self, step_ms: float) -> list[dict]:
+        return []
+
+    def layout(self) -> dict:
+        return {"strategy": self.name}
+
+    # --- checkpoints and the end -----------------------------------------------------------------
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The weights this rank writes, under the model's own state_dict names, as its updates keep them (fp32
+        masters under bf16 working weights). Every rank's together hold every weight once or more: what a
+        load by name (a new job shape) reads."""
+        raise NotImplementedError
+
+    def save(self, staged: Path) -> None:
+        raise NotImplementedError
+
+    def load(self, source: Path, manifest: dict) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self.updater.close()

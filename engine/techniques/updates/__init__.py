@@ -1,0 +1,12 @@
+"""Technique 3 and every strategy's optimizer: each layer's update, on the device or the host, planned from
+profiled times and memory so host updates overlap backward.
+
+- updater.py: LayerUpdates, what a strategy steps: every layer's update dispatched as its gradients are final,
+  the clipping guard over every rank (engine/techniques/step_guard.py), the trial and the plan.
+- layer.py: one layer's update: its optimizer, its fp32 masters, its side (device or host), speculation.
+- cost.py + plan.py + search.py: the cost model, the exact planner and the searches (pure functions).
+- report.py: a plan just made, as events (the update_plan record, update_profile.json).
+
+Imports engine.config, engine.optim, engine.precision, engine.timing, engine.runtime (the ground) and
+engine.techniques.step_guard.
+"""

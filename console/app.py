@@ -31,10 +31,10 @@ from textual.reactive import reactive
 from textual.widgets import Footer, Static, Tab, Tabs
 from textual.worker import get_current_worker
 
+from console.actions import KEY_NAMES, ConsoleActions
 from console.client import Feed, Link, ReplaySource, SocketSource
-from console.screens import DeviceCardScreen, FilterScreen, HelpScreen, QuitScreen, RunPicker, SyncScreen
+from console.screens import DeviceCardScreen, RunPicker
 from console.state import RunState, headline, keys_line, link_label, replay_label
-from engine.protocol import SYNC_MODES
 from widgets.curves import Curves
 from widgets.device_table import FleetTable
 from widgets.devices import DevicesPanel
@@ -50,13 +50,12 @@ REFRESH_S = 0.1          # the header and the event log follow the latest state 
 PANEL_SCHEDULE_S = {"devices": (1.0, 0.05), "streams": (0.5, 0.15), "curves": (0.5, 0.3), "stages": (0.5, 0.4),
                     "layers": (1.0, 0.55)}
 PAGES = ("devices", "layers", "curves")
-KEY_NAMES = {"slash": "/", "question_mark": "?", "plus": "+", "minus": "-"}
 # the command each key's action sends (action "command" names it in its parameter)
 ACTION_COMMANDS = {"pause": "pause", "policy": "set-policy", "placement": "set-placement", "sync": "set-sync"}
 LAYER_KEYS = Binding.Group("Policy")   # k s c share one footer entry
 
 
-class ConsoleApp(App[str]):
+class ConsoleApp(ConsoleActions, App[str]):
     """Exits with "detach", "stop" (the run was stopped) or None (a replay, or no run picked)."""
 
     CSS_PATH = "app.tcss"
@@ -316,85 +315,10 @@ class ConsoleApp(App[str]):
             if msg.get("id") == self.stopping:
                 self.stopping = None
 
-    def selected_layer(self, what: str) -> str | None:
-        layer = self.table.selected_layer
-        if layer is None:
-            self.say(f"{what}: no layer selected — pick one in the Layers panel", "warning")
-        return layer
-
-    def action_pause(self) -> None:
-        self.send_command("resume" if self.state.paused else "pause")
-
-    def action_command(self, name: str) -> None:
-        self.send_command(name)
-
-    def action_policy(self, policy: str) -> None:
-        if layer := self.selected_layer(f"set-policy {policy}"):
-            self.send_command("set-policy", layer, policy)
-
-    def action_placement(self) -> None:
-        if layer := self.selected_layer("set-placement"):
-            now = self.state.layer(layer).get("placement", "device")
-            self.send_command("set-placement", layer, "device" if now == "host" else "host")
-
-    def action_sync(self) -> None:
-        """A chooser of the sync modes, the current one marked; the choice goes out as set-sync."""
-        def chosen(mode: str | None) -> None:
-            if mode is not None:
-                self.send_command("set-sync", mode)
-        self.push_screen(SyncScreen(SYNC_MODES, self.state.sync_mode), chosen)
-
-    # --- everything else -----------------------------------------------------------------
-
-    def action_filter(self) -> None:
-        def chosen(text: str | None) -> None:
-            if text is not None:
-                self.table.set_filter(text)
-                self.action_sort(cycle=False)
-                self.page = "layers"
-        self.push_screen(FilterScreen(self.table.filter_text), chosen)
-
-    def action_sort(self, cycle: bool = True) -> None:
-        table = self.table
-        if cycle:
-            table.cycle_sort()
-        table.border_subtitle = table.caption()
-
-    def action_page(self, page: str) -> None:
-        self.page = page
-
     @on(FleetTable.RankChosen)
     def rank_chosen(self, event: FleetTable.RankChosen) -> None:
         """Enter on the Devices table: that rank's full card, following the run."""
         self.push_screen(DeviceCardScreen(event.rank, partial(self.devices.card_data, event.rank)))
-
-    def action_help(self) -> None:
-        keys = [(KEY_NAMES.get(b.key, b.key), b.tooltip or b.description)
-                for b in (*self.BINDINGS, *LayerTable.BINDINGS)]   # the table's own: g, enter, z
-        keys += [(KEY_NAMES.get(b.key, b.key), b.tooltip) for b in FleetTable.BINDINGS if b.show]   # Devices table
-        self.push_screen(HelpScreen([*keys, ("ctrl+p", "command palette: every action by name")]))
-
-    def action_leave(self) -> None:
-        if isinstance(self.source, ReplaySource) or self.source is None:
-            self.exit(None)
-            return
-        run = self.state.hello.get("run") or "the run"
-        can_stop = self.link_state == "connected" and not self.read_only
-        self.push_screen(QuitScreen(run, can_stop), self.leave_chosen)
-
-    def leave_chosen(self, choice: str | None) -> None:
-        if choice == "detach":
-            self.exit("detach")
-        elif choice == "stop":   # the dialog said what stop does: no second question
-            self.stopping = self.send_command("stop")
-
-    def action_replay(self, what: str) -> None:
-        if what == "toggle":
-            self.source.toggle()
-        elif what == "step":
-            self.source.step_once()
-        else:
-            self.notify(f"replay speed {self.source.change_speed(1 if what == 'faster' else -1):g}×", timeout=2)
 
     def check_action(self, action: str, parameters: tuple) -> bool | None:
         """True: the key works. None: shown dimmed, does nothing (a command this console will not send

@@ -3,7 +3,7 @@
     overrides = prepare_llm(runs_dir)   # ["data.train=...", "data.val=...", "model.hf_config=..."]
 
 Written into RUNS_DIR/demo-llm-data/, once (a second demo reuses them), atomically (a file is complete or
-absent). Imports numpy and engine.data; transformers only for the config, and only when it must be written.
+absent). Imports numpy and engine.training.data; transformers only for the config, and only when it must be written.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def _write(path: Path, data: bytes) -> None:
 def prepare_llm(runs_dir: Path) -> list[str]:
     import numpy as np
 
-    from engine.data import text_corpus
+    from engine.training.data import text_corpus
     folder = Path(runs_dir) / "demo-llm-data"
     folder.mkdir(parents=True, exist_ok=True)
     train, val, config = folder / "train.bin", folder / "val.bin", folder / "llama.json"

@@ -30,14 +30,14 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from engine.config import Config
-    from engine.data import Dataset
+    from engine.training.data import Dataset
     from engine.models import LayerList
 
 __all__ = ["train", "layers", "Config", "ConfigError", "load_config", "LayerList", "Block", "Dataset", "tensor_dataset"]
 
 # Imported on first use, so that `engine.protocol` (what consoles import) pulls in no torch.
 _LAZY = {"Config": "engine.config", "ConfigError": "engine.config", "load_config": "engine.config",
-         "config_from_dict": "engine.config", "Dataset": "engine.data", "tensor_dataset": "engine.data",
+         "config_from_dict": "engine.config", "Dataset": "engine.training.data", "tensor_dataset": "engine.training.data",
          "LayerList": "engine.models", "Block": "engine.models", "layers": "engine.models.hf"}
 
 
@@ -63,7 +63,7 @@ def train(config: Config | dict | str | Path, *, model: LayerList | "torch.nn.Mo
 
     `loss_fn(output, target)`: your loss, the mean over a batch's samples (a module-level function: the
     workers load it). By default, cross entropy over the global batch's targets, those of -100 not counted
-    (engine/loss.py).
+    (engine/training/loss.py).
     """
     from engine.config import Config, load_config
     from engine.processes.children import torch_cache_out_of_temp

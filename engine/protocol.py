@@ -3,6 +3,6 @@ imports. The module is engine/telemetry/protocol.py; this name is the same modul
 
 import sys
 
-from engine.telemetry import protocol as _protocol
+import engine.telemetry.protocol as _protocol
 
 sys.modules[__name__] = _protocol

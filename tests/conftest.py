@@ -148,8 +148,8 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):
 def train_one_process(model, optim_cfg, batches) -> tuple[dict, list[float]]:
     """The reference every parallel layout must equal: one process, one update per whole global batch.
     Returns the final state_dict and each step's loss."""
-    from engine.loss import cross_entropy
-    from engine.optim import make_optimizer
+    from engine.training.loss import cross_entropy
+    from engine.training.optim import make_optimizer
     opt = make_optimizer(optim_cfg, model.parameters())
     losses = []
     for x, y in batches:

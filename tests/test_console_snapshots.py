@@ -16,7 +16,8 @@ import pytest
 from console.app import ConsoleApp
 from console.client import ReplaySource
 from widgets.curves import Curves
-from widgets.devices import DevicesPanel, Throttle
+from widgets.devices import DevicesPanel
+from widgets.throttle import Throttle
 from widgets.layers import LayerTable
 
 FIXTURES = Path(__file__).parent / "fixtures"

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.config import DataConfig
-from engine.data import (batch_for, global_batch_indices, load_dataset, rank_slice,
+from engine.training.data import (batch_for, global_batch_indices, load_dataset, rank_slice,
                          tensor_dataset, text_corpus)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -90,7 +90,7 @@ def test_text_corpus_identical_across_builds_and_processes():
     assert len(text) == 20_000
     text_corpus.cache_clear()
     assert text_corpus(20_000) == text
-    code = "from engine.data import text_corpus; import hashlib; " \
+    code = "from engine.training.data import text_corpus; import hashlib; " \
            "print(hashlib.sha256(text_corpus(20000).encode()).hexdigest())"
     # PYTHONHASHSEED differs per process: set iteration would show up here
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,

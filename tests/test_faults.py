@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from engine.config import EmulateConfig, load_config
-from engine.data import batch_for, load_dataset
+from engine.training.data import batch_for, load_dataset
 from engine.models import build_model
 from engine.runtime import emulate
 from engine.runtime.checkpoint import list_checkpoints, model_state

@@ -17,7 +17,7 @@ from engine.runtime import devices
 from engine.config import load_config
 from engine.runtime.control import GPU_FIELDS, rank_rows, row_values
 from engine.runtime.devices import LedgerDevice, choose_device
-from engine.run.launch import RunSetupError, check_machine
+from engine.run.checks import RunSetupError, check_machine
 from engine.runtime.refusal import Refused
 from engine.telemetry.schema import RECORD_SCHEMA
 from engine.run.rank import Job

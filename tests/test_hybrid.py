@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine.config import Config, UpdateConfig
-from engine.data import batch_for, load_dataset
+from engine.training.data import batch_for, load_dataset
 from engine.strategies.ddp import DDPStrategy
 from engine.runtime.devices import LedgerDevice
 from engine.models import build_model

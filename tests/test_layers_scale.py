@@ -20,7 +20,7 @@ from textual.app import App, ComposeResult
 from console.app import ConsoleApp
 from console.client import ReplaySource
 from llm_feed import layer_rows, pipeline_records, stage_rows, stream_entries, transformer_names, write_feed
-from widgets.devices import Throttle
+from widgets.throttle import Throttle
 from widgets.layer_order import HEADER, Header, arrange, headers_of, natural_key
 from widgets.layers import LayerTable
 from widgets.stages import StagesPanel, layer_span, ranges

@@ -91,16 +91,23 @@ def test_every_package_says_what_lives_there_and_what_it_may_import():
 # The floors, lowest first (README, Layout): a module imports its own package and the floors below it, never one
 # above. A name is its package, or its module where a package's modules sit on different floors.
 FLOORS = [
-    ("engine.telemetry.protocol",),
+    ("engine.telemetry.protocol", "engine.protocol"),   # engine.protocol: the consoles' door to it
     ("engine.config",),
-    ("engine.precision", "engine.timing", "engine.loss", "engine.optim", "engine.data", "engine.models"),
+    ("engine.training.precision", "engine.training.timing", "engine.training.loss", "engine.training.optim", "engine.training.data", "engine.models"),
     ("engine.telemetry",),
+    ("widgets",),                                  # the console's panels: plain data, no engine
+    ("console",),                                  # engine.protocol alone; its bench serves a feed through the hub
     ("engine.runtime",),                           # the ground: devices, ledger, topology, checkpoint, control...
     ("engine.processes", "engine.techniques"),
     ("engine.strategies",),
     ("engine.run",),                               # launch, the step loop, rank setup, handover
-    ("engine.bench", "engine.cli", "engine.worker", "engine.protocol", "engine.ctl", "engine"),
+    ("engine.bench", "engine.cli", "engine.worker", "engine.ctl", "engine", "demo"),
 ]
+PACKAGES = ("engine", "console", "widgets", "demo")   # what the floors order: every module of the product
+
+
+def product_modules() -> dict[str, Path]:
+    return {module_name(p): p for package in PACKAGES for p in (ENGINE.parent / package).rglob("*.py")}
 
 
 def floor_of(module: str) -> int | None:
@@ -112,14 +119,15 @@ def floor_of(module: str) -> int | None:
     return found
 
 
-def test_every_engine_module_has_a_floor():
-    assert [name for name in modules() if floor_of(name) is None] == []
+def test_every_module_has_a_floor():
+    assert [name for name in product_modules() if floor_of(name) is None] == []
 
 
 def test_no_module_imports_a_floor_above_its_own():
     """Imports anywhere in a module count (a late import inside a function too), and so does a module named in a
-    string (the fork server's preload, `python -m` lines): a name a module hands to an importer is an import."""
-    mods = modules()
+    string (the fork server's preload, `trainyard bench console`'s registry): a name a module hands to an
+    importer is an import."""
+    mods = product_modules()
     broken = []
     for name, path in mods.items():
         named = {node.value for node in ast.walk(ast.parse(path.read_text()))
@@ -135,6 +143,9 @@ def test_the_layout_test_sees_an_arrow_up():
     assert floor_of("engine.run.worker") > floor_of("engine.runtime.devices")
     assert floor_of("engine.strategies.ddp") > floor_of("engine.techniques.updates.updater")
     assert floor_of("engine.telemetry.hub") < floor_of("engine.runtime.control")
+    assert floor_of("console.bench") < floor_of("engine.bench") and floor_of("console.app") > floor_of("widgets.stages")
+    assert "console.bench" in {node.value for node in ast.walk(ast.parse((ENGINE / "bench" / "__init__.py").read_text()))
+                               if isinstance(node, ast.Constant)}   # seen as engine.bench's arrow to the console
 
 
 def test_the_console_and_widgets_import_nothing_of_the_engine_but_its_protocol():

@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 
 from engine.runtime.devices import LedgerDevice, MemoryLedger, open_device
-from engine.optim import make_optimizer
+from engine.training.optim import make_optimizer
 from engine.config import OptimConfig
 
 

@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from engine.config import Config, MemoryConfig, OptimConfig, load_config
-from engine.data import batch_for, load_dataset
-from engine.loss import cross_entropy
+from engine.training.data import batch_for, load_dataset
+from engine.training.loss import cross_entropy
 from engine.runtime.devices import LedgerDevice
 from engine.techniques.memory import (EXHAUSTIVE_MAX_LAYERS, ActivationPolicy, ActivationCost, PlanError, estimate,
                            order_by_ratio, plan, swap_ms)
 from engine.models import build_model
-from engine.optim import make_optimizer
+from engine.training.optim import make_optimizer
 from engine.strategies.pipeline import PipelineStage
 from engine.processes.procpool import DistPool
 

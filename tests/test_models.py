@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from engine.config import DataConfig, ModelConfig
-from engine.data import load_dataset, tensor_dataset
+from engine.training.data import load_dataset, tensor_dataset
 from engine.models import Block, LayerList, build_model
 
 SMALL = dict(hidden=16, depth=2, d_model=16, heads=2, channels=4)

@@ -1,5 +1,5 @@
 """The CUDA paths on a real GPU: swap copies on side streams booked by event (stream_swap.py) and the
-device clock (engine/timing.py). Skipped where torch sees no GPU (CI, this project's CPU machines); on
+device clock (engine/training/timing.py). Skipped where torch sees no GPU (CI, this project's CPU machines); on
 a GPU machine run `python -m pytest tests/test_on_cuda.py`. tests/test_stream_swap.py and
 tests/test_timing.py prove the same logic on the CPU with stand-ins."""
 
@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from engine.config import MemoryConfig
-from engine.data import batch_for
+from engine.training.data import batch_for
 from engine.models import build_model
 from engine.runtime.devices import CudaDevice
-from engine.loss import cross_entropy
+from engine.training.loss import cross_entropy
 from engine.techniques.memory import ActivationPolicy, StreamSwapper
-from engine.timing import Clock
+from engine.training.timing import Clock
 from test_memory import ZOO, setup
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

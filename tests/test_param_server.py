@@ -136,7 +136,7 @@ def test_a_dead_server_restarts_the_run_from_its_last_checkpoint(cli):
 
 
 def test_a_steps_loss_is_the_mean_of_its_iteration_once_every_live_worker_sent_it():
-    from engine.strategies.param_server.coordinator import StepLosses
+    from engine.strategies.param_server.losses import StepLosses
     book = StepLosses()
     book.add(0, 2, 4.0)                                   # worker 2's loss of iteration 0 (step 1)
     assert book.of_step(1, {2, 3}, global_step=1) is None   # worker 3's share is still on its way

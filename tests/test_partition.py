@@ -8,10 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.techniques.partition import (
-    _REL_EPS, Cluster, Layout, clusters_from, from_names, modelled, needs_rebalance, partition,
-    stage_times, threshold_in_ms, uniform,
-)
+from engine.techniques.partition import _REL_EPS, Cluster, Layout, clusters_from, from_names, modelled, partition, uniform
+from engine.techniques.stage_times import needs_rebalance, stage_times, threshold_in_ms
 
 
 def make(times, nbytes=None, blocks=None):

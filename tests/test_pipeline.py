@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.config import Config, ModelConfig, OptimConfig
-from engine.data import batch_for, load_dataset
+from engine.training.data import batch_for, load_dataset
 from engine.runtime.devices import LedgerDevice
 from engine.models import Block, LayerList, build_model
 from engine.strategies.pipeline import PipelineStage, check_stages, schedule_ops, split_micro

@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from engine.config import load_config
-from engine.data import batch_for, load_dataset
+from engine.training.data import batch_for, load_dataset
 from engine.models import build_model
-from engine.optim import lr_at, make_optimizer, set_lr
-from engine.precision import DTYPES, compute_in, dtype_code, param_dtype
-from engine.loss import cross_entropy
+from engine.training.optim import lr_at, make_optimizer, set_lr
+from engine.training.precision import DTYPES, compute_in, dtype_code, param_dtype
+from engine.training.loss import cross_entropy
 from tests.conftest import read_jsonl
 from tests.test_training import DEMO
 

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.config import Config
-from engine.data import batch_for, load_dataset
+from engine.training.data import batch_for, load_dataset
 from engine.strategies.ddp import DDPStrategy
 from engine.runtime.devices import LedgerDevice
 from engine.models import build_model
@@ -133,8 +133,8 @@ def _train(topo, strategy: str, optim: str, depth: int, steps: int, **options) -
     return {"state": {k: v.detach().clone() for k, v in model.state_dict().items()}, "weights": weights,
             "optimizer_state_bytes": device.ledger.bytes["optimizer_state"],
             "largest_param_bytes": max(p.numel() * p.element_size() for p in model.parameters()),
-            "gate_ms": getattr(runner, "timings", {}).get("gate_ms", 0.0),
-            "two_level": getattr(runner, "tiers", None) is not None}
+            "gate_ms": runner.timings.get("gate_ms", 0.0),
+            "two_level": isinstance(runner, ShardedStrategy) and runner.tiers is not None}
 
 
 def sharded_vs_ddp(topo, optim: str = "sgd", depth: int = 2, steps: int = STEPS, **options) -> dict:

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from engine.config import MemoryConfig
-from engine.data import batch_for
+from engine.training.data import batch_for
 from engine.models import build_model
 from engine.runtime.devices import LedgerDevice
-from engine.loss import cross_entropy
+from engine.training.loss import cross_entropy
 from engine.techniques.memory import ActivationPolicy, StreamLink, StreamSwapper
 from test_memory import ZOO, one_step, setup
 

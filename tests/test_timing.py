@@ -1,4 +1,4 @@
-"""Measured times are the device's, not the host's (engine/timing.py). On a GPU a layer's kernels run
+"""Measured times are the device's, not the host's (engine/training/timing.py). On a GPU a layer's kernels run
 after its Python returns, so the planners read CUDA events; here a stand-in GPU runs "kernels" that
 take a scripted time on its own clock, and its events, like CUDA's, can be read only once complete.
 Every plan input (the activation plan's layer times, the profiler's rows, a device update's time)
@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from engine.loss import cross_entropy
+from engine.training.loss import cross_entropy
 from engine.config import Config, MemoryConfig, OptimConfig
 from engine.models.layers import LayerList
 from engine.runtime.control import FIELDS
@@ -26,7 +26,7 @@ from engine.runtime.profiler import LayerProfiler
 from engine.runtime.meter import CommMeter
 from engine.techniques.updates.layer import LayerUpdate
 from engine.techniques.memory import ActivationPolicy
-from engine.timing import Clock, StepTimes
+from engine.training.timing import Clock, StepTimes
 from test_stream_swap import FakeCopies
 
 

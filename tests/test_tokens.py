@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine.config import ConfigError, DataConfig, config_from_dict
-from engine.data import TokenWindows, batch_for, load_dataset
+from engine.training.data import TokenWindows, batch_for, load_dataset
 from engine.runtime.checkpoint import list_checkpoints
 from tests.conftest import read_jsonl
 

@@ -7,10 +7,10 @@ import torch
 
 from engine.runtime.checkpoint import list_checkpoints, model_state
 from engine.config import load_config
-from engine.data import batch_for, load_dataset
-from engine.loss import cross_entropy
+from engine.training.data import batch_for, load_dataset
+from engine.training.loss import cross_entropy
 from engine.models import build_model
-from engine.optim import make_optimizer
+from engine.training.optim import make_optimizer
 from tests.conftest import ROOT, read_jsonl
 
 DEMO = str(ROOT / "demo" / "configs" / "digits_ddp.toml")

@@ -10,10 +10,10 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from engine.config import OptimConfig, config_from_dict, load_config
-from engine.data import batch_for, load_dataset
-from engine.loss import cross_entropy
+from engine.training.data import batch_for, load_dataset
+from engine.training.loss import cross_entropy
 from engine.models import build_model
-from engine.optim import lr_at, make_optimizer, set_lr
+from engine.training.optim import lr_at, make_optimizer, set_lr
 from engine.runtime.checkpoint import list_checkpoints, model_state
 from engine.techniques.updates.layer import LayerUpdate
 from engine.techniques.step_guard import StepGuard

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from engine.config import OptimConfig, config_from_dict
-from engine.data import batch_for
+from engine.training.data import batch_for
 from engine.run.handover import HandoverError, hand_over, load_final_weights, received_model
 from engine.run.rank import Job
 from tests.conftest import ROOT, train_one_process
@@ -245,8 +245,8 @@ def test_a_model_of_an_unknown_layout_is_refused_naming_what_was_looked_for():
 def reference_bf16(model_name: str) -> list[float]:
     """One process with bf16 weights under bf16 autocast, an fp32 master stepping on the widened gradient and
     narrowed back into the weights (as tests/test_precision.py's one_process_run): each step's loss."""
-    from engine.loss import cross_entropy
-    from engine.optim import make_optimizer
+    from engine.training.loss import cross_entropy
+    from engine.training.optim import make_optimizer
     ds = token_data()
     layers = as_layers(MODELS[model_name](seed=0)).to(torch.bfloat16)
     weights = list(layers.parameters())

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 
-from time import monotonic
 
 from rich.text import Text
 from textual import on
@@ -32,6 +31,7 @@ from textual.widgets import Input, Static
 from .bars import bytes_of, human_bytes, segment_bar, signed_bytes
 from .device_table import FleetTable
 from .fleet import GPU_FIELDS, fleet_rows, roles_of, with_lost_ranks
+from .throttle import Throttle
 
 CARD_WIDTH = 36   # cells, border included; the grid fits as many per row as it can
 
@@ -54,30 +54,6 @@ def legend(present: frozenset) -> Text:
     """The bar's legend: every category but the optional ones a rank does not have."""
     return Text(" ").join(Text.assemble(("■", colour), label) for field, label, colour in CATEGORIES
                           if field not in OPTIONAL or field in present)
-
-
-class Throttle:
-    """Call `apply` at most once per `interval_s`: at once after a quiet spell, else once
-    at the end of the interval. Panels record every update but repaint a few times a
-    second, because a repaint of 64 cards or 200 table rows costs far more than the data."""
-
-    def __init__(self, widget: Widget, interval_s: float, apply) -> None:
-        self.widget, self.interval_s, self.apply = widget, interval_s, apply
-        self.last = float("-inf")
-        self.timer = None
-
-    def __call__(self) -> None:
-        if self.timer is not None:   # already due: it will apply the newest data
-            return
-        wait = self.last + self.interval_s - monotonic()
-        if wait <= 0 or not self.widget.is_mounted:
-            self.fire()
-        else:
-            self.timer = self.widget.set_timer(wait, self.fire)
-
-    def fire(self) -> None:
-        self.timer, self.last = None, monotonic()
-        self.apply()
 
 
 class DeviceCard(Widget):

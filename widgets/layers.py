@@ -21,7 +21,7 @@ from textual.coordinate import Coordinate
 from textual.widgets import DataTable
 from textual.widgets.data_table import CellDoesNotExist
 
-from .devices import Throttle
+from .throttle import Throttle
 from .layer_order import ALIASES, HEADER, SORTS, Header, arrange, group_field, headers_of, line_key
 
 # (column key, title); the sort keys (layer_order.SORTS) index into the same figures

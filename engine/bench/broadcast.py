@@ -22,7 +22,7 @@ each:
 With `--hosts`, the line-rate ideal too (engine/bench/linerate.py): each phase's bytes over the most
 loaded host link, each way, divided by the link rate a probe measured in the same run (both ways at
 once, not the nominal rate); and each variant's communication (reduce span + broadcast span) over it.
-The per-phase columns are the profile that explains a missed goal, on the device's clock (engine/timing.py);
+The per-phase columns are the profile that explains a missed goal, on the device's clock (engine/training/timing.py);
 the step time is the wall time of the timed steps, the last broadcast included.
 
     trainyard bench broadcast [--world 4] [--streams 4] [--json]
@@ -31,7 +31,7 @@ the step time is the wall time of the timed steps, the last broadcast included.
     trainyard bench broadcast --clip-grad-norm 1.0       # clipping's cost, waiting for the norm or speculating
 
 With `--precision bf16` every variant runs twice in each round, in fp32 and in bf16 (compute, params and
-reduce "bf16", "bf16", "fp32": engine/precision.py), one after the other, and the bench adds each
+reduce "bf16", "bf16", "fp32": engine/training/precision.py), one after the other, and the bench adds each
 variant's bytes per step and step time in both with their bf16/fp32 ratios. Bytes per step: for the
 sharded variants the broadcast each rank's stream meters count (every slice, sent or received); for
 ddp the all-reduce (every gradient once, in its dtype). In bf16 the sharded variants cast the model to
@@ -60,47 +60,9 @@ import statistics
 import sys
 import time
 
+from engine.bench.broadcast_tables import goal_of, print_comparison, print_precision
 from engine.bench.clip import ratio
-
-
-class TorchDDP:
-    """The baseline exactly as users run it: DistributedDataParallel (default buckets) and one optimizer
-    stepping after backward (trainyard's own ddp strategy steps each layer inline instead)."""
-
-    def __init__(self, model, optim_cfg, topo, device):
-        import torch.nn.functional as F
-        from torch.nn.parallel import DistributedDataParallel
-
-        from engine.optim import make_optimizer
-        from engine.timing import Clock, StepTimes
-        self.ddp = DistributedDataParallel(model, process_group=topo.compute)
-        self.optimizer = make_optimizer(optim_cfg, model.parameters())
-        self.device, self.loss = device, F.cross_entropy
-        self.times = StepTimes(Clock(device.torch_device), ("fwd_ms", "bwd_ms", "optim_ms"))
-        self.timings: dict = {}
-
-    def train_step(self, x, y) -> float:
-        """As the strategies time theirs: on the device's clock, read after the loss (which waits for the step)."""
-        self.optimizer.zero_grad(set_to_none=True)
-        times = self.times
-        t0 = times.mark()
-        with self.device.ledger.saved_activations():
-            loss = self.loss(self.ddp(x), y)
-            t1 = times.mark()
-            loss.backward()
-        t2 = times.mark()
-        self.optimizer.step()
-        for name, a, b in (("fwd_ms", t0, t1), ("bwd_ms", t1, t2), ("optim_ms", t2, times.mark())):
-            times.add(name, a, b)
-        value = loss.item()
-        self.timings = times.end_step()
-        return value
-
-    def sync(self) -> float:
-        return 0.0
-
-    def close(self) -> None:
-        pass
+from engine.bench.torch_ddp import TorchDDP
 
 
 PRECISIONS = {"fp32": ("fp32", "fp32", "fp32"), "bf16": ("bf16", "bf16", "fp32")}   # compute, params, reduce
@@ -126,7 +88,7 @@ def measure(topo, variant: str, hidden: int, depth: int, features: int, batch: i
     import torch.distributed as dist
 
     from engine.config import ModelConfig, OptimConfig
-    from engine.precision import compute_in, param_dtype, reduce_dtype
+    from engine.training.precision import compute_in, param_dtype, reduce_dtype
     from engine.runtime.devices import LedgerDevice, tensor_bytes
     from engine.bench.clip import GuardTally
     from engine.models import build_model
@@ -184,7 +146,7 @@ def measure(topo, variant: str, hidden: int, depth: int, features: int, batch: i
               "optimizer_state_bytes": device.ledger.bytes["optimizer_state"],
               "parameters": sum(p.numel() for p in model.parameters()),
               "bytes_per_step": link_bytes, "parameter_bytes": device.ledger.bytes["parameters"],
-              "master_bytes": device.ledger.bytes["master"], "owned_bytes": getattr(runner, "owned_bytes", 0)}
+              "master_bytes": device.ledger.bytes["master"], "owned_bytes": runner.owned_bytes if isinstance(runner, ShardedStrategy) else 0}
     if guard is not None:
         result["guard"] = guard.figures()
     runner.close()
@@ -258,7 +220,7 @@ def _run_variants(world: int, rounds: int, streams: int, slices: int, hidden: in
                  "master_per_rank": [r["master_bytes"] for r in results],
                  "owned_per_rank": [r["owned_bytes"] for r in results]})
     hosts = len(cluster.hosts) if cluster is not None else 0
-    goal = _goal(hosts, world, cluster.link if cluster is not None else "")
+    goal = goal_of(hosts, world, cluster.link if cluster is not None else "")
     compare = len(precisions) > 1
     summary = {p: _summary(runs[p], variants, world, goal, with_bytes=compare, hosts=hosts, link=link)
                for p in precisions}
@@ -313,19 +275,6 @@ def _run_clip(world: int, rounds: int, streams: int, slices: int, hidden: int, d
             "parameters": runs["ddp-inline"]["none"][0]["parameters"],
             "modes": {m: optim_keys(m, clip) for m in MODES},
             "variants": [variant_row(v, runs[v], overlap=False) for v in plan], "note": CLIP_NOTE}
-
-
-def _goal(hosts: int, world: int, link: str) -> dict:
-    """Issue 33's goal for the best gated variant's step against DDP's in this setting (and where it has one,
-    its communication against the line-rate ideal)."""
-    if not hosts:   # one machine: no slower than DDP, as before
-        return {"ratio_to_ddp_at_most": 1.0}
-    from engine.processes.cluster import rate_bits
-    if world > hosts:   # several ranks a host: the two-level exchange crosses once where DDP's ring crosses more
-        return {"ratio_to_ddp_at_most": 0.75}
-    if rate_bits(link) <= 10**9:   # network-bound: at the line rate both ways
-        return {"ratio_to_ddp_at_most": 1.0, "communication_over_ideal_at_most": 1.15}
-    return {"ratio_to_ddp_at_most": 0.9}   # compute and communication comparable: hidden behind both passes
 
 
 def _summary(runs: dict[str, list[dict]], variants: list[str], world: int, goal: dict, with_bytes: bool,
@@ -433,68 +382,9 @@ def main(argv: list[str]) -> int:
         return 0
     compare = args.precision == "bf16"
     for label, figures in ((("fp32", report), ("bf16", report["bf16"])) if compare else ((None, report),)):
-        _print_precision(console, Table, args, report["parameters"], where, figures, label)
+        print_precision(console, Table, args, report["parameters"], where, figures, label)
     if compare:
-        _print_comparison(console, Table, report)
+        print_comparison(console, Table, report)
     return 0
 
 
-def _print_precision(console, Table, args, parameters: int, where: str, figures: dict, label: str | None) -> None:
-    """One precision's table and lines (`label` None: the fp32-only run, printed as it always was)."""
-    from engine.config import format_size
-    title = (f"broadcast: {parameters / 1e6:.1f}M parameters, world {args.world}{where}, "
-             f"{args.streams} streams x {args.slices} slices, median of {args.rounds} rounds (ms per step)")
-    table = Table(title=title if label is None else f"{label} {title}")
-    over_cluster = any("ideal_ms" in r for r in figures["variants"])
-    columns = ["variant", "step", "x DDP", "opt. state/rank", "fwd", "bwd", "reduce", "update", "bcast wait",
-               "gate wait", "reduce span", "bcast span", "hidden"]
-    if over_cluster:
-        columns += ["ideal", "comm/ideal"]
-    if label is not None:   # beside the state: the fp32 masters (bf16) and the bytes per step
-        columns[4:4] = ["masters/rank", "bytes/step"]
-    for col in columns:
-        table.add_column(col, justify="left" if col == "variant" else "right")
-    for r in figures["variants"]:
-        eff = r["overlap_efficiency"]
-        cells = [r["variant"], f"{r['step_ms']:.1f}", f"{r['ratio_to_ddp']:.3f}",
-                 f"{r['optimizer_state_bytes_per_rank'] / 2**20:.1f} MiB ({r['state_fraction_of_ddp']:.2f})",
-                 *(f"{r[k]:.1f}" for k in ("fwd_ms", "bwd_ms", "reduce_ms", "optim_ms", "broadcast_wait_ms",
-                                           "gate_ms", "reduce_span_ms", "broadcast_span_ms")),
-                 "—" if eff is None else f"{eff:.2f}"]
-        if over_cluster:
-            cells += [f"{r['ideal_ms']:.1f}", f"{r['communication_over_ideal']:.2f}"
-                      if "communication_over_ideal" in r else f"step {r['step_over_ideal']:.2f}"]
-        if label is not None:
-            cells[4:4] = [format_size(r["master_bytes_per_rank"]), format_size(r["bytes_per_step"])]
-        table.add_row(*cells)
-    console.print(table)
-    prefix = "" if label is None else f"{label}: "
-    if figures.get("link_probe"):
-        link = figures["link_probe"]
-        print(f"{prefix}link probe: {link['bytes_per_s'] * 8 / 1e9:.3f} Gbit/s each way, both ways at once "
-              f"({link['probe_bytes'] >> 20} MiB, the fastest of {', '.join(f'{t:.3f}' for t in link['probe_s'])} s); ideal: each "
-              f"phase's bytes over the busiest link at that rate (engine/bench/linerate.py)")
-    print(f"{prefix}hidden: the fraction of the broadcast span behind compute (1 - (launch + waits) / span); spans from the "
-          f"first gradient sent to the last sum (reduce) and from launch to the last slice landed (broadcast)")
-    goals = figures["goals"]
-    print(f"{prefix}goals for the best gated variant ({figures['best_gated']}): step <= "
-          f"{goals['ratio_to_ddp_at_most']} x DDP"
-          + (f", communication <= {goals['communication_over_ideal_at_most']} x ideal"
-             if "communication_over_ideal_at_most" in goals else "")
-          + ": " + ", ".join(f"{k} {'met' if v else 'MISSED'}" for k, v in figures["meets_goals"].items()))
-
-
-def _print_comparison(console, Table, report: dict) -> None:
-    from engine.config import format_size
-    table = Table(title="broadcast: bf16 against fp32, each variant (bytes per step: sharded's broadcast, "
-                        "ddp's all-reduce; ms per step)", caption=f"note: {report['note']}")
-    for col in ("variant", "bytes fp32", "bytes bf16", "bytes bf16/fp32", "step fp32", "step bf16",
-                "step bf16/fp32"):
-        table.add_column(col, justify="left" if col == "variant" else "right")
-    for r in report["bf16_vs_fp32"]:
-        table.add_row(r["variant"], format_size(r["bytes_per_step_fp32"]), format_size(r["bytes_per_step_bf16"]),
-                      f"{r['bytes_ratio']:.3f}",
-                      f"{r['step_ms_fp32']:.1f}", f"{r['step_ms_bf16']:.1f}", f"{r['step_ratio']:.3f}")
-    console.print(table)
-    print("ddp is torch's own mixed precision (fp32 weights and all-reduce under bf16 autocast); the sharded "
-          "variants hold bf16 working weights, so their broadcast slices are bf16")

@@ -22,7 +22,7 @@ pool (foreach AdamW on one host thread): `host_step` holds the two and their rat
     trainyard bench hybrid --clip-grad-norm 1.0      # clipping's cost, waiting for the norm or speculating
 
 With `--precision bf16` the whole bench runs in fp32 and in bf16 (compute, params and reduce "bf16",
-"bf16", "fp32": engine/precision.py) side by side: each precision profiles, plans and measures its own
+"bf16", "fp32": engine/training/precision.py) side by side: each precision profiles, plans and measures its own
 placements, in the same rounds (a placement's two precisions back to back). In bf16 the model is cast to
 bf16 before the strategy is built and every step runs under autocast; each layer's fp32 master and
 optimizer state live where its update runs, so the host link of a host-placed layer carries bf16
@@ -46,6 +46,8 @@ import json
 import statistics
 import time
 
+from engine.bench.hybrid_tables import case_rows, compare_row, print_cases, print_comparison
+
 
 def _model_and_data(hidden: int, depth: int, batch: int, kind: str = "cpu", precision: str = "fp32"):
     """The model (its working weights in `precision`'s dtype: bf16 under "bf16") and one batch."""
@@ -54,7 +56,7 @@ def _model_and_data(hidden: int, depth: int, batch: int, kind: str = "cpu", prec
     from engine.bench.broadcast import precision_config
     from engine.config import ModelConfig
     from engine.models import build_model
-    from engine.precision import param_dtype
+    from engine.training.precision import param_dtype
     model = build_model(ModelConfig(name="mlp", hidden=hidden, depth=depth),
                         {"input_dim": hidden, "num_classes": 10}, seed=0)
     gen = torch.Generator().manual_seed(0)
@@ -70,7 +72,7 @@ def _runner(topo, model, placement, profile_steps: int = 6, kernel: str = "auto"
     """A DDPStrategy of one rank; `optim_keys`: [optim] keys over the bench's AdamW (--clip-grad-norm's modes)."""
     from engine.bench.broadcast import precision_config
     from engine.config import OptimConfig, UpdateConfig
-    from engine.precision import reduce_dtype
+    from engine.training.precision import reduce_dtype
     from engine.strategies.ddp import DDPStrategy
     from engine.runtime.devices import CudaDevice, LedgerDevice
     device = CudaDevice(1 << 40, 0) if next(model.parameters()).is_cuda else LedgerDevice(1 << 40)
@@ -85,7 +87,7 @@ def _runner(topo, model, placement, profile_steps: int = 6, kernel: str = "auto"
 def _stepper(runner, precision: str):
     """runner.train_step, under `precision`'s compute context (fp32: none)."""
     from engine.bench.broadcast import precision_config
-    from engine.precision import compute_in
+    from engine.training.precision import compute_in
     prec, where = precision_config(precision), runner.device.torch_device
 
     def step(x, y):
@@ -146,7 +148,8 @@ def host_updates_ms(hidden: int, depth: int, kernel: str, threads: int, repeats:
     import torch
 
     from engine.config import OptimConfig
-    from engine.techniques.updates.layer import HostExecutor, LayerUpdate
+    from engine.techniques.updates.host import HostExecutor
+    from engine.techniques.updates.layer import LayerUpdate
     model, _, _ = _model_and_data(hidden, depth, 1)
     cfg = OptimConfig(name="adamw", lr=1e-3, kernel=kernel)
     updates = [LayerUpdate(name, i, list(layer.parameters()), cfg)
@@ -231,7 +234,7 @@ def run_bench(hidden: int, depth: int, batch: int, rounds: int, steps: int, warm
               "hidden": hidden, "batch": batch, "rounds": rounds, "steps_per_round": steps,
               "peak_bytes_without_state": measured["peak_bytes"], "optimizer_state_bytes": fp32["total_state"],
               "profile": measured["layers"], "cases": {}}
-    from engine.techniques.updates.layer import default_host_threads
+    from engine.techniques.updates.host import default_host_threads
     threads = default_host_threads()
     alone_before = host_updates_ms(hidden, depth, "foreach", 1)
     alone_now = host_updates_ms(hidden, depth, "auto", threads)
@@ -243,7 +246,7 @@ def run_bench(hidden: int, depth: int, batch: int, rounds: int, steps: int, warm
         "host_updates_alone_before_ms": round(alone_before, 2), "host_updates_alone_now_ms": round(alone_now, 2),
         "host_updates_alone_speedup": round(alone_before / alone_now, 3),
         "all_device_ms": round(device_ms, 2), "all_host_over_all_device": round(now_ms / device_ms, 3)}
-    report["cases"] = _case_rows(fp32["cases"], times["fp32"], links["fp32"] if compare else None)
+    report["cases"] = case_rows(fp32["cases"], times["fp32"], links["fp32"] if compare else None)
     if not compare:
         return report
     bf16 = setups["bf16"]
@@ -252,11 +255,11 @@ def run_bench(hidden: int, depth: int, batch: int, rounds: int, steps: int, warm
         "precisions": {p: _precision_names(p) for p in precisions},
         "bf16": {"layers_with_updates": len(bf16["layers"]), "peak_bytes_without_state": bf16["measured"]["peak_bytes"],
                  "optimizer_state_bytes": bf16["total_state"], "profile": bf16["measured"]["layers"],
-                 "cases": _case_rows(bf16["cases"], times["bf16"], links["bf16"])},
+                 "cases": case_rows(bf16["cases"], times["bf16"], links["bf16"])},
         "host_link_bytes_is": "per step: what the host-placed layers' updates moved over the host link, "
                               "gradients down and weights up (the strategy's timings' host_link_bytes)",
         "note": _bf16_note()})
-    report["bf16_vs_fp32"] = {label: {name: _compare_row(row, report["bf16"]["cases"][label]["placements"][name])
+    report["bf16_vs_fp32"] = {label: {name: compare_row(row, report["bf16"]["cases"][label]["placements"][name])
                                       for name, row in case["placements"].items()}
                               for label, case in report["cases"].items()}
     return report
@@ -299,43 +302,6 @@ def _bf16_note() -> str:
     return BF16_NOTE
 
 
-def _case_rows(cases: dict, times: dict, links: dict | None) -> dict:
-    """Each capacity's placements with their measured times (`links`: with host link bytes per step too)."""
-    out = {}
-    for label, case in cases.items():
-        rows = {}
-        for name, plan in case["plans"].items():
-            ms = statistics.median(times[plan.placement]) if plan.fits else None
-            rows[name] = {"fits": plan.fits, "host_layers": plan.host_layers, "modelled_ms": round(plan.makespan_ms, 2),
-                          "measured_ms": None if ms is None else round(ms, 2),
-                          "device_bytes": plan.device_bytes}
-            if links is not None:
-                rows[name]["host_link_bytes_per_step"] = (int(statistics.median(links[plan.placement]))
-                                                          if plan.fits else None)
-        host, best = rows["all-host"]["measured_ms"], rows["brute-force"]["measured_ms"]
-        for row in rows.values():
-            if row["measured_ms"] is not None:
-                row["ratio_to_all_host"] = round(row["measured_ms"] / host, 3)
-                row["ratio_to_brute_force"] = round(row["measured_ms"] / best, 3)
-        auto = rows["auto-global"]
-        out[label] = {
-            "capacity_bytes": case["capacity_bytes"], "placements": rows,
-            "meets_goals": {"auto_at_most_0.85x_all_host": auto["ratio_to_all_host"] <= 0.85,
-                            "auto_within_5pct_of_brute_force": auto["ratio_to_brute_force"] <= 1.05}}
-    return out
-
-
-def _compare_row(fp32: dict, bf16: dict) -> dict:
-    """One placement in both precisions (each planned from its own profile: an auto plan may differ)."""
-    from engine.bench.broadcast import ratio
-    return {"host_layers_fp32": fp32["host_layers"], "host_layers_bf16": bf16["host_layers"],
-            "host_link_bytes_fp32": fp32["host_link_bytes_per_step"],
-            "host_link_bytes_bf16": bf16["host_link_bytes_per_step"],
-            "bytes_ratio": ratio(bf16["host_link_bytes_per_step"], fp32["host_link_bytes_per_step"], 4),
-            "measured_ms_fp32": fp32["measured_ms"], "measured_ms_bf16": bf16["measured_ms"],
-            "step_ratio": ratio(bf16["measured_ms"], fp32["measured_ms"])}
-
-
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="trainyard bench hybrid")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -374,9 +340,9 @@ def main(argv: list[str]) -> int:
     console = Console()
     compare = args.precision == "bf16"
     for precision, figures in ((("fp32", report), ("bf16", report["bf16"])) if compare else ((None, report),)):
-        _print_cases(console, Table, report, figures, kind, precision)
+        print_cases(console, Table, report, figures, kind, precision)
     if compare:
-        _print_comparison(console, Table, report)
+        print_comparison(console, Table, report)
     h = report["host_step"]
     fp32 = "fp32 " if compare else ""
     console.print(f"{fp32}host updates alone (every layer's, one step): {h['host_updates_alone_before_ms']:.1f} ms "
@@ -409,53 +375,3 @@ def _main_clip(parser, args, kind: str) -> int:
     return 0
 
 
-def _print_cases(console, Table, report: dict, figures: dict, kind: str, precision: str | None) -> None:
-    """One precision's table per capacity (`precision` None: the fp32-only run, printed as it always was)."""
-    from engine.config import format_size
-    for label, case in figures["cases"].items():
-        title = (f"hybrid update, {label} capacity {case['capacity_bytes'] / 2**20:.1f} MiB: "
-                 f"{figures['layers_with_updates']} layers, AdamW, 1 worker on {kind} (ms per step, median of "
-                 f"{report['rounds']} rounds)")
-        table = Table(title=title if precision is None else f"{precision} {title}")
-        columns = ["placement", "host layers", "modelled", "measured", "x all-host", "x brute-force"]
-        if precision is not None:
-            columns.append("host link/step")
-        for col in columns:
-            table.add_column(col, justify="left" if col == "placement" else "right")
-        for name, row in case["placements"].items():
-            link = [] if precision is None else ["—" if row["host_link_bytes_per_step"] is None
-                                                 else format_size(row["host_link_bytes_per_step"])]
-            if not row["fits"]:
-                table.add_row(name, str(row["host_layers"]), f"{row['modelled_ms']:.1f}",
-                              "[red]infeasible[/]", "—", "—", *link)
-                continue
-            table.add_row(name, str(row["host_layers"]), f"{row['modelled_ms']:.1f}", f"{row['measured_ms']:.1f}",
-                          f"{row['ratio_to_all_host']:.3f}", f"{row['ratio_to_brute_force']:.3f}", *link)
-        console.print(table)
-        prefix = "" if precision is None else f"{precision}: "
-        console.print(prefix + "goals: " + ", ".join(f"{k} {'met' if v else 'MISSED'}"
-                                                     for k, v in case["meets_goals"].items()))
-
-
-def _print_comparison(console, Table, report: dict) -> None:
-    from engine.config import format_size
-
-    def size(n):
-        return "—" if n is None else format_size(n)
-
-    def num(x, fmt):
-        return "—" if x is None else format(x, fmt)
-    for label, rows in report["bf16_vs_fp32"].items():
-        table = Table(title=f"hybrid update, {label} capacity: bf16 against fp32 (host link bytes per step of the "
-                            f"host-placed layers, both ways; ms per step)", caption=f"note: {report['note']}")
-        for col in ("placement", "host layers fp32/bf16", "link fp32", "link bf16", "link bf16/fp32", "step fp32",
-                    "step bf16", "step bf16/fp32"):
-            table.add_column(col, justify="left" if col == "placement" else "right")
-        for name, r in rows.items():
-            table.add_row(name, f"{r['host_layers_fp32']}/{r['host_layers_bf16']}", size(r["host_link_bytes_fp32"]),
-                          size(r["host_link_bytes_bf16"]), num(r["bytes_ratio"], ".3f"),
-                          num(r["measured_ms_fp32"], ".1f"), num(r["measured_ms_bf16"], ".1f"),
-                          num(r["step_ratio"], ".3f"))
-        console.print(table)
-    console.print("each precision plans from its own profile: an auto placement may differ between them (its host "
-                  "layers say); the same placement moves half the link bytes in bf16")

@@ -28,7 +28,7 @@ torch's own variants save through their own hooks, which the ledger cannot see.
     trainyard bench memory --precision bf16        # every variant in fp32 and in bf16, side by side
 
 With `--precision bf16` every variant runs in fp32 and in bf16 (compute, params and reduce "bf16", "bf16",
-"fp32": engine/precision.py) in the same rounds, each precision at 50% of its own keep's peak. In bf16 the
+"fp32": engine/training/precision.py) in the same rounds, each precision at 50% of its own keep's peak. In bf16 the
 model is cast to bf16 before anything is built on it, each step runs under autocast, and AdamW steps an
 fp32 master of each layer's weights on the device (engine/techniques/updates/layer.py; the ledger's
 `master`). Beside each precision's table the bench gives the bytes keep holds (parameters, gradients,
@@ -89,11 +89,11 @@ class _Trainer:
 
         from engine.bench.broadcast import precision_config
         from engine.config import MemoryConfig, OptimConfig
-        from engine.precision import compute_in, param_dtype
+        from engine.training.precision import compute_in, param_dtype
         from engine.runtime.devices import CudaDevice, LedgerDevice
         from engine.techniques.memory import ActivationPolicy
         from engine.models import build_model
-        from engine.optim import make_optimizer
+        from engine.training.optim import make_optimizer
         self.torch = torch
         self.variant, self.data, self.batch = variant, data, batch
         self.device = CudaDevice(capacity, 0) if kind == "cuda" else LedgerDevice(capacity)
@@ -119,8 +119,8 @@ class _Trainer:
         self.swapped: list[int] = []
 
     def step(self, timed: bool) -> None:
-        from engine.data import batch_for
-        from engine.loss import cross_entropy
+        from engine.training.data import batch_for
+        from engine.training.loss import cross_entropy
         torch, cuda = self.torch, self.device.kind == "cuda"
         x, y = (t.to(self.device.torch_device) for t in batch_for(self.data, self.step_index % 50, self.batch, 0))
         ledger = self.device.ledger
@@ -177,7 +177,7 @@ def measure(rounds: int, steps: int, link_gbps: float, d_model: int, depth: int,
     import torch
 
     from engine.config import load_config
-    from engine.data import load_dataset
+    from engine.training.data import load_dataset
     from engine.techniques.memory import measure_link_gbps
     torch.set_num_threads(1)
     precisions = ("fp32", "bf16") if precision == "bf16" else ("fp32",)

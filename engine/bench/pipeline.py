@@ -134,7 +134,7 @@ def trainyard_job(topo, stages: list[list[str]], steps: int, rebalance: str, cou
         stage.train_step(x, y)
         if stage.take_migration() is not None:
             migrated_at = step
-        found = stage.boundary(step) if decision is None else None
+        found = stage.check(step) if decision is None else None
         decision = decision or (found if found is not None and found.changed else None)
         step_ms.append((time.perf_counter() - t0) * 1000)
     stage.close()

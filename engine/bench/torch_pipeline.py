@@ -78,8 +78,8 @@ def torch_1f1b_job(topo, build: str, build_kwargs: dict, stage_layers: list[list
 
     from engine.runtime import compat
     from engine.config import OptimConfig
-    from engine.loss import cross_entropy
-    from engine.optim import make_optimizer
+    from engine.training.loss import cross_entropy
+    from engine.training.optim import make_optimizer
 
     if len(stage_layers) != topo.world_size:
         raise ValueError(f"{len(stage_layers)} stages for world size {topo.world_size}: one stage per rank")

@@ -3,8 +3,10 @@
     from engine.config import load_config, Config, ConfigError
     cfg = load_config("demo/configs/digits_ddp.toml", overrides=["run.steps=50"])
 
-- settings.py: every setting, declared once (default, allowed values, one line of docs); sizes.
-- check.py: each value against its declaration, then the rules across keys (CROSS_CHECKS); files.py: the
+- declare.py: how a setting is declared (setting()), ConfigError, sizes; settings.py: every training setting,
+  declared once (default, allowed values, one line of docs); operations.py: checkpoint, telemetry, cluster,
+  emulate.
+- check.py: each value against its declaration, then the rules across keys (rules.py: CROSS_CHECKS); files.py: the
   files a config names (token files, a Hugging Face config) exist and fit; batch.py: the global batch splits
   over ranks, micro-batches and micro-steps, and the training loop's keys agree.
 - load.py: TOML file + `--set` overrides -> a checked Config.

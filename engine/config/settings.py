@@ -1,62 +1,19 @@
-"""Every setting, declared once: one typed dataclass per section, with its default, its allowed values
-and a line of documentation (docs/config.md is generated from them: engine/config/reference.py), and
-the sizes' parsing and printing. Checked by engine/config/check.py, read by engine/config/load.py."""
+"""Every training setting, declared once (declare.py: setting()): one typed dataclass per section, with its
+default, its allowed values and a line of documentation (docs/config.md is generated from them:
+engine/config/reference.py); the sections about running a job are operations.py's. Config holds them all.
+Checked by engine/config/check.py, read by engine/config/load.py. ConfigError and the sizes are re-exported
+from declare.py for the modules that import them here."""
 
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-
-class ConfigError(ValueError):
-    """A configuration problem, phrased for the person who wrote the config."""
-
-
-def setting(default: Any, doc: str, *, choices: tuple | None = None,
-            min: float | None = None, max: float | None = None,
-            pattern: str | None = None, kind: str | None = None) -> Any:
-    meta = {"doc": doc, "choices": choices, "min": min, "max": max,
-            "pattern": pattern, "kind": kind}
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata=meta)
-    return field(default=default, metadata=meta)
-
-
-_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
-
-def parse_size(text: str | int) -> int:
-    """'512MiB' -> 536870912; plain integers are bytes."""
-    if isinstance(text, int) and not isinstance(text, bool):
-        if text <= 0:
-            raise ValueError("must be positive")
-        return text
-    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
-    if not m or m.group(2).upper() not in _SIZE_UNITS:
-        raise ValueError("not a size like '512MiB', '2GiB' or a number of bytes")
-    value = int(float(m.group(1)) * _SIZE_UNITS[m.group(2).upper()])
-    if value <= 0:
-        raise ValueError("must be positive")
-    return value
-
-
-def format_size(n: float) -> str:
-    """1536 -> '1.5 KiB'; whole bytes below 1 KiB (the inverse of parse_size, for messages)."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
-# A `pattern` key's rule in words, for messages and docs (the regex is the rule itself).
-PATTERN_WORDS = {"run.name": "1 to 64 letters, digits, '.', '_' or '-', starting with a letter or digit",
-                 "cluster.interface": "a network interface name (up to 15 letters, digits, '_', '.', ':', '@' "
-                                      "or '-'), or empty"}
+from engine.config.declare import (PATTERN_WORDS, ConfigError, format_size, parse_size,  # noqa: F401
+                                    setting)
+from engine.config.operations import CheckpointConfig, ClusterConfig, EmulateConfig, TelemetryConfig
 
 
 @dataclass
@@ -148,7 +105,7 @@ class OptimConfig:
                                   "the CPU an update gives the same values whichever side runs it.",
                           choices=("auto", "fused", "foreach"))
     lr_schedule: str = setting("constant", "The learning rate over the run, a pure function of the step "
-                                           "(engine/optim.py `lr_at`): `constant` (`lr` throughout), `cosine` or "
+                                           "(engine/training/optim.py `lr_at`): `constant` (`lr` throughout), `cosine` or "
                                            "`linear` (after the warmup, from `lr` down to `min_lr` at the last of "
                                            "`run.steps`). Named apart from `parallel.schedule`, the pipeline's.",
                                choices=("constant", "cosine", "linear"))
@@ -350,101 +307,6 @@ class MemoryConfig:
                                     "`ratio` had the best throughput across link rates in `trainyard bench "
                                     "memory` (docs/memory.md).",
                            choices=("ratio", "reverse", "exhaustive"))
-
-
-@dataclass
-class CheckpointConfig:
-    """When checkpoints are written and how many are kept."""
-
-    every: int = setting(0, "Write a checkpoint every N steps (0: only at exit).", min=0)
-    keep: int = setting(3, "Checkpoints kept in the run directory (older ones are deleted).", min=1)
-
-
-@dataclass
-class TelemetryConfig:
-    """Where the per-step measurements are logged."""
-
-    log: str = setting("", "JSON-lines telemetry log path (`--telemetry-log` sets it too); empty: "
-                           "`<run dir>/telemetry.jsonl`.")
-    hub: bool = setting(True, "Serve live telemetry and commands on a Unix socket in the per-user runtime "
-                              "directory (docs/protocol.md), for `trainyard console`, `runs` and `ctl`.")
-    listen: str = setting("", "Also serve on loopback TCP, `tcp://127.0.0.1:PORT` (0: any free port); clients "
-                              "then need the token from the run's token file. Only loopback addresses.")
-    queue_len: int = setting(256, "Messages queued per console; a slower console loses the oldest (and is "
-                                  "told how many), training never waits for it.", min=1)
-    live_hz: float = setting(20.0, "Step messages sent to consoles per second at most (the latest step "
-                                   "wins; events always go out). 0: every step. The log always has every step.",
-                             min=0.0)
-    layer_every: int = setting(10, "Time every layer's forward and backward every N steps (0: never).", min=0)
-    rank_every: int = setting(100, "A step record carries every rank's full row (ledger categories, allocator, "
-                                   "RSS, ...) every N steps, on the first step and after a change of policy, "
-                                   "placement, plan or layout; the steps between carry each rank's step, compute "
-                                   "and wait ms and memory used and peak (`per_rank`, docs/telemetry.md). The log "
-                                   "keeps the layer rows measured next; consoles get them every `layer_every`.", min=1)
-    log_every: int = setting(1, "Write every Nth step record to the log (steps with full rank rows always; events "
-                                "and the summary always). 1: every step.", min=1)
-    log_max_mb: int = setting(1024, "Start a new part of the log once this one holds this many MiB: `telemetry.jsonl`, "
-                                    "`telemetry.1.jsonl`, ...; `--replay` reads them all. 0: one file.", min=0)
-
-
-@dataclass
-class ClusterConfig:
-    """Several hosts: how this host joins the run (docs/cluster.md). `trainyard run --nnodes N --node-rank R
-    --rdzv-endpoint HOST:PORT` sets the first three."""
-
-    nnodes: int = setting(1, "Hosts in the run; each runs `parallel.world_size / nnodes` workers, whose global "
-                             "ranks are contiguous per host.", min=1, max=1024)
-    node_rank: int = setting(0, "This host's number, 0 to nnodes-1. Host 0 serves the rendezvous at "
-                                "`rdzv_endpoint` and prepares the run directory.", min=0)
-    rdzv_endpoint: str = setting("", "`HOST:PORT` of host 0's c10d rendezvous (torch elastic), the same on "
-                                     "every host; required when nnodes > 1.")
-    rdzv_timeout_s: float = setting(120.0, "How long a host waits for the others at the rendezvous, at the "
-                                           "start and after a failure, before the run fails.", min=1.0)
-    host_timeout_s: float = setting(15.0, "A host whose agent is silent this long is dead to the rendezvous "
-                                          "(heartbeats go every second), so the others restart without it and "
-                                          "it can rejoin.", min=2.0, max=3600.0)
-    interface: str = setting("", "Network interface for the workers' traffic (sets GLOO_SOCKET_IFNAME and "
-                                 "NCCL_SOCKET_IFNAME), e.g. `eth1`; empty: torch's choice (the host name's "
-                                 "address). It must exist on every host.",
-                             pattern=r"[A-Za-z0-9_.:@-]{1,15}|")
-
-
-@dataclass
-class EmulateConfig:
-    """Emulated trouble, to watch the engine answer it (demos, tests): a layer that turns slow mid-run, a rank
-    that computes slower than its peers, a rank that dies mid-technique. A parameter server's slow machines
-    are `parallel.slow_workers`."""
-
-    slow_layer: str = setting("", "A layer (by name, e.g. `fc2`) whose every forward sleeps `slow_layer_ms` from "
-                                  "step `slow_from_step` on, wherever it runs: a pipeline sees its stage fall "
-                                  "behind and rebalances. Empty: none.")
-    slow_layer_ms: float = setting(0.0, "Milliseconds each forward of `slow_layer` sleeps (per micro-batch).",
-                                   min=0.0, max=10_000.0)
-    slow_from_step: int = setting(0, "The first step (counted from 0) at which `slow_layer` is slow.", min=0)
-    slow_rank: int = setting(-1, "A rank (data parallel: ddp, sharded) whose forward sleeps `slow_rank_ms` once a "
-                                 "step from step `slow_from_step` on: a straggler, whose peers wait for it at the "
-                                 "boundary (the Devices panel flags both). -1: none.", min=-1)
-    slow_rank_ms: float = setting(0.0, "Milliseconds the forward of `slow_rank` sleeps each step.", min=0.0,
-                                  max=10_000.0)
-    kill_rank: int = setting(-1, "A rank that SIGKILLs itself the first time its technique reaches `kill_at` at "
-                                 "or after step `kill_step`, in the run's first attempt only (the restarted run "
-                                 "goes on): a fault in the middle of a technique's own moment, for tests of the "
-                                 "restart. -1: none.", min=-1)
-    kill_at: str = setting("migration", "Where `kill_rank` dies: `migration` (pipeline: a source once it sent the "
-                                        "moving layers' weights and state, a target once it received them), "
-                                        "`broadcast` (sharded: an owner with its slices part issued), "
-                                        "`host_update` (a host update handed to the host thread, not landed), "
-                                        "`window` (param_server, soft or bsp: a server whose layer window "
-                                        "holds a gradient and is still open).",
-                           choices=("migration", "broadcast", "host_update", "window"))
-    kill_step: int = setting(0, "The first step (counted from 0) at which `kill_rank` may die.", min=0)
-    nonfinite_layer: str = setting("", "A layer (by name) whose gradient gets an inf at step `nonfinite_step`, "
-                                       "on `nonfinite_rank`: the step guard skips that step on every rank "
-                                       "(`optim.skip_nonfinite`). Empty: none.")
-    nonfinite_step: int = setting(0, "The step (counted from 0) at which `nonfinite_layer`'s gradient is inf.",
-                                  min=0)
-    nonfinite_rank: int = setting(-1, "The rank that computes the inf; -1: every rank that runs the layer.",
-                                  min=-1)
 
 
 @dataclass

@@ -1,16 +1,17 @@
 """The run: what starts a training job and drives its steps, on top of every strategy.
 
-- launch.py: the launcher (torch's elastic agent: restarts, rendezvous, several hosts), the checks before any
-  worker starts, and the run's end (exit status, refusals).
+- launch.py: the launcher (torch's elastic agent: restarts, rendezvous, several hosts) and the run's end (exit
+  status, refusals); checks.py: what it refuses before any worker starts.
 - worker.py: a worker process's entry (`worker_main`) and the data-parallel and pipeline step loop.
 - rank.py: what every rank sets up alike (Job, host placement, pid file, device, data, model).
 - handover.py: a user's model and data handed to the workers as copies of their own (never the caller's
   memory), and the run's final weights loaded back into the caller's model.
-- layer_rows.py: the console's layer table, gathered on rank 0 from the stages or owners that know each layer.
+- report.py: rank 0's step record; layer_rows.py: the console's layer table, gathered on rank 0 from the
+  stages or owners that know each layer.
 - preload.py: what the launcher's fork server imports (engine/processes/forkserver.py), so workers fork with it.
 
 Imports: everything below it (engine.strategies, engine.techniques, engine.runtime, engine.processes,
-engine.telemetry, engine.models, engine.data, engine.config). Nothing below imports it.
+engine.telemetry, engine.models, engine.training.data, engine.config). Nothing below imports it.
 """
 
 PRELOAD = "engine.run.preload"   # the module the launcher's fork server imports (engine/run/preload.py)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from engine.data import Dataset
+from engine.training.data import Dataset
 from engine.models import LayerList
 from engine.runtime import checkpoint as ckpt
 
@@ -60,7 +60,7 @@ def hand_over(job) -> None:
 
 def shared_copy(data: Dataset) -> Dataset:
     """`data` with each tensor copied, on the CPU, into shared memory: the workers map that one copy
-    (read-only; engine/data.py), and the caller's tensors are neither moved nor written."""
+    (read-only; engine/training/data.py), and the caller's tensors are neither moved nor written."""
     fields = {f.name: getattr(data, f.name) for f in dataclasses.fields(data)}
     for name, value in fields.items():
         if isinstance(value, torch.Tensor):

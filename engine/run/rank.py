@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 
 from engine.config import Config
-from engine.data import Dataset, load_dataset
+from engine.training.data import Dataset, load_dataset
 from engine.models import LayerList, build_model
-from engine.precision import param_dtype
+from engine.training.precision import param_dtype
 from engine.runtime.devices import open_device
 from engine.run.handover import received_model
 from engine.runtime.topology import Topology
@@ -47,7 +47,7 @@ class Job:
     # (kind, capacity_bytes, local_rank, local_world_size) -> device; None: engine.runtime.devices.open_device.
     # Tests give one whose probe returns a GPU's figures, so the CUDA telemetry path runs on the CPU.
     open_device: Callable | None = None
-    # a user's loss (engine/loss.py: the mean over a share's samples); None: cross entropy, -100 ignored
+    # a user's loss (engine/training/loss.py: the mean over a share's samples); None: cross entropy, -100 ignored
     loss_fn: Callable | None = None
 
     def __getstate__(self) -> dict:

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.data import batch_for, global_count
-from engine.loss import cross_entropy, test_accuracy
-from engine.optim import lr_at
-from engine.precision import compute_in
+from engine.training.data import batch_for, global_count
+from engine.training.loss import cross_entropy, test_accuracy
+from engine.training.optim import lr_at
+from engine.training.precision import compute_in
 from engine.runtime import checkpoint as ckpt
 from engine.runtime.control import COLUMN, encode_commands, exchange, share_commands
 from engine.runtime.emulate import Emulated
@@ -38,7 +38,7 @@ from engine.strategies.interface import make_strategy
 from engine.techniques.memory import ActivationPolicy
 from engine.techniques.memory_report import plans_made, step_fields
 from engine.telemetry.outlets import Telemetry
-from engine.timing import Clock
+from engine.training.timing import Clock
 
 PAUSED_POLL_S = 0.1   # how often paused ranks meet at the boundary to hear "resume" or "stop"
 
@@ -111,7 +111,7 @@ class Worker(RunControl):
             if cfg.telemetry.layer_every else None
         self.tel = Telemetry.open(job, self._hello(), topo.is_first, self.first_step)
         self.wait_ms = 0.0
-        self.lr = cfg.optim.lr   # the last step's learning rate (engine/optim.py lr_at)
+        self.lr = cfg.optim.lr   # the last step's learning rate (engine/training/optim.py lr_at)
         self.layer_rows = LayerRows(self.strategy, self.memory, self.topo)   # the console's layer table
         self.report = StepReport(self.tel, cfg, self.strategy, self.layer_rows, topo)
 

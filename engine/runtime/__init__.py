@@ -1,7 +1,8 @@
 """The runtime: the ground every strategy and technique stands on, whatever the strategy.
 
 - topology.py: the one place that owns ranks and process groups (compute, streams, side group).
-- devices.py: CUDA GPU or CPU with the memory ledger; profiler.py: per-layer times.
+- devices.py: CUDA GPU or CPU; ledger.py: the memory ledger that counts a device's tensors by category;
+  profiler.py: per-layer times; meter.py: the one meter of a communication stream.
 - control.py: the step boundary's exchange (every rank's figures, the operator's commands).
 - lifecycle.py: the stop flag, run_start, the operator's commands every run takes and the run's end, shared by
   the step loop (engine/run/worker.py) and the parameter server's coordinator.
@@ -10,7 +11,7 @@
   instead of a restart; compat.py: what this torch can do; emulate.py: emulated trouble (a layer made slow
   mid-run, a slow rank, a rank killed at a technique's moment).
 
-Imports: engine.config, engine.models, engine.data, engine.loss, engine.optim, engine.precision, engine.timing,
+Imports: engine.config, engine.models, engine.training.data, engine.training.loss, engine.training.optim, engine.training.precision, engine.training.timing,
 engine.telemetry, and each other. Nothing above: no technique, strategy, process pool or the run
 (tests/test_layout.py).
 """

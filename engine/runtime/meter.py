@@ -7,21 +7,21 @@ device's clock, read without waiting; and a step record's `streams` entry from i
 Busy is the union of the operations' launch-to-completion intervals, so two all-reduces in flight at once count
 their overlap once (DDP's buckets overlap; each sharded stream's slices too).
 
-Imports engine.timing.
+Imports engine.training.timing.
 """
 
 from __future__ import annotations
 
 import threading
 
-from engine.timing import Clock
+from engine.training.timing import Clock
 
 
 class CommMeter:
     """Bytes, busy time (the union of its operations' launch-to-completion intervals: the time the stream was
     busy, however many operations overlapped) and operations in flight of one communication stream.
     Completions arrive on the
-    backend's threads, hence the lock. Intervals are on the device's clock (engine/timing.py): on a
+    backend's threads, hence the lock. Intervals are on the device's clock (engine/training/timing.py): on a
     GPU the launch is marked on the launching thread's stream and the completion on the stream its
     callback runs on (which waits for the operation); `take` counts those that have run, in the
     order they completed, and leaves the others to the next take, never waiting."""

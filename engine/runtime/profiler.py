@@ -9,7 +9,7 @@ Forward: hooks before and after each layer. Backward: a hook on each layer's out
 fires when that output's gradient is ready, which is when the layer's backward
 starts and the next layer's (in backward order) ends; on the CPU autograd runs on
 the calling thread, so these are the layers' own times. The times are marks of the
-device's clock (engine/timing.py: CUDA events on a GPU, where a layer's kernels run
+device's clock (engine/training/timing.py: CUDA events on a GPU, where a layer's kernels run
 after its hook has returned), read in `finish`. Unarmed, the hooks return at once.
 """
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from engine.runtime.devices import MemoryLedger
-from engine.timing import Clock
+from engine.training.timing import Clock
 
 
 def _first_tensor(value):

@@ -10,7 +10,7 @@ call the loop makes, with defaults; interface.py: make_strategy).
 - param_server/: technique 5: servers, workers and their links, with its own loops (the coordinator shares the
   operator's commands and the run's end with the step loop: engine/runtime/lifecycle.py).
 
-Imports: engine.config, engine.models, engine.data, engine.loss, engine.optim, engine.runtime (the ground),
+Imports: engine.config, engine.models, engine.training.data, engine.training.loss, engine.training.optim, engine.runtime (the ground),
 engine.techniques, and (the parameter server's coordinator) engine.telemetry.outlets. Never engine.run: the
 run hands the parameter server its rank setup (build_rank).
 """

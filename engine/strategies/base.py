@@ -44,7 +44,7 @@ class Strategy:
     updater: object         # every layer's update, on the device or the host (engine/techniques/updates/updater.py)
     optimizer: object       # what the ledger counts as optimizer state
     timings: dict           # this step's fwd_ms, bwd_ms, optim_ms (and the mode's own figures)
-    global_counted: int | None = None   # the step's counted targets over the global batch (engine/loss.py)
+    global_counted: int | None = None   # the step's counted targets over the global batch (engine/training/loss.py)
 
     # --- the step --------------------------------------------------------------------------------
     def begin_step(self, lr: float, counted: int | None) -> None:

@@ -13,7 +13,7 @@ Each rank runs its slice of the global batch; DDP averages gradients, so a step
 equals a single-process step on the whole global batch. A communication hook
 around DDP's own all-reduce measures the traffic without changing it.
 
-Times are the device's (engine/timing.py: CUDA events on a GPU, perf_counter on the CPU), read after
+Times are the device's (engine/training/timing.py: CUDA events on a GPU, perf_counter on the CPU), read after
 the step's loss: that read waits for the step's work, so `timings` is the step's own on a GPU as on
 the CPU, with no synchronize of its own. `device_clock`: the clock to read (by default the device's;
 tests pass a scripted GPU's).
@@ -29,8 +29,8 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from engine.data import micro_steps
-from engine.loss import cross_entropy, share_loss
+from engine.training.data import micro_steps
+from engine.training.loss import cross_entropy, share_loss
 from engine.runtime import checkpoint as ckpt
 from engine.config import OptimConfig, UpdateConfig
 from engine.runtime.devices import LedgerDevice
@@ -39,7 +39,7 @@ from engine.techniques.updates.updater import LayerUpdates
 from engine.runtime.meter import CommMeter, stream_entry
 from engine.runtime.topology import Topology
 from engine.strategies.base import Strategy
-from engine.timing import Clock, StepTimes
+from engine.training.timing import Clock, StepTimes
 
 UNUSED_PARAMETERS = ("a parameter of the model got no gradient in a step (a layer that skips some of its parameters, "
                      "as a mixture of experts with a module per expert does): torch's DistributedDataParallel, which "
@@ -56,7 +56,7 @@ class DDPStrategy(Strategy):
                  find_unused_parameters: bool = False):
         self.model, self.topo, self.device, self.loss_fn = model, topo, device, loss_fn
         self.accumulate = accumulate   # micro-steps per update: all-reduced once, after the last
-        self.global_counted: int | None = None   # the step's counted targets over the global batch (engine/loss.py)
+        self.global_counted: int | None = None   # the step's counted targets over the global batch (engine/training/loss.py)
         self.reduce_dtype = reduce_dtype   # bf16 gradients are widened to it for the all-reduce (fp32)
         clock = device_clock or Clock(device.torch_device)
         self.times = StepTimes(clock, ("fwd_ms", "bwd_ms", "after_backward_ms", "compute_ms"))

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from engine.config import Config
 from engine.models import LayerList
-from engine.loss import cross_entropy
-from engine.precision import reduce_dtype
+from engine.training.loss import cross_entropy
+from engine.training.precision import reduce_dtype
 from engine.runtime.topology import Topology
 from engine.strategies.base import Strategy
 from engine.strategies.ddp import DDPStrategy

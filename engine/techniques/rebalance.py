@@ -32,16 +32,17 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from engine.techniques.partition import Layout, clusters_from, modelled, partition, stage_times, threshold_in_ms
+from engine.techniques.partition import Layout, clusters_from, modelled, partition
+from engine.techniques.stage_times import stage_times, threshold_in_ms
 from engine.runtime.profiler import _first_tensor
-from engine.timing import Clock
+from engine.training.timing import Clock
 
 MODES = ("auto", "manual", "off")
 
 
 class LayerClock:
     """Per-layer forward and backward milliseconds (summed over the timed steps since the last `take`)
-    and output bytes, on the device's clock (engine/timing.py: CUDA events on a GPU, marked as the layers
+    and output bytes, on the device's clock (engine/training/timing.py: CUDA events on a GPU, marked as the layers
     are queued and read at the step's end). Unarmed it only runs the layers: timing every layer of every
     micro-batch cost about 5% of a step here, so a stage times a sample of its steps (see PipelineStage)."""
 

@@ -2,7 +2,7 @@
 
 - protocol.py: the wire protocol (newline-delimited JSON, versioned), the one module a console
   imports (also as engine.protocol); schema.py: the JSON schema of every record.
-- hub.py + endpoint.py: rank 0's hub thread serving consoles on a local socket (best effort, never
+- hub.py + client.py + endpoint.py: rank 0's hub thread serving consoles on a local socket (best effort, never
   slowing training); outlets.py: rank 0's outlets (log, hub, progress bar); log.py: the JSON-lines
   log (complete); headless.py: the progress bar and summary of `run --headless`.
 

@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 from engine.telemetry import protocol
+from engine.telemetry.client import Client, TooLong
 from engine.telemetry.endpoint import free_stem, parse_listen, write_private
 from engine.telemetry.protocol import MAX_CLIENT_LINE_BYTES, ProtocolError, encode
 
@@ -42,37 +43,6 @@ RECENT_EVENTS = 200     # events a new client gets in its snapshot
 INBOX_MAX = 4096        # published messages waiting for the loop thread; past that the oldest go
 CLOSE_GRACE_S = 1.0     # how long close() lets clients take their last messages and bye
 TOO_LONG = f"message longer than {MAX_CLIENT_LINE_BYTES} bytes"
-
-
-class _TooLong(Exception):
-    pass
-
-
-class _Client:
-    """One connection's outgoing side: answers and replies (never dropped) go before live messages."""
-
-    def __init__(self, number: int, writer: asyncio.StreamWriter, read_only: bool, queue_len: int):
-        self.number, self.writer, self.read_only = number, writer, read_only
-        self.urgent: collections.deque[bytes] = collections.deque()
-        self.live: collections.deque[bytes] = collections.deque(maxlen=queue_len)
-        self.dropped = 0
-        self.final: bytes | None = None     # written after the queues, then the connection closes
-        self.gone = False                   # the reader has ended: the writer stops too
-        self.wake = asyncio.Event()
-        self.task: asyncio.Task | None = None
-
-    def push(self, data: bytes) -> None:
-        self.dropped += len(self.live) == self.live.maxlen   # the deque drops the oldest itself
-        self.live.append(data)
-        self.wake.set()
-
-    def send(self, msg: dict) -> None:
-        self.urgent.append(encode(msg))
-        self.wake.set()
-
-    def finish(self, msg: dict) -> None:
-        self.final = self.final or encode(msg)
-        self.wake.set()
 
 
 class Hub:
@@ -96,7 +66,7 @@ class Hub:
         # the loop thread's alone
         self._state, self._last_step = dict(state or {}), None   # `state`: what the first snapshot holds
         self._events: collections.deque[dict] = collections.deque(maxlen=RECENT_EVENTS)
-        self._clients: dict[int, _Client] = {}
+        self._clients: dict[int, Client] = {}
         self._writers: set[asyncio.StreamWriter] = set()   # every connection, greeted or not
         self._numbers = itertools.count(1)
 
@@ -287,7 +257,7 @@ class Hub:
                 writer.close()    # gently, so that the refusal is read before the end of the stream
                 await asyncio.wait_for(writer.wait_closed(), self.stall_timeout_s)
                 return
-            client = _Client(next(self._numbers), writer, bool(hello.get("read_only")), self.queue_len)
+            client = Client(next(self._numbers), writer, bool(hello.get("read_only")), self.queue_len)
             client.send(self.hello)
             client.send(self._snapshot())
             self._clients[client.number] = client
@@ -297,7 +267,7 @@ class Hub:
                     self._handle(client, line)
                     while len(client.urgent) > self.queue_len and not writer.transport.is_closing():
                         await asyncio.sleep(0.01)   # it asks and does not read the answers: stop listening
-            except _TooLong:
+            except TooLong:
                 client.live.clear()
                 client.finish({"type": "error", "reason": TOO_LONG})
                 await asyncio.wait([client.task])
@@ -326,7 +296,7 @@ class Hub:
             hello = protocol.decode(line) if line else None
         except asyncio.TimeoutError:
             return None, f"no hello within {self.stall_timeout_s:g} s"
-        except _TooLong:
+        except TooLong:
             return None, TOO_LONG
         except ProtocolError as e:
             return None, str(e)
@@ -338,7 +308,7 @@ class Hub:
             return None, f"missing or wrong token (TCP clients send the one in {self.token_path})"
         return hello, None
 
-    def _handle(self, client: _Client, line: bytes) -> None:
+    def _handle(self, client: Client, line: bytes) -> None:
         try:
             msg = protocol.decode(line)
         except ProtocolError as e:
@@ -351,7 +321,7 @@ class Hub:
         else:
             self._command(client, msg)
 
-    def _command(self, client: _Client, msg: dict) -> None:
+    def _command(self, client: Client, msg: dict) -> None:
         reply = {"type": "reply", "id": msg.get("id"), "name": msg.get("name")}
         try:
             name, args = protocol.check_command(msg)
@@ -369,7 +339,7 @@ class Hub:
         with self._lock:
             self._commands.append({"id": msg["id"], "name": name, "args": args, "client": client.number})
 
-    async def _write_loop(self, client: _Client) -> None:
+    async def _write_loop(self, client: Client) -> None:
         """Drain the client's queues; a write that stalls past stall_timeout_s disconnects it."""
         writer = client.writer
         try:
@@ -399,11 +369,11 @@ class Hub:
 
 
 async def read_line(reader: asyncio.StreamReader) -> bytes:
-    """The next line (b"" at the end of the stream); _TooLong past the client limit."""
+    """The next line (b"" at the end of the stream); TooLong past the client limit."""
     try:
         line = await reader.readline()
     except ValueError:   # readline's form of LimitOverrunError
-        raise _TooLong from None
+        raise TooLong from None
     if len(line.rstrip(b"\r\n")) > MAX_CLIENT_LINE_BYTES:
-        raise _TooLong
+        raise TooLong
     return line

@@ -24,13 +24,15 @@ where the agent would otherwise restart everything. A server that dies ends the
 worker group; the agent restarts it from the last checkpoint (`parallel.max_restarts`).
 
 Here: links.py (the two-rank groups, the message kinds and flags, Link), setup.py (the layers'
-owners and what every rank builds alike: Setup), server.py (a server rank: PSServer),
-coordinator.py (server 0: Coordinator, and run_server, where every server rank starts), worker.py
-(a worker rank: PSWorker, SlowMachine, supervise). Within it links <- setup <- server <- coordinator
-and links, setup <- worker: a server and a worker never import each other. It may import
-engine.runtime (rank, topology, checkpoint, control), engine.techniques.ps_sync (the sync rules),
-engine.strategies.ddp (the loss), engine.optim, engine.data and engine.telemetry.outlets; nothing
-imports it back but engine.run.worker (worker_main: run_server, supervise) and tests.
+owners and what every rank builds alike: Setup, from the run's build_rank), server.py (a server rank:
+PSServer), coordinator.py (server 0: Coordinator, and run_server, where every server rank starts; it takes
+the operator's commands and ends the run as the step loop does, engine/runtime/lifecycle.py), losses.py (the
+step records' loss), worker.py (a worker rank: PSWorker, SlowMachine, supervise). Within it links <- setup <-
+server <- coordinator and links, setup <- worker: a server and a worker never import each other. It may import
+engine.runtime (the ground: topology, checkpoint, control, lifecycle), engine.techniques.ps_sync (the sync
+rules), engine.strategies.ddp (the layer grouping), engine.training.loss, engine.training.optim, engine.training.data and
+engine.telemetry.outlets; nothing imports it back but engine.run.worker (worker_main: run_server, supervise)
+and tests.
 """
 
 from engine.strategies.param_server.coordinator import run_server

@@ -18,8 +18,8 @@ import time
 
 import torch
 
-from engine.optim import lr_at, make_optimizer, set_lr
-from engine.precision import reduce_dtype
+from engine.training.optim import lr_at, make_optimizer, set_lr
+from engine.training.precision import reduce_dtype
 from engine.runtime import checkpoint as ckpt, emulate
 from engine.runtime.control import row_values
 from engine.strategies.param_server.links import (

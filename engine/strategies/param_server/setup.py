@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.data import batch_for, global_count
-from engine.loss import cross_entropy
+from engine.training.data import batch_for, global_count
+from engine.training.loss import cross_entropy
 from engine.runtime import checkpoint as ckpt
 from engine.runtime.lifecycle import device_fields
 from engine.strategies.ddp import params_by_layer
@@ -56,7 +56,7 @@ class Setup:
     def __init__(self, job, topo, stop, build):
         cfg = self.cfg = job.config
         self.job, self.topo, self.stop = job, topo, stop
-        self.loss_fn = job.loss_fn or cross_entropy   # engine/loss.py
+        self.loss_fn = job.loss_fn or cross_entropy   # engine/training/loss.py
         self.servers, self.workers = cfg.parallel.servers, topo.world_size - cfg.parallel.servers
         self.restart, self.device, self.data, self.model = build(job, topo)   # the run's build_rank
         self.params = layer_params(self.model)

@@ -11,7 +11,7 @@ iterations measure, per layer, the time it had between pushing a gradient and ne
 to emulate a slower machine (parallel.slow_workers).
 
 Times: an iteration's `fwd_ms` and `bwd_ms` (the coordinator's `compute_ms`) are the worker's own work
-on the device's clock (engine/timing.py: CUDA events on a GPU, perf_counter on the CPU), read after the
+on the device's clock (engine/training/timing.py: CUDA events on a GPU, perf_counter on the CPU), read after the
 iteration's loss, which waits for that work: the iteration's own on a GPU as on the CPU. Waiting for
 weights is left out of `fwd_ms`; it is `wait_ms`, host time (the host blocks on the receive), and
 `step_ms` is the iteration's wall time on the host, waits included. SlowMachine stretches by host time
@@ -32,14 +32,14 @@ import torch
 from engine.runtime.control import row_values
 from engine.runtime.lifecycle import StopRequest
 from engine.runtime.topology import Topology
-from engine.data import micro_steps
-from engine.loss import share_loss
+from engine.training.data import micro_steps
+from engine.training.loss import share_loss
 from engine.strategies.param_server.links import (
     ALL_LAYERS, BYE, GRAD, PAUSED, PING, PROFILE, PULL, STOP, TAG_PING, TAG_WEIGHTS, flatten, reply_bytes,
     transport_failure, unpack_weights)
 from engine.strategies.param_server.setup import Setup
-from engine.precision import compute_in
-from engine.timing import Clock, StepTimes
+from engine.training.precision import compute_in
+from engine.training.timing import Clock, StepTimes
 
 PAUSED_POLL_S = 0.25       # a paused worker asks the servers this often whether to go on
 

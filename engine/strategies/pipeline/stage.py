@@ -19,7 +19,7 @@ engine/strategies/pipeline/tied.py). x and y are the whole global batch on every
 stage reads y (labels never travel). The batch is cut into `micro_batches` equal micro-batches; activations travel
 forward and their gradients backward between neighbouring stages by point-to-point messages on topo.compute.
 
-Loss scaling: each micro-batch's loss is weighted by its counted targets over the global batch's (engine/loss.py),
+Loss scaling: each micro-batch's loss is weighted by its counted targets over the global batch's (engine/training/loss.py),
 so gradients and loss are those of one pass over the whole batch.
 One optimizer update per step, through LayerUpdates (begin_step before the first forward, end_backward after,
 then validate: clipping and skipping decided over every stage, engine/techniques/step_guard.py).
@@ -27,7 +27,7 @@ then validate: clipping and skipping decided over every stage, engine/techniques
 Shape exchange: the first message of a step in each direction (and, in a step that migrates layers, the
 first one under the new layout) is a header then a payload; the others are the payload alone, since the
 micro-batches of a step are equal and run the same layers. The header is a fixed int64 tensor of HEADER_LEN entries,
-[ndim, d0, d1, ..., dtype] (zero-padded; the last entry is engine/precision.py's dtype code); the payload is
+[ndim, d0, d1, ..., dtype] (zero-padded; the last entry is engine/training/precision.py's dtype code); the payload is
 the tensor of that shape and dtype: fp32, or bf16 activations and gradients under `precision.compute =
 "bf16"` (half the bytes). So stages may emit any shape (up to HEADER_LEN - 2 dimensions), and shapes may
 change from step to step, at the cost of one small message per step.
@@ -43,26 +43,25 @@ Schedules:
 - "1f1b": warm-up of min(stages - rank - 1, micro_batches) forwards, then alternate
   one forward and one backward, then the remaining backwards (non-interleaved 1F1B).
 
-Times: `timings` holds this stage's own compute on the device's clock (engine/timing.py: CUDA events
+Times: `timings` holds this stage's own compute on the device's clock (engine/training/timing.py: CUDA events
 on a GPU, perf_counter on the CPU): each micro-batch's forward and backward from the moment its
 input (or gradient) has arrived to its send queued, and the update. Waiting for a neighbour is left
 out of them; it is `recv_wait_ms`, host time (a blocking receive). On the CPU they are the step's own;
 on a GPU the last stage's are too (reading its loss waits for its work), while a stage before the
-last, which reads nothing of its own step, reports the step before (engine/timing.py StepTimes: no
+last, which reads nothing of its own step, reports the step before (engine/training/timing.py StepTimes: no
 synchronize). `device_clock`: the clock to read (by default the device's; tests pass a scripted GPU's).
 """
 
 from __future__ import annotations
 
 import math
-import time
 
 import torch
 import torch.distributed as dist
 
 from engine.config import OptimConfig, UpdateConfig
 from engine.runtime.devices import tensor_bytes
-from engine.loss import counted, cross_entropy, share_loss
+from engine.training.loss import counted, cross_entropy, share_loss
 from engine.strategies.ddp import params_by_layer
 from engine.techniques.updates.updater import LayerUpdates
 from engine.runtime.events import Event
@@ -70,19 +69,18 @@ from engine.strategies.base import Strategy
 from engine.strategies.pipeline.migration import Migration
 from engine.strategies.pipeline.rebalancing import Rebalancing
 from engine.strategies.pipeline.schedule import SCHEDULES, check_stages, schedule_ops, split_micro, uniform_stages
-from engine.optim import make_optimizer
-from engine.techniques.partition import threshold_in_ms
+from engine.training.optim import make_optimizer
+from engine.techniques.stage_times import threshold_in_ms
 from engine.techniques.rebalance import LayerClock, Rebalancer, measure_link_rate
 from engine.strategies.pipeline.tied import StageTies
-from engine.precision import DTYPES, dtype_code
-from engine.timing import Clock, StepTimes
+from engine.strategies.pipeline.checkpoint import StageCheckpoint
+from engine.strategies.pipeline.wire import BWD_TAG, FWD_TAG, StageWire
+from engine.training.timing import Clock, StepTimes
 
-HEADER_LEN = 8
-FWD_TAG, BWD_TAG = 0, 1
 TIME_EVERY = 4   # a stage times its layers on every 4th step (and before each automatic check)
 
 
-class PipelineStage(Strategy):
+class PipelineStage(StageWire, StageCheckpoint, Strategy):
     name = "pipeline"
     global_batch = True   # every rank takes the whole global batch: stage 0 its inputs, the last its labels
     staged = True
@@ -167,49 +165,6 @@ class PipelineStage(Strategy):
         for i in sorted(new - old):
             self.updater.add_layer(i, self.owned[i])
         self.device.ledger.retrack(self.ledger_module)
-
-    # --- point to point ------------------------------------------------------------------------
-    def _send(self, tensor: torch.Tensor, dst: int, tag: int, layout: int = 0) -> None:
-        dev = self.device.torch_device   # gloo sends CPU tensors, nccl device tensors: the stage's own device
-        # in its own dtype: bf16 activations and gradients under `precision.compute = "bf16"`, half the bytes
-        tensor = tensor.detach().to(dev).contiguous()
-        if tensor.dim() > HEADER_LEN - 2:
-            raise ValueError(f"pipeline messages carry at most {HEADER_LEN - 2} dimensions, got {tensor.dim()}")
-        sends = [tensor]
-        self._sent_bytes += tensor.numel() * tensor.element_size()   # the boundary's payload, in its dtype
-        if ("to", tag, layout) not in self._shapes:   # the first message of its kind this step: shape and dtype
-            self._shapes[("to", tag, layout)] = tuple(tensor.shape)
-            header = torch.zeros(HEADER_LEN, dtype=torch.int64, device=dev)
-            header[0] = tensor.dim()
-            header[1:1 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
-            header[-1] = dtype_code(tensor.dtype)
-            sends.insert(0, header)
-        for t in sends:   # keep the tensor alive until its send is waited on
-            self._pending.append((dist.isend(t, dst, group=self.group, tag=tag), t))
-
-    def _recv(self, src: int, tag: int, layout: int = 0) -> torch.Tensor:
-        t0 = time.perf_counter()
-        dev = self.device.torch_device
-        try:
-            kind = self._shapes.get(("from", tag, layout))
-            if kind is None:
-                header = torch.empty(HEADER_LEN, dtype=torch.int64, device=dev)
-                dist.recv(header, src, group=self.group, tag=tag)
-                kind = self._shapes[("from", tag, layout)] = (
-                    tuple(int(d) for d in header[1:1 + int(header[0])].tolist()), DTYPES[int(header[-1])])
-            shape, dtype = kind
-            out = torch.empty(shape, dtype=dtype, device=dev)
-            dist.recv(out, src, group=self.group, tag=tag)
-        except Exception as e:   # a neighbour died or went silent: say who and what, within the timeout
-            what = "activations" if tag == FWD_TAG else "gradients"
-            during = (f" while layers migrate ({', '.join(n for n, _, _ in self._move.moves)})"
-                      if self._move is not None else "")
-            raise RuntimeError(f"pipeline stage {self.rank}: receiving {what} from stage "
-                               f"{dist.get_group_rank(self.group, src)} failed{during}: {type(e).__name__}: {e}") from e
-        # waiting for a neighbour, the stage's idle time: host time, as the host blocks in the receive (gloo;
-        # with NCCL the host does not, and the stream's wait falls before the op's first mark, in no op's time)
-        self._recv_s += time.perf_counter() - t0
-        return out
 
     # --- a step --------------------------------------------------------------------------------
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float | None:
@@ -399,39 +354,3 @@ class PipelineStage(Strategy):
                 for layer in self.model.layers[start:end]:
                     for t in list(layer.parameters()) + list(layer.buffers()):
                         dist.broadcast(t.data, src=dist.get_global_rank(self.group, stage), group=self.group)
-
-    def weights(self) -> dict[str, torch.Tensor]:
-        """This stage's entries of the model's state_dict (a tied weight: its owner stage's only)."""
-        self.sync()
-        whole = self.updater.weights_state(self.model)   # this stage's weights as its updates keep them (fp32 masters)
-        others = self.ties.not_owned_keys(self.layer_stages())
-        return {k: whole[k].detach().clone() for k in self.stage_state() if k not in others}
-
-    def save(self, staged) -> None:
-        from engine.runtime import checkpoint as ckpt
-        ckpt.write_file(staged, f"stage{self.rank}.pt",
-                        {"params": self.weights(), "optimizer": self.updater.state_dict()})
-
-    def load(self, source, manifest: dict) -> None:
-        from engine.runtime import checkpoint as ckpt
-        ckpt.check_strategy(source, manifest, self.name)
-        saved = manifest["layout"].get("stages")
-        try:   # the layout the run had reached (rebalancing may have moved it): resume in that layout
-            check_stages(self.model.names, saved, self.topo.world_size, getattr(self.model, "clusters", None))
-        except (ValueError, TypeError) as e:
-            raise ckpt.CheckpointError(f"{source}: its pipeline layout does not fit this model and world "
-                                       f"size ({e})") from None
-        self.sync()
-        self.balance_first = False
-        if saved != self.stage_layers:
-            self._adopt(saved)
-        state = self.model.state_dict()
-        with torch.no_grad():
-            for stage in range(self.stages):
-                part = ckpt.load_file(source, f"stage{stage}.pt")
-                for key, value in part["params"].items():
-                    state[key].copy_(value)
-                if stage == self.rank:
-                    weights = {id(p): part["params"][n] for n, p in self.model.named_parameters(remove_duplicate=False)
-                               if n in part["params"]}
-                    self.updater.load_state_dict(part["optimizer"], weights)

@@ -48,10 +48,11 @@ each layer waits only for the broadcasts that carry that layer's parameters, so 
 broadcast of later layers overlaps the forward of earlier ones. Without it, the step
 waits for every broadcast before it returns.
 
-Here: plan.py (owners, slices, streams: pure functions), streams.py (stream meters and the two-level
-exchange across hosts), strategy.py (ShardedStrategy). It may import engine.config, engine.runtime
-(devices, topology, checkpoint), engine.techniques.updates.updater and engine.strategies.ddp (the loss, the
-layer grouping, the commands); nothing imports it back but the strategy factory, benches and tests.
+Here: plan.py (owners, slices, streams: pure functions), streams.py (the two-level exchange across hosts),
+reduce.py (each bucket's gradients to its owner, through the relays), strategy.py (ShardedStrategy: the step,
+the broadcast and its gates, checkpoints). It may import engine.config, engine.training.loss, engine.runtime (the
+ground: devices, topology, checkpoint, the comm meter), engine.techniques.updates and engine.strategies (base:
+the contract; ddp: the layer grouping); nothing imports it back but the strategy factory, benches and tests.
 """
 
 from engine.strategies.sharded.plan import Slice, assign_owners, cut, plan_slices

@@ -2,7 +2,7 @@
 updates, the sliced broadcast), its checkpoints and its telemetry. The technique is described in
 engine/strategies/sharded/__init__.py; the plan and the streams are its neighbours here.
 
-Times are the device's (engine/timing.py: CUDA events on a GPU, perf_counter on the CPU), read after
+Times are the device's (engine/training/timing.py: CUDA events on a GPU, perf_counter on the CPU), read after
 the step's loss: that read waits for the step's work, so `timings` is the step's own on a GPU as on
 the CPU, with no synchronize of its own. `fwd_ms` holds the gates' waits (`gate_ms`, on the same clock:
 on a GPU the compute stream's wait for a slice's broadcast); `host_wait_ms` is host time (waiting for
@@ -22,8 +22,8 @@ import torch.distributed as dist
 
 from engine.runtime import checkpoint as ckpt, emulate
 from engine.config import OptimConfig, UpdateConfig
-from engine.loss import cross_entropy, share_loss
-from engine.data import micro_steps
+from engine.training.loss import cross_entropy, share_loss
+from engine.training.data import micro_steps
 from engine.strategies.base import Strategy
 from engine.strategies.ddp import params_by_layer
 from engine.runtime.devices import LedgerDevice, tensor_bytes
@@ -31,8 +31,9 @@ from engine.runtime.meter import CommMeter, stream_entry
 from engine.techniques.updates.updater import LayerUpdates
 from engine.runtime.topology import Topology
 from engine.strategies.sharded.plan import assign_owners, plan_slices, reduce_buckets
+from engine.strategies.sharded.reduce import GradientReduce
 from engine.strategies.sharded.streams import Tiers
-from engine.timing import Clock, StepTimes
+from engine.training.timing import Clock, StepTimes
 
 PHASES = ("fwd_ms", "bwd_ms", "reduce_ms", "optim_ms", "gate_ms", "broadcast_wait_ms",   # a step's, on the device
           "reduce_span_ms",     # from the step's first gradient sent to its last sum: the reduce, hidden or not
@@ -41,7 +42,7 @@ PHASES = ("fwd_ms", "bwd_ms", "reduce_ms", "optim_ms", "gate_ms", "broadcast_wai
 
 # --- the strategy -----------------------------------------------------------------------
 
-class ShardedStrategy(Strategy):
+class ShardedStrategy(GradientReduce, Strategy):
     name = "sharded"
     owning = True   # each parameter's update runs on its owner (layer_owners)
 
@@ -54,7 +55,7 @@ class ShardedStrategy(Strategy):
             raise ValueError(f"parallel.slices = {slices} is smaller than parallel.streams = {streams}; "
                              f"every stream needs at least one slice")
         self.model, self.topo, self.device, self.loss_fn = model, topo, device, loss_fn
-        self.global_counted: int | None = None   # the step's counted targets over the global batch (engine/loss.py)
+        self.global_counted: int | None = None   # the step's counted targets over the global batch (engine/training/loss.py)
         self.overlap_forward = overlap_forward
         self.accumulate = accumulate   # micro-steps per update: gradients go to their owners after the last
         self._accumulating = False
@@ -172,96 +173,6 @@ class ShardedStrategy(Strategy):
         # every rank starts from the owners' weights (as DDP starts from rank 0's)
         self._broadcast()
         self.sync()
-
-    # --- backward: each bucket's gradients to their owner once backward has made them ----------
-    def _grad_ready(self, buckets: list[int]):
-        def hook(param) -> None:
-            if self._accumulating:   # a micro-step before the last: the gradient stays here
-                return
-            for i in buckets:
-                self._remaining[i] -= 1
-                if self._remaining[i] == 0:
-                    self._reduce(i)
-        return hook
-
-    def _senders(self, owner: int) -> list[int]:
-        """Who sends `owner`'s gradients to this rank (this rank being the owner or its relay)."""
-        if self.tiers is None:
-            return [q for q in range(self.world) if q != self.rank]
-        t = self.tiers
-        local = [q for q in t.host_ranks() if q != self.rank]
-        return local + ([t.relay_on(h, owner) for h in range(self.world // t.k) if h != t.host]
-                        if owner == self.rank else [])
-
-    def _reduce(self, i: int) -> None:
-        """Bucket `i`'s gradients are complete here: to its owner (or its relay), tagged with the bucket."""
-        if self._reduce_t0 is None:
-            self._reduce_t0 = self.times.mark()
-        self._sent.add(i)
-        s = self.buckets[i]
-        buffer = self.grad_flat[s.owner][s.start:s.stop]
-        if buffer.dtype == self.reduce_dtype:   # the mean, as DDP's hook divides before it sums
-            buffer.div_(self.world)             # (a wider sum divides once, at the owner: _sum_into)
-        if i in self.incoming and s.owner != self.rank:
-            self._relay_queue.put(i)   # the relay thread adds this host's parts and sends the sum
-            return
-        if s.owner == self.rank:
-            return
-        # across hosts, to the owner's relay on this host (on the owner's own host, that is the owner)
-        dst = s.owner if self.tiers is None else self.tiers.relay_on(self.tiers.host, s.owner)
-        self._sends.append(dist.isend(buffer, dst=dst, group=self.topo.compute, tag=i))
-
-    def _relay_loop(self) -> None:
-        while (i := self._relay_queue.get()) is not None:
-            try:
-                for work in self._recvs.get(i, ()):
-                    work.wait()
-                s = self.buckets[i]
-                total = self.grad_flat[s.owner][s.start:s.stop]
-                self._sum_into(total, [self.incoming[i][q] for q in sorted(self.incoming[i])])
-                self._sends.append(dist.isend(total, dst=s.owner, group=self.topo.compute, tag=i))
-            except BaseException as e:   # raised on the main thread, in _sum_onto_owner
-                self._relay_error = e
-            finally:
-                self._relay_left -= 1
-                if self._relay_left == 0:
-                    self._relay_done.set()
-
-    def _sum_onto_owner(self) -> None:
-        """Wait for the relay thread to have sent this host's sums across; then for the others' parts of this
-        rank's shard, and add them (in sender order); then for this rank's sends."""
-        if self.relayed:
-            if not self._relay_done.wait(timeout=self.topo.timeout_s):
-                raise RuntimeError(f"the gradient sums this rank relays were not sent within "
-                                   f"{self.topo.timeout_s:g} s")
-            if self._relay_error is not None:
-                raise RuntimeError(f"relaying gradients to another host failed: {self._relay_error}") \
-                    from self._relay_error
-        mine = self.grad_flat[self.rank]
-        for i, parts in self.incoming.items():
-            s = self.buckets[i]
-            if s.owner != self.rank:
-                continue
-            for work in self._recvs.get(i, ()):
-                work.wait()
-            self._sum_into(mine[s.start:s.stop], [parts[q] for q in sorted(parts)], owner=True)
-        for work in self._sends:
-            work.wait()
-        self._sends, self._recvs = [], {}
-
-    def _sum_into(self, target: torch.Tensor, parts: list[torch.Tensor], owner: bool = False) -> None:
-        """Add `parts` to `target` in sender order: in place in their own dtype, or (bf16 gradients under
-        precision.reduce = "fp32") widened, summed, divided by the world at the owner, and stored back."""
-        if target.dtype == self.reduce_dtype:
-            for part in parts:
-                target.add_(part)
-            return
-        total = target.to(self.reduce_dtype)
-        for part in parts:
-            total.add_(part)
-        if owner:
-            total.div_(self.world)
-        target.copy_(total)
 
     # --- the broadcast and its gates ------------------------------------------------------
     def _broadcast(self) -> None:

@@ -19,7 +19,7 @@ What lives here, one idea a module:
 
 Imports within the package go one way: policy.py imports the others; stream_swap.py imports swap.py
 and link.py; swap.py imports link.py; measure.py and planner.py import cost.py; cost.py and link.py
-import nothing of the engine. The package may import torch, engine.config and engine.timing only: the
+import nothing of the engine. The package may import torch, engine.config and engine.training.timing only: the
 model, the device and its ledger are handed in, so nothing here imports engine.runtime (the worker,
 the devices) or any strategy.
 """

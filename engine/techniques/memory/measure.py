@@ -7,12 +7,12 @@ input, turned into the ActivationCosts the planners take.
     measure.time_backward(name, out, args, swapper)       # hooks timing that layer's backward
     costs = measure.costs(owned, policy, known, ledger)   # ActivationPolicy.after_step
 
-Times are marks of the device's clock (engine/timing.py: CUDA events on a GPU, where a layer's
+Times are marks of the device's clock (engine/training/timing.py: CUDA events on a GPU, where a layer's
 kernels run after its Python returns), read in `costs` once the step's work has run. They leave out
 the waits for the link (a layer's own time is what recompute costs): the host's, and on a GPU the
 compute stream's, marked by the swapper (`device_waits`). The bytes a layer saves
 are the ledger's count (`activations_by_layer`, `shared_bytes`), read back in `costs`. Imports torch,
-engine.timing and cost.py only.
+engine.training.timing and cost.py only.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.techniques.memory.cost import ActivationCost
-from engine.timing import Clock
+from engine.training.timing import Clock
 
 
 def tensors(value) -> list[torch.Tensor]:

@@ -36,7 +36,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from engine.config import format_size
-from engine.timing import Clock
+from engine.training.timing import Clock
 from engine.techniques.memory.cost import POLICIES, ActivationCost, estimate
 from engine.techniques.memory.link import HostLink, StreamLink, measure_link_gbps
 from engine.techniques.memory.measure import Measure, tensors

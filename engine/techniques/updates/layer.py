@@ -1,25 +1,21 @@
-"""One layer's optimizer update, on the device or the host (LayerUpdate), and the host executor: the
-threads that run host updates while backward goes on (HostExecutor). The hybrid updater
-(engine/techniques/updates/updater.py) decides which side each layer's update runs on.
+"""One layer's optimizer update, on the device or the host (LayerUpdate); the threads that run host updates
+are host.py's. LayerUpdates (engine/techniques/updates/updater.py) decides which side each update runs on.
 
     update = LayerUpdate(name, index, params, optim_cfg)
     update.move("host")                        # fp32 master weights and state to host memory
-    executor = HostExecutor(default_host_threads()); executor.submit(update)
 """
 
 from __future__ import annotations
 
-import os
-import queue
 import threading
 import time
 
 import torch
 
 from engine.config import OptimConfig
-from engine.optim import make_optimizer
+from engine.training.optim import make_optimizer
 from engine.runtime.devices import tensor_bytes
-from engine.timing import Clock
+from engine.training.timing import Clock
 
 
 class LayerUpdate:
@@ -28,7 +24,7 @@ class LayerUpdate:
     The optimizer always steps fp32 weights. With fp32 parameters on the device side those are the
     parameters themselves; with narrower working weights (`precision.params = "bf16"`) they are an fp32
     master copy beside them, kept where the update runs, and each update widens the gradient, steps the
-    master and writes it back narrowed (engine/precision.py says which dtype is where).
+    master and writes it back narrowed (engine/training/precision.py says which dtype is where).
 
     On the host side the layer keeps the fp32 master weights and gradient buffers in host memory, made
     once when it moves there and reused every step (pinned on a GPU, so the copies are DMA on a side
@@ -358,51 +354,3 @@ class LayerUpdate:
             return 0
         return self.state_bytes() + self.rollback_bytes() + \
             sum(tensor_bytes(t) for t in self.master + self.grads + (self.grads32 or []) + (self.up or []))
-
-
-def default_host_threads() -> int:
-    """The cores this worker may use for host updates: its share of the host's cores."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
-
-
-class HostExecutor:
-    """`threads` threads that run host updates, each layer as soon as a thread is free (layers are
-    independent: each has its own optimizer, and its gate waits for it alone)."""
-
-    def __init__(self, threads: int = 1):
-        self._queue: queue.Queue = queue.Queue()
-        self.error: BaseException | None = None
-        self.busy_s = 0.0   # summed over the threads
-        self._lock = threading.Lock()
-        self.threads = max(1, threads)   # the host's servers in the update plan's cost model
-        self._threads = [threading.Thread(target=self._run, name=f"trainyard-host-updates-{i}", daemon=True)
-                         for i in range(self.threads)]
-        for thread in self._threads:
-            thread.start()
-
-    def submit(self, update: LayerUpdate) -> None:
-        update.done.clear()
-        update.mark_grads_final()
-        self._queue.put(update)
-
-    def _run(self) -> None:
-        while True:
-            update = self._queue.get()
-            if update is None:
-                return
-            t0 = time.perf_counter()
-            try:
-                update.step_host()
-            except BaseException as e:   # noqa: BLE001 - reported on the compute thread at the gate
-                self.error = e
-            finally:
-                with self._lock:
-                    self.busy_s += time.perf_counter() - t0
-                update.done.set()
-
-    def close(self) -> None:
-        for _ in self._threads:
-            self._queue.put(None)
-        for thread in self._threads:
-            thread.join(timeout=10)

@@ -42,8 +42,6 @@ either side, and the host executor's threads: engine/techniques/updates/layer.py
 
 from __future__ import annotations
 
-import dataclasses
-import statistics
 import threading
 import time
 from collections import deque
@@ -51,20 +49,23 @@ from collections import deque
 import torch
 
 from engine.config import OptimConfig, UpdateConfig
-from engine.optim import set_lr
+from engine.training.optim import set_lr
 from engine.runtime import emulate
 from engine.runtime.devices import LedgerDevice
 from engine.runtime.profiler import LayerProfiler
-from engine.techniques.updates.layer import HostExecutor, LayerUpdate, default_host_threads
+from engine.techniques.updates.host import HostExecutor, default_host_threads
+from engine.techniques.updates.layer import LayerUpdate
 from engine.techniques.step_guard import GuardDecision, StepGuard
-from engine.techniques.updates.plan import UpdateCost, Profile, fixed, plan_global, plan_local
-from engine.timing import Clock
+from engine.techniques.updates.plan import Profile
+from engine.techniques.updates.state import UpdateState
+from engine.techniques.updates.trial import PlacementTrial
+from engine.training.timing import Clock
 
 SIDES = ("device", "host")
 SPECULATE_AFTER = 10   # clip_mode "speculate": steps that must stand in a row before updates speculate again
 
 
-class LayerUpdates:
+class LayerUpdates(PlacementTrial, UpdateState):
     def __init__(self, model, params_by_layer: dict[int, list[torch.nn.Parameter]], optim_cfg: OptimConfig,
                  device: LedgerDevice, cfg: UpdateConfig, clip_mode: str | None = None, speculate_device: bool = True):
         self.model, self.device, self.cfg, self.optim_cfg = model, device, cfg, optim_cfg
@@ -79,7 +80,7 @@ class LayerUpdates:
         self._parts: list[torch.Tensor] = []   # this step's partial sums of squares, one per dispatched update
         self._held: list[LayerUpdate] = []     # clip_mode "wait": dispatched, waiting for the decision
         self._decided = False
-        self.lr = optim_cfg.lr   # the step loop sets each step's (engine/optim.py lr_at); updates take it when dispatched
+        self.lr = optim_cfg.lr   # the step loop sets each step's (engine/training/optim.py lr_at); updates take it when dispatched
         self.updates = {i: self._new_update(i, ps) for i, ps in params_by_layer.items() if ps}
         self.by_name = {u.name: u for u in self.updates.values()}
         self.layer_of = {id(p): u for u in self.updates.values() for p in u.params}
@@ -96,7 +97,7 @@ class LayerUpdates:
         self._grads_at_start = 0
         self._profiler = LayerProfiler(model, device.ledger, Clock(device.torch_device)) if self.trial_left else None
         self.plan = None              # the planner's Timeline once made (auto)
-        self.new_plan = False         # set when a plan was just made; the worker reports it
+        self.new_plan = False         # set when a plan was just made; the step loop reports it (report.py)
         self.profile: Profile | None = None
         if isinstance(cfg.placement, dict):
             unknown = sorted(set(cfg.placement) - set(model.names))
@@ -202,24 +203,6 @@ class LayerUpdates:
         return sum(u.rollback_bytes() for u in self.updates.values() if u.side == "device")
 
     # --- a step ------------------------------------------------------------------------------
-    def _trial_side(self) -> str:
-        """The trial starts on the host (no optimizer state on the device), then alternates."""
-        return "host" if (self.cfg.profile_steps - self.trial_left) % 2 == 0 else "device"
-
-    def _fitting_device_placement(self) -> dict[str, str]:
-        """A device trial step holds on the device only the updates whose state fits beside the peak the
-        host steps measured (backward order, first come first placed); the rest stay on the host and their
-        device times are modelled (`_make_plan`). So a trial never takes a real GPU out of memory."""
-        room = self.device.ledger.capacity_bytes - max(t["steady_peak"] for t in self._trial if t["side"] == "host")
-        placement = {}
-        for index in sorted(self.updates, reverse=True):
-            u = self.updates[index]
-            need = u.device_bytes()   # measured by the host step (fp32 state and masters; the device keeps the same)
-            fits = need <= room
-            placement[u.name] = "device" if fits else "host"
-            room -= need if fits else 0
-        return placement
-
     def begin_step(self) -> None:
         self._parts, self._held, self._decided = [], [], False
         if self.trial_left:
@@ -385,112 +368,6 @@ class LayerUpdates:
         link, self._link_bytes = self._link_bytes, 0
         return {"update_device_ms": device_ms, "host_busy_ms": busy, "host_gate_ms": self._gate_s * 1000,
                 "host_bytes": self.host_bytes(), "host_link_bytes": link}
-
-    # --- the trial and the plan ----------------------------------------------------------------
-    def _record_trial(self, rows: list[dict]) -> None:
-        self.wait_host()
-        layers = {row["name"]: row for row in rows}
-        ledger = self.device.ledger
-        ledger.refresh()
-        # a step that made its gradients during backward (the first) peaked without them: its steady peak has them
-        steady = ledger.peak_bytes + max(0, ledger.bytes["gradients"] - self._grads_at_start)
-        self._trial.append({"side": self._trial_side(), "layers": layers, "peak": ledger.peak_bytes,
-                            "steady_peak": steady,
-                            "updates": {u.name: (u.device_ms, u.host_ms, u.copy_ms, u.device_bytes(), u.side)
-                                        for u in self.updates.values()}})
-        self.trial_left -= 1
-        if self.trial_left == 0:
-            self._make_plan()
-
-    def _make_plan(self) -> None:
-        def median(values: list[float]) -> float:
-            return statistics.median(values) if values else 0.0
-        dev = [t for t in self._trial if t["side"] == "device"][1:] or [t for t in self._trial if t["side"] == "device"]
-        host = [t for t in self._trial if t["side"] == "host"][1:] or [t for t in self._trial if t["side"] == "host"]
-        device_ms = self._device_times(dev)
-        # one cost per layer with an update, in backward order; the times of layers without parameters
-        # go to the next layer with one in backward order (they delay its backward and precede it)
-        costs, carry_fwd, carry_bwd = [], 0.0, 0.0
-        for index in reversed(range(len(self.model.names))):
-            name = self.model.names[index]
-            # backward times from the host steps: no device update inside them, the host busy beside them
-            rows = [t["layers"][name] for t in host if name in t["layers"]]
-            fwd, bwd = median([r["fwd_ms"] for r in rows]), median([r["bwd_ms"] for r in rows])
-            if name not in self.by_name:
-                carry_fwd, carry_bwd = carry_fwd + fwd, carry_bwd + bwd
-                continue
-            costs.append(UpdateCost(
-                name=name, fwd_ms=fwd + carry_fwd, bwd_ms=bwd + carry_bwd,
-                device_ms=device_ms[name],
-                host_ms=median([t["updates"][name][1] for t in host]),
-                copy_ms=median([t["updates"][name][2] for t in host]),
-                state_bytes=max(t["updates"][name][3] for t in self._trial)))
-            carry_fwd = carry_bwd = 0.0
-        if costs and carry_bwd:   # layers before the first one with parameters: the end of backward
-            last = costs[-1]
-            costs[-1] = dataclasses.replace(last, fwd_ms=last.fwd_ms + carry_fwd, bwd_ms=last.bwd_ms + carry_bwd)
-        peak = min(t["peak"] for t in host) if host else self.device.ledger.peak_bytes
-        threads = self.executor.threads if self.executor is not None else 1   # the host's servers
-        self.profile = Profile(tuple(costs), peak_bytes=peak, capacity_bytes=self.device.ledger.capacity_bytes,
-                               host_threads=threads)
-        planner = plan_global if self.cfg.planner == "global" else plan_local
-        self.plan = planner(self.profile)
-        self.place({name: side for name, side in zip((c.name for c in costs), self.plan.placement)})
-        self.new_plan = True
-
-    @staticmethod
-    def _device_times(dev: list[dict]) -> dict[str, float]:
-        """Each layer's device update time: measured where the trial held it on the device, else modelled
-        from the measured ones at their time per byte of state (the update's work scales with it)."""
-        names = list(dev[0]["updates"]) if dev else []
-        measured = {n: statistics.median(t["updates"][n][0] for t in dev if t["updates"][n][4] == "device")
-                    for n in names if any(t["updates"][n][4] == "device" for t in dev)}
-        state = {n: max(t["updates"][n][3] for t in dev) for n in names}
-        rates = [measured[n] / state[n] for n in measured if state[n]]
-        rate = statistics.median(rates) if rates else 0.0
-        return {n: measured[n] if n in measured else rate * state[n] for n in names}
-
-    def predicted(self, placement: str | dict) -> object:
-        """The cost model's timeline of another placement, from this run's profile (for reports)."""
-        return fixed(self.profile, placement)
-
-    # --- checkpoints ---------------------------------------------------------------------------
-    def state_dict(self) -> dict:
-        self.wait_host()
-        return {"layers": {u.name: u.optimizer.state_dict() for u in self.updates.values()},
-                "placement": self.placement()}
-
-    def load_state_dict(self, saved: dict, weights: dict[int, torch.Tensor] | None = None) -> None:
-        """The optimizer state from a checkpoint; `weights` (id of a parameter -> its saved fp32 value, from
-        weights_state) sets the masters and working weights of the layers updated here; without it the
-        masters are copied from the parameters (loaded already, in fp32)."""
-        self.wait_host()
-        layers = saved.get("layers", {})
-        missing = sorted(set(self.by_name) - set(layers))
-        if missing:
-            raise ValueError(f"the checkpoint holds no optimizer state for layer {missing[0]!r}")
-        for name, u in self.by_name.items():
-            if weights is not None:
-                u.load_weights([weights[id(p)] for p in u.params])
-            else:
-                u.refresh_master()
-            u.optimizer.load_state_dict(layers[name])
-
-    def master_of(self) -> dict[int, torch.Tensor]:
-        """id of each parameter updated here -> the weight its update keeps (the fp32 master where there
-        is one): what a checkpoint stores."""
-        self.wait_host()
-        return {id(p): w for u in self.updates.values() for p, w in zip(u.params, u.weights())}
-
-    def weights_state(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
-        """`module`'s state dict with each parameter updated here as its update keeps it (fp32 masters
-        under bf16 working weights), so a checkpoint holds full-precision weights."""
-        kept = self.master_of()
-        state = module.state_dict()
-        for name, p in module.named_parameters(remove_duplicate=False):
-            if id(p) in kept:
-                state[name] = kept[id(p)].detach().clone()
-        return state
 
     def close(self) -> None:
         if self.executor is not None:

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from engine.config import DataConfig
-from engine.loss import IGNORE, counted, cross_entropy
+from engine.training.loss import IGNORE, counted, cross_entropy
 
 
 @dataclass
@@ -96,7 +96,7 @@ def micro_steps(x: torch.Tensor, y: torch.Tensor, n: int) -> list[tuple[torch.Te
 
 
 def global_count(ds: Dataset, step: int, batch_size: int, seed: int, loss_fn=cross_entropy) -> int | None:
-    """The targets the loss counts in the whole global batch at `step` (engine/loss.py), read by every rank
+    """The targets the loss counts in the whole global batch at `step` (engine/training/loss.py), read by every rank
     from the data itself, no collective; None where every share of it counts alike (no -100 label in the
     data, or a user's loss, which counts samples)."""
     if not ds.meta.get("ignored_labels") or loss_fn is not cross_entropy:
@@ -138,7 +138,7 @@ def tensor_dataset(x_train: torch.Tensor, y_train: torch.Tensor, x_test: torch.T
         meta["image_shape"] = tuple(x_train.shape[1:])
     if not y_train.is_floating_point() and len(y_train):
         meta["num_classes"] = int(max(y_train.max(), y_test.max() if len(y_test) else 0)) + 1
-        # labels of -100 count for nothing in the loss (engine/loss.py): shares may then count differently
+        # labels of -100 count for nothing in the loss (engine/training/loss.py): shares may then count differently
         meta["ignored_labels"] = bool((y_train == IGNORE).any())
     return Dataset(name, x_train, y_train, x_test, y_test, meta)
 

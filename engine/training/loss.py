@@ -10,7 +10,7 @@ it by `counted(share) / counted(global batch)`, times the number of shares its g
 workers; a pipeline sums its micro-batches). So the gradient is that of one mean over the global batch's
 counted tokens whatever the shares hold, as Megatron and torchtitan divide by the globally reduced count.
 Where every share counts the same (no IGNORE targets), each weight is exactly 1 (or micro / global), as
-before. The global count is the data's (engine/data.py `global_count`): every rank reads it from the step's
+before. The global count is the data's (engine/training/data.py `global_count`): every rank reads it from the step's
 global batch, without a collective.
 
 A user's loss (`engine.train(..., loss_fn=f)`): `f(output, target)` returns the mean over the share's
@@ -69,7 +69,7 @@ def test_accuracy(model, ds, device: torch.device, precision, limit: int = 0) ->
     """The share of the test split's counted targets (not IGNORE) that the model's argmax gets right, over its
     first `limit` samples (0: all), computed as training computes (bf16 under autocast); None without a test
     split, or with targets that are not classes (a user's regression)."""
-    from engine.precision import compute_in
+    from engine.training.precision import compute_in
     if ds.x_test is None or len(ds.x_test) == 0 or ds.y_test.is_floating_point():
         return None
     n = len(ds.x_test) if limit <= 0 else min(limit, len(ds.x_test))

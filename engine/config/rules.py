@@ -1,0 +1,209 @@
+"""The rules that relate keys to each other, each a function of a whole Config that returns a message or None;
+its docstring goes to docs/config.md. They run after every key passed its own check (check.py), first
+problem reported.
+
+Imports engine.config.declare, settings, batch and files.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import math
+import re
+
+from engine.config.batch import batch_splits_over_ranks, near_multiples, schedule_ends_low
+from engine.config.declare import show
+from engine.config.files import files_exist
+from engine.config.settings import Config
+
+
+def model_matches_data(cfg: Config) -> str | None:
+    """Language models take token data (`text` or `tokens`), and token data needs a language model."""
+    model, data = cfg.model.name, cfg.data.name
+    if model == "user":   # engine.train's model: it is the user's to fit their data
+        return None
+    if model in ("transformer", "hf") and data not in ("text", "tokens"):
+        return (f'model.name = {show(model)}: requires data.name = "text" or "tokens" '
+                f'(got data.name = {show(data)})')
+    if data in ("text", "tokens") and model not in ("transformer", "hf"):
+        return (f'data.name = {show(data)}: requires model.name = "transformer" or "hf" '
+                f'(got model.name = {show(model)})')
+    return None
+
+
+def branchy_has_square_images(cfg: Config) -> str | None:
+    """`model.name = "branchy"` needs square images: `data.name = "digits"`, or `"synthetic"`
+    with `data.features` a perfect square."""
+    if cfg.model.name != "branchy":
+        return None
+    if cfg.data.name not in ("digits", "synthetic"):
+        return (f'model.name = "branchy": requires data.name = "digits" or "synthetic" '
+                f"(got data.name = {show(cfg.data.name)})")
+    n = cfg.data.features
+    root = math.isqrt(n)
+    if cfg.data.name == "synthetic" and root * root != n:
+        return (f'data.features = {n}: must be a perfect square when model.name = "branchy" '
+                f"(e.g. {root * root} or {(root + 1) ** 2})")
+    return None
+
+
+def param_server_ranks(cfg: Config) -> str | None:
+    """param_server: `parallel.servers + parallel.workers = parallel.world_size`; `slow_workers` names
+    worker ranks only; `memory.policy = "keep"` and `update.placement = "device"` (the servers update;
+    the workers keep their activations)."""
+    p = cfg.parallel
+    if p.strategy != "param_server":
+        return None
+    if p.servers + p.workers != p.world_size:
+        return (f"parallel.servers = {p.servers} + parallel.workers = {p.workers} must equal parallel.world_size "
+                f"= {p.world_size} (set world_size = {p.servers + p.workers})")
+    for rank in p.slow_workers:
+        if not p.servers <= int(rank) < p.world_size:
+            return (f"parallel.slow_workers.{rank}: rank {rank} is not a worker; worker ranks are "
+                    f"{p.servers} to {p.world_size - 1}")
+    if cfg.memory.policy != "keep":
+        return (f'memory.policy = {show(cfg.memory.policy)}: not available with parallel.strategy = '
+                f'"param_server" (use "keep")')
+    if cfg.update.placement != "device":
+        return (f'update.placement = {show(cfg.update.placement)}: not available with parallel.strategy = '
+                f'"param_server" (its servers run the updates; use "device")')
+    return None
+
+
+def heads_split_width(cfg: Config) -> str | None:
+    """transformer: `model.d_model` is divisible by `model.heads`."""
+    d_model, heads = cfg.model.d_model, cfg.model.heads
+    if cfg.model.name == "transformer" and d_model % heads:
+        return (f'model.d_model = {d_model}: must be divisible by model.heads = {heads} when '
+                f'model.name = "transformer" (e.g. {near_multiples(d_model, heads)})')
+    return None
+
+
+def listen_is_loopback(cfg: Config) -> str | None:
+    """`telemetry.listen` is empty or `tcp://HOST:PORT` with a loopback HOST (127.0.0.1, ::1, localhost)."""
+    listen = cfg.telemetry.listen
+    if not listen:
+        return None
+    m = re.fullmatch(r"tcp://(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.-]+):(\d{1,5})", listen)
+    if not m or int(m.group(2)) > 65535:
+        return f'telemetry.listen = {show(listen)}: expected "tcp://127.0.0.1:PORT" (PORT 0 to 65535)'
+    host = m.group(1).strip("[]")
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback:
+        return (f"telemetry.listen = {show(listen)}: only loopback addresses (127.0.0.1, [::1], localhost) "
+                f"are allowed; reach a remote run through an SSH tunnel")
+    return None
+
+
+def slices_cover_streams(cfg: Config) -> str | None:
+    """`parallel.slices` must be at least `parallel.streams`: every stream carries at least one slice."""
+    p = cfg.parallel
+    if p.slices < p.streams:
+        return (f"parallel.slices = {p.slices} is smaller than parallel.streams = {p.streams}: every stream "
+                f"needs at least one slice (set slices >= {p.streams} or streams <= {p.slices})")
+    return None
+
+
+def hosts_split_workers(cfg: Config) -> str | None:
+    """`cluster.nnodes` divides `parallel.world_size` (the same number of workers on every host);
+    `cluster.node_rank < nnodes`; `cluster.rdzv_endpoint` is `HOST:PORT` when nnodes > 1."""
+    c, world = cfg.cluster, cfg.parallel.world_size
+    if world % c.nnodes:
+        return (f"parallel.world_size = {world}: must be divisible by cluster.nnodes = {c.nnodes} (every host "
+                f"runs the same number of workers)")
+    if c.node_rank >= c.nnodes:
+        return f"cluster.node_rank = {c.node_rank}: must be below cluster.nnodes = {c.nnodes} (0 to {c.nnodes - 1})"
+    if c.nnodes > 1 or c.rdzv_endpoint:
+        m = re.fullmatch(r"(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.-]+):(\d{1,5})", c.rdzv_endpoint)
+        if not m or not 0 < int(m.group(2)) <= 65535:
+            what = "is required when cluster.nnodes > 1" if not c.rdzv_endpoint else "is not HOST:PORT"
+            return (f"cluster.rdzv_endpoint = {show(c.rdzv_endpoint)}: {what} (host 0's address and a free "
+                    f"port, the same on every host, e.g. \"10.0.0.1:29400\")")
+    return None
+
+
+def slow_layer_is_whole(cfg: Config) -> str | None:
+    """`emulate.slow_layer` needs `emulate.slow_layer_ms` > 0, and is not available with
+    `parallel.strategy = "param_server"` (whose slow machines are `parallel.slow_workers`)."""
+    e = cfg.emulate
+    if not e.slow_layer:
+        return None
+    if cfg.parallel.strategy == "param_server":
+        return (f"emulate.slow_layer = {show(e.slow_layer)}: not available with parallel.strategy = "
+                f"\"param_server\" (emulate a slow worker with parallel.slow_workers)")
+    if e.slow_layer_ms <= 0:
+        return (f"emulate.slow_layer = {show(e.slow_layer)} needs emulate.slow_layer_ms > 0 (how many "
+                f"milliseconds each of its forwards sleeps)")
+    return None
+
+
+def slow_rank_is_whole(cfg: Config) -> str | None:
+    """`emulate.slow_rank` names a rank of a data-parallel run and needs `emulate.slow_rank_ms` > 0."""
+    e = cfg.emulate
+    if e.slow_rank < 0:
+        return None
+    if cfg.parallel.strategy not in ("ddp", "sharded"):
+        return (f"emulate.slow_rank = {e.slow_rank}: only with parallel.strategy = \"ddp\" or \"sharded\" "
+                f"(a pipeline's slow stage is emulate.slow_layer; a parameter server's slow workers are "
+                f"parallel.slow_workers)")
+    if e.slow_rank >= cfg.parallel.world_size:
+        return (f"emulate.slow_rank = {e.slow_rank}: no such rank; parallel.world_size = "
+                f"{cfg.parallel.world_size} has ranks 0 to {cfg.parallel.world_size - 1}")
+    if e.slow_rank_ms <= 0:
+        return (f"emulate.slow_rank = {e.slow_rank} needs emulate.slow_rank_ms > 0 (how many milliseconds its "
+                f"forward sleeps each step)")
+    return None
+
+
+def kill_has_its_moment(cfg: Config) -> str | None:
+    """`emulate.kill_rank` names a rank of the run whose strategy has the moment `emulate.kill_at` names:
+    `migration` a pipeline that rebalances, `broadcast` sharded, `host_update` updates placed on the host
+    (`update.placement = "host"`, `"auto"` or a table naming `"host"`), `window` a parameter server
+    (`kill_rank` one of its servers) with `parallel.sync = "soft"` or `"bsp"`."""
+    e, p = cfg.emulate, cfg.parallel
+    if e.kill_rank < 0:
+        return None
+    if e.kill_rank >= p.world_size:
+        return (f"emulate.kill_rank = {e.kill_rank}: no such rank; parallel.world_size = {p.world_size} has ranks "
+                f"0 to {p.world_size - 1}")
+    at = f"emulate.kill_at = {show(e.kill_at)}"
+    if e.kill_at == "migration" and (p.strategy != "pipeline" or p.rebalance == "off"):
+        return (f'{at}: needs parallel.strategy = "pipeline" with parallel.rebalance = "auto" or "manual", where '
+                f'layers migrate (got parallel.strategy = {show(p.strategy)}, parallel.rebalance = '
+                f'{show(p.rebalance)})')
+    if e.kill_at == "broadcast" and p.strategy != "sharded":
+        return f'{at}: needs parallel.strategy = "sharded", whose broadcast it is (got {show(p.strategy)})'
+    placement = cfg.update.placement
+    on_host = "host" in placement.values() if isinstance(placement, dict) else placement in ("host", "auto")
+    if e.kill_at == "host_update" and not on_host:
+        return f'{at}: needs update.placement = "host", "auto" or a table naming "host" (got {show(placement)})'
+    if e.kill_at == "window":
+        if p.strategy != "param_server" or p.sync not in ("soft", "bsp"):
+            return (f'{at}: needs parallel.strategy = "param_server" with parallel.sync = "soft" or "bsp" (got '
+                    f'parallel.strategy = {show(p.strategy)}, parallel.sync = {show(p.sync)})')
+        if e.kill_rank >= p.servers:
+            servers = "rank 0" if p.servers == 1 else f"ranks 0 to {p.servers - 1}"
+            return f"{at}: emulate.kill_rank = {e.kill_rank} is a worker; the windows are the servers' ({servers})"
+    return None
+
+
+def precision_makes_sense(cfg: Config) -> str | None:
+    """bf16 weights need bf16 compute (an fp32 forward cannot multiply by bf16 weights); a bf16 sum needs
+    bf16 gradients (fp32 gradients summed in bf16 would be compression, which is not built)."""
+    p = cfg.precision
+    if p.params == "bf16" and p.compute != "bf16":
+        return (f"precision.params = \"bf16\" needs precision.compute = \"bf16\" (got {show(p.compute)}): an fp32 "
+                f"forward cannot compute with bf16 weights")
+    if p.reduce == "bf16" and p.params != "bf16":
+        return (f"precision.reduce = \"bf16\" needs precision.params = \"bf16\" (got {show(p.params)}): fp32 "
+                f"gradients are summed in fp32; summing them in bf16 would be gradient compression, which "
+                f"trainyard does not do")
+    return None
+
+
+CROSS_CHECKS = [schedule_ends_low, hosts_split_workers, listen_is_loopback, slices_cover_streams, model_matches_data, files_exist,
+                branchy_has_square_images, param_server_ranks, batch_splits_over_ranks, heads_split_width,
+                slow_layer_is_whole, slow_rank_is_whole, kill_has_its_moment, precision_makes_sense]

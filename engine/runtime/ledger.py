@@ -1,0 +1,300 @@
+"""The memory ledger: what a worker holds on its device, by category, counted from the tensors themselves against
+the configured capacity (docs/memory.md). On the CPU it is the device's memory; on CUDA it runs beside the
+allocator's figures.
+
+    ledger = MemoryLedger(capacity_bytes)
+    ledger.track_module(model, optimizer)      # parameters, gradients, optimizer state, masters, shared inputs
+    with ledger.saved_activations(): ...       # live saved activations
+
+Imports engine.models.layers (a model's shared inputs).
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+
+import torch
+
+from engine.models.layers import shared_input_bytes, shared_input_ptrs, shared_inputs
+
+# "inputs": tensors a model's blocks share per input shape besides the hidden state (a Hugging Face model's
+# attention masks and rotary tables, engine/models/hf/parts.py), each counted once however many blocks take it
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "master", "activations", "inputs", "swapped")
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class MemoryLedger:
+    """Bytes the engine holds for one device, by category, with a peak and a capacity."""
+
+    def __init__(self, capacity_bytes: int):
+        self.capacity_bytes = capacity_bytes
+        self.bytes = dict.fromkeys(CATEGORIES, 0)
+        self.peak_bytes = 0
+        self.over_capacity = False
+        self._lock = threading.RLock()   # RLock: a handle freed by the GC inside a locked section
+        self._modules: list[torch.nn.Module] = []
+        self._shared: list = []   # the tracked modules' SharedInputs (engine/models/layers.py), found as tracked
+        self._optimizers: list[torch.optim.Optimizer] = []
+        self._saved: dict[int, list] = {}   # storage pointer -> [bytes, references]
+        self.extra: dict[str, int] = {}     # bytes a strategy holds outside parameters/.grad/state, by category
+        self.current_layer: str | None = None          # set by the layer profiler during forward
+        self.activations_by_layer: dict[str, int] = {}  # bytes first saved while that layer ran
+        self.shared_bytes: dict[tuple[str, str], int] = {}  # (first saver, later saver) -> bytes of both
+        self.swapper = None          # engine.techniques.memory.swap.Swapper, once a layer may swap
+        self._param_ptrs: set | None = None   # inside saved_activations()
+        # count saved activations through autograd's saved-tensor hooks. They cost every saved tensor a call
+        # into Python (3-5% of a small model's step on this CPU, trivial hooks alone 3%): a bench turns them
+        # off to measure that share; a swapping layer needs them whatever this says
+        self.count_activations = True
+        # counting by unit (a pipeline's micro-batch) instead of by tensor, once a unit's bytes are known
+        self.exact_due = False   # this step reads per-layer bytes (layer profiler, memory planner): hooks on
+        self.all_keep = True     # every layer this rank runs keeps its activations (set by the memory policy)
+        self._unit_bytes: dict = {}   # what decides a unit's saved bytes -> those bytes, counted by the hooks
+        self._varies: set = set()     # keys whose units saved different bytes: always counted by tensor
+
+    # --- what the engine holds -------------------------------------------------
+    def track_module(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+        self._modules.append(module)
+        self._shared = shared_inputs(self._modules)
+        if optimizer is not None:
+            self._optimizers.append(optimizer)
+        self.refresh()
+
+    def track_optimizer(self, optimizer) -> None:
+        """Count an optimizer's state (and, where it has them, `master_bytes()`) without a module."""
+        self._optimizers.append(optimizer)
+        self.refresh()
+
+    def retrack(self, module: torch.nn.Module, index: int = 0) -> None:
+        """Count `module` in place of the `index`th tracked one (a pipeline stage whose layers changed)."""
+        if index < len(self._modules):
+            self._modules[index] = module
+        else:
+            self._modules.append(module)
+        self._shared = shared_inputs(self._modules)
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Recount parameters, gradients and optimizer state (they change size lazily)."""
+        params = grads = state = master = 0
+        for module in self._modules:
+            for p in module.parameters():
+                params += tensor_bytes(p)
+                if p.grad is not None:
+                    grads += tensor_bytes(p.grad)
+        for opt in self._optimizers:
+            for per_param in opt.state.values():
+                state += sum(tensor_bytes(v) for v in per_param.values() if torch.is_tensor(v))
+            if hasattr(opt, "master_bytes"):   # fp32 masters beside bf16 working weights (engine/training/precision.py)
+                master += opt.master_bytes()
+            if hasattr(opt, "rollback_bytes"):   # speculative updates' copies, until the step is decided
+                state += opt.rollback_bytes()
+        extra = self.extra
+        inputs = shared_input_bytes(self._shared)
+        with self._lock:
+            self.bytes["inputs"] = inputs
+            self.bytes["parameters"] = params + extra.get("parameters", 0)
+            self.bytes["gradients"] = grads + extra.get("gradients", 0)
+            self.bytes["optimizer_state"] = state + extra.get("optimizer_state", 0)
+            self.bytes["master"] = master + extra.get("master", 0)
+            self._note_peak()
+
+    def add(self, category: str, nbytes: int) -> None:
+        with self._lock:
+            self.bytes[category] += nbytes
+            self._note_peak()
+
+    @property
+    def used_bytes(self) -> int:
+        # swapped-out bytes live on the host, not on the device
+        return sum(self.bytes.values()) - self.bytes["swapped"]
+
+    def _note_peak(self) -> None:
+        used = self.used_bytes
+        self.peak_bytes = max(self.peak_bytes, used)
+        if used > self.capacity_bytes:
+            self.over_capacity = True
+
+    def reset_peak(self) -> None:
+        with self._lock:
+            self.peak_bytes = self.used_bytes
+            self.over_capacity = self.peak_bytes > self.capacity_bytes
+
+    # --- saved activations, counted through saved-tensor hooks -----------------
+    @contextmanager
+    def saved_activations(self):
+        """Count tensors autograd saves for backward while they are alive.
+
+        Parameters saved for backward are not activations and are skipped (so are the inputs the blocks
+        share, counted under "inputs" once they exist: from the second step on); a storage
+        saved twice (a ReLU output kept by the ReLU and the next Linear) counts once.
+        While a swap-policy layer runs (engine/techniques/memory/), what it saves goes to the host.
+        """
+        if not self.count_activations and self.swapper is None:
+            yield
+            return
+        # parameters, and the tensors the blocks share (masks, rotary tables: counted under "inputs", kept
+        # across steps, so neither counted again nor swapped out when a block saves them)
+        self._param_ptrs = {p.untyped_storage().data_ptr() for m in self._modules for p in m.parameters()}
+        self._param_ptrs |= shared_input_ptrs(self._shared)
+
+        def unpack(saved):
+            return saved if torch.is_tensor(saved) else saved.unpack()   # _Saved, memory.swap._SwapHandle
+
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self.pack_tensor, unpack):
+                yield
+        finally:
+            self._param_ptrs = None
+
+    # --- counting a unit of work at once --------------------------------------------------------
+    def unit_bytes(self, key) -> int | None:
+        """The bytes one unit of work keyed `key` saves, where this step may count them at once (in
+        `add("activations", ...)`) instead of through the saved-tensor hooks; None where the hooks must count: nothing
+        measured for `key` yet, a step that reads per-layer bytes, a layer that swaps or recomputes (its
+        tensors come and go inside the unit), or a key whose units were seen to differ (data-dependent
+        shapes). The peak is the same either way: saved bytes only grow during a forward and only shrink
+        during a backward, so the most a unit holds is what it holds at its forward's end."""
+        if not self._units_apply() or self.exact_due or key in self._varies:
+            return None
+        return self._unit_bytes.get(key)
+
+    def _units_apply(self) -> bool:
+        """Whether a unit's bytes mean anything now: counted at all, every layer keeping what it saves."""
+        return self.count_activations and self.all_keep and self.swapper is None
+
+    def unit_counted(self, key, units: list[int]) -> None:
+        """What the hooks counted for each unit of a step keyed `key` (every layer keeping its activations)."""
+        if not self._units_apply() or not units:
+            return
+        known = self._unit_bytes.get(key)
+        if len(set(units)) > 1 or (known is not None and known != units[0]):
+            self._varies.add(key)
+        self._unit_bytes[key] = units[0]
+
+    @contextmanager
+    def by_units(self, key, exact: bool = False):
+        """One step of equal units (a pipeline stage's micro-batches) keyed `key`: counted by tensor through the
+        hooks until a unit's bytes are known (unit_bytes; always where `exact`), then booked a unit at a time.
+
+            with ledger.by_units(key) as units:
+                units.forward_begin(); ...forward...; units.forward_end()
+                ...backward...; units.backward_end()
+        """
+        units = _Units(self, None if exact else self.unit_bytes(key))
+        try:
+            if units.unit is None:
+                with self.saved_activations():
+                    yield units
+                if not exact:
+                    self.unit_counted(key, units.counted)
+            else:
+                yield units
+        finally:
+            self.exact_due = False   # asked for one step (engine/runtime/profiler.py, engine/techniques/memory/)
+
+    def pack_tensor(self, t: torch.Tensor):
+        """Count `t` as a live activation until the returned handle is dropped (`t` itself outside
+        `saved_activations()`, or for a parameter). It runs for every tensor autograd saves, parameters
+        included (a Linear saves its weight), so it reads the storage once and takes the lock once."""
+        params = self._param_ptrs
+        if params is None:
+            return t
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr in params or ptr == 0:
+            return t
+        swapper = self.swapper
+        if swapper is not None and ptr not in self._saved:
+            swapper.make_room(storage.nbytes())
+        with self._lock:
+            entry = self._saved.get(ptr)
+            if entry is not None:
+                entry[1] += 1
+                self.note_shared(entry[2], entry[0])
+                return _Saved(self, ptr, t)
+            if swapper is None or swapper.group is None:
+                nbytes = storage.nbytes()
+                self.attribute(nbytes)
+                self._saved[ptr] = [nbytes, 1, self.current_layer or ""]
+                self.bytes["activations"] += nbytes
+                self._note_peak()
+                return _Saved(self, ptr, t)
+        return swapper.pack(t, ptr, storage.nbytes())
+
+    def note_shared(self, first: str, nbytes: int) -> None:
+        """A storage `first` saved is saved again by the layer running now: it leaves the device only
+        when neither keeps it (engine/techniques/memory/ plans with these)."""
+        layer = self.current_layer or ""
+        if first and layer and layer != first:
+            self.shared_bytes[(first, layer)] = self.shared_bytes.get((first, layer), 0) + nbytes
+
+    def attribute(self, nbytes: int) -> None:
+        """Book `nbytes` newly saved to the layer running now ("": outside any layer, e.g. the loss)."""
+        layer = self.current_layer or ""
+        self.activations_by_layer[layer] = self.activations_by_layer.get(layer, 0) + nbytes
+
+    def note_transient(self, nbytes: int) -> None:
+        """`nbytes` are on the device for a moment now (a recomputed layer's activations): peak only."""
+        with self._lock:
+            used = self.used_bytes + nbytes
+            self.peak_bytes = max(self.peak_bytes, used)
+            if used > self.capacity_bytes:
+                self.over_capacity = True
+
+    def _release(self, ptr: int) -> None:
+        with self._lock:
+            entry = self._saved.get(ptr)
+            if entry is None:
+                return
+            entry[1] -= 1
+            if entry[1] == 0:
+                self.bytes["activations"] -= entry[0]
+                del self._saved[ptr]
+
+    def breakdown(self) -> dict:
+        with self._lock:
+            return {**{f"{k}_bytes": v for k, v in self.bytes.items()},
+                    "used_bytes": self.used_bytes, "peak_bytes": self.peak_bytes,
+                    "capacity_bytes": self.capacity_bytes, "over_capacity": self.over_capacity}
+
+
+class _Units:
+    """A step's units for MemoryLedger.by_units: each unit's bytes as the hooks count them, or booked at once."""
+
+    __slots__ = ("ledger", "unit", "counted", "_held")
+
+    def __init__(self, ledger: MemoryLedger, unit: int | None):
+        self.ledger, self.unit, self.counted, self._held = ledger, unit, [], 0
+
+    def forward_begin(self) -> None:
+        self._held = self.ledger.bytes["activations"]
+
+    def forward_end(self) -> None:
+        if self.unit is None:
+            self.counted.append(self.ledger.bytes["activations"] - self._held)
+        else:
+            self.ledger.add("activations", self.unit)
+
+    def backward_end(self) -> None:
+        if self.unit is not None:
+            self.ledger.add("activations", -self.unit)
+
+
+class _Saved:
+    """A saved tensor whose lifetime the ledger follows: autograd frees it after backward."""
+
+    __slots__ = ("ledger", "ptr", "tensor")
+
+    def __init__(self, ledger: MemoryLedger, ptr: int, tensor: torch.Tensor):
+        self.ledger, self.ptr, self.tensor = ledger, ptr, tensor
+
+    def unpack(self) -> torch.Tensor:
+        return self.tensor
+
+    def __del__(self):
+        self.ledger._release(self.ptr)

@@ -1,0 +1,50 @@
+"""What a checkpoint holds of LayerUpdates (updater.py): each layer's optimizer state, and the weights as the
+updates keep them (the fp32 masters under bf16 working weights); and their restore.
+
+Imports torch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class UpdateState:
+    """LayerUpdates' checkpoint side (a mixin: the updates and wait_host are LayerUpdates')."""
+
+    def state_dict(self) -> dict:
+        self.wait_host()
+        return {"layers": {u.name: u.optimizer.state_dict() for u in self.updates.values()},
+                "placement": self.placement()}
+
+    def load_state_dict(self, saved: dict, weights: dict[int, torch.Tensor] | None = None) -> None:
+        """The optimizer state from a checkpoint; `weights` (id of a parameter -> its saved fp32 value, from
+        weights_state) sets the masters and working weights of the layers updated here; without it the
+        masters are copied from the parameters (loaded already, in fp32)."""
+        self.wait_host()
+        layers = saved.get("layers", {})
+        missing = sorted(set(self.by_name) - set(layers))
+        if missing:
+            raise ValueError(f"the checkpoint holds no optimizer state for layer {missing[0]!r}")
+        for name, u in self.by_name.items():
+            if weights is not None:
+                u.load_weights([weights[id(p)] for p in u.params])
+            else:
+                u.refresh_master()
+            u.optimizer.load_state_dict(layers[name])
+
+    def master_of(self) -> dict[int, torch.Tensor]:
+        """id of each parameter updated here -> the weight its update keeps (the fp32 master where there
+        is one): what a checkpoint stores."""
+        self.wait_host()
+        return {id(p): w for u in self.updates.values() for p, w in zip(u.params, u.weights())}
+
+    def weights_state(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """`module`'s state dict with each parameter updated here as its update keeps it (fp32 masters
+        under bf16 working weights), so a checkpoint holds full-precision weights."""
+        kept = self.master_of()
+        state = module.state_dict()
+        for name, p in module.named_parameters(remove_duplicate=False):
+            if id(p) in kept:
+                state[name] = kept[id(p)].detach().clone()
+        return state

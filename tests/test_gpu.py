@@ -60,7 +60,7 @@ def gpus(monkeypatch):
     """Pretend this host has `n` CUDA devices (for the choice of device only; nothing runs on them)."""
     def visible(n: int):
         monkeypatch.setattr(devices, "cuda_count", lambda: n)
-        monkeypatch.setattr("engine.run.launch.cuda_count", lambda: n)
+        monkeypatch.setattr("engine.run.checks.cuda_count", lambda: n)
     return visible
 
 

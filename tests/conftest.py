@@ -22,6 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import engine.run  # noqa: F401  (a pool's fork server, when a test starts one first, preloads the engine too)
+
 torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -26,6 +26,7 @@ def run(name: str, argv: list[str]) -> int:
     """Run bench `name`. It owns what it starts (engine/processes/children.py): a SIGTERM, SIGINT or SIGHUP
     unwinds it through its own clean-ups (a DistPool's ranks killed, a child run stopped, a folder removed)
     before it ends by that signal."""
+    import engine.run  # noqa: F401  (a bench's pool forks its ranks with the engine imported, as the launcher's)
     from engine.processes.children import ChildRuns
     module = importlib.import_module(BENCHES[name])
     with ChildRuns():

@@ -29,9 +29,12 @@ def gpu_visible() -> bool:
     return bool(glob.glob("/dev/nvidia[0-9]*"))
 
 
-# the server's socket: ROOT/forkserver-PID/pymp-XXXXXXXX/listener-XXXXXXXX, within a Unix socket path's bytes
-# what the server imports whoever starts it; the launcher adds the engine (engine/run/preload.py)
+# what the server imports whoever starts it (torch 1.4 s a process, torch._dynamo 1.4 s more)
 TORCH = ("torch", "torch._dynamo", "torch.distributed")
+# what a floor above asks every fork server of this process to import too: engine.run adds the engine's preload
+# (engine/run/preload.py) when it is imported, so a pool started first forks workers that have it as well
+PRELOADS: list[str] = []
+# the server's socket: ROOT/forkserver-PID/pymp-XXXXXXXX/listener-XXXXXXXX, within a Unix socket path's bytes
 SOCKET_TAIL = len("/forkserver-4194304/pymp-xxxxxxxx/listener-xxxxxxxx")
 
 
@@ -97,7 +100,7 @@ def start(preload: list[str] | tuple = ()) -> bool:
     util.Finalize(None, shutil.rmtree, args=(folder,), kwargs={"ignore_errors": True}, exitpriority=-101)
     saved, tempfile.tempdir = tempfile.tempdir, str(folder)   # where multiprocessing makes the socket's folder
     try:
-        multiprocessing.set_forkserver_preload([*TORCH, *preload])
+        multiprocessing.set_forkserver_preload(list(dict.fromkeys([*TORCH, *PRELOADS, *preload])))
         forkserver.ensure_running()
     except OSError:
         return False   # launch() then spawns its workers

@@ -14,4 +14,8 @@ Imports: everything below it (engine.strategies, engine.techniques, engine.runti
 engine.telemetry, engine.models, engine.training.data, engine.config). Nothing below imports it.
 """
 
+from engine.processes import forkserver as _forkserver
+
 PRELOAD = "engine.run.preload"   # the module the launcher's fork server imports (engine/run/preload.py)
+if PRELOAD not in _forkserver.PRELOADS:   # any fork server of this process (a pool's too) forks with the engine
+    _forkserver.PRELOADS.append(PRELOAD)

@@ -203,11 +203,11 @@ class Worker(RunControl):
         """Every rank's figures and the operator's commands, the same on every rank (engine/runtime/control.py)."""
         payload = encode_commands(self.tel.take_commands())
         t_wait = time.perf_counter()
-        idle = step_fields(self.memory, None, 0, 0.0)
+        fields = trained.fields if trained else step_fields(self.memory, None, 0, 0.0)   # idle: no plan, no swap
         table = exchange(self.topo, {"stop": float(self.stop.requested), "command_bytes": len(payload),
                                      "loss": trained.loss if trained else 0.0,
                                      "step_ms": trained.step_ms if trained else 0.0, "wait_ms": self.wait_ms,
-                                     **self.strategy.timings, **(trained.fields if trained else idle),
+                                     **self.strategy.timings, **fields,
                                      **self.device.stats()})
         commands = share_commands(self.topo, payload, table)
         self.wait_ms = (time.perf_counter() - t_wait) * 1000

@@ -180,7 +180,8 @@ def launch_script(tmp_path, overrides: list[str], stub: bool) -> subprocess.Comp
             sys.exit(2)
         print(json.dumps(summary))
     """)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "COLUMNS": "200",
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))   # and where deps were put
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, "COLUMNS": "200",
            "TRAINYARD_RUNTIME_DIR": str(tmp_path / "rt")}
     proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)

@@ -76,11 +76,13 @@ class FakeCopies:
                 self._land(queue[-1])
 
 
-def stream_step(zoo: str, policy, copies: FakeCopies, capacity: int = 1 << 30) -> dict:
-    """One forward+backward of a zoo model under `policy`, swapping through `copies`."""
+def stream_step(zoo: str, policy, copies: FakeCopies, capacity: int = 1 << 30, device_type: str | None = None) -> dict:
+    """One forward+backward of a zoo model under `policy`, swapping through `copies`; `device_type`: the kind
+    of device the ledger counts (None: everything saved)."""
     cfg, data = setup(zoo)
     model = build_model(cfg.model, data.meta, 0)
     device = LedgerDevice(capacity)
+    device.ledger.device_type = device_type
     device.ledger.track_module(model)
     policies = ActivationPolicy(model, device, MemoryConfig(policy=policy, host_link_gbps=5.0), copies=copies)
     swapper = policies.swapper
@@ -169,3 +171,16 @@ def test_a_storage_freed_while_its_copy_runs_keeps_its_buffers_until_the_copy_la
         assert sum(map(len, link.pool._free.values())) == 2
         assert all(e.host_buf is None and e.device_buf is None for e in entries)
     assert device.ledger.bytes["activations"] == 0 and device.ledger.bytes["swapped"] == 0
+
+
+def test_what_autograd_saves_off_the_device_is_neither_counted_nor_swapped():
+    """On a GPU an attention kernel with dropout saves its RNG seed and offset on the host. Swapped, they came
+    back on the GPU, and the kernel's backward read a device address as a host pointer: a segfault (seen on an
+    H200 in tests/test_on_cuda.py). The ledger passes through what is not on its device: here it counts a GPU's
+    memory, and everything this CPU model saves is on the host."""
+    keep = stream_step("transformer", "swap", FakeCopies("always"))   # the gradients of keep (tests above)
+    got = stream_step("transformer", "swap", FakeCopies(), device_type="cuda")
+    assert got["calls"]["copy-out"] == 0 and got["forward"]["bytes"]["activations"] == 0
+    assert got["swapper"].out_bytes == 0 and got["forward"]["bytes"]["swapped"] == 0
+    for name, g in keep["grads"].items():
+        assert torch.equal(got["grads"][name], g), name

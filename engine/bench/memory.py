@@ -21,7 +21,9 @@ against the capacity, and the bytes copied to the host per step.
 On the CPU a "device" is this process, counted by the ledger; a swap is a memcpy on the
 link thread (paced to --host-link-gbps when given, an emulated PCIe link). With `--device cuda`
 (the default where a GPU is visible) the stage trains on GPU 0 and every variant reports the
-allocator's peak beside the ledger's; "fits" is then the allocator's peak within the capacity.
+allocator's peak beside the ledger's; "fits" is then the allocator's peak within the capacity. Every
+variant's model stays on the one GPU, so a variant's allocator peak is its step's peak less what the others
+hold (`_Trainer.resident_bytes`).
 torch's own variants save through their own hooks, which the ledger cannot see.
 
     trainyard bench memory [--json] [--rounds 8] [--steps 3] [--host-link-gbps G] [--device cuda|cpu]
@@ -118,17 +120,39 @@ class _Trainer:
         self.peak = 0
         self.swapped: list[int] = []
 
+    def resident_bytes(self) -> int:
+        """What this variant keeps on the device between steps, as the caching allocator counts it (each
+        storage rounded up to its 512-byte blocks): weights, gradients, optimizer state and masters. Every
+        variant's model stays resident on one GPU, so a variant's allocator peak is its step's peak less what
+        the other variants hold (`other_bytes`)."""
+        torch = self.torch
+        tensors = [p for p in self.model.parameters()] + [p.grad for p in self.model.parameters()]
+        tensors += [v for state in self.opt.state.values() for v in state.values()]
+        if isinstance(self.opt, _MasterUpdates):
+            tensors += [m for u in self.opt.updates for m in (u.master or ())]
+        seen, total = set(), 0
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.device.type == "cuda":
+                storage = t.untyped_storage()
+                if storage.data_ptr() not in seen:
+                    seen.add(storage.data_ptr())
+                    total += -(-max(storage.nbytes(), 1) // 512) * 512
+        return total
+
     def step(self, timed: bool) -> None:
         from engine.training.data import batch_for
         from engine.training.loss import cross_entropy
         torch, cuda = self.torch, self.device.kind == "cuda"
+        if cuda:   # the bytes the other variants hold, and the cache's own, are not this variant's peak
+            torch.cuda.synchronize()
+            other_bytes = torch.cuda.memory_allocated() - self.resident_bytes()
+            torch.cuda.reset_peak_memory_stats()
         x, y = (t.to(self.device.torch_device) for t in batch_for(self.data, self.step_index % 50, self.batch, 0))
         ledger = self.device.ledger
         self.policy.before_step(self.step_index)
         out_before = self.policy.swapped_out_bytes()
         if cuda:
             torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
         saved = 0
         with ledger.saved_activations(), self.compute():
@@ -158,7 +182,7 @@ class _Trainer:
             self.peak = max(self.peak, ledger.peak_bytes)
             self.saved = max(self.saved, saved)
             if cuda:
-                self.allocator_peak = max(self.allocator_peak, torch.cuda.max_memory_allocated())
+                self.allocator_peak = max(self.allocator_peak, torch.cuda.max_memory_allocated() - other_bytes)
             self.swapped.append(self.policy.swapped_out_bytes() - out_before)
         ledger.reset_peak()
         self.step_index += 1

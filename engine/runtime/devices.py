@@ -105,6 +105,7 @@ class CudaDevice(LedgerDevice):
         super().__init__(capacity_bytes, probe=CudaProbe(index))
         self.index = index
         self.torch_device = torch.device("cuda", index)
+        self.ledger.device_type = "cuda"   # what autograd saves on the host is not this GPU's (ledger.py)
 
 
 def cuda_count() -> int:

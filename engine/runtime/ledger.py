@@ -45,6 +45,11 @@ class MemoryLedger:
         self.activations_by_layer: dict[str, int] = {}  # bytes first saved while that layer ran
         self.shared_bytes: dict[tuple[str, str], int] = {}  # (first saver, later saver) -> bytes of both
         self.swapper = None          # engine.techniques.memory.swap.Swapper, once a layer may swap
+        # the kind of device whose memory this is ("cuda" on a GPU; None: everything is, as on the CPU). A
+        # tensor autograd saves elsewhere (the RNG seed and offset an attention kernel keeps on the host) is
+        # neither counted nor swapped: a swap would bring it back on the device, where the kernel's
+        # backward reads a host pointer
+        self.device_type: str | None = None
         self._param_ptrs: set | None = None   # inside saved_activations()
         # count saved activations through autograd's saved-tensor hooks. They cost every saved tensor a call
         # into Python (3-5% of a small model's step on this CPU, trivial hooks alone 3%): a bench turns them
@@ -206,7 +211,7 @@ class MemoryLedger:
             return t
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
-        if ptr in params or ptr == 0:
+        if ptr in params or ptr == 0 or (self.device_type is not None and t.device.type != self.device_type):
             return t
         swapper = self.swapper
         if swapper is not None and ptr not in self._saved:

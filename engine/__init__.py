@@ -12,11 +12,16 @@
 
 The tree reads like the architecture (README.md, Layout), each package's docstring saying what lives
 there and what it may import:
-    config/      settings, checks, loading (imports nothing else of engine)
-    models/, data.py, loss.py, optim.py    what is trained, on what, by which loss, with which optimizer kernels
-    runtime/     launcher, rank setup, step loop, boundary, topology, devices and ledger, checkpoints
-    strategies/  ddp, sharded/, pipeline, param_server/: how training is spread over ranks
-    techniques/  hybrid update, activation memory, partition/rebalance/migration, ps sync rules
+    config/      settings, checks, loading; [parallel] with a table per strategy (imports nothing else of engine)
+    models/      what is trained: the zoo, a user's LayerList, Hugging Face decoders
+    training/    data, loss, optim, precision, timing: the leaves every strategy trains with
+    runtime/     the ground: topology, devices and the ledger, control, lifecycle, events, comm meter,
+                 checkpoint, profiler, refusal
+    techniques/  planners and per-layer mechanisms: updates/ (device or host), memory/ (keep, swap,
+                 recompute), partition and rebalance, parameter-server sync rules
+    strategies/  base.Strategy (the contract the step loop calls), ddp.py, sharded/, pipeline/, param_server/
+    run/         above the strategies: launch, checks, rank setup, the step loop (worker.py), handover
+    processes/   fork server, process pools, emulated clusters, children (the commands use them too)
     telemetry/   protocol (also `engine.protocol`, for consoles), hub, log, schema, progress bar
     bench/       `trainyard bench NAME`; cli.py, ctl.py: the `trainyard` command
 This module imports the rest only when `train` is called (consoles import engine.protocol alone).
@@ -24,8 +29,8 @@ This module imports the rest only when `train` is called (consoles import engine
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -81,6 +86,8 @@ def train(config: Config | dict | str | Path, *, model: LayerList | "torch.nn.Mo
         cfg = load_config(None, overrides, base=config)
     else:
         cfg = load_config(config, overrides)
+    for line in cfg.renamed:   # a key written by its old name (docs/config.md, "Old names")
+        warnings.warn(line, FutureWarning, stacklevel=2)
     if model is not None and not isinstance(model, LayerList):
         from engine.models.hf import layers
         # a Hugging Face causal LM, as it is: its own modules, so it gets the final weights; checked against

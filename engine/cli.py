@@ -164,6 +164,8 @@ def _run(config: Path, overrides: list[str], steps: int | None, telemetry_log: P
     except ConfigError as e:
         err.print(f"[red]config error:[/] {escape(str(e))}")
         return 2
+    for line in cfg.renamed:   # a key written by its old name: one line each, the run goes on
+        err.print(f"trainyard: {escape(line)}")
 
     if cfg.device.kind != "cuda":   # the workers' fork server imports torch while this process does
         from engine.processes import forkserver

@@ -15,8 +15,8 @@ DEMO = str(ROOT / "demo" / "configs" / "digits_ddp.toml")
     (["--set", "data.batch_size=\"many\""], ["data.batch_size", '"many"', "integer"]),
     (["--set", "parallel.world_size=0"], ["parallel.world_size", "0", "between 1 and 256"]),
     (["--set", "optim.name=adam"], ["optim.name", '"adam"', '"sgd", "adamw"']),
-    (["--set", "parallel.strategy=param_server", "--set", "parallel.workers=3"],
-     ["parallel.servers = 1 + parallel.workers = 3", "parallel.world_size = 2"]),
+    (["--set", "parallel.strategy=param_server", "--set", "parallel.param_server.workers=3"],
+     ["parallel.param_server.servers = 1 + parallel.param_server.workers = 3", "parallel.world_size = 2"]),
     (["--steps", "0"], ["run.steps", "0", ">= 1"]),
 ])
 def test_bad_config_values_exit_2_naming_key_value_and_allowed(cli, args, words):

@@ -74,19 +74,31 @@ clip_mode = "wait"
 [parallel]
 strategy = "sharded"
 world_size = 4
+backend = "gloo"
+collective_timeout_s = 30
+max_restarts = 0
+shutdown_timeout_s = 2
+
+[parallel.ddp]
 find_unused_parameters = true
+
+[parallel.sharded]
 streams = 3
 slices = 9
+slice_assignment = "random"
+overlap_forward = false
+main_stream_communicates = true
+hierarchical = false
+
+[parallel.pipeline]
 micro_batches = 2
 schedule = "gpipe"
 partition = [["fc0"], ["act0", "head"]]
 rebalance = "manual"
 imbalance_threshold = 5.0
 rebalance_check_every = 3
-slice_assignment = "random"
-overlap_forward = false
-main_stream_communicates = true
-hierarchical = false
+
+[parallel.param_server]
 servers = 2
 workers = 2
 sync = "asp"
@@ -95,10 +107,6 @@ staleness_scaling = false
 staleness_unit = "versions"
 slow_workers = {3 = 2.0}
 sync_profile_steps = 4
-backend = "gloo"
-collective_timeout_s = 30
-max_restarts = 0
-shutdown_timeout_s = 2
 
 [update]
 placement = { fc0 = "host" }
@@ -191,9 +199,62 @@ def test_full_file_loads_every_key(tmp_path):
     assert isinstance(cfg.parallel.collective_timeout_s, float)  # ints widen for float keys
     assert cfg.device.memory == "2GiB" and cfg.capacity_bytes == 2 * 2**30
     assert cfg.telemetry.log == "t.jsonl"
-    unchanged = [f"{section}.{key}" for section, values in cfg.to_dict().items()
-                 for key, value in values.items() if value == Config().to_dict()[section][key]]
+    assert cfg.parallel.sharded.streams == 3 and cfg.parallel.pipeline.schedule == "gpipe"
+    assert cfg.parallel.param_server.slow_workers == {"3": 2.0} and cfg.renamed == ()
+    defaults = dict(leaves(Config()))
+    unchanged = [path for path, value in leaves(cfg) if value == defaults[path]]
     assert unchanged == []  # the file moves every key off its default
+
+
+def leaves(obj, path: str = ""):
+    """(key path, value) of every setting, into the tables inside a section (parallel.sharded.streams)."""
+    for f in dataclasses.fields(obj):
+        value, inner = getattr(obj, f.name), f"{path}.{f.name}" if path else f.name
+        if dataclasses.is_dataclass(value):
+            yield from leaves(value, inner)
+        else:
+            yield inner, value
+
+
+FLAT = dict(line.split(" = ", 1) for line in FULL_TOML[FULL_TOML.index("[parallel.ddp]"):FULL_TOML.index("[update]")]
+            .splitlines() if " = " in line)
+
+
+def test_a_strategys_key_by_its_old_flat_name_still_works_and_says_its_new_place(tmp_path, capsys):
+    """The layout before the tables: every strategy's key flat in [parallel]. The same Config, and one line
+    per old name."""
+    flat = FULL_TOML.replace(FULL_TOML[FULL_TOML.index("[parallel]"):FULL_TOML.index("[update]")],
+                             "[parallel]\nstrategy = \"sharded\"\nworld_size = 4\nbackend = \"gloo\"\n"
+                             "collective_timeout_s = 30\nmax_restarts = 0\nshutdown_timeout_s = 2\n"
+                             + "".join(f"{k} = {v}\n" for k, v in FLAT.items()) + "\n")
+    old = load_config(write(tmp_path, flat))
+    assert old == load_config(write(tmp_path, FULL_TOML))
+    assert len(old.renamed) == len(FLAT) == 21
+    assert "parallel.streams is now parallel.sharded.streams (the old name still works; docs/config.md lists the " \
+           "old names)" in old.renamed
+    # --set by the old name goes to the new place, over what the file set there
+    cfg = load_config(write(tmp_path, FULL_TOML), ["parallel.streams=2", "parallel.rebalance=off"])
+    assert cfg.parallel.sharded.streams == 2 and cfg.parallel.pipeline.rebalance == "off"
+    assert cfg.renamed == ("parallel.streams is now parallel.sharded.streams (the old name still works; "
+                           "docs/config.md lists the old names)",
+                           "parallel.rebalance is now parallel.pipeline.rebalance (the old name still works; "
+                           "docs/config.md lists the old names)")
+    # --set by the new name, over the file's old one
+    assert load_config(write(tmp_path, flat), ["parallel.sharded.streams=5"]).parallel.sharded.streams == 5
+    # both names in one file: one setting set twice
+    assert error_of({"parallel": {"streams": 2, "sharded": {"streams": 3}}}) == (
+        "parallel.streams and parallel.sharded.streams are one setting, set twice: keep parallel.sharded.streams")
+    assert error_of({"parallel": {"sharded": {"stream": 3}}}) == (
+        "unknown key 'parallel.sharded.stream' (did you mean 'parallel.sharded.streams'?); allowed keys in "
+        "[parallel.sharded]: streams, slices, slice_assignment, overlap_forward, main_stream_communicates, hierarchical")
+    assert error_of({"parallel": {"sharded": 3}}).startswith(
+        "parallel.sharded = 3: expected a table of settings ([parallel.sharded] in TOML); keys: streams, slices")
+    # the command says each line once, on stderr, and runs
+    r = subprocess.run([sys.executable, "-m", "engine.config", "--set", "parallel.slices=8"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert r.returncode == 0 and "[parallel.sharded]\nstreams = 2\nslices = 8" in r.stdout
+    assert r.stderr == ("trainyard: parallel.slices is now parallel.sharded.slices (the old name still works; "
+                        "docs/config.md lists the old names)\n")
 
 
 def test_file_keys_not_given_keep_defaults(tmp_path):
@@ -281,8 +342,8 @@ def test_choices_with_and_without_suggestion():
 
 
 def test_slices_fewer_than_streams_names_both():
-    assert error_of({"parallel": {"streams": 4, "slices": 2}}) == (
-        "parallel.slices = 2 is smaller than parallel.streams = 4: every stream needs at least one slice "
+    assert error_of({"parallel": {"sharded": {"streams": 4, "slices": 2}}}) == (
+        "parallel.sharded.slices = 2 is smaller than parallel.sharded.streams = 4: every stream needs at least one slice "
         "(set slices >= 4 or streams <= 2)")
 
 
@@ -338,16 +399,16 @@ def test_unknown_key_from_override_and_file(tmp_path):
     ({"emulate": {"slow_layer": "fc1"}},
      'emulate.slow_layer = "fc1" needs emulate.slow_layer_ms > 0 (how many milliseconds each of its forwards sleeps)'),
     ({"emulate": {"slow_layer": "fc1", "slow_layer_ms": 3.0},
-      "parallel": {"strategy": "param_server", "world_size": 2, "servers": 1, "workers": 1}},
+      "parallel": {"strategy": "param_server", "world_size": 2, "param_server": {"servers": 1, "workers": 1}}},
      'emulate.slow_layer = "fc1": not available with parallel.strategy = "param_server" (emulate a slow worker '
-     'with parallel.slow_workers)'),
+     'with parallel.param_server.slow_workers)'),
     ({"emulate": {"slow_rank": 1}},
      "emulate.slow_rank = 1 needs emulate.slow_rank_ms > 0 (how many milliseconds its forward sleeps each step)"),
     ({"emulate": {"slow_rank": 2, "slow_rank_ms": 5.0}},
      "emulate.slow_rank = 2: no such rank; parallel.world_size = 2 has ranks 0 to 1"),
     ({"emulate": {"slow_rank": 1, "slow_rank_ms": 5.0}, "parallel": {"strategy": "pipeline"}},
      'emulate.slow_rank = 1: only with parallel.strategy = "ddp" or "sharded" (a pipeline\'s slow stage is '
-     "emulate.slow_layer; a parameter server's slow workers are parallel.slow_workers)"),
+     "emulate.slow_layer; a parameter server's slow workers are parallel.param_server.slow_workers)"),
 ])
 def test_cross_field_rules(data, expected):
     assert error_of(data) == expected
@@ -389,10 +450,15 @@ def test_docs_match_declarations():
 
 def test_reference_covers_every_key():
     text = markdown_reference()
-    for section in dataclasses.fields(Config):
-        assert f"## [{section.name}]" in text
-        for f in dataclasses.fields(section.default_factory):
-            assert f"| `{f.name}` |" in text
+    tables = [(section.name, section.default_factory) for section in dataclasses.fields(Config)]
+    for path, cls in tables:
+        assert f"## [{path}]" in text
+        for f in dataclasses.fields(cls):
+            if f.metadata["kind"] == "table":
+                tables.append((f"{path}.{f.name}", f.default_factory))
+            else:
+                assert f"| `{f.name}` |" in text.split(f"## [{path}]")[1].split("## ")[0], f"{path}.{f.name}"
+    assert "## [parallel.sharded]" in text and "| `parallel.streams` | `parallel.sharded.streams` |" in text
     assert "--set section.key=value" in text and "exit\nstatus 2" in text
 
 
@@ -416,16 +482,16 @@ def test_update_placement_is_a_side_auto_or_a_table_of_sides():
 
 def test_pipeline_settings_are_checked_against_each_other():
     pipe = {"strategy": "pipeline", "world_size": 2}
-    assert error_of({"parallel": {**pipe, "micro_batches": 5}, "data": {"batch_size": 64}}).startswith(
-        "data.batch_size = 64: must be divisible by parallel.micro_batches = 5")
-    assert error_of({"parallel": {**pipe, "partition": [["fc0"], ["act0"], ["head"]]}}) == (
-        "parallel.partition lists 3 stages but parallel.world_size = 2 (one stage per worker)")
-    assert config_from_dict({"parallel": {**pipe, "partition": "balanced"}}).parallel.partition == "balanced"
-    assert error_of({"parallel": {**pipe, "rebalance": "sometimes"}}).startswith('parallel.rebalance = "sometimes"')
-    assert error_of({"parallel": {**pipe, "imbalance_threshold": -1}}).startswith("parallel.imbalance_threshold = -1")
-    assert error_of({"parallel": {**pipe, "rebalance_check_every": 0}}).startswith("parallel.rebalance_check_every = 0")
-    assert error_of({"parallel": {**pipe, "partition": [["fc0"], []]}}).startswith("parallel.partition = ")
-    assert error_of({"parallel": {**pipe, "partition": "unifrom"}}).endswith('(did you mean "uniform"?)')
+    assert error_of({"parallel": {**pipe, "pipeline": {"micro_batches": 5}}, "data": {"batch_size": 64}}).startswith(
+        "data.batch_size = 64: must be divisible by parallel.pipeline.micro_batches = 5")
+    assert error_of({"parallel": {**pipe, "pipeline": {"partition": [["fc0"], ["act0"], ["head"]]}}}) == (
+        "parallel.pipeline.partition lists 3 stages but parallel.world_size = 2 (one stage per worker)")
+    assert config_from_dict({"parallel": {**pipe, "pipeline": {"partition": "balanced"}}}).parallel.pipeline.partition == "balanced"
+    assert error_of({"parallel": {**pipe, "pipeline": {"rebalance": "sometimes"}}}).startswith('parallel.pipeline.rebalance = "sometimes"')
+    assert error_of({"parallel": {**pipe, "pipeline": {"imbalance_threshold": -1}}}).startswith("parallel.pipeline.imbalance_threshold = -1")
+    assert error_of({"parallel": {**pipe, "pipeline": {"rebalance_check_every": 0}}}).startswith("parallel.pipeline.rebalance_check_every = 0")
+    assert error_of({"parallel": {**pipe, "pipeline": {"partition": [["fc0"], []]}}}).startswith("parallel.pipeline.partition = ")
+    assert error_of({"parallel": {**pipe, "pipeline": {"partition": "unifrom"}}}).endswith('(did you mean "uniform"?)')
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "demo" / "configs").glob("*.toml")), ids=lambda p: p.name)
@@ -439,20 +505,23 @@ def test_every_demo_config_loads(path):
 
 
 def test_param_server_settings_are_checked_together():
-    ps = {"strategy": "param_server", "world_size": 6, "servers": 2, "workers": 4}
-    assert config_from_dict({"parallel": {**ps, "slow_workers": {"5": 3}}}).parallel.slow_workers == {"5": 3.0}
-    assert error_of({"parallel": {**ps, "workers": 3}}) == (
-        "parallel.servers = 2 + parallel.workers = 3 must equal parallel.world_size = 6 (set world_size = 5)")
-    assert error_of({"parallel": {**ps, "slow_workers": {"1": 3.0}}}) == (
-        "parallel.slow_workers.1: rank 1 is not a worker; worker ranks are 2 to 5")
-    assert error_of({"parallel": {**ps, "slow_workers": {"5": 0.5}}}).startswith(
-        "parallel.slow_workers.5 = 0.5: expected a slow-down factor >= 1")
-    assert error_of({"parallel": {**ps, "slow_workers": {"x": 2}}}).startswith(
-        "parallel.slow_workers.x: expected a worker rank")
-    assert error_of({"parallel": {**ps, "sync": "fast"}}).startswith(
-        'parallel.sync = "fast": must be one of "soft", "bsp", "asp", "ssp"')
+    ps = {"strategy": "param_server", "world_size": 6, "param_server": {"servers": 2, "workers": 4}}
+
+    def ps_with(**keys):
+        return {"parallel": {**ps, "param_server": {**ps["param_server"], **keys}}}
+    assert config_from_dict(ps_with(slow_workers={"5": 3})).parallel.param_server.slow_workers == {"5": 3.0}
+    assert error_of(ps_with(workers=3)) == (
+        "parallel.param_server.servers = 2 + parallel.param_server.workers = 3 must equal parallel.world_size = 6 (set world_size = 5)")
+    assert error_of(ps_with(slow_workers={"1": 3.0})) == (
+        "parallel.param_server.slow_workers.1: rank 1 is not a worker; worker ranks are 2 to 5")
+    assert error_of(ps_with(slow_workers={"5": 0.5})).startswith(
+        "parallel.param_server.slow_workers.5 = 0.5: expected a slow-down factor >= 1")
+    assert error_of(ps_with(slow_workers={"x": 2})).startswith(
+        "parallel.param_server.slow_workers.x: expected a worker rank")
+    assert error_of(ps_with(sync="fast")).startswith(
+        'parallel.param_server.sync = "fast": must be one of "soft", "bsp", "asp", "ssp"')
     assert error_of({"parallel": ps, "data": {"batch_size": 66}}).startswith(
-        "data.batch_size = 66: must be divisible by parallel.workers = 4")
+        "data.batch_size = 66: must be divisible by parallel.param_server.workers = 4")
     assert error_of({"parallel": ps, "memory": {"policy": "swap"}}) == (
         'memory.policy = "swap": not available with parallel.strategy = "param_server" (use "keep")')
     assert error_of({"parallel": ps, "update": {"placement": "host"}}).startswith(

@@ -261,7 +261,7 @@ def test_a_key_is_lit_only_where_the_run_takes_its_command():
     assert {key for key, lit in key_states(ps).items() if lit is None} == set("rkscu")
     no_rebalance = offline("pipeline", capabilities=("pause", "resume", "stop", "checkpoint", "set-placement",
                                                      "set-policy"))
-    assert no_rebalance.check_action("command", ("rebalance",)) is None   # parallel.rebalance = "off"
+    assert no_rebalance.check_action("command", ("rebalance",)) is None   # parallel.pipeline.rebalance = "off"
 
 
 def test_every_command_key_is_dimmed_when_this_console_cannot_send():

@@ -70,7 +70,7 @@ def run_killed(cli, name: str, moment: str, overrides: list[str], *settings: str
 @pytest.mark.parametrize("side, rank", [("source", 1), ("target", 0)])   # the layers move from stage 1 to 0
 def test_a_pipeline_worker_killed_mid_migration_restarts_in_its_checkpoints_layout(cli, side, rank):
     before, after = run_killed(cli, f"mig-{side}", "migration", MODEL_SETTINGS,
-                               *SKEWED, "--set", "parallel.rebalance_check_every=3", "--set",
+                               *SKEWED, "--set", "parallel.pipeline.rebalance_check_every=3", "--set",
                                f"emulate.kill_rank={rank}")
     assert [e for e in before if e.get("kind") == "rebalance"] and not [
         e for e in before if e.get("kind") == "migration"]   # decided, and killed before it completed
@@ -96,7 +96,7 @@ def test_a_worker_killed_with_host_updates_queued_restarts_from_its_checkpoint(c
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_server_killed_mid_window_restarts_and_bsp_equals_one_process(cli):
-    run_killed(cli, "window", "window", [], *ps_args(1, 2, "--set", "parallel.sync=bsp"),
+    run_killed(cli, "window", "window", [], *ps_args(1, 2, "--set", "parallel.param_server.sync=bsp"),
                "--set", "emulate.kill_rank=0", "--set", "emulate.kill_step=3")
 
 
@@ -136,19 +136,20 @@ def test_only_the_named_rank_dies_at_its_moment_from_its_step_in_the_first_attem
     ({"emulate": {"kill_rank": 2, "kill_at": "broadcast"}, "parallel": {"strategy": "sharded"}},
      "emulate.kill_rank = 2: no such rank; parallel.world_size = 2 has ranks 0 to 1"),
     ({"emulate": {"kill_rank": 1}},
-     'emulate.kill_at = "migration": needs parallel.strategy = "pipeline" with parallel.rebalance = "auto" or '
-     '"manual", where layers migrate (got parallel.strategy = "ddp", parallel.rebalance = "auto")'),
+     'emulate.kill_at = "migration": needs parallel.strategy = "pipeline" with parallel.pipeline.rebalance = "auto" or '
+     '"manual", where layers migrate (got parallel.strategy = "ddp", parallel.pipeline.rebalance = "auto")'),
     ({"emulate": {"kill_rank": 1, "kill_at": "broadcast"}},
      'emulate.kill_at = "broadcast": needs parallel.strategy = "sharded", whose broadcast it is (got "ddp")'),
     ({"emulate": {"kill_rank": 1, "kill_at": "host_update"}, "update": {"placement": {"fc0": "device"}}},
      'emulate.kill_at = "host_update": needs update.placement = "host", "auto" or a table naming "host" '
      '(got {fc0 = "device"})'),
     ({"emulate": {"kill_rank": 0, "kill_at": "window"},
-      "parallel": {"strategy": "param_server", "world_size": 3, "servers": 1, "workers": 2, "sync": "asp"}},
-     'emulate.kill_at = "window": needs parallel.strategy = "param_server" with parallel.sync = "soft" or "bsp" '
-     '(got parallel.strategy = "param_server", parallel.sync = "asp")'),
+      "parallel": {"strategy": "param_server", "world_size": 3,
+                   "param_server": {"servers": 1, "workers": 2, "sync": "asp"}}},
+     'emulate.kill_at = "window": needs parallel.strategy = "param_server" with parallel.param_server.sync = "soft" or "bsp" '
+     '(got parallel.strategy = "param_server", parallel.param_server.sync = "asp")'),
     ({"emulate": {"kill_rank": 2, "kill_at": "window"},
-      "parallel": {"strategy": "param_server", "world_size": 3, "servers": 1, "workers": 2}},
+      "parallel": {"strategy": "param_server", "world_size": 3, "param_server": {"servers": 1, "workers": 2}}},
      "emulate.kill_at = \"window\": emulate.kill_rank = 2 is a worker; the windows are the servers' (rank 0)"),
 ])
 def test_a_fault_without_its_moment_or_rank_is_refused_by_name(data, expected):

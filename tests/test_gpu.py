@@ -113,7 +113,7 @@ def test_without_gpus_auto_says_nothing(gpus, capsys):
      'update.placement = "auto" plans against it) is below the smallest capacity this run fits: every rank '
      'holds 102.0 KiB of parameters and as much of gradients, whatever the memory and update plans; set '
      'device.memory to at least 204.1 KiB (208976 bytes)'),
-    (["memory.policy=auto", "parallel.strategy=pipeline", "parallel.micro_batches=2", "device.memory=10KiB"],
+    (["memory.policy=auto", "parallel.strategy=pipeline", "parallel.pipeline.micro_batches=2", "device.memory=10KiB"],
      'memory.policy = "auto" plans against it) is below the smallest capacity this run fits: the largest '
      'pipeline stage holds'),
 ])

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from engine.config import Config, UpdateConfig
+from engine.config import Config, ShardedConfig, UpdateConfig
 from engine.training.data import batch_for, load_dataset
 from engine.strategies.ddp import DDPStrategy
 from engine.runtime.devices import LedgerDevice
@@ -37,7 +37,7 @@ def train(topo, strategy: str = "ddp", optim: str = "sgd", placement="device", p
     if strategy == "ddp":
         runner = DDPStrategy(model, cfg.optim, topo, device, update_cfg=update)
     else:
-        runner = ShardedStrategy(model, cfg.optim, topo, device, streams=2, slices=4, update_cfg=update)
+        runner = ShardedStrategy(model, cfg.optim, topo, device, ShardedConfig(streams=2, slices=4), update_cfg=update)
     device.ledger.track_module(model, runner.optimizer)
     seen, peaks = [], []
     for step in range(steps):

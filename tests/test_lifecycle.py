@@ -200,8 +200,8 @@ def test_a_full_disk_stops_the_run_and_the_previous_checkpoint_resumes_it(cli, t
         args = ["run", DEMO, "--headless", *cli.base_args("full"), "--set", f"run.dir={disk}", "--set",
                 "checkpoint.every=10", "--set", "run.eval_every=0", "--set", "parallel.max_restarts=1"]
         if strategy == "param_server":
-            args += [a for o in ("parallel.strategy=param_server", "parallel.world_size=4", "parallel.servers=2",
-                                 "parallel.workers=2", "parallel.sync=bsp") for a in ("--set", o)]
+            args += [a for o in ("parallel.strategy=param_server", "parallel.world_size=4", "parallel.param_server.servers=2",
+                                 "parallel.param_server.workers=2", "parallel.param_server.sync=bsp") for a in ("--set", o)]
         proc = cli.start(*args, "--steps", "40", "--set", "run.step_pause_ms=60",
                          "--telemetry-log", str(tmp_path / "full.jsonl"))
         wait_for(lambda: [c.name for c in list_checkpoints(run_dir)] == ["step_000010"], 60, "the first checkpoint")

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from engine.config import Config, MemoryConfig, OptimConfig, load_config
+from engine.config import Config, MemoryConfig, OptimConfig, PipelineConfig, load_config
 from engine.training.data import batch_for, load_dataset
 from engine.training.loss import cross_entropy
 from engine.runtime.devices import LedgerDevice
@@ -335,7 +335,7 @@ def _stage(topo, policy, capacity: int, hidden: int, split: int):
     device = LedgerDevice(capacity)
     names = model.names   # fc0 act0 fc1 act1 fc2 act2 head
     stage = PipelineStage(model, [names[:split], names[split:]], topo, device, OptimConfig(name="sgd", lr=0.05),
-                          4, "1f1b")
+                          PipelineConfig(micro_batches=4, schedule="1f1b", rebalance="off"))
     device.ledger.track_module(stage.ledger_module, stage.optimizer)
     pol = ActivationPolicy(model, device, MemoryConfig(policy=policy, host_link_gbps=5.0),
                            owned=stage.owned_layers, in_flight=stage.in_flight)

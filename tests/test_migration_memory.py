@@ -74,8 +74,8 @@ def test_the_tours_migrations_never_go_over_its_capacity(cli):
     step, as the tour's 9.6 MiB at step 101.)"""
     log = cli.tmp_path / "tour.jsonl"
     r = cli.run("run", TOUR, "--headless", "--steps", "52", *cli.base_args("tour"), "--set", "run.eval_every=0",
-                "--set", "parallel.rebalance_check_every=10", "--set", "emulate.slow_from_step=21",
-                "--set", "emulate.slow_layer_ms=40", "--set", "parallel.imbalance_threshold=0.05",
+                "--set", "parallel.pipeline.rebalance_check_every=10", "--set", "emulate.slow_from_step=21",
+                "--set", "emulate.slow_layer_ms=40", "--set", "parallel.pipeline.imbalance_threshold=0.05",
                 "--set", "telemetry.rank_every=1", "--set", "checkpoint.every=0", "--telemetry-log", str(log),
                 timeout=390)
     assert r.returncode == 0, r.stderr
@@ -101,9 +101,9 @@ def test_rebalances_from_the_console_never_go_over_the_capacity(cli):
     from tests.test_control import ctl, current_step
     log = cli.tmp_path / "steer.jsonl"
     proc = cli.start("run", TOUR, "--headless", "--steps", "100000", *cli.base_args("steer-tour"),
-                     "--set", "run.eval_every=0", "--set", "parallel.rebalance=manual",
+                     "--set", "run.eval_every=0", "--set", "parallel.pipeline.rebalance=manual",
                      "--set", "emulate.slow_from_step=12", "--set", "emulate.slow_layer_ms=40",
-                     "--set", "parallel.imbalance_threshold=0.05", "--set", "telemetry.rank_every=1",
+                     "--set", "parallel.pipeline.imbalance_threshold=0.05", "--set", "telemetry.rank_every=1",
                      "--set", "checkpoint.every=0", "--telemetry-log", str(log))
     wait_for(lambda: any(r["name"] == "steer-tour" for r in protocol.list_runs()), 60, "the run on the socket")
     answers = []   # the cli fixture reaps the run if the test fails before it stops

@@ -19,8 +19,8 @@ DEMO = str(ROOT / "demo" / "configs" / "digits_ps.toml")
 
 def ps_args(servers: int, workers: int, *extra: str) -> list[str]:
     return ["--set", "parallel.strategy=param_server", "--set", f"parallel.world_size={servers + workers}",
-            "--set", f"parallel.servers={servers}", "--set", f"parallel.workers={workers}",
-            "--set", "parallel.slow_workers={}", *extra]
+            "--set", f"parallel.param_server.servers={servers}", "--set", f"parallel.param_server.workers={workers}",
+            "--set", "parallel.param_server.slow_workers={}", *extra]
 
 
 def run_pids(run_dir) -> list[int]:
@@ -34,7 +34,7 @@ def test_bsp_equals_synchronous_data_parallel(cli):
     overrides = ["run.steps=6", "checkpoint.every=3"]
     log = cli.tmp_path / "bsp.jsonl"
     result = cli.run("run", str(ROOT / "demo" / "configs" / "digits_ddp.toml"), "--headless", *cli.base_args("bsp"),
-                     *ps_args(2, 2, "--set", "parallel.sync=bsp"), *[a for o in overrides for a in ("--set", o)],
+                     *ps_args(2, 2, "--set", "parallel.param_server.sync=bsp"), *[a for o in overrides for a in ("--set", o)],
                      "--telemetry-log", str(log), timeout=100)
     assert result.returncode == 0, result.stderr
     records = read_jsonl(log)
@@ -66,7 +66,7 @@ def test_bsp_equals_synchronous_data_parallel(cli):
 def test_soft_converges_with_a_worker_three_times_slower(cli):
     log = cli.tmp_path / "soft.jsonl"
     result = cli.run("run", DEMO, "--headless", *cli.base_args("soft"),
-                     *ps_args(1, 2, "--set", "parallel.slow_workers={2 = 3.0}"), "--set", "run.steps=200",
+                     *ps_args(1, 2, "--set", "parallel.param_server.slow_workers={2 = 3.0}"), "--set", "run.steps=200",
                      "--set", "checkpoint.every=0", "--set", "run.eval_every=0", "--telemetry-log", str(log),
                      timeout=140)
     assert result.returncode == 0, result.stderr

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import Config, ModelConfig, OptimConfig
+from engine.config import Config, ModelConfig, OptimConfig, PipelineConfig
 from engine.training.data import batch_for, load_dataset
 from engine.runtime.devices import LedgerDevice
 from engine.models import Block, LayerList, build_model
@@ -27,6 +27,11 @@ def _optim(name: str) -> OptimConfig:
     return OptimConfig(name=name, lr=0.05 if name == "sgd" else 0.01)
 
 
+def _pipe(micro_batches: int, schedule: str, rebalance: str = "off") -> PipelineConfig:
+    """[parallel.pipeline] as these tests run it: the layout stays where it starts unless a test moves it."""
+    return PipelineConfig(micro_batches=micro_batches, schedule=schedule, rebalance=rebalance)
+
+
 def _batches(steps: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The first `steps` global batches of the default data (digits), computed once per count."""
     if steps not in _DATA:
@@ -44,7 +49,7 @@ def pipe_job(topo, variants: list[tuple[str, str, int]]) -> list[dict]:
     for optim, schedule, micro in variants:
         model = build_model(MODEL, META, seed=0)
         device = LedgerDevice(1 << 30)
-        stage = PipelineStage(model, SPLITS[topo.world_size], topo, device, _optim(optim), micro, schedule)
+        stage = PipelineStage(model, SPLITS[topo.world_size], topo, device, _optim(optim), _pipe(micro, schedule))
         device.ledger.track_module(model, stage.optimizer)
         losses = [stage.train_step(x, y) for x, y in _batches()]
         stage.sync()
@@ -58,7 +63,7 @@ def pipe_job(topo, variants: list[tuple[str, str, int]]) -> list[dict]:
 def bad_batch_job(topo) -> str:
     """A batch that does not split into micro-batches fails on every rank before any message."""
     model = build_model(MODEL, META, seed=0)
-    stage = PipelineStage(model, SPLITS[topo.world_size], topo, LedgerDevice(1 << 30), _optim("sgd"), 4, "1f1b")
+    stage = PipelineStage(model, SPLITS[topo.world_size], topo, LedgerDevice(1 << 30), _optim("sgd"), _pipe(4, "1f1b"))
     x, y = _batches()[0]
     try:
         stage.train_step(x[:30], y[:30])
@@ -76,7 +81,7 @@ def ledger_job(topo, schedule: str) -> dict:
     for how in ("units", "tensors"):
         model = build_model(MODEL, META, seed=0)
         device = LedgerDevice(1 << 30)
-        stage = PipelineStage(model, SPLITS[topo.world_size], topo, device, _optim("adamw"), 4, schedule)
+        stage = PipelineStage(model, SPLITS[topo.world_size], topo, device, _optim("adamw"), _pipe(4, schedule))
         device.ledger.track_module(model, stage.optimizer)
         peaks[how], booked = [], []
         add = device.ledger.add   # a micro-batch booked at once: activations added outside the hooks
@@ -240,7 +245,7 @@ def test_a_pipeline_run_equals_one_process_and_reports_its_stages(cli, world, sc
     from engine.runtime.checkpoint import list_checkpoints, model_state
     from tests.conftest import read_jsonl
     from tests.test_training import DEMO, single_process_reference
-    overrides = [f"optim.name={optim}", "optim.lr=0.01", "parallel.strategy=pipeline", f"parallel.schedule={schedule}"]
+    overrides = [f"optim.name={optim}", "optim.lr=0.01", "parallel.strategy=pipeline", f"parallel.pipeline.schedule={schedule}"]
     log = cli.tmp_path / "run.jsonl"
     r = cli.run("run", DEMO, "--headless", "--steps", "20", *cli.base_args("pipe"), *[f"--set={o}" for o in overrides],
                 "--set", f"parallel.world_size={world}", "--set", "telemetry.layer_every=5", "--telemetry-log", str(log))
@@ -275,6 +280,6 @@ def test_a_pipeline_run_equals_one_process_and_reports_its_stages(cli, world, sc
 def test_a_partition_that_is_not_contiguous_is_refused(cli):
     from tests.test_training import DEMO
     r = cli.run("run", DEMO, "--headless", "--steps", "5", *cli.base_args("badpipe"), "--set", "parallel.strategy=pipeline",
-                "--set", 'parallel.partition=[["fc0", "fc1"], ["act0", "act1", "head"]]')
+                "--set", 'parallel.pipeline.partition=[["fc0", "fc1"], ["act0", "act1", "head"]]')
     # a worker's refusal: exit 2 at once, never restarted (engine/runtime/refusal.py)
     assert r.returncode == 2 and "not contiguous" in r.stderr and "restarting" not in r.stderr

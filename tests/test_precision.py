@@ -28,7 +28,7 @@ from tests.test_training import DEMO
 STEPS = 20
 BF16 = ["precision.compute=bf16", "precision.params=bf16"]
 WEIGHT_STEPS = 14   # the bf16-weight parity runs: past the pipeline's migration (checks every 3 steps)   # bf16 weights (fp32 masters where updates run)
-PS = ["parallel.world_size=3", "parallel.servers=1", "parallel.workers=2", "parallel.sync=bsp"]
+PS = ["parallel.world_size=3", "parallel.param_server.servers=1", "parallel.param_server.workers=2", "parallel.param_server.sync=bsp"]
 
 
 def one_process_losses(overrides: list[str], steps: int, config: str = DEMO) -> list[float]:
@@ -164,11 +164,11 @@ def test_the_console_header_says_bf16():
 # --- bf16 weights: fp32 masters where the updates run ----------------------------------------------------
 
 PIPELINE_MIGRATING = ["parallel.strategy=pipeline", "model.hidden=512", "model.depth=3",
-                      'parallel.partition=[["fc0"], ["act0", "fc1", "act1", "fc2", "act2", "head"]]',
-                      "parallel.rebalance_check_every=3", 'memory.policy={fc1 = "swap", fc2 = "recompute"}']
+                      'parallel.pipeline.partition=[["fc0"], ["act0", "fc1", "act1", "fc2", "act2", "head"]]',
+                      "parallel.pipeline.rebalance_check_every=3", 'memory.policy={fc1 = "swap", fc2 = "recompute"}']
 WEIGHT_CASES = {
     "ddp": ["parallel.strategy=ddp"],
-    "sharded-gated": ["parallel.strategy=sharded", "parallel.overlap_forward=true"],
+    "sharded-gated": ["parallel.strategy=sharded", "parallel.sharded.overlap_forward=true"],
     "hybrid-host-reduce-bf16": ["parallel.strategy=ddp", "update.placement=host", "precision.reduce=bf16"],
     "pipeline-migration-swap-recompute": PIPELINE_MIGRATING,
     "ps-bsp": ["parallel.strategy=param_server", *PS],

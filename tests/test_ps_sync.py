@@ -191,5 +191,5 @@ def test_layers_are_assigned_to_servers_balanced_by_bytes():
     load = [sum(b for j, b in sizes.items() if owner[j] == s) for s in (0, 1)]
     assert load == [500, 500] and owner == {0: 0, 2: 0, 4: 1, 6: 1}
     assert assign_layers(sizes, 1) == dict.fromkeys(sizes, 0)
-    with pytest.raises(ParamServerError, match="parallel.servers = 5 but the model has only 4 layers"):
+    with pytest.raises(ParamServerError, match="parallel.param_server.servers = 5 but the model has only 4 layers"):
         assign_layers(sizes, 5)

@@ -17,7 +17,7 @@ from engine.strategies.pipeline import PipelineStage
 from engine.processes.procpool import DistPool
 from engine.techniques.rebalance import LayerClock, decide
 from tests.conftest import train_one_process
-from tests.test_pipeline import META, _optim
+from tests.test_pipeline import META, _optim, _pipe
 from tests.test_pipeline import _batches as pipeline_batches
 
 MODEL = ModelConfig(name="mlp", hidden=32, depth=3)
@@ -47,7 +47,7 @@ def migrating_job(topo, variants) -> list[dict]:
     for optim, schedule, micro, (start, then) in variants:
         model = build_model(MODEL, META, seed=0)
         device = LedgerDevice(1 << 30)
-        stage = PipelineStage(model, start, topo, device, _optim(optim), micro, schedule)
+        stage = PipelineStage(model, start, topo, device, _optim(optim), _pipe(micro, schedule))
         device.ledger.track_module(stage.ledger_module, stage.optimizer)
         losses, moved = [], []
         for step, (x, y) in enumerate(_batches()):
@@ -121,7 +121,7 @@ def peer_dies_in_migration(topo, how: str, schedule: str) -> dict:
                 os._exit(7)
             return super().train_step(x, y)
     stage = Leaving(build_model(MODEL, META, seed=0), [NAMES[:2], NAMES[2:]], topo, LedgerDevice(1 << 30),
-                    _optim("sgd"), 4, schedule)
+                    _optim("sgd"), _pipe(4, schedule))
     t0 = time.monotonic()
     try:
         for step, (x, y) in enumerate(_batches()[:5]):
@@ -199,7 +199,7 @@ def test_the_layer_clock_times_forward_and_backward_of_each_layer():
 
 # stage 1 holds two 512x512 layers, stage 0 one 64x512 layer: about 16 times the work, whatever the noise
 SKEWED = ["--set", "parallel.strategy=pipeline", "--set", "model.hidden=512", "--set", "model.depth=3", "--set",
-          'parallel.partition=[["fc0"], ["act0", "fc1", "act1", "fc2", "act2", "head"]]']
+          'parallel.pipeline.partition=[["fc0"], ["act0", "fc1", "act1", "fc2", "act2", "head"]]']
 MODEL_SETTINGS = ["model.hidden=512", "model.depth=3"]
 NAMES_512 = ["fc0", "act0", "fc1", "act1", "fc2", "act2", "head"]
 
@@ -217,7 +217,7 @@ def test_auto_rebalancing_moves_layers_live_and_training_equals_one_process(cli)
     import jsonschema
     log = cli.tmp_path / "run.jsonl"
     r = cli.run("run", DEMO, "--headless", "--steps", "30", *cli.base_args("auto"), *SKEWED,
-                "--set", "parallel.rebalance_check_every=3", "--telemetry-log", str(log))
+                "--set", "parallel.pipeline.rebalance_check_every=3", "--telemetry-log", str(log))
     assert r.returncode == 0, r.stderr
     records = read_jsonl(log)
     for rec in records:
@@ -258,7 +258,7 @@ def test_auto_rebalancing_moves_layers_live_and_training_equals_one_process(cli)
     # resume: the run goes on in the checkpoint's layout, whatever the config's partition says
     log2 = cli.tmp_path / "run2.jsonl"
     r = cli.run("run", DEMO, "--headless", "--steps", "35", *cli.base_args("auto"), *SKEWED, "--set",
-                "parallel.rebalance=off", "--resume", str(last), "--telemetry-log", str(log2))
+                "parallel.pipeline.rebalance=off", "--resume", str(last), "--telemetry-log", str(log2))
     assert r.returncode == 0, r.stderr
     steps2 = [rec for rec in read_jsonl(log2) if rec["type"] == "step"]
     assert steps2[0]["step"] == 31 and all(_stages_of(s) == moved[-1]["stages"] for s in steps2)
@@ -274,7 +274,7 @@ def test_the_rebalance_command_answers_with_the_step_the_new_layout_took_effect(
     from tests.conftest import read_jsonl, wait_for
     from tests.test_control import ctl, current_step, start_live
     log = cli.tmp_path / "run.jsonl"
-    proc = start_live(cli, "steer", *SKEWED, "--set", "parallel.rebalance=manual", "--telemetry-log", str(log))
+    proc = start_live(cli, "steer", *SKEWED, "--set", "parallel.pipeline.rebalance=manual", "--telemetry-log", str(log))
     wait_for(lambda: current_step("steer") >= 5, 30, "step 5")
     for attempt in range(3):   # on a loaded machine one window of timings can hide the skew: ask again later
         r = ctl(cli, "steer", "rebalance")
@@ -307,7 +307,7 @@ def test_the_hub_refuses_a_rebalance_when_off_or_while_one_is_in_flight(tmp_path
               headless=False)
     base = {"mode": "pipeline", "layers": NAMES, "capabilities": ["pause", "stop"]}
     off = RankZeroTelemetry(job, base, 0)
-    assert off._validate("rebalance", []) == 'rebalancing is off in this run (parallel.rebalance = "off")'
+    assert off._validate("rebalance", []) == 'rebalancing is off in this run (parallel.pipeline.rebalance = "off")'
     on = RankZeroTelemetry(job, {**base, "capabilities": ["pause", "stop", "rebalance"]}, 0)
     assert on._validate("rebalance", []) is None
     on.event("rebalance", 10, reason="command")   # a decided layout is in flight until its migration's record
@@ -322,9 +322,9 @@ def test_the_hub_refuses_a_rebalance_when_off_or_while_one_is_in_flight(tmp_path
 @pytest.mark.timeout(90)
 def test_the_rebalance_command_is_refused_when_rebalancing_is_off(cli):
     from tests.test_control import ctl, start_live
-    proc = start_live(cli, "fixed", "--set", "parallel.strategy=pipeline", "--set", "parallel.rebalance=off")
+    proc = start_live(cli, "fixed", "--set", "parallel.strategy=pipeline", "--set", "parallel.pipeline.rebalance=off")
     r = ctl(cli, "fixed", "rebalance")
-    assert r.returncode == 1 and 'rebalancing is off in this run (parallel.rebalance = "off")' in r.stderr
+    assert r.returncode == 1 and 'rebalancing is off in this run (parallel.pipeline.rebalance = "off")' in r.stderr
     assert ctl(cli, "fixed", "stop").returncode == 0
     proc.wait(timeout=30)
 
@@ -338,7 +338,7 @@ def test_a_worker_killed_around_a_migration_restarts_from_a_checkpoint_with_a_va
     log = cli.tmp_path / "run.jsonl"
     run_dir = cli.tmp_path / "runs" / "killed"
     proc = cli.start("run", DEMO, "--headless", "--steps", "40", *cli.base_args("killed"), *SKEWED,
-                     "--set", "parallel.rebalance_check_every=4", "--set", "checkpoint.every=3",
+                     "--set", "parallel.pipeline.rebalance_check_every=4", "--set", "checkpoint.every=3",
                      "--set", "run.step_pause_ms=30", "--set", "parallel.max_restarts=2", "--telemetry-log", str(log))
 
     def migrated_and_saved() -> bool:   # a checkpoint written after a migration: it holds the new layout
@@ -370,7 +370,7 @@ def balanced_job(topo) -> dict:
     the same (valid) layout, and training still equals one process."""
     model = build_model(MODEL, META, seed=0)
     device = LedgerDevice(1 << 30)
-    stage = PipelineStage(model, "balanced", topo, device, _optim("sgd"), 4, "1f1b", rebalance="manual")
+    stage = PipelineStage(model, "balanced", topo, device, _optim("sgd"), _pipe(4, "1f1b", rebalance="manual"))
     device.ledger.track_module(stage.ledger_module, stage.optimizer)
     losses = [stage.train_step(x, y) for x, y in _batches()]
     stage.sync()
@@ -457,7 +457,7 @@ def _tied_optim(name: str):
 def tied_job(topo, variants) -> list[dict]:
     out = []
     for optim, schedule, (start, then) in variants:
-        stage = PipelineStage(tied_model(), start, topo, LedgerDevice(1 << 30), _tied_optim(optim), 4, schedule)
+        stage = PipelineStage(tied_model(), start, topo, LedgerDevice(1 << 30), _tied_optim(optim), _pipe(4, schedule))
         losses, clipped = [], []
         for step, (x, y) in enumerate(_batches()):
             if step == MIGRATE_BEFORE:

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.config import Config
+from engine.config import Config, ShardedConfig
 from engine.training.data import batch_for, load_dataset
 from engine.strategies.ddp import DDPStrategy
 from engine.runtime.devices import LedgerDevice
@@ -92,9 +92,9 @@ def test_random_assignment_is_seeded_and_uses_every_stream():
 
 
 def test_fewer_slices_than_streams_is_refused_naming_both():
-    with pytest.raises(ValueError, match=r"parallel.slices = 2 is smaller than parallel.streams = 4"):
+    with pytest.raises(ValueError, match=r"parallel.sharded.slices = 2 is smaller than parallel.sharded.streams = 4"):
         ShardedStrategy(build_model(Config().model, {"input_dim": 4, "num_classes": 2}, 0), Config().optim,
-                        None, LedgerDevice(1 << 20), streams=4, slices=2)
+                        None, LedgerDevice(1 << 20), ShardedConfig(streams=4, slices=2))
 
 
 # --- training against torch DDP, in a pool of workers ------------------------------------
@@ -122,7 +122,8 @@ def _train(topo, strategy: str, optim: str, depth: int, steps: int, **options) -
     if strategy == "ddp":
         runner = DDPStrategy(model, cfg.optim, topo, device)
     else:
-        runner = ShardedStrategy(model, cfg.optim, topo, device, seed=cfg.run.seed, **options)
+        settings = ShardedConfig(**{"slice_assignment" if k == "assignment" else k: v for k, v in options.items()})
+        runner = ShardedStrategy(model, cfg.optim, topo, device, settings, seed=cfg.run.seed)
     device.ledger.track_module(model, runner.optimizer)
     for step in range(steps):
         x, y = batch_for(ds, step, cfg.data.batch_size, cfg.run.seed, topo.rank, topo.world_size)
@@ -242,7 +243,7 @@ def peer_fails_before_its_broadcast(topo, how: str, steps: int = 6) -> dict:
     cfg = _config("sgd", 2)
     ds = load_dataset(cfg.data, cfg.run.seed)
     model = build_model(cfg.model, ds.meta, cfg.run.seed)
-    runner = Leaving(model, cfg.optim, topo, LedgerDevice(1 << 30), streams=2, slices=4)
+    runner = Leaving(model, cfg.optim, topo, LedgerDevice(1 << 30), ShardedConfig(streams=2, slices=4))
     t0 = time.monotonic()
     try:
         for step in range(steps):

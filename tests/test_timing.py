@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from engine.training.loss import cross_entropy
-from engine.config import Config, MemoryConfig, OptimConfig
+from engine.config import Config, MemoryConfig, OptimConfig, PipelineConfig, ShardedConfig
 from engine.models.layers import LayerList
 from engine.runtime.control import FIELDS
 from engine.runtime.devices import LedgerDevice
@@ -327,7 +327,7 @@ def sharded_job(topo, steps: int) -> list[dict]:
     gpu = FakeGPU(eager=True)
     model = model_on(gpu)
     device = ledger_device(model)
-    strategy = ShardedStrategy(model, OptimConfig(name="sgd", lr=0.01), topo, device, streams=2, slices=2,
+    strategy = ShardedStrategy(model, OptimConfig(name="sgd", lr=0.01), topo, device, ShardedConfig(streams=2, slices=2),
                                device_clock=Clock(events=gpu.event))
     wait, landed = strategy._wait, set()
 
@@ -351,7 +351,8 @@ def pipeline_job(topo, steps: int) -> list[dict]:
     model = model_on(gpu)
     device = LedgerDevice(1 << 30)
     stage = PipelineStage(model, [["a"], ["b", "c"]], topo, device, OptimConfig(name="sgd", lr=0.01),
-                          micro_batches=2, schedule="1f1b", device_clock=Clock(events=gpu.event))
+                          PipelineConfig(micro_batches=2, schedule="1f1b", rebalance="off"),
+                          device_clock=Clock(events=gpu.event))
     device.ledger.track_module(stage.ledger_module, stage.optimizer)
     for u in stage.updater.updates.values():
         u.optimizer.register_step_pre_hook(lambda opt, args, kwargs: setattr(gpu, "now", gpu.now + UPDATE_MS * gpu.scale))

@@ -56,7 +56,7 @@ def test_the_schedule_is_its_closed_form_at_every_step(kind, lr, floor, warmup, 
     ({"parallel": {"strategy": "pipeline"}, "data": {"accumulate": 2}},
      'data.accumulate = 2: not available with parallel.strategy = "pipeline"'),
     ({"optim": {"lr_schedule": "cosine", "lr": 0.01, "min_lr": 0.1}}, "optim.min_lr = 0.1: must be at most optim.lr"),
-    ({"parallel": {"strategy": "param_server", "world_size": 3, "servers": 1, "workers": 2},
+    ({"parallel": {"strategy": "param_server", "world_size": 3, "param_server": {"servers": 1, "workers": 2}},
       "optim": {"clip_grad_norm": 1.0}}, 'optim.clip_grad_norm = 1: not available with parallel.strategy = '
                                          '"param_server" yet'),
     ({"optim": {"lr_schedule": "step"}}, "optim.lr_schedule"),
@@ -217,7 +217,7 @@ def test_ddp_equals_one_process_through_clips_a_skip_and_accumulation(cli, place
 @pytest.mark.parametrize("gated", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_sharded_equals_one_process_and_never_rolls_back(cli, gated):
     steps = run_and_compare(cli, f"sharded-{gated}", ["parallel.world_size=2", "parallel.strategy=sharded",
-                                                      f"parallel.overlap_forward={str(gated).lower()}",
+                                                      f"parallel.sharded.overlap_forward={str(gated).lower()}",
                                                       "update.placement=host", "data.accumulate=2",
                                                       "emulate.nonfinite_rank=0"])
     assert not any(s["redone_layers"] for s in steps)   # owners update after the reduce: decided first
@@ -226,7 +226,7 @@ def test_sharded_equals_one_process_and_never_rolls_back(cli, gated):
 @pytest.mark.timeout(200)
 def test_a_pipeline_equals_one_process_through_a_live_migration(cli):
     from tests.test_rebalance import MODEL_SETTINGS, SKEWED
-    steps = run_and_compare(cli, "pipeline", [*SKEWED[1::2], "parallel.rebalance_check_every=3",
+    steps = run_and_compare(cli, "pipeline", [*SKEWED[1::2], "parallel.pipeline.rebalance_check_every=3",
                                               "emulate.nonfinite_layer=fc2"], model=MODEL_SETTINGS,
                             inf=["emulate.nonfinite_step=5", "optim.skip_nonfinite=true"])
     stages = {tuple(tuple(s["layers"]) for s in rec["stages"]) for rec in steps}
@@ -238,8 +238,8 @@ def test_a_pipeline_equals_one_process_through_a_live_migration(cli):
 @pytest.mark.slow
 def test_a_parameter_server_in_bsp_equals_one_process_with_a_schedule_and_accumulation(cli):
     # no clipping on a parameter server (refused by name); a non-finite window is skipped per layer, not tested here
-    run_and_compare(cli, "ps", ["parallel.strategy=param_server", "parallel.world_size=3", "parallel.servers=1",
-                                "parallel.workers=2", "parallel.sync=bsp", "data.accumulate=2"],
+    run_and_compare(cli, "ps", ["parallel.strategy=param_server", "parallel.world_size=3", "parallel.param_server.servers=1",
+                                "parallel.param_server.workers=2", "parallel.param_server.sync=bsp", "data.accumulate=2"],
                     loop=[o for o in LOOP if "clip" not in o], inf=[], norms=False)   # a server has no global norm
 
 

@@ -31,16 +31,17 @@ BLOCK_NAMES = [f"block{i}" for i in range(BLOCKS)]
 STRATEGIES = {
     "ddp": {"parallel": {"strategy": "ddp"}},
     "ddp-host": {"parallel": {"strategy": "ddp"}, "update": {"placement": "host"}},
-    "sharded-gated-host": {"parallel": {"strategy": "sharded", "overlap_forward": True},
+    "sharded-gated-host": {"parallel": {"strategy": "sharded", "sharded": {"overlap_forward": True}},
                            "update": {"placement": "host"}},
     # a skewed start that the last stage rebalances at step 2: layers migrate while training runs, their
     # activations swapped to the host or recomputed in backward
-    "pipeline-migrating": {"parallel": {"strategy": "pipeline", "partition": [["embed"], [*BLOCK_NAMES, "norm", "head"]],
-                                        "rebalance": "auto", "rebalance_check_every": 2},
+    "pipeline-migrating": {"parallel": {"strategy": "pipeline",
+                                        "pipeline": {"partition": [["embed"], [*BLOCK_NAMES, "norm", "head"]],
+                                                     "rebalance": "auto", "rebalance_check_every": 2}},
                            "memory": {"policy": {"block0": "swap", "block1": "recompute", "block3": "swap",
                                                  "head": "recompute"}}},
-    "param_server-bsp": {"parallel": {"strategy": "param_server", "servers": 1, "workers": 2, "sync": "bsp",
-                                      "slow_workers": {}}},
+    "param_server-bsp": {"parallel": {"strategy": "param_server",
+                                      "param_server": {"servers": 1, "workers": 2, "sync": "bsp", "slow_workers": {}}}},
 }
 WORLDS = {"ddp": [1, 2], "param_server-bsp": [3]}
 
@@ -68,7 +69,7 @@ def train_in_a_script(tmp_path, model_name: str | list[str], strategies: list[st
             for name in names for strategy in strategies for world in (worlds or WORLDS).get(strategy, [2])]
     for run in runs:   # `find_unused`: the models that leave a parameter without a gradient in some step
         if run["model"] in find_unused and run["label"].startswith("ddp"):
-            run["config"]["parallel"] = {**run["config"].get("parallel", {}), "find_unused_parameters": True}
+            run["config"]["parallel"] = {**run["config"].get("parallel", {}), "ddp": {"find_unused_parameters": True}}
     out = tmp_path / "results.pt"
     proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "user_model_run.py"), str(out),
                              json.dumps({"model": names[0], "runs": runs, "data": data})],
@@ -304,7 +305,7 @@ def test_mixture_of_experts_models_under_data_parallel_equal_one_worker(tmp_path
     no token to many of the experts, and their gradient there is zero (transformers keeps a block's experts
     in one tensor), so the sum over ranks is the one worker's gradient. A user's model with an expert per
     module (tests/user_models.py RoutedEmbedding) equals one worker in sharded as it is, and in ddp with
-    parallel.find_unused_parameters (torch's DDP cannot do without: its buckets would wait for the gradient). Three steps: a top-1 router picks
+    parallel.ddp.find_unused_parameters (torch's DDP cannot do without: its buckets would wait for the gradient). Three steps: a top-1 router picks
     between experts that score alike to within a rounding, and the sum over two ranks rounds otherwise than one
     process's sum (1e-7), so over more steps a token can change experts and the runs part (seen: 1.5e-4 at the
     fourth step), in torch's DDP as here; the first steps show whether the gradients are summed right."""

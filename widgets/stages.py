@@ -99,7 +99,7 @@ class StagesPanel(Widget):
         for _, label, colour in PARTS:
             legend.append("■", colour).append(f"{label} ", "dim")
         legend.append("ms/step", "dim")
-        micro = self.stages[0].get("micro_batches")   # parallel.micro_batches (logs from before it lack it)
+        micro = self.stages[0].get("micro_batches")   # parallel.pipeline.micro_batches (logs from before it lack it)
         for extra in [legend] + ([Text(f"  {micro} micro-batches/step", "dim")] if micro is not None else []):
             if text.cell_len + extra.cell_len <= width:   # each whole or not at all
                 text = text + extra

@@ -87,7 +87,7 @@ def measure(topo, variant: str, hidden: int, depth: int, features: int, batch: i
     import torch
     import torch.distributed as dist
 
-    from engine.config import ModelConfig, OptimConfig
+    from engine.config import ModelConfig, OptimConfig, ShardedConfig
     from engine.training.precision import compute_in, param_dtype, reduce_dtype
     from engine.runtime.devices import LedgerDevice, tensor_bytes
     from engine.bench.clip import GuardTally
@@ -106,9 +106,9 @@ def measure(topo, variant: str, hidden: int, depth: int, features: int, batch: i
         runner = DDPStrategy(model, optim, topo, device)
     else:   # the working weights in their dtype before the strategy makes its flat buffers of them
         model = model.to(param_dtype(prec))
-        runner = ShardedStrategy(model, optim, topo, device, streams=1 if variant.startswith("sharded-1") else streams,
-                                 slices=slices, overlap_forward="gated" in variant,
-                                 hierarchical=not variant.endswith("flat"), reduce_dtype=reduce_dtype(prec))
+        settings = ShardedConfig(streams=1 if variant.startswith("sharded-1") else streams, slices=slices,
+                                 overlap_forward="gated" in variant, hierarchical=not variant.endswith("flat"))
+        runner = ShardedStrategy(model, optim, topo, device, settings, reduce_dtype=reduce_dtype(prec))
     device.ledger.track_module(model, runner.optimizer)
     meters = runner.meters if isinstance(runner, ShardedStrategy) else []   # one per stream: every slice broadcast
     per_rank = batch // topo.world_size

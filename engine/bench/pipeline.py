@@ -120,14 +120,15 @@ def _batches(steps: int, seed: int = 0):
 def trainyard_job(topo, stages: list[list[str]], steps: int, rebalance: str, count_activations: bool = True) -> dict:
     """One pipeline run; with `rebalance = "auto"` its first check is after step CHECK_AT. Without
     `count_activations` the ledger leaves out its saved-tensor hooks (the share they cost)."""
-    from engine.config import OptimConfig
+    from engine.config import OptimConfig, PipelineConfig
     from engine.runtime.devices import LedgerDevice
     from engine.strategies.pipeline import PipelineStage
     model = bench_model()
     device = LedgerDevice(1 << 40)
     device.ledger.count_activations = count_activations
-    stage = PipelineStage(model, stages, topo, device, OptimConfig(name="sgd", lr=0.01), MICRO, "1f1b",
-                          rebalance=rebalance, threshold=THRESHOLD, check_every=CHECK_AT)
+    settings = PipelineConfig(micro_batches=MICRO, schedule="1f1b", rebalance=rebalance,
+                              imbalance_threshold=THRESHOLD, rebalance_check_every=CHECK_AT)
+    stage = PipelineStage(model, stages, topo, device, OptimConfig(name="sgd", lr=0.01), settings)
     step_ms, decision, migrated_at = [], None, None
     for step, (x, y) in enumerate(_batches(steps), 1):
         t0 = time.perf_counter()

@@ -82,7 +82,7 @@ def run_mode(runs: ChildRuns, mode: str, seconds: float, slow: float, eval_every
     name = f"bench-ps-{mode}-{os.getpid()}"
     log = workdir / f"{mode}.jsonl"
     proc = _start(runs, name, log, workdir, ["run.steps=1000000", f"run.eval_every={eval_every}",
-                                             f"parallel.sync={mode}", f"parallel.slow_workers={{5 = {slow}}}", *extra])
+                                             f"parallel.param_server.sync={mode}", f"parallel.param_server.slow_workers={{5 = {slow}}}", *extra])
     try:
         first = None
         deadline = time.monotonic() + 120 + seconds
@@ -115,14 +115,14 @@ def run_mode(runs: ChildRuns, mode: str, seconds: float, slow: float, eval_every
 def run_seed(runs: ChildRuns, mode: str, seed: int, steps: int, servers: int, slow: float, workdir: Path,
              extra: list[str]) -> dict:
     """One run in `mode` with `seed`, `steps` steps to its end: its final accuracy and the servers' tally."""
-    sync, _, unit = mode.partition(":")   # soft:versions -- a mode with parallel.staleness_unit set
+    sync, _, unit = mode.partition(":")   # soft:versions -- a mode with parallel.param_server.staleness_unit set
     name = f"bench-ps-{sync}-{unit or 'default'}-{seed}-{os.getpid()}"
     log = workdir / f"{sync}-{unit}-{seed}.jsonl"
     slow_rank = servers + 3   # the last of the 4 workers
     proc = _start(runs, name, log, workdir, [
-        f"run.steps={steps}", f"run.seed={seed}", f"run.eval_every={steps}", f"parallel.sync={sync}",
-        f"parallel.servers={servers}", f"parallel.world_size={servers + 4}",
-        f"parallel.slow_workers={{{slow_rank} = {slow}}}", *([f"parallel.staleness_unit={unit}"] if unit else []),
+        f"run.steps={steps}", f"run.seed={seed}", f"run.eval_every={steps}", f"parallel.param_server.sync={sync}",
+        f"parallel.param_server.servers={servers}", f"parallel.world_size={servers + 4}",
+        f"parallel.param_server.slow_workers={{{slow_rank} = {slow}}}", *([f"parallel.param_server.staleness_unit={unit}"] if unit else []),
         *extra])
     try:
         _, err = proc.communicate(timeout=600)
@@ -212,7 +212,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seconds", type=float, default=30.0, help="training wall time per mode (default 30)")
     parser.add_argument("--modes", default=",".join(MODES),
                         help="comma-separated modes (default: all four); with --repeat, soft:rounds or "
-                             "soft:versions also sets parallel.staleness_unit")
+                             "soft:versions also sets parallel.param_server.staleness_unit")
     parser.add_argument("--slow", type=float, default=3.0, help="worker rank 5's slow-down factor (default 3)")
     parser.add_argument("--eval-every", type=int, default=5, help="steps between test evaluations (default 5)")
     parser.add_argument("--hidden", type=int, default=128, help="the MLP's hidden width (default 128)")
@@ -232,7 +232,7 @@ def main(argv: list[str]) -> int:
     bad = [m for m in modes if m.partition(":")[0] not in MODES or m.partition(":")[2] not in units]
     if bad or not modes:
         parser.error(f"--modes: {', '.join(bad) or 'none given'}; choose from {', '.join(MODES)} (with --repeat, "
-                     f"MODE:versions or MODE:rounds sets parallel.staleness_unit)")
+                     f"MODE:versions or MODE:rounds sets parallel.param_server.staleness_unit)")
     if args.seconds <= 0 or args.slow < 1 or args.eval_every < 1 or args.hidden < 1 or args.batch % 4:
         parser.error("--seconds must be positive, --slow at least 1, --eval-every and --hidden at least 1, "
                      "--batch a multiple of 4")

@@ -15,23 +15,23 @@ def near_multiples(n: int, k: int) -> str:
 
 def batch_splits_over_ranks(cfg: Config) -> str | None:
     """Data parallel: `data.batch_size` is divisible by `parallel.world_size` (every rank gets the same
-    share); pipeline: by `parallel.micro_batches`, and a partition list has `world_size` stages."""
+    share); pipeline: by `parallel.pipeline.micro_batches`, and a partition list has `world_size` stages."""
     batch, world = cfg.data.batch_size, cfg.parallel.world_size
-    p = cfg.parallel
+    p, pipe = cfg.parallel, cfg.parallel.pipeline
     n = cfg.data.accumulate
     if p.strategy == "pipeline":
         if n > 1:
             return (f"data.accumulate = {n}: not available with parallel.strategy = \"pipeline\", which "
-                    f"accumulates over parallel.micro_batches = {p.micro_batches} (set data.accumulate = 1)")
-        if batch % p.micro_batches:
-            return (f"data.batch_size = {batch}: must be divisible by parallel.micro_batches = {p.micro_batches} "
-                    f"(e.g. {near_multiples(batch, p.micro_batches)})")
-        if isinstance(p.partition, list) and len(p.partition) != world:
-            return (f"parallel.partition lists {len(p.partition)} stages but parallel.world_size = {world} "
+                    f"accumulates over parallel.pipeline.micro_batches = {pipe.micro_batches} (set data.accumulate = 1)")
+        if batch % pipe.micro_batches:
+            return (f"data.batch_size = {batch}: must be divisible by parallel.pipeline.micro_batches = "
+                    f"{pipe.micro_batches} (e.g. {near_multiples(batch, pipe.micro_batches)})")
+        if isinstance(pipe.partition, list) and len(pipe.partition) != world:
+            return (f"parallel.pipeline.partition lists {len(pipe.partition)} stages but parallel.world_size = {world} "
                     f"(one stage per worker)")
         return None
     if p.strategy == "param_server":
-        ranks, words = p.workers, f"parallel.workers = {p.workers}"
+        ranks, words = p.param_server.workers, f"parallel.param_server.workers = {p.param_server.workers}"
     else:
         ranks, words = world, f"parallel.world_size = {world}"
     if n == 1 and batch % ranks:

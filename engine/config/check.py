@@ -24,6 +24,7 @@ import tomllib
 from typing import Any, Callable
 
 from engine.config.declare import show
+from engine.config.parallel import MOVED
 from engine.config.rules import CROSS_CHECKS  # noqa: F401  (engine/config/reference.py reads them here)
 from engine.config.settings import PATTERN_WORDS, Config, ConfigError, parse_size
 
@@ -67,22 +68,23 @@ def allowed_words(path: str, f: dataclasses.Field) -> str:
     return range_words(meta)
 
 
-def check_config_table(data: Any) -> Config:
+def check_config_table(data: Any, renamed: list[str] | None = None) -> Config:
+    """The Config of a table of sections. A strategy's key written by its old, flat name (`parallel.streams`)
+    is moved into its table and a line naming the new place is added to `renamed` (and to `Config.renamed`)."""
     if not isinstance(data, dict):
         raise ConfigError(f"config: expected a table of sections, got {show(data)}")
+    renamed = [] if renamed is None else renamed
     sections = {}
     for name, table in data.items():
         if name not in SECTIONS:
             raise ConfigError(_unknown_section(name))
-        if not isinstance(table, dict):
-            raise ConfigError(f"{name} = {show(table)}: expected a table of settings ([{name}] in TOML); "
-                              f"keys: {', '.join(_keys(name))}")
-        sections[name] = _check_section(name, table)
+        sections[name] = _check_table(name, SECTIONS[name], table, renamed)
     cfg = Config(**sections)
     for check in CROSS_CHECKS:
         problem = check(cfg)
         if problem:
             raise ConfigError(problem)
+    cfg.renamed = tuple(dict.fromkeys(renamed))
     return cfg
 
 
@@ -96,17 +98,46 @@ def _unknown_section(name: Any) -> str:
     return f"unknown section '{name}'{hint}; allowed sections: {', '.join(SECTIONS)}"
 
 
-def _check_section(section: str, table: dict) -> Any:
-    cls = SECTIONS[section]
+def _check_table(path: str, cls: type, table: Any, renamed: list[str]) -> Any:
+    """A section (`parallel`) or a table inside one (`parallel.sharded`), checked key by key."""
     fields = {f.name: f for f in dataclasses.fields(cls)}
+    if not isinstance(table, dict):
+        raise ConfigError(f"{path} = {show(table)}: expected a table of settings ([{path}] in TOML); "
+                          f"keys: {', '.join(fields)}")
     values = {}
-    for key, value in table.items():
+    for key, value in _move_flat_keys(path, table, renamed).items():
         if key not in fields:
-            hint = did_you_mean(key, fields, lambda k: f"'{section}.{k}'")
-            raise ConfigError(f"unknown key '{section}.{key}'{hint}; "
-                              f"allowed keys in [{section}]: {', '.join(fields)}")
-        values[key] = check_value(f"{section}.{key}", fields[key], value)
+            hint = did_you_mean(key, fields, lambda k: f"'{path}.{k}'")
+            raise ConfigError(f"unknown key '{path}.{key}'{hint}; allowed keys in [{path}]: {', '.join(fields)}")
+        f = fields[key]
+        if f.metadata["kind"] == "table":
+            values[key] = _check_table(f"{path}.{key}", f.default_factory, value, renamed)
+        else:
+            values[key] = check_value(f"{path}.{key}", f, value)
     return cls(**values)
+
+
+def _move_flat_keys(path: str, table: dict, renamed: list[str]) -> dict:
+    """`table` with each key written by its old, flat name (MOVED) moved into the table it lives in now."""
+    moved = MOVED.get(path, {})
+    if not any(key in moved for key in table):
+        return table
+    out = {key: value for key, value in table.items() if key not in moved}
+    for key, value in table.items():
+        if key not in moved:
+            continue
+        inner, new = out.get(moved[key], {}), f"{path}.{moved[key]}.{key}"
+        if not isinstance(inner, dict):   # that table's own check names the problem
+            return table
+        if key in inner:
+            raise ConfigError(f"{path}.{key} and {new} are one setting, set twice: keep {new}")
+        out[moved[key]] = {**inner, key: value}
+        renamed.append(rename_line(f"{path}.{key}", new))
+    return out
+
+
+def rename_line(old: str, new: str) -> str:
+    return f"{old} is now {new} (the old name still works; docs/config.md lists the old names)"
 
 
 def check_value(path: str, f: dataclasses.Field, value: Any) -> Any:
@@ -221,37 +252,62 @@ def _check_size(path: str, value: Any) -> str:
     return str(value)
 
 
-# --- overrides: --set section.key=value ------------------------------------------------
+# --- overrides: --set section.key=value, --set section.table.key=value ---------------------
 
-def parse_override(text: str) -> tuple[str, str, Any]:
-    """'data.batch_size=32' -> ('data', 'batch_size', 32); the value is read as TOML, else as text."""
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """'data.batch_size=32' -> (['data', 'batch_size'], 32); 'parallel.sharded.streams=4' -> (['parallel',
+    'sharded', 'streams'], 4); the value is read as TOML, else as text."""
     name, eq, raw = str(text).partition("=")
     parts = name.strip().split(".")
-    if not eq or len(parts) != 2 or not all(parts):
+    if not eq or not 2 <= len(parts) <= 3 or not all(parts) or (len(parts) == 3 and not _is_table(parts[:2])):
         raise ConfigError(f"--set {show(str(text))}: expected the form --set section.key=value "
-                          f"(e.g. --set run.steps=50)")
-    section, key = parts
+                          f"(e.g. --set run.steps=50, --set parallel.sharded.streams=4)")
     raw = raw.strip()
     try:
         parsed = tomllib.loads("v = " + raw)
         value = parsed["v"] if list(parsed) == ["v"] else raw  # 'x\ny = 1' stays text
     except tomllib.TOMLDecodeError:
         value = raw  # run.name=foo, device.memory=2GiB
-    if not isinstance(value, str) and _field_type(section, key) == "str":
+    if not isinstance(value, str) and _field_type(parts) == "str":
         value = raw  # run.name=2024 means the text "2024"
-    return section, key, value
+    return parts, value
 
 
-def _field_type(section: str, key: str) -> str | None:
-    fields = dataclasses.fields(SECTIONS[section]) if section in SECTIONS else ()
-    f = next((f for f in fields if f.name == key), None)
-    return None if f is None else f.metadata["kind"] or str(f.type)
+def _is_table(parts: list[str]) -> bool:
+    """Whether `parts` (section, key) name a table inside a section ([parallel.sharded])."""
+    cls = SECTIONS.get(parts[0])
+    f = next((f for f in dataclasses.fields(cls) if f.name == parts[1]), None) if cls else None
+    return f is not None and f.metadata["kind"] == "table"
 
 
-def apply_overrides(table: dict, overrides) -> dict:
+def _field_type(parts: list[str]) -> str | None:
+    cls = SECTIONS.get(parts[0])
+    for i, name in enumerate(parts[1:], 1):
+        f = next((f for f in dataclasses.fields(cls) if f.name == name), None) if cls else None
+        if f is None:
+            return None
+        if i == len(parts) - 1:
+            return f.metadata["kind"] or str(f.type)
+        cls = f.default_factory if f.metadata["kind"] == "table" else None
+    return None
+
+
+def apply_overrides(table: dict, overrides, renamed: list[str] | None = None) -> dict:
+    """`overrides` written into `table`; an old, flat name (`parallel.streams`) goes to its new place, named in
+    `renamed`, and replaces what the file set there."""
     for text in [overrides] if isinstance(overrides, str) else overrides:
-        section, key, value = parse_override(text)
-        target = table.setdefault(section, {})
-        if isinstance(target, dict):  # otherwise the section's own check reports the file's value
-            target[key] = value
+        parts, value = parse_override(text)
+        moved = MOVED.get(parts[0], {})
+        if len(parts) == 2 and parts[1] in moved:
+            new = [parts[0], moved[parts[1]], parts[1]]
+            if renamed is not None:
+                renamed.append(rename_line(".".join(parts), ".".join(new)))
+            parts = new
+        target = table.setdefault(parts[0], {})
+        if len(parts) == 3 and isinstance(target, dict):
+            if moved.get(parts[2]) == parts[1]:   # the file's flat name of the same key: replaced too
+                target.pop(parts[2], None)
+            target = target.setdefault(parts[1], {})
+        if isinstance(target, dict):  # otherwise the table's own check reports the file's value
+            target[parts[-1]] = value
     return table

@@ -26,6 +26,12 @@ def setting(default: Any, doc: str, *, choices: tuple | None = None,
     return field(default=default, metadata=meta)
 
 
+def table(cls: type) -> Any:
+    """A table inside a section (`[parallel.sharded]`): its own settings, documented by its class."""
+    return field(default_factory=cls, metadata={"doc": cls.__doc__, "choices": None, "min": None, "max": None,
+                                                "pattern": None, "kind": "table"})
+
+
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
                "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 

@@ -29,7 +29,8 @@ def load_config(path: str | Path | None, overrides: list[str] = (), base: dict |
                 table[section].update(values)
             else:
                 table[section] = values
-    return config_from_dict(apply_overrides(table, overrides))
+    renamed: list[str] = []
+    return check_config_table(apply_overrides(table, overrides, renamed), renamed)
 
 
 def read_toml(path: str | Path) -> dict:

@@ -72,7 +72,7 @@ class ClusterConfig:
 class EmulateConfig:
     """Emulated trouble, to watch the engine answer it (demos, tests): a layer that turns slow mid-run, a rank
     that computes slower than its peers, a rank that dies mid-technique. A parameter server's slow machines
-    are `parallel.slow_workers`."""
+    are `parallel.param_server.slow_workers`."""
 
     slow_layer: str = setting("", "A layer (by name, e.g. `fc2`) whose every forward sleeps `slow_layer_ms` from "
                                   "step `slow_from_step` on, wherever it runs: a pipeline sees its stage fall "

@@ -13,27 +13,43 @@ import sys
 
 from engine.config.check import CROSS_CHECKS, allowed_words, show
 from engine.config.load import load_config
+from engine.config.parallel import MOVED
 from engine.config.settings import Config, ConfigError, config_to_toml
 
 
 def markdown_reference() -> str:
-    """docs/config.md: how to write a config, then one table per section, from the declarations above."""
+    """docs/config.md: how to write a config, then one table per section (and per table inside a section:
+    `[parallel.sharded]`), from the declarations, then the old names still accepted."""
     out = [_INTRO]
     for section in dataclasses.fields(Config):
-        cls = section.default_factory
-        out += [f"## [{section.name}]", "", cls.__doc__, "",
-                "| key | type | default | allowed | meaning |", "|---|---|---|---|---|"]
-        for f in dataclasses.fields(cls):
-            path = f"{section.name}.{f.name}"
-            allowed = allowed_words(path, f) or {"bool": "true or false"}.get(str(f.type), "any text")
-            default = getattr(cls(), f.name)
-            row = [f"`{f.name}`", f.metadata["kind"] or str(f.type), f"`{show(default)}`", allowed,
-                   f.metadata["doc"]]
-            out.append("| " + " | ".join(c.replace("|", "\\|") for c in row) + " |")
-        out.append("")
+        out += _table_reference(section.name, section.default_factory)
     out += ["## Rules across keys", "", "Checked after every key is valid on its own:", ""]
     out += ["- " + " ".join(check.__doc__.split()) for check in CROSS_CHECKS]
+    out += ["", "## Old names", "",
+            "A strategy's own keys were once written flat in `[parallel]`. Each old name is still accepted, in a "
+            "file and in `--set`, and the command says its new place in one line (`parallel.streams is now "
+            "parallel.sharded.streams ...`); a key set under both names is refused.", "",
+            "| old name | new name |", "|---|---|"]
+    out += [f"| `{section}.{key}` | `{section}.{table}.{key}` |"
+            for section, keys in MOVED.items() for key, table in keys.items()]
     return "\n".join(out) + "\n"
+
+
+def _table_reference(path: str, cls: type) -> list[str]:
+    fields = dataclasses.fields(cls)
+    rows = [f for f in fields if f.metadata["kind"] != "table"]
+    out = [f"## [{path}]", "", " ".join(cls.__doc__.split()), "",
+           "| key | type | default | allowed | meaning |", "|---|---|---|---|---|"]
+    for f in rows:
+        allowed = allowed_words(f"{path}.{f.name}", f) or {"bool": "true or false"}.get(str(f.type), "any text")
+        row = [f"`{f.name}`", f.metadata["kind"] or str(f.type), f"`{show(getattr(cls(), f.name))}`", allowed,
+               f.metadata["doc"]]
+        out.append("| " + " | ".join(c.replace("|", "\\|") for c in row) + " |")
+    out.append("")
+    for f in fields:
+        if f.metadata["kind"] == "table":
+            out += _table_reference(f"{path}.{f.name}", f.default_factory)
+    return out
 
 
 _INTRO = """\
@@ -58,7 +74,8 @@ memory = "1GiB"
 ```
 
 Start it with `trainyard run CONFIG`. Any key can be changed for one run with
-`--set section.key=value` (repeatable, applied over the file). The value is read as a
+`--set section.key=value`, or `--set section.table.key=value` for a key in a table inside a section
+(`--set parallel.sharded.streams=4`); repeatable, applied over the file. The value is read as a
 TOML value (`--set data.batch_size=32`, `--set optim.lr=3e-4`, `--set run.overwrite=true`);
 text that is not valid TOML is taken as a string, so `--set run.name=trial` and
 `--set device.memory=2GiB` need no quotes. The resolved config, defaults included, is
@@ -89,7 +106,10 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(markdown_reference())
         return 0
     try:
-        sys.stdout.write(config_to_toml(load_config(args.config, args.overrides)))
+        cfg = load_config(args.config, args.overrides)
+        for line in cfg.renamed:
+            print(f"trainyard: {line}", file=sys.stderr)
+        sys.stdout.write(config_to_toml(cfg))
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

@@ -48,19 +48,19 @@ def branchy_has_square_images(cfg: Config) -> str | None:
 
 
 def param_server_ranks(cfg: Config) -> str | None:
-    """param_server: `parallel.servers + parallel.workers = parallel.world_size`; `slow_workers` names
+    """param_server: `parallel.param_server.servers + workers = parallel.world_size`; `slow_workers` names
     worker ranks only; `memory.policy = "keep"` and `update.placement = "device"` (the servers update;
     the workers keep their activations)."""
-    p = cfg.parallel
+    p, ps = cfg.parallel, cfg.parallel.param_server
     if p.strategy != "param_server":
         return None
-    if p.servers + p.workers != p.world_size:
-        return (f"parallel.servers = {p.servers} + parallel.workers = {p.workers} must equal parallel.world_size "
-                f"= {p.world_size} (set world_size = {p.servers + p.workers})")
-    for rank in p.slow_workers:
-        if not p.servers <= int(rank) < p.world_size:
-            return (f"parallel.slow_workers.{rank}: rank {rank} is not a worker; worker ranks are "
-                    f"{p.servers} to {p.world_size - 1}")
+    if ps.servers + ps.workers != p.world_size:
+        return (f"parallel.param_server.servers = {ps.servers} + parallel.param_server.workers = {ps.workers} must "
+                f"equal parallel.world_size = {p.world_size} (set world_size = {ps.servers + ps.workers})")
+    for rank in ps.slow_workers:
+        if not ps.servers <= int(rank) < p.world_size:
+            return (f"parallel.param_server.slow_workers.{rank}: rank {rank} is not a worker; worker ranks are "
+                    f"{ps.servers} to {p.world_size - 1}")
     if cfg.memory.policy != "keep":
         return (f'memory.policy = {show(cfg.memory.policy)}: not available with parallel.strategy = '
                 f'"param_server" (use "keep")')
@@ -99,11 +99,11 @@ def listen_is_loopback(cfg: Config) -> str | None:
 
 
 def slices_cover_streams(cfg: Config) -> str | None:
-    """`parallel.slices` must be at least `parallel.streams`: every stream carries at least one slice."""
-    p = cfg.parallel
+    """`parallel.sharded.slices` must be at least `streams`: every stream carries at least one slice."""
+    p = cfg.parallel.sharded
     if p.slices < p.streams:
-        return (f"parallel.slices = {p.slices} is smaller than parallel.streams = {p.streams}: every stream "
-                f"needs at least one slice (set slices >= {p.streams} or streams <= {p.slices})")
+        return (f"parallel.sharded.slices = {p.slices} is smaller than parallel.sharded.streams = {p.streams}: "
+                f"every stream needs at least one slice (set slices >= {p.streams} or streams <= {p.slices})")
     return None
 
 
@@ -127,13 +127,13 @@ def hosts_split_workers(cfg: Config) -> str | None:
 
 def slow_layer_is_whole(cfg: Config) -> str | None:
     """`emulate.slow_layer` needs `emulate.slow_layer_ms` > 0, and is not available with
-    `parallel.strategy = "param_server"` (whose slow machines are `parallel.slow_workers`)."""
+    `parallel.strategy = "param_server"` (whose slow machines are `parallel.param_server.slow_workers`)."""
     e = cfg.emulate
     if not e.slow_layer:
         return None
     if cfg.parallel.strategy == "param_server":
         return (f"emulate.slow_layer = {show(e.slow_layer)}: not available with parallel.strategy = "
-                f"\"param_server\" (emulate a slow worker with parallel.slow_workers)")
+                f"\"param_server\" (emulate a slow worker with parallel.param_server.slow_workers)")
     if e.slow_layer_ms <= 0:
         return (f"emulate.slow_layer = {show(e.slow_layer)} needs emulate.slow_layer_ms > 0 (how many "
                 f"milliseconds each of its forwards sleeps)")
@@ -148,7 +148,7 @@ def slow_rank_is_whole(cfg: Config) -> str | None:
     if cfg.parallel.strategy not in ("ddp", "sharded"):
         return (f"emulate.slow_rank = {e.slow_rank}: only with parallel.strategy = \"ddp\" or \"sharded\" "
                 f"(a pipeline's slow stage is emulate.slow_layer; a parameter server's slow workers are "
-                f"parallel.slow_workers)")
+                f"parallel.param_server.slow_workers)")
     if e.slow_rank >= cfg.parallel.world_size:
         return (f"emulate.slow_rank = {e.slow_rank}: no such rank; parallel.world_size = "
                 f"{cfg.parallel.world_size} has ranks 0 to {cfg.parallel.world_size - 1}")
@@ -162,18 +162,19 @@ def kill_has_its_moment(cfg: Config) -> str | None:
     """`emulate.kill_rank` names a rank of the run whose strategy has the moment `emulate.kill_at` names:
     `migration` a pipeline that rebalances, `broadcast` sharded, `host_update` updates placed on the host
     (`update.placement = "host"`, `"auto"` or a table naming `"host"`), `window` a parameter server
-    (`kill_rank` one of its servers) with `parallel.sync = "soft"` or `"bsp"`."""
+    (`kill_rank` one of its servers) with `parallel.param_server.sync = "soft"` or `"bsp"`."""
     e, p = cfg.emulate, cfg.parallel
+    pipe, ps = p.pipeline, p.param_server
     if e.kill_rank < 0:
         return None
     if e.kill_rank >= p.world_size:
         return (f"emulate.kill_rank = {e.kill_rank}: no such rank; parallel.world_size = {p.world_size} has ranks "
                 f"0 to {p.world_size - 1}")
     at = f"emulate.kill_at = {show(e.kill_at)}"
-    if e.kill_at == "migration" and (p.strategy != "pipeline" or p.rebalance == "off"):
-        return (f'{at}: needs parallel.strategy = "pipeline" with parallel.rebalance = "auto" or "manual", where '
-                f'layers migrate (got parallel.strategy = {show(p.strategy)}, parallel.rebalance = '
-                f'{show(p.rebalance)})')
+    if e.kill_at == "migration" and (p.strategy != "pipeline" or pipe.rebalance == "off"):
+        return (f'{at}: needs parallel.strategy = "pipeline" with parallel.pipeline.rebalance = "auto" or "manual", '
+                f'where layers migrate (got parallel.strategy = {show(p.strategy)}, parallel.pipeline.rebalance = '
+                f'{show(pipe.rebalance)})')
     if e.kill_at == "broadcast" and p.strategy != "sharded":
         return f'{at}: needs parallel.strategy = "sharded", whose broadcast it is (got {show(p.strategy)})'
     placement = cfg.update.placement
@@ -181,11 +182,11 @@ def kill_has_its_moment(cfg: Config) -> str | None:
     if e.kill_at == "host_update" and not on_host:
         return f'{at}: needs update.placement = "host", "auto" or a table naming "host" (got {show(placement)})'
     if e.kill_at == "window":
-        if p.strategy != "param_server" or p.sync not in ("soft", "bsp"):
-            return (f'{at}: needs parallel.strategy = "param_server" with parallel.sync = "soft" or "bsp" (got '
-                    f'parallel.strategy = {show(p.strategy)}, parallel.sync = {show(p.sync)})')
-        if e.kill_rank >= p.servers:
-            servers = "rank 0" if p.servers == 1 else f"ranks 0 to {p.servers - 1}"
+        if p.strategy != "param_server" or ps.sync not in ("soft", "bsp"):
+            return (f'{at}: needs parallel.strategy = "param_server" with parallel.param_server.sync = "soft" or '
+                    f'"bsp" (got parallel.strategy = {show(p.strategy)}, parallel.param_server.sync = {show(ps.sync)})')
+        if e.kill_rank >= ps.servers:
+            servers = "rank 0" if ps.servers == 1 else f"ranks 0 to {ps.servers - 1}"
             return f"{at}: emulate.kill_rank = {e.kill_rank} is a worker; the windows are the servers' ({servers})"
     return None
 

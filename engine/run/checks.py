@@ -79,7 +79,7 @@ def _check_capacity(job, capacity: int, binding: str) -> None:
             model = build_model(cfg.model, data.meta, cfg.run.seed)
     layer_bytes = [sum(tensor_bytes(p) for p in layer.parameters()) for layer in model.layers]
     if cfg.parallel.strategy == "pipeline":
-        stages = configured_stages(model, cfg.parallel.partition, cfg.parallel.world_size)
+        stages = configured_stages(model, cfg.parallel.pipeline.partition, cfg.parallel.world_size)
         index = {name: i for i, name in enumerate(model.names)}
         # a stage naming unknown layers is the worker's to refuse, with the layers it has
         held = max(sum(layer_bytes[index[n]] for n in stage if n in index) for stage in stages)

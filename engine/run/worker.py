@@ -48,7 +48,7 @@ def worker_main(job: Job) -> dict | None:
     cfg = job.config
     place_on_host(job)
     param_server = cfg.parallel.strategy == "param_server"
-    if param_server and int(os.environ["RANK"]) >= cfg.parallel.servers:
+    if param_server and int(os.environ["RANK"]) >= cfg.parallel.param_server.servers:
         from engine.strategies.param_server import supervise
         return supervise(job, build_rank)   # a parameter-server worker: its death does not end the run
     stop = StopRequest()

@@ -32,7 +32,7 @@ from torch.nn.parallel import DistributedDataParallel
 from engine.training.data import micro_steps
 from engine.training.loss import cross_entropy, share_loss
 from engine.runtime import checkpoint as ckpt
-from engine.config import OptimConfig, UpdateConfig
+from engine.config import DdpConfig, OptimConfig, UpdateConfig
 from engine.runtime.devices import LedgerDevice
 from engine.runtime.refusal import Refused
 from engine.techniques.updates.updater import LayerUpdates
@@ -43,7 +43,7 @@ from engine.training.timing import Clock, StepTimes
 
 UNUSED_PARAMETERS = ("a parameter of the model got no gradient in a step (a layer that skips some of its parameters, "
                      "as a mixture of experts with a module per expert does): torch's DistributedDataParallel, which "
-                     "parallel.strategy = \"ddp\" runs, then needs parallel.find_unused_parameters = true; or train "
+                     "parallel.strategy = \"ddp\" runs, then needs parallel.ddp.find_unused_parameters = true; or train "
                      "with parallel.strategy = \"sharded\", which counts a gradient that never came as zero")
 
 
@@ -51,9 +51,11 @@ class DDPStrategy(Strategy):
     name = "ddp"
 
     def __init__(self, model: torch.nn.Module, optim_cfg: OptimConfig, topo: Topology,
-                 device: LedgerDevice, update_cfg: UpdateConfig | None = None, loss_fn=cross_entropy,
-                 device_clock: Clock | None = None, reduce_dtype: torch.dtype = torch.float32, accumulate: int = 1,
-                 find_unused_parameters: bool = False):
+                 device: LedgerDevice, settings: DdpConfig | None = None, update_cfg: UpdateConfig | None = None,
+                 loss_fn=cross_entropy, device_clock: Clock | None = None, reduce_dtype: torch.dtype = torch.float32,
+                 accumulate: int = 1):
+        """`settings`: [parallel.ddp] (engine/config/parallel.py), its defaults where None."""
+        settings = settings or DdpConfig()
         self.model, self.topo, self.device, self.loss_fn = model, topo, device, loss_fn
         self.accumulate = accumulate   # micro-steps per update: all-reduced once, after the last
         self.global_counted: int | None = None   # the step's counted targets over the global batch (engine/training/loss.py)
@@ -69,7 +71,7 @@ class DDPStrategy(Strategy):
         bucket_mb = 25.0 if update_cfg.placement == "device" else 1.0
         self.ddp = DistributedDataParallel(model, device_ids=ids, process_group=topo.compute,
                                            gradient_as_bucket_view=True, bucket_cap_mb=bucket_mb,
-                                           find_unused_parameters=find_unused_parameters)
+                                           find_unused_parameters=settings.find_unused_parameters)
         self.meter = CommMeter(clock)
         self.ddp.register_comm_hook(topo.compute, self._metered_allreduce)
         # each layer's update, on the device or the host, dispatched as its bucket's all-reduce completes

@@ -23,18 +23,14 @@ from engine.strategies.sharded import ShardedStrategy
 
 
 def make_strategy(cfg: Config, model: LayerList, topo: Topology, device, loss_fn=cross_entropy) -> Strategy:
-    p = cfg.parallel
+    p = cfg.parallel   # each strategy gets its own table whole ([parallel.pipeline], ...)
     if p.strategy == "pipeline":
-        stages = configured_stages(model, p.partition, topo.world_size)
-        return PipelineStage(model, stages, topo, device, cfg.optim, micro_batches=p.micro_batches,
-                             schedule=p.schedule, update_cfg=cfg.update, rebalance=p.rebalance, loss_fn=loss_fn,
-                             threshold=p.imbalance_threshold, check_every=p.rebalance_check_every)
+        stages = configured_stages(model, p.pipeline.partition, topo.world_size)
+        return PipelineStage(model, stages, topo, device, cfg.optim, p.pipeline, update_cfg=cfg.update,
+                             loss_fn=loss_fn)
     if p.strategy == "sharded":
-        return ShardedStrategy(model, cfg.optim, topo, device, streams=p.streams, slices=p.slices,
-                               assignment=p.slice_assignment, overlap_forward=p.overlap_forward,
-                               main_stream_communicates=p.main_stream_communicates, seed=cfg.run.seed,
-                               update_cfg=cfg.update, hierarchical=p.hierarchical, loss_fn=loss_fn,
-                               reduce_dtype=reduce_dtype(cfg.precision), accumulate=cfg.data.accumulate)
-    return DDPStrategy(model, cfg.optim, topo, device, update_cfg=cfg.update, loss_fn=loss_fn,
-                       reduce_dtype=reduce_dtype(cfg.precision), accumulate=cfg.data.accumulate,
-                       find_unused_parameters=p.find_unused_parameters)
+        return ShardedStrategy(model, cfg.optim, topo, device, p.sharded, seed=cfg.run.seed, update_cfg=cfg.update,
+                               loss_fn=loss_fn, reduce_dtype=reduce_dtype(cfg.precision),
+                               accumulate=cfg.data.accumulate)
+    return DDPStrategy(model, cfg.optim, topo, device, p.ddp, update_cfg=cfg.update, loss_fn=loss_fn,
+                       reduce_dtype=reduce_dtype(cfg.precision), accumulate=cfg.data.accumulate)

@@ -134,7 +134,7 @@ class RankZeroTelemetry(Telemetry):
         if name in ("set-policy", "set-placement") and args[0] not in self.layers:
             reason = f"unknown layer {args[0]!r}"
         elif name == "rebalance" and self.mode == "pipeline" and name not in self.capabilities:
-            reason = 'rebalancing is off in this run (parallel.rebalance = "off")'
+            reason = 'rebalancing is off in this run (parallel.pipeline.rebalance = "off")'
         elif name not in self.capabilities:
             reason = f"{name} is not available in mode {self.mode}"
         elif name == "rebalance" and getattr(self, "rebalancing", None):

@@ -119,7 +119,7 @@ STAGE = {   # pipeline: one per stage, from every rank's timings (engine/strateg
                    "layers": {"type": "array", "items": {"type": "string"}},
                    "fwd_ms": {"type": "number", "minimum": 0}, "bwd_ms": {"type": "number", "minimum": 0},
                    "idle_ms": {"type": "number", "minimum": 0},
-                   # the micro-batches a step is cut into (parallel.micro_batches); logs before 2026-11-25 lack it
+                   # the micro-batches a step is cut into (parallel.pipeline.micro_batches); logs before 2026-11-25 lack it
                    "micro_batches": {"type": "integer", "minimum": 1}, "sent_bytes": _BYTES},
 }
 

@@ -2,7 +2,7 @@
 tells the other servers the sync mode and the flags, logs the telemetry, writes the checkpoints and
 ends the run; and `run_server`, where every server rank starts.
 
-    summary = run_server(job, topo, stop, build_rank)   # engine/run/worker.py, on ranks below parallel.servers
+    summary = run_server(job, topo, stop, build_rank)   # engine/run/worker.py, on ranks below parallel.param_server.servers
 
 The global step is the least gradient count of its own layers, over the number of workers. A checkpoint is every
 server's file of its own layers (CKPT, then an ACK each), finalized here with the run's manifest; an
@@ -45,14 +45,14 @@ class Coordinator(PSServer, RunControl):
         super().__init__(setup)
         self.tel, self.cfg, self.job = tel, setup.cfg, setup.job
         cfg = setup.cfg
-        self.sync_mode = cfg.parallel.sync
+        self.sync_mode = cfg.parallel.param_server.sync
         self.mode = "param_server"
         self.paused = False
         self.reported = setup.first_step         # the last step whose record is written
         self.counted = setup.first_step          # the last global step seen (checkpoints, evaluations)
         self.rows: dict[int, list[float]] = {}
         self.info = {w: {"rank": w, "iterations": setup.first_step, "steps_per_s": 0.0, "wait_ms": 0.0,
-                         "compute_ms": 0.0, "slow_factor": float(cfg.parallel.slow_workers.get(str(w), 1.0)),
+                         "compute_ms": 0.0, "slow_factor": float(cfg.parallel.param_server.slow_workers.get(str(w), 1.0)),
                          "alive": True, "_t": None, "_step": setup.first_step} for w in self.workers}
         self.server_rows: dict[int, torch.Tensor] = {}
         self.losses = StepLosses()
@@ -210,7 +210,7 @@ class Coordinator(PSServer, RunControl):
                 "time_split": {"compute_ms": round(mean("compute_ms"), 4), "comm_ms": 0.0,
                                "wait_ms": round(mean("wait_ms"), 4)},
                 "streams": [], "ps": {"mode": self.sync_mode, "profiling": self.profiling,
-                                      "staleness_bound": cfg.parallel.staleness_bound,
+                                      "staleness_bound": cfg.parallel.param_server.staleness_bound,
                                       "workers_live": len(self.live), "workers_lost": sorted(self.lost),
                                       "workers": workers, "layers": self._layer_rows()}}
 
@@ -359,7 +359,7 @@ def run_server(job, topo, stop, build) -> dict | None:
         raise
     tel = Telemetry.open(job, setup.hello(), True, setup.first_step)
     try:
-        tel.update_state(step=setup.first_step, steps=job.config.run.steps, paused=False, sync=job.config.parallel.sync)
+        tel.update_state(step=setup.first_step, steps=job.config.run.steps, paused=False, sync=job.config.parallel.param_server.sync)
         announce(tel, job.config, topo, setup.device, setup.model.names, setup.first_step, setup.restart,
                  setup.source, setup.layout())
         coordinator = Coordinator(setup, tel)

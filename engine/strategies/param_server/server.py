@@ -39,7 +39,7 @@ class PSServer:
     def __init__(self, setup: "Setup"):
         self.setup = s = setup
         cfg, topo = s.cfg, s.topo
-        p = cfg.parallel
+        p, timeout_s = cfg.parallel.param_server, cfg.parallel.collective_timeout_s
         self.rank, self.is_coordinator = topo.rank, topo.rank == 0
         self.workers = list(range(s.servers, topo.world_size))
         self.mine = [j for j, server in s.owner.items() if server == self.rank]
@@ -53,7 +53,7 @@ class PSServer:
         self.target = p.sync                     # the mode once every worker's profile is in
         self.profiling = True                    # until then: bsp, while the workers measure
         self.sync = {j: LayerSync("bsp", set(self.workers), p.staleness_scaling, p.staleness_bound,
-                                  wait_limit_s=p.collective_timeout_s / 2, unit=p.staleness_unit) for j in self.mine}
+                                  wait_limit_s=timeout_s / 2, unit=p.staleness_unit) for j in self.mine}
         self.count = {j: s.first_step * len(self.workers) for j in self.mine}
         self.last = {}                           # layer -> its last Update
         self.tally = {j: [0, 0, 0.0, 0.0, 0.0, 0] for j in self.mine}   # layer -> TALLY's figures, since this start

@@ -31,7 +31,7 @@ def assign_layers(sizes: dict[int, int], servers: int) -> dict[int, int]:
     server holding the fewest bytes so far (ties to the lower rank, then the earlier layer)."""
     if len(sizes) < servers:
         raise ParamServerError(
-            f"parallel.servers = {servers} but the model has only {len(sizes)} layers with parameters: "
+            f"parallel.param_server.servers = {servers} but the model has only {len(sizes)} layers with parameters: "
             f"every server needs at least one layer (use at most {len(sizes)} servers)")
     load = [0] * servers
     owner = {}
@@ -57,7 +57,8 @@ class Setup:
         cfg = self.cfg = job.config
         self.job, self.topo, self.stop = job, topo, stop
         self.loss_fn = job.loss_fn or cross_entropy   # engine/training/loss.py
-        self.servers, self.workers = cfg.parallel.servers, topo.world_size - cfg.parallel.servers
+        self.servers = cfg.parallel.param_server.servers
+        self.workers = topo.world_size - self.servers
         self.restart, self.device, self.data, self.model = build(job, topo)   # the run's build_rank
         self.params = layer_params(self.model)
         self.owner = assign_layers({j: sum(p.numel() * p.element_size() for p in ps)
@@ -102,13 +103,13 @@ class Setup:
         saved = manifest["layout"].get("server_layers")
         if saved != self.layout()["server_layers"]:
             raise ckpt.CheckpointError(f"{self.source}: its layers were served as {saved}; this run serves "
-                                       f"them as {self.layout()['server_layers']} (parallel.servers must match)")
+                                       f"them as {self.layout()['server_layers']} (parallel.param_server.servers must match)")
         server.load(ckpt.load_file(self.source, f"server{self.topo.rank}.pt"))
         for j in server.mine:
             server.count[j] = self.first_step * self.workers
 
     def layout(self) -> dict:
-        p = self.cfg.parallel
+        p = self.cfg.parallel.param_server
         return {"strategy": "param_server", "servers": self.servers, "workers": self.workers, "sync": p.sync,
                 "staleness_bound": p.staleness_bound, "staleness_scaling": p.staleness_scaling,
                 "staleness_unit": p.staleness_unit,

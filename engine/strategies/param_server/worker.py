@@ -2,13 +2,13 @@
 server just before that layer's forward and pushing the layer's gradient the moment its backward
 completes; and `supervise`, the process the elastic agent sees as the rank.
 
-    supervise(job, build_rank)     # engine/run/worker.py, on ranks from parallel.servers up
+    supervise(job, build_rank)     # engine/run/worker.py, on ranks from parallel.param_server.servers up
 
 `supervise` forks the worker: a worker that dies is reported and absorbed there, so the servers go on
 with the others, where the agent would otherwise restart everything. Its first sync_profile_steps
 iterations measure, per layer, the time it had between pushing a gradient and needing the layer again
 (its slack); the servers set each layer's window from it. SlowMachine stretches the worker's own work
-to emulate a slower machine (parallel.slow_workers).
+to emulate a slower machine (parallel.param_server.slow_workers).
 
 Times: an iteration's `fwd_ms` and `bwd_ms` (the coordinator's `compute_ms`) are the worker's own work
 on the device's clock (engine/training/timing.py: CUDA events on a GPU, perf_counter on the CPU), read after the
@@ -100,7 +100,7 @@ class PSWorker:
         self.times = StepTimes(device_clock or Clock(setup.device.torch_device), ("fwd_ms", "bwd_ms"))
         cfg, topo = setup.cfg, setup.topo
         self.index = topo.rank - setup.servers
-        self.factor = float(cfg.parallel.slow_workers.get(str(topo.rank), 1.0))
+        self.factor = float(cfg.parallel.param_server.slow_workers.get(str(topo.rank), 1.0))
         self.params = setup.params
         self.layers = sorted(self.params)
         self.sizes = {j: sum(p.numel() for p in ps) for j, ps in self.params.items()}
@@ -216,7 +216,7 @@ class PSWorker:
     def _profile(self) -> None:
         """After `sync_profile_steps` iterations, every server gets this worker's slack per layer
         (the mean over those iterations but the first)."""
-        steps = self.setup.cfg.parallel.sync_profile_steps
+        steps = self.setup.cfg.parallel.param_server.sync_profile_steps
         done = self.iteration - self.setup.first_step
         if done > steps:
             return

@@ -64,7 +64,7 @@ def uniform_stages(model, stages: int) -> list[list[str]]:
 
 
 def configured_stages(model, partition, stages: int) -> list[list[str]]:
-    """`parallel.partition`: "uniform" (uniform_stages over `stages`), or the stages as listed."""
+    """`parallel.pipeline.partition`: "uniform" (uniform_stages over `stages`), or the stages as listed."""
     return uniform_stages(model, stages) if partition == "uniform" else partition
 
 

@@ -1,7 +1,7 @@
 """Pipeline parallel: each rank runs one stage (a run of consecutive layers) of the model.
 
     stage = PipelineStage(model, [["fc0", "act0", "fc1"], ["act1", "head"]], topo, device,
-                          optim_cfg, micro_batches=4, schedule="1f1b")
+                          optim_cfg, PipelineConfig(micro_batches=4, schedule="1f1b", rebalance="off"))
     loss = stage.train_step(x, y)   # the global-batch loss on the last stage, None elsewhere
     stage.stage_params()            # the parameters this rank trains
     stage.layout()                  # {"strategy": "pipeline", "stages": ..., "schedule": ..., ...}
@@ -59,7 +59,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from engine.config import OptimConfig, UpdateConfig
+from engine.config import OptimConfig, PipelineConfig, UpdateConfig
 from engine.runtime.devices import tensor_bytes
 from engine.training.loss import counted, cross_entropy, share_loss
 from engine.strategies.ddp import params_by_layer
@@ -86,9 +86,11 @@ class PipelineStage(StageWire, StageCheckpoint, Strategy):
     staged = True
 
     def __init__(self, model, stage_layers: list[list[str]] | str, topo, device, optim_cfg: OptimConfig,
-                 micro_batches: int, schedule: str = "1f1b", loss_fn=cross_entropy,
-                 update_cfg: UpdateConfig | None = None, rebalance: str = "off", threshold: float = 0.2,
-                 check_every: int = 10, device_clock: Clock | None = None):
+                 settings: PipelineConfig, loss_fn=cross_entropy, update_cfg: UpdateConfig | None = None,
+                 device_clock: Clock | None = None):
+        """`stage_layers`: the layout to start in (configured_stages resolves `settings.partition` to it, or
+        "balanced"); `settings`: [parallel.pipeline] (engine/config/parallel.py)."""
+        schedule, micro_batches, rebalance = settings.schedule, settings.micro_batches, settings.rebalance
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
         if not isinstance(micro_batches, int) or micro_batches < 1:
@@ -123,7 +125,8 @@ class PipelineStage(StageWire, StageCheckpoint, Strategy):
         # the layout's model counts each boundary's sends at the links' measured rate (only where it can move)
         rate = measure_link_rate(group, self.rank, self.stages, device.torch_device) \
             if rebalance != "off" or self.balance_first else math.inf
-        self.rebalancer = Rebalancer(model, topo, rebalance, threshold, check_every, rate, micro_batches)
+        self.rebalancer = Rebalancer(model, topo, rebalance, settings.imbalance_threshold,
+                                     settings.rebalance_check_every, rate, micro_batches)
         self.commands = ("pause", "resume", "stop", "checkpoint", "set-placement") + \
             (("rebalance",) if rebalance != "off" else ())
         self.pending: list[list[str]] | None = None   # the layout the next step migrates to

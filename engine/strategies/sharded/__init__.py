@@ -1,8 +1,7 @@
 """Techniques 1 and 2: sharded ownership, multi-stream sliced broadcast, forward gated per layer.
 
-    strategy = ShardedStrategy(model, optim_cfg, topo, device, streams=2, slices=4,
-                               assignment="balanced", overlap_forward=True,
-                               main_stream_communicates=False, seed=0)
+    strategy = ShardedStrategy(model, optim_cfg, topo, device, ShardedConfig(streams=2, slices=4), seed=0)
+                                          # ShardedConfig: [parallel.sharded] (engine/config/parallel.py)
     loss = strategy.train_step(x, y)      # forward (gated), backward, reduce to owners, update, broadcast
     strategy.sync()                       # every broadcast in flight has landed (before a checkpoint)
 

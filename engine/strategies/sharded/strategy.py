@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from engine.runtime import checkpoint as ckpt, emulate
-from engine.config import OptimConfig, UpdateConfig
+from engine.config import OptimConfig, ShardedConfig, UpdateConfig
 from engine.training.loss import cross_entropy, share_loss
 from engine.training.data import micro_steps
 from engine.strategies.base import Strategy
@@ -46,17 +46,19 @@ class ShardedStrategy(GradientReduce, Strategy):
     name = "sharded"
     owning = True   # each parameter's update runs on its owner (layer_owners)
 
-    def __init__(self, model, optim_cfg: OptimConfig, topo: Topology, device: LedgerDevice, *,
-                 streams: int = 2, slices: int = 4, assignment: str = "balanced", overlap_forward: bool = True,
-                 main_stream_communicates: bool = False, seed: int = 0, update_cfg: UpdateConfig | None = None,
-                 loss_fn=cross_entropy, hierarchical: bool = True, device_clock: Clock | None = None,
+    def __init__(self, model, optim_cfg: OptimConfig, topo: Topology, device: LedgerDevice,
+                 settings: ShardedConfig | None = None, *, seed: int = 0, update_cfg: UpdateConfig | None = None,
+                 loss_fn=cross_entropy, device_clock: Clock | None = None,
                  reduce_dtype: torch.dtype = torch.float32, accumulate: int = 1):
+        """`settings`: [parallel.sharded] (engine/config/parallel.py), its defaults where None."""
+        settings = settings or ShardedConfig()
+        streams, slices = settings.streams, settings.slices
         if slices < streams:
-            raise ValueError(f"parallel.slices = {slices} is smaller than parallel.streams = {streams}; "
-                             f"every stream needs at least one slice")
+            raise ValueError(f"parallel.sharded.slices = {slices} is smaller than parallel.sharded.streams = "
+                             f"{streams}; every stream needs at least one slice")
         self.model, self.topo, self.device, self.loss_fn = model, topo, device, loss_fn
         self.global_counted: int | None = None   # the step's counted targets over the global batch (engine/training/loss.py)
-        self.overlap_forward = overlap_forward
+        self.overlap_forward = settings.overlap_forward
         self.accumulate = accumulate   # micro-steps per update: gradients go to their owners after the last
         self._accumulating = False
         self.reduce_dtype = reduce_dtype   # bf16 gradients travel as bf16 and are summed in this dtype
@@ -104,9 +106,9 @@ class ShardedStrategy(GradientReduce, Strategy):
         self.owned_bytes = sum(tensor_bytes(p) for p, o in zip(order, self.owners) if o == self.rank)
 
         # streams: process groups; with main_stream_communicates the compute group is stream 0
-        self.groups = topo.stream_groups(streams, include_compute=main_stream_communicates)
+        self.groups = topo.stream_groups(streams, include_compute=settings.main_stream_communicates)
         self.meters = [CommMeter(clock) for _ in range(streams)]
-        self.plan = plan_slices(spans, slices, streams, assignment, seed)
+        self.plan = plan_slices(spans, slices, streams, settings.slice_assignment, seed)
         self.gates: dict[int, list[int]] = {}   # layer -> the slices it waits for
         for i, s in enumerate(self.plan):
             for layer in s.layers:
@@ -125,7 +127,7 @@ class ShardedStrategy(GradientReduce, Strategy):
         # owner, and a relay for the buckets it stands for, receive the others' into buffers of their own
         k = topo.local_world_size
         self.tiers = None
-        if hierarchical and 1 < k < self.world and self.world % k == 0:
+        if settings.hierarchical and 1 < k < self.world and self.world % k == 0:
             self.tiers = Tiers(self.rank, k, *topo.host_stream_groups(streams), timeout_s=topo.timeout_s)
         self.buckets = reduce_buckets(self.plan, self.world, order[0].element_size() if order else 4)
         starts = [[b.start for b in self.buckets if b.owner == o] for o in range(self.world)]

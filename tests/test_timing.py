@@ -204,6 +204,33 @@ def test_the_profilers_rows_are_the_devices_times():
         assert rows[name]["fwd_ms"] == pytest.approx(fwd) and rows[name]["bwd_ms"] == pytest.approx(bwd), rows[name]
 
 
+def test_one_per_layer_timer_marks_for_the_profiler_the_layer_clock_and_the_activation_plan():
+    """The console's layer table, the rebalance and the memory plan read per-layer times from one mechanism
+    (LayerSpans): the same layers on the same device give each the same forward times."""
+    from engine.techniques.memory.measure import Measure
+    from engine.techniques.rebalance import LayerClock
+    from engine.training.timing import LayerSpans
+    gpu = FakeGPU()
+    model = model_on(gpu)
+    device = LedgerDevice(1 << 30)
+    profiler = LayerProfiler(model, device.ledger, Clock(events=gpu.event))
+    layer_clock = LayerClock(model.names, Clock(events=gpu.event))
+    measure = Measure(Clock(events=gpu.event))
+    assert all(isinstance(t.spans, LayerSpans) for t in (profiler, layer_clock, measure))
+    profiler.arm()
+    layer_clock.backward(layer_clock.forward(model.layers, 0, len(model.names), torch.randn(8, 4)).sum())
+    layer_clock.end_step()
+    for name, layer in zip(model.names, model.layers):
+        t0 = measure.clock.mark()
+        layer(torch.randn(8, 4))
+        measure.forward_ran(name, t0, 0.0, ())
+    profiler.remove()
+    fwd_ms, _, calls, _ = measure.spans.read()
+    for i, (name, (fwd, bwd)) in enumerate(SCRIPT.items()):
+        assert fwd_ms[name] == pytest.approx(fwd) and calls[name] == 1
+        assert layer_clock.fwd_ms[i] == pytest.approx(fwd) and layer_clock.bwd_ms[i] == pytest.approx(bwd)
+
+
 def test_a_device_updates_time_is_the_devices():
     gpu = FakeGPU()
     layer = nn.Linear(4, 4)

@@ -34,28 +34,27 @@ import torch.distributed as dist
 
 from engine.techniques.partition import Layout, clusters_from, modelled, partition
 from engine.techniques.stage_times import stage_times, threshold_in_ms
-from engine.runtime.profiler import _first_tensor
-from engine.training.timing import Clock
+from engine.training.timing import Clock, LayerSpans, first_tensor
 
 MODES = ("auto", "manual", "off")
 
 
 class LayerClock:
     """Per-layer forward and backward milliseconds (summed over the timed steps since the last `take`)
-    and output bytes, on the device's clock (engine/training/timing.py: CUDA events on a GPU, marked as the layers
-    are queued and read at the step's end). Unarmed it only runs the layers: timing every layer of every
-    micro-batch cost about 5% of a step here, so a stage times a sample of its steps (see PipelineStage)."""
+    and output bytes, marked by the one per-layer timer (engine/training/timing.py LayerSpans) on the
+    device's clock (CUDA events on a GPU, marked as the layers are queued and read at the step's end).
+    Unarmed it only runs the layers: timing every layer of every micro-batch cost about 5% of a step
+    here, so a stage times a sample of its steps (see PipelineStage)."""
 
     def __init__(self, names: list[str], clock: Clock | None = None):
         self.names = list(names)
-        self.clock = clock or Clock()
+        self.spans = LayerSpans(clock)
+        self.clock = self.spans.clock
         self.armed = True
         self.fwd_ms = [0.0] * len(names)
         self.bwd_ms = [0.0] * len(names)
         self.out_bytes = [0] * len(names)
         self.steps = 0
-        self._fired: list[tuple[int, object]] = []
-        self._spans: list[tuple[list[float], int, object, object]] = []   # marked this step, read at its end
 
     def forward(self, layers, start: int, end: int, x):
         if not self.armed:
@@ -65,41 +64,31 @@ class LayerClock:
         for i in range(start, end):
             t0 = self.clock.mark()
             x = layers[i](x)
-            self._spans.append((self.fwd_ms, i, t0, self.clock.mark()))
-            out = _first_tensor(x)
+            self.spans.forward(i, t0)
+            out = first_tensor(x)
             if out is not None:
                 self.out_bytes[i] = out.numel() * out.element_size()
-                if out.requires_grad:
-                    out.register_hook(self._mark(i))
+                if out.requires_grad:   # its gradient starts this layer's backward, the next one's ends it
+                    self.spans.backward_from(i, out)
         return x
 
-    def _mark(self, i: int):
-        def hook(grad):
-            self._fired.append((i, self.clock.mark()))
-        return hook
-
     def backward(self, out: torch.Tensor, grad: torch.Tensor | None = None) -> None:
-        if not self.armed:
-            out.backward(grad)
-            return
-        self._fired = []
         out.backward(grad)
-        end = self.clock.mark()
-        fired = self._fired
-        for k, (i, t) in enumerate(fired):   # fired in backward order: each mark ends the one before
-            self._spans.append((self.bwd_ms, i, t, fired[k + 1][1] if k + 1 < len(fired) else end))
-        self._fired = []
+        if self.armed:
+            self.spans.end_backward()
 
     def end_step(self) -> None:
         """The step's work is queued: read its marks (on a GPU this waits for a timed step's last layer)."""
-        for totals, i, a, b in self._spans:
-            totals[i] += self.clock.ms(a, b)
-        self._spans = []
+        fwd, bwd, _, _ = self.spans.read()
+        for i, ms in fwd.items():
+            self.fwd_ms[i] += ms
+        for i, ms in bwd.items():
+            self.bwd_ms[i] += ms
         self.steps += self.armed
 
     def take(self) -> tuple[list[float], list[int]]:
         """Mean forward+backward ms per step of every layer since the last take, and output bytes."""
-        self._spans = []   # marks of a step not ended (a discarded step) are not a cost
+        self.spans.clear()   # marks of a step not ended (a discarded step) are not a cost
         steps = max(self.steps, 1)
         ms = [(f + b) / steps for f, b in zip(self.fwd_ms, self.bwd_ms)]
         self.fwd_ms, self.bwd_ms, self.steps = [0.0] * len(self.names), [0.0] * len(self.names), 0

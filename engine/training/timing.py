@@ -109,3 +109,98 @@ class StepTimes:
                 out[name] = out.get(name, 0.0) + self.clock.ms(a, b)
             self.latest = out
         return dict(self.latest)
+
+
+def tensors(value) -> list[torch.Tensor]:
+    """The tensors in a layer's arguments or output (nested in tuples and lists)."""
+    if torch.is_tensor(value):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for item in value for t in tensors(item)]
+    return []
+
+
+def first_tensor(value) -> torch.Tensor | None:
+    found = tensors(value)
+    return found[0] if found else None
+
+
+class LayerSpans:
+    """The one per-layer timer: each layer's forward and backward spans on a Clock (the device's), marked as
+    the work is queued and read once it has run. Three readers mark through one: the layer profiler (the
+    console's layer table, the update trial: engine/runtime/profiler.py), a pipeline stage's layer clock
+    (the rebalance: engine/techniques/rebalance.py) and the activation plan's measuring step
+    (engine/techniques/memory/measure.py).
+
+        spans = LayerSpans(clock)
+        t0 = spans.clock.mark(); out = layer(x); spans.forward(key, t0)
+        spans.backward_from(key, out)           # out's gradient starts key's backward; the next start ends it
+        spans.backward_from(key, out, until=x)  # ...or x's gradient ends it (the layer's own, as measure.py wants)
+        loss.backward(); spans.end_backward()   # the last start's span ends here
+        fwd_ms, bwd_ms, fwd_n, bwd_n = spans.read()   # summed by key, and spans counted; then cleared
+
+    `waits` (forward and backward_from): a callable returning (the host's waits in s so far, the device's wait
+    marks so far: [(mark, mark), ...]); what a span waited for the host link is left out of its time, a
+    layer's own time being what a recompute costs."""
+
+    def __init__(self, clock: Clock | None = None):
+        self.clock = clock or Clock()
+        self.spans: list[tuple] = []   # (fwd or bwd list, key, mark, mark, host wait s, device wait marks)
+        self._open = None              # the chain's last start: (key, mark, waits then, waits)
+
+    def forward(self, key, t0, wait_s: float = 0.0) -> None:
+        """`key`'s forward began at mark `t0` and ends now, after waiting `wait_s` for the link."""
+        self.spans.append(("fwd", key, t0, self.clock.mark(), wait_s, ()))
+
+    def backward_from(self, key, out: torch.Tensor, until: torch.Tensor | None = None, waits=None) -> None:
+        if until is None:
+            out.register_hook(lambda grad: self._chain(key, waits))
+            return
+        started = []
+        out.register_hook(lambda grad: started.append((self.clock.mark(), _waited(waits))))
+
+        def ended(grad):
+            if started:
+                t0, before = started.pop()
+                self._close(key, t0, before, waits, self.clock.mark())
+        until.register_hook(ended)
+
+    def _chain(self, key, waits) -> None:
+        now = self.clock.mark()
+        if self._open is not None:
+            self._close(*self._open, now)
+        self._open = (key, now, _waited(waits), waits)
+
+    def _close(self, key, t0, before, waits, t1) -> None:
+        (w0, n0, _), (w1, n1, marks) = before, _waited(waits)
+        self.spans.append(("bwd", key, t0, t1, w1 - w0, tuple(marks[n0:n1])))
+
+    def end_backward(self) -> None:
+        if self._open is not None:
+            self._close(*self._open, self.clock.mark())
+            self._open = None
+
+    def read(self) -> tuple[dict, dict, dict, dict]:
+        """Milliseconds summed by key for forward and backward (each span less its waits, at least 0), and
+        how many spans each; clears the spans (a GPU waits here for the last one to run)."""
+        self.clock.settle()
+        ms, count = ({}, {}), ({}, {})
+        for kind, key, a, b, wait_s, stalls in self.spans:
+            side = kind == "bwd"
+            stalled = sum(self.clock.ms(s0, s1) for s0, s1 in stalls)
+            ms[side][key] = ms[side].get(key, 0.0) + max(0.0, self.clock.ms(a, b) - wait_s * 1000 - stalled)
+            count[side][key] = count[side].get(key, 0) + 1
+        self.spans, self._open = [], None
+        return ms[0], ms[1], count[0], count[1]
+
+    def clear(self) -> None:
+        """Forget what was marked (a step that is not a cost)."""
+        self.spans, self._open = [], None
+
+
+def _waited(waits) -> tuple[float, int, list]:
+    """(the host's waits in s, how many device wait marks, those marks) so far."""
+    if waits is None:
+        return 0.0, 0, ()
+    host_s, marks = waits()
+    return host_s, len(marks), marks

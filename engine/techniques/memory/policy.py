@@ -36,10 +36,10 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from engine.config import format_size
-from engine.training.timing import Clock
+from engine.training.timing import Clock, tensors
 from engine.techniques.memory.cost import POLICIES, ActivationCost, estimate
 from engine.techniques.memory.link import HostLink, StreamLink, measure_link_gbps
-from engine.techniques.memory.measure import Measure, tensors
+from engine.techniques.memory.measure import Measure
 from engine.techniques.memory.planner import Plan, PlanError, plan, round_up_mib
 from engine.techniques.memory.stream_swap import StreamSwapper
 from engine.techniques.memory.swap import SwapEntry, Swapper

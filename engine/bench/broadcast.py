@@ -61,7 +61,7 @@ import sys
 import time
 
 from engine.bench.broadcast_tables import goal_of, print_comparison, print_precision
-from engine.bench.clip import ratio
+from engine.bench.clip import add_precision_and_clip, check_precision_and_clip, ratio
 from engine.bench.torch_ddp import TorchDDP
 
 
@@ -341,22 +341,15 @@ def main(argv: list[str]) -> int:
                                                              "(0: one machine; needs root, engine/processes/cluster.py)")
     parser.add_argument("--link", default="1gbit", help="each emulated host's link rate, with --hosts "
                                                         "(default 1gbit)")
-    parser.add_argument("--precision", choices=tuple(PRECISIONS), default="fp32",
-                        help="bf16: every variant in fp32 and in bf16 side by side, with bytes per step and the "
-                             "bf16/fp32 ratios (default fp32: fp32 only)")
-    parser.add_argument("--clip-grad-norm", type=float, default=None, metavar="X",
-                        help="instead of the variants: ddp-inline without clipping, clipping at X after waiting "
-                             "for the norm, and clipping speculatively, and sharded-n-gated without and with "
-                             "clipping, with their rollback rates (engine/bench/clip.py)")
+    add_precision_and_clip(parser, "every variant's bytes per step",
+                           "ddp-inline without clipping, clipping at X after waiting for the norm, and clipping "
+                           "speculatively, and sharded-n-gated without and with clipping")
     args = parser.parse_args(argv)
     if args.slices < args.streams or args.batch % args.world:
         parser.error("--slices must be >= --streams and --batch divisible by --world")
     if args.hosts and (args.hosts < 2 or args.world % args.hosts):
         parser.error("--hosts must be at least 2 and divide --world")
-    if args.clip_grad_norm is not None and args.clip_grad_norm <= 0:
-        parser.error("--clip-grad-norm: must be > 0 (the threshold the wait and speculate runs clip at)")
-    if args.clip_grad_norm is not None and args.precision != "fp32":
-        parser.error("--clip-grad-norm runs in fp32: leave out --precision")
+    check_precision_and_clip(parser, args)
     from engine.processes.cluster import ClusterError
     try:
         report = run_bench(args.world, args.rounds, args.streams, args.slices, args.hidden, args.depth,

@@ -27,6 +27,24 @@ MODES = ("none", "wait", "speculate")
 SPECULATE_OVER_NONE_AT_MOST = 1.05
 
 
+def add_precision_and_clip(parser, compared: str, clip_runs: str) -> None:
+    """The `--precision` and `--clip-grad-norm` flags bench broadcast and bench hybrid share: `compared`
+    says what bf16 adds to the report, `clip_runs` what the clip runs are instead of the bench's own."""
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                        help=f"bf16: the bench in fp32 and in bf16 side by side, with {compared} and the bf16/fp32 "
+                             f"ratios (default fp32: fp32 only)")
+    parser.add_argument("--clip-grad-norm", type=float, default=None, metavar="X",
+                        help=f"instead of the bench's own runs: {clip_runs}, with their rollback rates "
+                             f"(engine/bench/clip.py)")
+
+
+def check_precision_and_clip(parser, args) -> None:
+    if args.clip_grad_norm is not None and args.clip_grad_norm <= 0:
+        parser.error("--clip-grad-norm: must be > 0 (the threshold the wait and speculate runs clip at)")
+    if args.clip_grad_norm is not None and args.precision != "fp32":
+        parser.error("--clip-grad-norm runs in fp32: leave out --precision")
+
+
 def ratio(a, b, digits: int = 3):
     """a / b rounded, None where either is missing or b is 0 (every bench's ratios)."""
     return None if a is None or not b else round(a / b, digits)

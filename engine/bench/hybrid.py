@@ -46,6 +46,7 @@ import json
 import statistics
 import time
 
+from engine.bench.clip import add_precision_and_clip, check_precision_and_clip
 from engine.bench.hybrid_tables import case_rows, compare_row, print_cases, print_comparison
 
 
@@ -314,13 +315,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--device", choices=("cuda", "cpu"), default=None,
                         help="where the worker computes (default: cuda when a GPU is there, else cpu)")
-    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
-                        help="bf16: the bench in fp32 and in bf16 side by side, with each placement's host link "
-                             "bytes per step and the bf16/fp32 ratios (default fp32: fp32 only)")
-    parser.add_argument("--clip-grad-norm", type=float, default=None, metavar="X",
-                        help="instead of the placements: all-device and all-host without clipping, clipping at X "
-                             "after waiting for the norm, and clipping speculatively, with their rollback rates "
-                             "(engine/bench/clip.py)")
+    add_precision_and_clip(parser, "each placement's host link bytes per step",
+                           "all-device and all-host without clipping, clipping at X after waiting for the norm, "
+                           "and clipping speculatively")
     args = parser.parse_args(argv)
     import torch
     kind = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -355,10 +352,7 @@ def main(argv: list[str]) -> int:
 
 
 def _main_clip(parser, args, kind: str) -> int:
-    if args.clip_grad_norm <= 0:
-        parser.error("--clip-grad-norm: must be > 0 (the threshold the wait and speculate runs clip at)")
-    if args.precision != "fp32":
-        parser.error("--clip-grad-norm runs in fp32: leave out --precision")
+    check_precision_and_clip(parser, args)
     report = run_clip_bench(args.hidden, args.depth, args.batch, args.rounds, args.steps, args.warmup,
                             args.clip_grad_norm, kind)
     if args.json:

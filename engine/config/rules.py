@@ -134,28 +134,28 @@ def slow_layer_is_whole(cfg: Config) -> str | None:
     if cfg.parallel.strategy == "param_server":
         return (f"emulate.slow_layer = {show(e.slow_layer)}: not available with parallel.strategy = "
                 f"\"param_server\" (emulate a slow worker with parallel.param_server.slow_workers)")
-    if e.slow_layer_ms <= 0:
-        return (f"emulate.slow_layer = {show(e.slow_layer)} needs emulate.slow_layer_ms > 0 (how many "
-                f"milliseconds each of its forwards sleeps)")
-    return None
+    return _sleeps(f"emulate.slow_layer = {show(e.slow_layer)}", "slow_layer_ms", e.slow_layer_ms,
+                   "each of its forwards sleeps")
 
 
 def slow_rank_is_whole(cfg: Config) -> str | None:
     """`emulate.slow_rank` names a rank of a data-parallel run and needs `emulate.slow_rank_ms` > 0."""
-    e = cfg.emulate
+    e, world = cfg.emulate, cfg.parallel.world_size
     if e.slow_rank < 0:
         return None
     if cfg.parallel.strategy not in ("ddp", "sharded"):
         return (f"emulate.slow_rank = {e.slow_rank}: only with parallel.strategy = \"ddp\" or \"sharded\" "
                 f"(a pipeline's slow stage is emulate.slow_layer; a parameter server's slow workers are "
                 f"parallel.param_server.slow_workers)")
-    if e.slow_rank >= cfg.parallel.world_size:
-        return (f"emulate.slow_rank = {e.slow_rank}: no such rank; parallel.world_size = "
-                f"{cfg.parallel.world_size} has ranks 0 to {cfg.parallel.world_size - 1}")
-    if e.slow_rank_ms <= 0:
-        return (f"emulate.slow_rank = {e.slow_rank} needs emulate.slow_rank_ms > 0 (how many milliseconds its "
-                f"forward sleeps each step)")
-    return None
+    if e.slow_rank >= world:
+        return (f"emulate.slow_rank = {e.slow_rank}: no such rank; parallel.world_size = {world} has ranks 0 to "
+                f"{world - 1}")
+    return _sleeps(f"emulate.slow_rank = {e.slow_rank}", "slow_rank_ms", e.slow_rank_ms, "its forward sleeps each step")
+
+
+def _sleeps(setting: str, key: str, ms: float, what: str) -> str | None:
+    """An emulated slow part needs how long it sleeps."""
+    return f"{setting} needs emulate.{key} > 0 (how many milliseconds {what})" if ms <= 0 else None
 
 
 def kill_has_its_moment(cfg: Config) -> str | None:

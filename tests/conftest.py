@@ -147,9 +147,10 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):
     pytest.fail(f"timed out after {timeout}s waiting for {what}")
 
 
-def train_one_process(model, optim_cfg, batches) -> tuple[dict, list[float]]:
+def train_one_process(model, optim_cfg, batches, optimizer_state: dict | None = None) -> tuple[dict, list[float]]:
     """The reference every parallel layout must equal: one process, one update per whole global batch.
-    Returns the final state_dict and each step's loss."""
+    Returns the final state_dict and each step's loss; fills `optimizer_state` (given) with the optimizer's
+    state under the parameters' names (what Strategy.optimizer_state gives)."""
     from engine.training.loss import cross_entropy
     from engine.training.optim import make_optimizer
     opt = make_optimizer(optim_cfg, model.parameters())
@@ -162,4 +163,22 @@ def train_one_process(model, optim_cfg, batches) -> tuple[dict, list[float]]:
             torch.nn.utils.clip_grad_norm_(model.parameters(), optim_cfg.clip_grad_norm)
         opt.step()
         losses.append(loss.item())
+    if optimizer_state is not None:
+        from engine.strategies.base import parameter_names
+        from engine.techniques.updates.state import named_state
+        optimizer_state.update(named_state(opt, list(model.parameters()), parameter_names(model)))
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
+
+
+def assert_named_state_close(got: dict, want: dict, atol: float, what: str = "") -> None:
+    """Two optimizer states by parameter name (Strategy.optimizer_state's form) hold the same names, keys and
+    values."""
+    assert sorted(got) == sorted(want), f"{what}: names {sorted(set(got) ^ set(want))} differ"
+    for name, entry in want.items():
+        assert sorted(got[name]) == sorted(entry), f"{what} {name}: keys {sorted(got[name])} != {sorted(entry)}"
+        for key, value in entry.items():
+            if torch.is_tensor(value):
+                torch.testing.assert_close(got[name][key].float(), value.float(), atol=atol, rtol=0,
+                                           msg=lambda m, n=name, k=key: f"{what} {n}.{k}: {m}")
+            else:
+                assert got[name][key] == value, f"{what} {name}.{key}: {got[name][key]!r} != {value!r}"

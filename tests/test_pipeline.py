@@ -12,7 +12,7 @@ from engine.runtime.devices import LedgerDevice
 from engine.models import Block, LayerList, build_model
 from engine.strategies.pipeline import PipelineStage, check_stages, schedule_ops, split_micro
 from engine.processes.procpool import DistPool
-from tests.conftest import train_one_process
+from tests.conftest import assert_named_state_close, train_one_process
 
 STEPS = 10
 BATCH = 32
@@ -54,7 +54,7 @@ def pipe_job(topo, variants: list[tuple[str, str, int]]) -> list[dict]:
         losses = [stage.train_step(x, y) for x, y in _batches()]
         stage.sync()
         out.append({"state": {k: v.detach().clone() for k, v in stage.stage_state().items()},
-                    "losses": losses, "layout": stage.layout(),
+                    "optimizer": stage.optimizer_state(), "losses": losses, "layout": stage.layout(),
                     "n_params": sum(p.numel() for p in stage.stage_params())})
         stage.close()
     return out
@@ -99,19 +99,22 @@ def ledger_job(topo, schedule: str) -> dict:
 
 # --- the reference: one process, no pipeline -------------------------------------------------
 
-def reference(optim: str) -> tuple[dict, list[float]]:
-    return train_one_process(build_model(MODEL, META, seed=0), _optim(optim), _batches())
+def reference(optim: str, optimizer_state: dict | None = None) -> tuple[dict, list[float]]:
+    return train_one_process(build_model(MODEL, META, seed=0), _optim(optim), _batches(), optimizer_state)
 
 
 def check(results: list[list[dict]], variants: list) -> None:
-    refs = {o: reference(o) for o in {v[0] for v in variants}}
+    ref_optimizer = {o: {} for o in {v[0] for v in variants}}
+    refs = {o: reference(o, ref_optimizer[o]) for o in ref_optimizer}
     for k, (optim, schedule, micro) in enumerate(variants):
         ref_state, ref_losses = refs[optim]
-        merged: dict = {}
+        merged, optimizer = {}, {}
         for rank, per_rank in enumerate(results):
             r = per_rank[k]
             assert not set(merged) & set(r["state"]), "stages overlap"
+            assert not set(optimizer) & set(r["optimizer"]), "two stages keep one parameter's optimizer state"
             merged.update(r["state"])
+            optimizer.update(r["optimizer"])
             assert r["layout"] == {"strategy": "pipeline", "stages": SPLITS[len(results)], "schedule": schedule,
                                    "micro_batches": micro}
             assert r["n_params"] == sum(t.numel() for t in r["state"].values())
@@ -123,6 +126,8 @@ def check(results: list[list[dict]], variants: list) -> None:
             torch.testing.assert_close(merged[name], ref_state[name], atol=1e-5, rtol=0,
                                        msg=lambda m, tag=tag: f"{tag}: {m}")
         torch.testing.assert_close(results[-1][k]["losses"], ref_losses, atol=1e-5, rtol=0)
+        # the stages' optimizer states under the model's own names: one process's
+        assert_named_state_close(optimizer, ref_optimizer[optim], 1e-5, f"{optim}/{schedule}/{micro}")
         # the weights moved: the comparison is not trivially equal initial weights
         assert any((ref_state[n] - build_model(MODEL, META, seed=0).state_dict()[n]).abs().max() > 1e-3
                    for n in ref_state)

@@ -11,6 +11,7 @@ import os
 import time
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -22,6 +23,7 @@ from engine.models import build_model
 from engine.strategies.sharded import ShardedStrategy, assign_owners, cut, plan_slices
 from engine.strategies.sharded.plan import reduce_buckets
 from engine.processes.procpool import DistPool
+from tests.conftest import assert_named_state_close
 
 # --- the plan ---------------------------------------------------------------------------
 
@@ -112,12 +114,17 @@ def _config(optim: str, depth: int) -> Config:
     return cfg
 
 
-def _train(topo, strategy: str, optim: str, depth: int, steps: int, **options) -> dict:
+def _train(topo, strategy: str, optim: str, depth: int, steps: int, start: int = 0, resume: dict | None = None,
+           **options) -> dict:
+    """`steps` steps from step `start`; `resume`: the weights and optimizer state by name to start from (any
+    strategy's: the contract's load by name)."""
     cfg = _config(optim, depth)
     if "digits" not in _DATA:
         _DATA["digits"] = load_dataset(cfg.data, cfg.run.seed)
     ds = _DATA["digits"]
     model = build_model(cfg.model, ds.meta, cfg.run.seed)
+    if resume is not None:
+        model.load_state_dict(resume["weights"])
     device = LedgerDevice(1 << 30)
     if strategy == "ddp":
         runner = DDPStrategy(model, cfg.optim, topo, device)
@@ -125,13 +132,17 @@ def _train(topo, strategy: str, optim: str, depth: int, steps: int, **options) -
         settings = ShardedConfig(**{"slice_assignment" if k == "assignment" else k: v for k, v in options.items()})
         runner = ShardedStrategy(model, cfg.optim, topo, device, settings, seed=cfg.run.seed)
     device.ledger.track_module(model, runner.optimizer)
-    for step in range(steps):
+    if resume is not None:
+        runner.load_optimizer_state(resume["optimizer"])
+    for step in range(start, start + steps):
         x, y = batch_for(ds, step, cfg.data.batch_size, cfg.run.seed, topo.rank, topo.world_size)
         runner.train_step(x, y)
     weights = runner.weights()   # the contract's: this rank's weights under the model's own names
+    optimizer = runner.optimizer_state()   # and its optimizer state under them
     runner.close()
     device.ledger.refresh()
     return {"state": {k: v.detach().clone() for k, v in model.state_dict().items()}, "weights": weights,
+            "optimizer": optimizer,
             "optimizer_state_bytes": device.ledger.bytes["optimizer_state"],
             "largest_param_bytes": max(p.numel() * p.element_size() for p in model.parameters()),
             "gate_ms": runner.timings.get("gate_ms", 0.0),
@@ -147,7 +158,10 @@ def sharded_vs_ddp(topo, optim: str = "sgd", depth: int = 2, steps: int = STEPS,
     assert got["state"].keys() == want["state"].keys()
     diff = max(float((got["state"][k] - want["state"][k]).abs().max()) for k in want["state"])
     held = max((float((v - want["state"][k]).abs().max()) for k, v in got["weights"].items()), default=0.0)
+    assert_named_state_close(got["optimizer"], {n: want["optimizer"][n] for n in got["optimizer"]}, 1e-5,
+                             f"rank {topo.rank}'s optimizer state against DDP's")
     return {"max_diff": diff, "held": sorted(got["weights"]), "held_diff": held, "names": sorted(want["state"]),
+            "optimizer_held": sorted(got["optimizer"]), "optimizer_names": sorted(want["optimizer"]),
             "two_level": got["two_level"], "ddp_state_bytes": want["optimizer_state_bytes"],
             "sharded_state_bytes": got["optimizer_state_bytes"], "largest_param_bytes": got["largest_param_bytes"]}
 
@@ -198,6 +212,9 @@ def check_against_ddp(pools, case) -> None:
     # every rank's weights() together: each of the model's own names exactly once (an owner's)
     held = [name for result in results for name in result["held"]]
     assert sorted(held) == results[0]["names"]
+    # and their optimizer_state(): each parameter's state exactly once (its owner's), equal to DDP's
+    optimizer_held = [name for result in results for name in result["optimizer_held"]]
+    assert sorted(optimizer_held) == results[0]["optimizer_names"]
 
 
 @pytest.mark.timeout(180)
@@ -211,6 +228,39 @@ def test_parameters_equal_ddp_after_20_steps(pools, case):
 @pytest.mark.parametrize("case", [c for c in FULL if c not in QUICK], ids=grid_id)
 def test_parameters_equal_ddp_full_grid(pools, case):
     check_against_ddp(pools, case)
+
+
+def resumed_across_strategies(topo, optim: str, split: int) -> dict:
+    """DDP trains `split` steps; a sharded run starts from its weights and optimizer state by name and trains
+    the rest; then the other way round. Each must end where DDP's whole run ends."""
+    depth, key = 2, (optim, 2, STEPS)
+    if key not in _REFERENCE:
+        _REFERENCE[key] = _train(topo, "ddp", optim, depth, STEPS)
+    want = _REFERENCE[key]["state"]
+    out = {}
+    for first, second in (("ddp", "sharded"), ("sharded", "ddp")):
+        head = _train(topo, first, optim, depth, split, streams=2, slices=4) if first == "sharded" else \
+            _train(topo, first, optim, depth, split)
+        # the whole model's weights and optimizer state by name: every rank's shares together
+        shares = [None] * topo.world_size
+        torch.distributed.all_gather_object(shares, {"weights": head["weights"], "optimizer": head["optimizer"]},
+                                            group=topo.compute)
+        resume = {"weights": {**head["state"], **{k: v for s in shares for k, v in s["weights"].items()}},
+                  "optimizer": {k: v for s in shares for k, v in s["optimizer"].items()}}
+        options = {"streams": 2, "slices": 4} if second == "sharded" else {}
+        tail = _train(topo, second, optim, depth, STEPS - split, start=split, resume=resume, **options)
+        out[f"{first}->{second}"] = max(float((tail["state"][k] - want[k]).abs().max()) for k in want)
+    return out
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("optim", ["sgd", "adamw"])
+def test_a_run_goes_on_from_another_strategys_state_by_name(pools, optim):
+    """Strategy.optimizer_state and load_optimizer_state (with the weights by name): DDP's state restored into
+    sharded, and sharded's into DDP, continue as the uninterrupted run."""
+    for rank, result in enumerate(pools(2).run(resumed_across_strategies, optim=optim, split=STEPS // 2)):
+        for how, diff in result.items():
+            assert diff <= 1e-5, f"rank {rank}, {how}: parameters differ from the uninterrupted run by {diff}"
 
 
 @pytest.mark.timeout(180)

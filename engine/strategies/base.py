@@ -10,12 +10,13 @@ overrides what it does otherwise; the loop never asks whether a strategy has a m
     events = strategy.boundary(step, trained, memory)      # at the boundary, after the commands
 
 What the console and the ledger see: tracked_module, owned_layers, in_flight, layer_owners, layer_stages,
-stage_rows, stream_stats, layout. Checkpoints: weights (this rank's, under global names), save, load.
+stage_rows, stream_stats, layout. Checkpoints: weights and optimizer_state (this rank's, under the model's own
+names), load_optimizer_state (from any strategy's, by name), save, load.
 
 A fifth strategy: subclass Strategy in a module (or folder) of its own under engine/strategies/, implement
 train_step, weights, save and load, override what it does otherwise (its commands and events, what the console
-sees), and add it to make_strategy (interface.py) and to `parallel.strategy`'s choices (engine/config/settings.py).
-The step loop does not change.
+sees), give it a settings table in engine/config/parallel.py ([parallel.NAME], handed to it whole) and its name
+in `parallel.strategy`'s choices, and add it to make_strategy (interface.py). The step loop does not change.
 
 Imports engine.runtime.events and engine.techniques.updates.report.
 """
@@ -113,6 +114,19 @@ class Strategy:
         load by name (a new job shape) reads."""
         raise NotImplementedError
 
+    def optimizer_state(self) -> dict[str, dict]:
+        """The optimizer state this rank keeps, under the model's own parameter names ({name: {"exp_avg": ...,
+        "step": ...}}, on the CPU): the parameters whose updates run here. Every rank's together hold every
+        parameter's once or more, as `weights` does: what a load by name (a new job shape) reads."""
+        self.sync()
+        return self.updater.state_by_name(parameter_names(self.model))
+
+    def load_optimizer_state(self, state: dict[str, dict]) -> None:
+        """Each parameter whose update runs here takes its entry of `state` (a whole model's by name, written
+        by any strategy and job shape: optimizer_state's form); one without an entry starts afresh."""
+        self.sync()
+        self.updater.load_state_by_name(state, parameter_names(self.model))
+
     def save(self, staged: Path) -> None:
         raise NotImplementedError
 
@@ -121,3 +135,8 @@ class Strategy:
 
     def close(self) -> None:
         self.updater.close()
+
+
+def parameter_names(model: torch.nn.Module) -> dict[int, str]:
+    """id of each parameter -> its name in the model's own state_dict (a tied one: its first name)."""
+    return {id(p): name for name, p in model.named_parameters()}

@@ -9,6 +9,26 @@ from __future__ import annotations
 import torch
 
 
+def named_state(optimizer: torch.optim.Optimizer, params: list, names: dict[int, str]) -> dict[str, dict]:
+    """`optimizer`'s state of each of `params` (in the order the optimizer holds them: the working parameter
+    or its fp32 master) under its global name (`names`: id of a parameter -> the model's own name), copied to
+    the CPU: {name: {"exp_avg": ..., "exp_avg_sq": ..., "step": ...}}. What a checkpoint of any job shape
+    reads: a strategy, a world size and a placement leave it the same."""
+    held = optimizer.state_dict()["state"]
+    return {names[id(p)]: {k: v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v
+                           for k, v in held[i].items()}
+            for i, p in enumerate(params) if i in held}
+
+
+def load_named_state(optimizer: torch.optim.Optimizer, params: list, names: dict[int, str],
+                     state: dict[str, dict]) -> None:
+    """Each of `params` takes its entry of `state` (named_state's form, of the whole model or more); one
+    without an entry starts afresh. The optimizer casts each entry to where it runs (device or host, dtype)."""
+    own = optimizer.state_dict()
+    own["state"] = {i: dict(state[names[id(p)]]) for i, p in enumerate(params) if names[id(p)] in state}
+    optimizer.load_state_dict(own)
+
+
 class UpdateState:
     """LayerUpdates' checkpoint side (a mixin: the updates and wait_host are LayerUpdates')."""
 
@@ -32,6 +52,17 @@ class UpdateState:
             else:
                 u.refresh_master()
             u.optimizer.load_state_dict(layers[name])
+
+    def state_by_name(self, names: dict[int, str]) -> dict[str, dict]:
+        """The optimizer state of every parameter updated here, under its global name (named_state)."""
+        self.wait_host()
+        return {k: v for u in self.updates.values() for k, v in named_state(u.optimizer, u.params, names).items()}
+
+    def load_state_by_name(self, state: dict[str, dict], names: dict[int, str]) -> None:
+        """Every layer updated here takes its parameters' entries of `state` (any strategy's, any job shape's)."""
+        self.wait_host()
+        for u in self.updates.values():
+            load_named_state(u.optimizer, u.params, names, state)
 
     def master_of(self) -> dict[int, torch.Tensor]:
         """id of each parameter updated here -> the weight its update keeps (the fp32 master where there

@@ -117,6 +117,9 @@ def test_bench_memory_reports_every_variant_beside_torchs_own(cli):
                              "torch-checkpoint", "torch-save-on-cpu"}
     assert report["device"] == "cpu" and variants["recompute"]["vs_recompute"] == 1.0
     assert variants["swap"]["swapped_per_step_bytes"] > 0 and variants["keep"]["swapped_per_step_bytes"] == 0
+    # what swapping waited for: nothing where nothing swaps
+    assert variants["keep"]["host_wait_ms_per_step"] == variants["keep"]["stalls_per_step"] == 0
+    assert variants["swap"]["host_wait_ms_per_step"] >= 0 and variants["swap"]["stalls_per_step"] >= 0
     for name in ("torch-checkpoint", "torch-save-on-cpu"):   # the ledger cannot see inside torch's own hooks
         assert variants[name]["peak_bytes"] is None and variants[name]["fits"] is None
         assert variants[name]["samples_per_s"] > 0

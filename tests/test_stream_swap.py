@@ -117,6 +117,8 @@ def test_gradients_equal_keep_however_the_copies_land(zoo, schedule):
         assert got["end"]["activations"] == 0 and got["end"]["swapped"] == 0, got["end"]
         swapper = got["swapper"]
         assert swapper.pending_out == 0 and not swapper._outbound and not swapper._settling
+        # a stall is an unpack whose copy in had not landed: the compute stream waited for it
+        assert swapper.stalls == got["calls"]["use-unlanded"], (zoo, schedule, policy)
         # every host buffer is back in the pool once its copies have landed
         pool = got["pool"]
         assert sum(len(v) for v in pool._free.values()) == pool.made

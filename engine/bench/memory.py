@@ -16,7 +16,9 @@ the peak the ledger measures when every layer keeps its activations. Side by sid
 Each variant trains the same steps from the same weights, in rounds (one variant after
 another, repeated) so drift hits all alike. The figures: each variant's median step
 time as samples/s, its ratio to full recompute, the ledger's peak over the timed steps
-against the capacity, and the bytes copied to the host per step.
+against the capacity, and the bytes copied to the host per step; in the JSON also what swapping waited for
+per step: `host_wait_ms_per_step` (the host held by backpressure, and on the CPU by a fetch) and
+`stalls_per_step` (unpacks that found their storage not back: on a GPU the compute stream waited for a copy in).
 
 On the CPU a "device" is this process, counted by the ledger; a swap is a memcpy on the
 link thread (paced to --host-link-gbps when given, an emulated PCIe link). With `--device cuda`
@@ -119,6 +121,8 @@ class _Trainer:
         self.times: list[float] = []
         self.peak = 0
         self.swapped: list[int] = []
+        self.host_waits: list[float] = []   # ms a step's host waited for the link (backpressure; a fetch on the CPU)
+        self.stalls: list[int] = []         # a step's unpacks that found their storage not back yet
 
     def resident_bytes(self) -> int:
         """What this variant keeps on the device between steps, as the caching allocator counts it (each
@@ -151,6 +155,7 @@ class _Trainer:
         ledger = self.device.ledger
         self.policy.before_step(self.step_index)
         out_before = self.policy.swapped_out_bytes()
+        wait_before, stalls_before = self.policy.link_wait_s(), self.policy.swap_stalls()
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -184,6 +189,8 @@ class _Trainer:
             if cuda:
                 self.allocator_peak = max(self.allocator_peak, torch.cuda.max_memory_allocated() - other_bytes)
             self.swapped.append(self.policy.swapped_out_bytes() - out_before)
+            self.host_waits.append((self.policy.link_wait_s() - wait_before) * 1000)
+            self.stalls.append(self.policy.swap_stalls() - stalls_before)
         ledger.reset_peak()
         self.step_index += 1
 
@@ -241,6 +248,8 @@ def measure(rounds: int, steps: int, link_gbps: float, d_model: int, depth: int,
                          "peak_bytes": None if torch_own else t.peak, "allocator_peak_bytes": t.allocator_peak or None,
                          "fits": None if peak is None else peak <= capacity[prec],
                          "swapped_per_step_bytes": int(statistics.median(t.swapped)),
+                         "host_wait_ms_per_step": round(statistics.median(t.host_waits), 3),
+                         "stalls_per_step": statistics.median(t.stalls),
                          "swap_layers": sum(p == "swap" for p in policies.values()),
                          "recompute_layers": sum(p == "recompute" for p in policies.values()),
                          "plan": policies if v.startswith("auto") else None,

@@ -323,6 +323,10 @@ class ActivationPolicy:
     def swapped_out_bytes(self) -> int:
         return self.swapper.out_bytes if self.swapper is not None else 0
 
+    def swap_stalls(self) -> int:
+        """Unpacks so far that found their storage not back on the device (backward waited for the link)."""
+        return self.swapper.stalls if self.swapper is not None else 0
+
     def link_wait_s(self) -> float:
         """Seconds the compute thread has waited for the host link (for room, or for a swapped storage)."""
         return self.swapper.waited_s if self.swapper is not None else 0.0

@@ -35,7 +35,6 @@ class StreamSwapper(Swapper):
         self._outbound: deque[SwapEntry] = deque()   # copies out in flight, in the order queued
         self._settling: deque[tuple] = deque()      # (event, host buffer) of copies in not known landed
         self._deferred: deque[SwapEntry] = deque()  # prefetches waiting for room on the device, in order
-        self.stalls = 0                             # unpacks that found their copy in still running
 
     # --- forward --------------------------------------------------------------------------------
     def _send(self, entry: SwapEntry) -> None:

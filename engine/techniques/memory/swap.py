@@ -93,6 +93,7 @@ class Swapper:
         self.device_waits: list | None = None        # while a step is measured: (mark, mark) of each time
                                                      # the compute stream waited for the link (on a GPU)
         self.urgent_fetches = 0                      # backward waiting for a storage now
+        self.stalls = 0                              # unpacks that found their storage not back yet
         self._landed = threading.Condition(threading.Lock())
 
     def make_room(self, nbytes: int) -> None:
@@ -203,6 +204,7 @@ class Swapper:
         entry.urgent = True
         with self.ledger._lock:
             self.urgent_fetches += 1
+            self.stalls += 1
         self.prefetch([entry])
         t0 = time.perf_counter()
         try:

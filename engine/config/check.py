@@ -259,7 +259,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     'sharded', 'streams'], 4); the value is read as TOML, else as text."""
     name, eq, raw = str(text).partition("=")
     parts = name.strip().split(".")
-    if not eq or not 2 <= len(parts) <= 3 or not all(parts) or (len(parts) == 3 and not _is_table(parts[:2])):
+    if not eq or not 2 <= len(parts) <= 3 or not all(parts) or (len(parts) == 3 and _field_type(parts[:2]) != "table"):
         raise ConfigError(f"--set {show(str(text))}: expected the form --set section.key=value "
                           f"(e.g. --set run.steps=50, --set parallel.sharded.streams=4)")
     raw = raw.strip()
@@ -273,14 +273,9 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return parts, value
 
 
-def _is_table(parts: list[str]) -> bool:
-    """Whether `parts` (section, key) name a table inside a section ([parallel.sharded])."""
-    cls = SECTIONS.get(parts[0])
-    f = next((f for f in dataclasses.fields(cls) if f.name == parts[1]), None) if cls else None
-    return f is not None and f.metadata["kind"] == "table"
-
-
 def _field_type(parts: list[str]) -> str | None:
+    """The kind of setting `parts` name (section, [table,] key): its declared kind ("table" for a table inside
+    a section, "size", ...) or its type; None for no such setting."""
     cls = SECTIONS.get(parts[0])
     for i, name in enumerate(parts[1:], 1):
         f = next((f for f in dataclasses.fields(cls) if f.name == name), None) if cls else None

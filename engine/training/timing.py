@@ -139,13 +139,13 @@ class LayerSpans:
         loss.backward(); spans.end_backward()   # the last start's span ends here
         fwd_ms, bwd_ms, fwd_n, bwd_n = spans.read()   # summed by key, and spans counted; then cleared
 
-    `waits` (forward and backward_from): a callable returning (the host's waits in s so far, the device's wait
-    marks so far: [(mark, mark), ...]); what a span waited for the host link is left out of its time, a
-    layer's own time being what a recompute costs."""
+    What a span waited for the host link is left out of its time, a layer's own time being what a recompute
+    costs: forward's `wait_s`, and backward_from's `waits`, a callable returning (the host's waits in s so far,
+    the device's wait marks so far: [(mark, mark), ...])."""
 
     def __init__(self, clock: Clock | None = None):
         self.clock = clock or Clock()
-        self.spans: list[tuple] = []   # (fwd or bwd list, key, mark, mark, host wait s, device wait marks)
+        self.spans: list[tuple] = []   # ("fwd" or "bwd", key, mark, mark, host wait s, device wait marks)
         self._open = None              # the chain's last start: (key, mark, waits then, waits)
 
     def forward(self, key, t0, wait_s: float = 0.0) -> None:
@@ -182,8 +182,8 @@ class LayerSpans:
 
     def read(self) -> tuple[dict, dict, dict, dict]:
         """Milliseconds summed by key for forward and backward (each span less its waits, at least 0), and
-        how many spans each; clears the spans (a GPU waits here for the last one to run)."""
-        self.clock.settle()
+        how many spans each; clears the spans. A GPU waits here for each span's end mark (clock.ms), so a step
+        that marked nothing (a stage's unarmed step) waits for nothing: the clock is the step times' too."""
         ms, count = ({}, {}), ({}, {})
         for kind, key, a, b, wait_s, stalls in self.spans:
             side = kind == "bwd"

@@ -72,6 +72,7 @@ def train(config: Config | dict | str | Path, *, model: LayerList | "torch.nn.Mo
     """
     from engine.config import Config, load_config
     from engine.processes.children import torch_cache_out_of_temp
+    from engine.run.export import export_at_end, keep_hf_config
     from engine.run.launch import launch, prepare_run_dir
     from engine.models import LayerList
     from engine.run.rank import Job
@@ -88,7 +89,8 @@ def train(config: Config | dict | str | Path, *, model: LayerList | "torch.nn.Mo
         cfg = load_config(config, overrides)
     for line in cfg.renamed:   # a key written by its old name (docs/config.md, "Old names")
         warnings.warn(line, FutureWarning, stacklevel=2)
-    if model is not None and not isinstance(model, LayerList):
+    hf_model = model if model is not None and not isinstance(model, LayerList) else None
+    if hf_model is not None:
         from engine.models.hf import layers
         # a Hugging Face causal LM, as it is: its own modules, so it gets the final weights; checked against
         # its own forward at the run's sequence length (ValueError naming what differs, or the positions)
@@ -98,10 +100,12 @@ def train(config: Config | dict | str | Path, *, model: LayerList | "torch.nn.Mo
     job = Job(config=cfg, model=model, data=data, resume=Path(resume) if resume else None,
               telemetry_log=Path(telemetry_log) if telemetry_log else None, headless=headless, loss_fn=loss_fn)
     prepare_run_dir(job)
+    keep_hf_config(cfg, hf_model)   # what `trainyard export` rebuilds a Hugging Face model from
     summary = launch(job)
     if model is not None:
         from engine.run.handover import load_final_weights
         load_final_weights(model, cfg.run_dir)
+    export_at_end(cfg)   # a Hugging Face model: runs/NAME/hf/
     return summary
 
 

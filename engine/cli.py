@@ -6,6 +6,7 @@
     trainyard demo [NAME] [--steps N] [--headless]      NAME: tour (default), pipeline, memory, sharded, hybrid, ps, ddp
     trainyard console [RUN] [--read-only] [--replay LOG] [--token-file F]
     trainyard runs
+    trainyard export RUN DIR [--step N] [--dtype fp32|bf16] [--overwrite]
     trainyard ctl RUN COMMAND [ARGS ...]
     trainyard bench NAME [--json]
     trainyard cluster up --hosts 2 --link 1gbit | exec HOST -- COMMAND | status | down
@@ -14,6 +15,7 @@ Exit status: 0 done; 1 the run failed (workers died more often than
 parallel.max_restarts allows); 2 a bad config, command line or checkpoint
 (nothing was started); 128+N stopped by signal N after the final checkpoint.
 `ctl`: 0 applied, 1 rejected, 2 a bad command or no such run.
+`export`: 0 written; 2 refused (DIR exists, no such run or step, a damaged checkpoint; docs/checkpoints.md).
 `demo` starts its run (demo/__init__.py says which config and what to press) in the background and
 opens the console on it (demo/launch.py); `demo --headless` trains in the foreground with a
 progress bar, as `run --headless` does. A demo run is named demo-NAME and overwrites its previous
@@ -73,6 +75,19 @@ def _parser() -> argparse.ArgumentParser:
 
     sub.add_parser("runs", help="list the live runs on this machine")
 
+    export = sub.add_parser("export", help="write a run's model out: a Hugging Face save_pretrained folder",
+                            description="Write a run's model from one of its checkpoints: a Hugging Face model as "
+                                        "a save_pretrained folder, any other LayerList as model.safetensors "
+                                        "(docs/checkpoints.md).")
+    export.add_argument("run", metavar="RUN", help="a run folder (runs/NAME), or a run's name under runs/")
+    export.add_argument("dir", metavar="DIR", type=Path,
+                        help="the folder to write; refused if it exists, unless --overwrite")
+    export.add_argument("--step", type=int, metavar="N", help="the checkpoint of step N (default: the latest)")
+    export.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                        help="the weights' type (default: fp32, the checkpoint's own)")
+    export.add_argument("--overwrite", action="store_true",
+                        help="replace DIR, once the new folder is whole")
+
     cluster = sub.add_parser("cluster", help="an emulated cluster on this machine: network namespaces, shaped links "
                                              "(root)", add_help=False)
     cluster.add_argument("cluster_args", nargs=argparse.REMAINDER, help="up | exec | status | down (see --help)")
@@ -126,6 +141,8 @@ def _dispatch(args) -> int:
         if args.command == "runs":
             return ctl.runs()
         return ctl.ctl(args.run, args.ctl_command, args.args, args.token_file, args.timeout)
+    if args.command == "export":
+        return _export(args)
     if args.command == "console":
         from console.__main__ import attach
         return attach(args.run, args.read_only, args.replay, args.token_file)
@@ -187,6 +204,21 @@ def _run(config: Path, overrides: list[str], steps: int | None, telemetry_log: P
     except RunInterrupted as e:
         err.print(f"[yellow]{escape(str(e))}[/]")
         return 128 + e.signum
+    from engine.run.export import export_at_end
+    export_at_end(cfg)   # a Hugging Face model: runs/NAME/hf/
+    return 0
+
+
+def _export(args) -> int:
+    from engine.run.export import ExportError, export
+    from engine.runtime.checkpoint import CheckpointError
+    try:
+        done = export(args.run, args.dir, step=args.step, dtype=args.dtype, overwrite=args.overwrite)
+    except (ExportError, CheckpointError) as e:
+        err.print(f"[red]export refused:[/] {escape(str(e))}")
+        return 2
+    for line in done.lines:
+        print(line)
     return 0
 
 

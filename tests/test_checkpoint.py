@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -61,3 +62,85 @@ def test_resolve_explains_what_is_missing(tmp_path):
         ckpt.resolve(tmp_path / "nope")
     with pytest.raises(ckpt.CheckpointError, match="no checkpoint in this directory"):
         ckpt.resolve(tmp_path)
+
+
+def _two_ranks(run_dir, step=7):
+    """A format-2 checkpoint as two ranks of a sharded run would write it: each its own parameters' fp32
+    masters and AdamW state, rank 0 the tied weight once (under two names) and a buffer, both their RNG."""
+    shared = torch.arange(6.0).reshape(2, 3)
+    staged = ckpt.staging_dir(run_dir, step)
+    adam = {"exp_avg": torch.ones(2, 3), "exp_avg_sq": torch.full((2, 3), 2.0), "step": torch.tensor(7.0)}
+    ckpt.write_rank_file(staged, 0, {"layers.0.weight": shared, "layers.2.weight": shared,
+                                     "layers.1.running": torch.zeros(3)},
+                         {"layers.0.weight": adam}, {"torch": torch.get_rng_state()}, {"note": {"a": 1}})
+    ckpt.write_rank_file(staged, 1, {"layers.1.weight": torch.full((3,), 5.0)},
+                         {"layers.1.weight": {"momentum_buffer": torch.ones(3), "lr_seen": 0.5}},
+                         {"torch": torch.get_rng_state()})
+    return ckpt.finalize(run_dir, step, {"world_size": 2, "tied": [["layers.0.weight", "layers.2.weight"]]}, keep=3)
+
+
+def test_every_rank_file_is_read_by_name_whatever_wrote_it(tmp_path):
+    path = _two_ranks(tmp_path)
+    manifest = ckpt.verify(path)
+    assert manifest["format"] == 2 and set(manifest["files"]) == {"rank0.safetensors", "rank1.safetensors"}
+    assert manifest["index"]["weights"]["layers.1.weight"] == ["rank1.safetensors", [3], "F32"]
+    with ckpt.Reader(path, manifest) as reader:
+        assert torch.equal(reader.weight("layers.2.weight"), torch.arange(6.0).reshape(2, 3))
+        assert torch.equal(reader.weight("layers.1.weight"), torch.full((3,), 5.0))
+        entry = reader.optimizer_entry("layers.0.weight")
+        assert set(entry) == {"exp_avg", "exp_avg_sq", "step"} and float(entry["step"]) == 7.0
+        assert reader.optimizer_entry("layers.1.weight")["lr_seen"] == 0.5   # a scalar, from the header
+        assert reader.optimizer_entry("layers.1.running") is None and "layers.9.weight" not in reader.optimizer
+        assert reader.rng(1) is not None and reader.rng(2) is None
+        assert reader.extras() == {"note": {"a": 1}}
+        with pytest.raises(ckpt.CheckpointError, match=r"its 'layers.1.weight' is \(3,\); this model's is \(4,\)"):
+            reader.weight("layers.1.weight", (4,))
+        with pytest.raises(ckpt.CheckpointError, match="holds no weight 'layers.5.weight'"):
+            reader.weight("layers.5.weight")
+    state = ckpt.model_state(path)
+    assert sorted(state) == ["layers.0.weight", "layers.1.running", "layers.1.weight", "layers.2.weight"]
+    assert state["layers.0.weight"] is state["layers.2.weight"]   # a tied weight: one tensor under both keys
+
+
+def test_a_rank_file_is_refused_naming_it_when_damaged(tmp_path):
+    path = _two_ranks(tmp_path)
+    file = path / "rank1.safetensors"
+    data = bytearray(file.read_bytes())
+    data[-3] ^= 0xFF
+    file.write_bytes(bytes(data))
+    with pytest.raises(ckpt.CheckpointError, match=f"{file}: corrupted"):
+        ckpt.model_state(path)
+
+
+def test_a_user_model_of_other_shapes_is_refused_by_name(tmp_path):
+    path = _two_ranks(tmp_path)
+    model = torch.nn.Module()
+    layers = torch.nn.ModuleList([torch.nn.Linear(3, 2, bias=False), torch.nn.Module(), torch.nn.Linear(3, 2, bias=False)])
+    layers[1].weight = torch.nn.Parameter(torch.zeros(4))
+    model.layers = layers
+    with pytest.raises(ckpt.CheckpointError, match=r"its 'layers.1.weight' is \(3,\); this model's is \(4,\)"):
+        ckpt.check_shapes(path, ckpt.verify(path), model)
+
+
+def test_a_write_that_fails_leaves_no_file(tmp_path, monkeypatch):
+    """A full disk shows at the write or the fsync, as an OSError (engine/run/worker.py: every rank agrees the
+    write failed, and the run stops naming the previous checkpoint); nothing is left under either name."""
+    import errno
+    from engine.runtime import checkpoint_files
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(checkpoint_files.os, "fsync", full)
+    with pytest.raises(OSError, match="No space left on device"):
+        ckpt.write_rank_file(tmp_path, 0, {"w": torch.zeros(3)}, {}, {})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_rank_file_is_a_safetensors_file(tmp_path):
+    """What safetensors itself reads (export, transformers and other tools), bf16 and 0-d tensors included."""
+    from safetensors import safe_open
+    weights = {"a": torch.randn(3, 5), "b": torch.randn(4).bfloat16(), "c": torch.tensor(2.5)}
+    ckpt.write_rank_file(tmp_path, 3, weights, {}, {})
+    with safe_open(str(tmp_path / "rank3.safetensors"), framework="pt") as f:
+        for key, value in weights.items():
+            assert torch.equal(f.get_tensor(f"weights/{key}"), value), key

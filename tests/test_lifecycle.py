@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -117,7 +118,7 @@ def test_damaged_checkpoints_are_refused_naming_the_file(cli, finished_run):
         return cli.run("run", DEMO, "--headless", "--steps", "20", *cli.base_args("done"),
                        "--resume", str(finished_run), timeout=30)
 
-    model = latest / "model.pt"
+    model = latest / "rank0.safetensors"
     data = bytearray(model.read_bytes())
     data[len(data) // 2] ^= 0xFF
     model.write_bytes(bytes(data))
@@ -145,19 +146,19 @@ def test_a_run_directory_with_checkpoints_is_not_overwritten_silently(cli, finis
 
 
 @pytest.mark.timeout(60)
-def test_resuming_onto_another_world_size_is_refused(cli, finished_run):
-    r = cli.run("run", DEMO, "--headless", *cli.base_args("done"), "--set", "parallel.world_size=4",
+def test_what_cannot_carry_over_is_refused_by_name_before_any_worker_starts(cli, finished_run):
+    """Another world size or strategy is no reason to refuse (tests/test_resume.py); another kind of optimizer
+    is, and so is a checkpoint in the format of before 2026-11-26, naming its format and what to do."""
+    latest = list_checkpoints(finished_run)[-1]
+    r = cli.run("run", DEMO, "--headless", *cli.base_args("done"), "--set", "optim.name=adamw",
                 "--resume", str(finished_run), timeout=30)
     assert r.returncode == 2
-    assert "written by 2 workers" in r.stderr and "parallel.world_size" in r.stderr
-
-
-@pytest.mark.timeout(60)
-def test_resuming_under_another_strategy_is_refused(cli, finished_run):
-    r = cli.run("run", DEMO, "--headless", *cli.base_args("done"), "--set", "parallel.strategy=sharded",
-                "--resume", str(finished_run), timeout=30)
+    assert "its optimizer state is 'sgd''s; this run has optim.name = 'adamw'" in r.stderr
+    manifest = json.loads((latest / "manifest.json").read_text())
+    (latest / "manifest.json").write_text(json.dumps({**manifest, "format": 1}))
+    r = cli.run("run", DEMO, "--headless", *cli.base_args("done"), "--resume", str(latest), timeout=30)
     assert r.returncode == 2
-    assert "written by a 'ddp' run; this run is 'sharded'" in r.stderr
+    assert "written in trainyard's checkpoint format 1" in r.stderr and "trainyard export" in r.stderr
 
 
 @pytest.mark.timeout(120)

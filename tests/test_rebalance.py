@@ -499,3 +499,48 @@ def test_a_weight_tied_across_stages_is_one_weight_through_a_migration():
             torch.testing.assert_close(merged[name], ref_state[name], atol=1e-5, rtol=0,
                                        msg=lambda m, name=name: f"{optim}/{schedule} {name}: {m}")
         torch.testing.assert_close(results[-1][k]["losses"], ref_losses, atol=1e-5, rtol=0)
+
+
+def resumed_then_balanced_job(topo, root: str) -> dict:
+    """Ten steps in one layout and a checkpoint written as another strategy's (so a pipeline decides its layout
+    anew); then a fresh stage of partition "balanced", fresh weights, resumed from it. Its first step's layout
+    (forced here) moves fc1 to the other stage, whose fp32 weights and AdamW state must come from the
+    checkpoint (restore_layers): steps 11-20 are one process's."""
+    import torch.distributed as dist
+    from engine.runtime import checkpoint as ckpt
+    from engine.techniques.rebalance import RebalanceDecision
+    batches = _batches()
+    stage = PipelineStage(build_model(MODEL, META, seed=0), [NAMES[:2], NAMES[2:]], topo, LedgerDevice(1 << 30),
+                          _optim("adamw"), _pipe(4, "1f1b"))
+    for x, y in batches[:10]:
+        stage.train_step(x, y)
+    ckpt.write_rank_file(ckpt.staging_dir(root, 10), topo.rank, *stage.checkpoint_state(), {})
+    stage.close()
+    dist.barrier(group=topo.side)
+    if topo.rank == 0:
+        ckpt.finalize(root, 10, {"world_size": 2, "layout": {"strategy": "sharded"}}, keep=1)
+    dist.barrier(group=topo.side)
+    stage = PipelineStage(build_model(MODEL, META, seed=1), "balanced", topo, LedgerDevice(1 << 30),
+                          _optim("adamw"), _pipe(4, "1f1b"))
+    forced = [NAMES[:1], NAMES[1:]]
+    stage.rebalancer.initial = lambda *args: RebalanceDecision(0, "balanced", forced, True, [], [], 0.0, {})
+    path = ckpt.list_checkpoints(root)[-1]
+    with ckpt.Reader(path, ckpt.verify(path)) as reader:
+        stage.load(reader)
+    losses = [stage.train_step(x, y) for x, y in batches[10:]]
+    stage.sync()
+    out = {"state": stage.weights(), "losses": losses, "stages": stage.stage_layers}
+    stage.close()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_a_balanced_start_after_a_resume_takes_the_moved_layers_state_from_the_checkpoint(tmp_path):
+    with DistPool(2, timeout_s=30) as pool:
+        results = pool.run(resumed_then_balanced_job, timeout=100, root=str(tmp_path))
+    ref_state, ref_losses = reference("adamw")
+    merged = {k: v for r in results for k, v in r["state"].items()}
+    assert all(r["stages"] == [NAMES[:1], NAMES[1:]] for r in results)
+    for name in ref_state:
+        torch.testing.assert_close(merged[name], ref_state[name], atol=1e-5, rtol=0, msg=name)
+    torch.testing.assert_close(results[-1]["losses"], ref_losses[10:], atol=1e-5, rtol=0)

@@ -14,7 +14,7 @@ from engine.training.data import batch_for, load_dataset
 from engine.training.loss import cross_entropy
 from engine.models import build_model
 from engine.training.optim import lr_at, make_optimizer, set_lr
-from engine.runtime.checkpoint import list_checkpoints, model_state
+from engine.runtime.checkpoint import Reader, list_checkpoints, model_state, verify
 from engine.techniques.updates.layer import LayerUpdate
 from engine.techniques.step_guard import StepGuard
 from tests.conftest import read_jsonl
@@ -255,12 +255,11 @@ def test_a_skipped_step_leaves_weights_and_optimizer_state_as_they_were(cli):
     before, after = ckpts[5], ckpts[6]   # step index 5 is the sixth step: between checkpoints 5 and 6
     for key, value in model_state(before).items():
         assert torch.equal(model_state(after)[key], value), key
-    opt_before = torch.load(before / "optimizer.pt", weights_only=False)["layers"]
-    opt_after = torch.load(after / "optimizer.pt", weights_only=False)["layers"]
-    for layer, state in opt_before.items():
-        for p, values in state["state"].items():
-            for k, v in values.items():
-                assert torch.equal(opt_after[layer]["state"][p][k], v), (layer, p, k)
+    with Reader(before, verify(before)) as was, Reader(after, verify(after)) as now:
+        assert was.index["optimizer"]
+        for name in was.index["optimizer"]:
+            for k, v in was.optimizer_entry(name).items():
+                assert torch.equal(now.optimizer_entry(name)[k], v), (name, k)
 
 
 @pytest.mark.timeout(200)

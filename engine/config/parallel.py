@@ -73,8 +73,9 @@ class PipelineConfig:
                                         "micro-batch and splits the model time-optimally), or a list of "
                                         "stages, each a list of layer names: "
                                         "`[[\"fc0\", \"act0\"], [\"fc1\", \"head\"]]`. A stage is contiguous "
-                                        "and never cuts a Block. A resumed run continues in the layout of its "
-                                        "checkpoint.", kind="partition")
+                                        "and never cuts a Block. A run resumed from a pipeline's checkpoint of as "
+                                        "many stages continues in its layout; from any other, this decides it "
+                                        "(docs/checkpoints.md).", kind="partition")
     rebalance: str = setting("auto", "`auto` (every `rebalance_check_every` steps the last stage compares stage "
                                      "times and, past `imbalance_threshold`, moves layers between stages while "
                                      "training runs), `manual` (only on the `rebalance` command, console key "

@@ -8,6 +8,8 @@
   memory), and the run's final weights loaded back into the caller's model.
 - report.py: rank 0's step record; layer_rows.py: the console's layer table, gathered on rank 0 from the
   stages or owners that know each layer.
+- export.py: `trainyard export`: a run's model out of its checkpoint, as a Hugging Face save_pretrained folder
+  (or a LayerList's state dict), and the folder a Hugging Face model's run writes at its end.
 - preload.py: what the launcher's fork server imports (engine/processes/forkserver.py), so workers fork with it.
 
 Imports: everything below it (engine.strategies, engine.techniques, engine.runtime, engine.processes,

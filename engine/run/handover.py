@@ -94,5 +94,5 @@ def load_final_weights(model: torch.nn.Module, run_dir: Path) -> Path:
     if not saved:
         raise ckpt.CheckpointError(f"{run_dir}: the run wrote no checkpoint to load the final weights from")
     # copied in place: the caller's tensors, their devices and any weight two layers share stay theirs
-    model.load_state_dict(ckpt.model_state(saved[-1]))
+    ckpt.load_into(model, saved[-1])
     return saved[-1]

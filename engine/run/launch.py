@@ -96,18 +96,7 @@ def prepare_run_dir(job: Job) -> None:
     if job.resume is not None:
         job.resume = ckpt.resolve(job.resume)
         manifest = ckpt.verify_or_offer(job.resume)   # CheckpointError names the damaged file (and an earlier one)
-        if manifest.get("world_size") != cfg.parallel.world_size:
-            raise ckpt.CheckpointError(
-                f"{job.resume}: written by {manifest.get('world_size')} workers; parallel.world_size is "
-                f"{cfg.parallel.world_size} (resuming onto a different world size is not supported)")
-        ckpt.check_strategy(job.resume, manifest, cfg.parallel.strategy)
-        ckpt.check_precision(job.resume, manifest, cfg.to_dict()["precision"])
-        saved = manifest.get("config", {})
-        for section in ("model", "data"):
-            if saved.get(section) != cfg.to_dict()[section]:
-                raise ckpt.CheckpointError(
-                    f"{job.resume}: the checkpoint's [{section}] differs from this config's; resume with the "
-                    f"config the run was started with (saved as {job.resume.parent.parent / 'config.toml'})")
+        check_resumable(job, manifest)
     elif ckpt.list_checkpoints(run_dir):
         if not cfg.run.overwrite:
             raise RunSetupError(
@@ -124,6 +113,24 @@ def prepare_run_dir(job: Job) -> None:
         if not stale.name.startswith("launcher-node"):   # another host's launcher may be up already
             stale.unlink()
     (run_dir / "pids" / "launcher.pid").write_text(str(os.getpid()))
+
+
+def check_resumable(job: Job, manifest: dict) -> None:
+    """What cannot carry over from the checkpoint `job.resume` to this run, refused by name before any worker
+    starts: its format, another model or data, another precision, another kind of optimizer. Another world size
+    or strategy is no reason: a checkpoint is read by name (engine/runtime/checkpoint.py)."""
+    cfg, source = job.config, job.resume
+    ckpt.check_format(source, manifest)
+    ckpt.check_precision(source, manifest, cfg.to_dict()["precision"])
+    ckpt.check_optimizer(source, manifest, cfg.optim.name)
+    saved = manifest.get("config", {})
+    for section in ("model", "data"):
+        if saved.get(section) != cfg.to_dict()[section]:
+            raise ckpt.CheckpointError(
+                f"{source}: the checkpoint's [{section}] differs from this config's; resume with the "
+                f"config the run was started with (saved as {source.parent.parent / 'config.toml'})")
+    if job.model is not None:   # a user's model: [model] says only "user", its names and shapes say which
+        ckpt.check_shapes(source, manifest, job.model)
 
 
 def _free_port() -> int:

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from engine.training.data import batch_for, global_count
 from engine.training.loss import cross_entropy, test_accuracy
@@ -103,7 +104,7 @@ class Worker(RunControl):
         # every layer's saved activations: keep, swap or recompute (a pipeline stage plans for its own layers)
         self.memory = ActivationPolicy(self.model, self.device, cfg.memory, owned=self.strategy.owned_layers,
                                        in_flight=self.strategy.in_flight)
-        self.resumed_from = None
+        self.resumed_from, self.resumed = None, None
         self.first_step = self._resume()
         if self.first_step == 0:   # dropout streams differ per rank, reproducible from the seed
             torch.manual_seed(cfg.run.seed + 1000 * topo.rank)
@@ -126,25 +127,47 @@ class Worker(RunControl):
                 "config": cfg.to_dict()}
 
     def _resume(self) -> int:
+        """Load the checkpoint this run resumes from (any strategy's, any world size's: by name); returns its
+        step. A rank's RNG carries over where the job's shape is the one that wrote it; elsewhere it starts
+        from the seed and the step, and rank 0 says so."""
         source = ckpt.resume_source(self.run_dir, self.job.resume, self.restart)
         if source is None:
             return 0
-        manifest = ckpt.verify(source)
-        ckpt.check_world_size(source, manifest, self.topo.world_size)
-        self.strategy.load(source, manifest)
-        rng = ckpt.load_file(source, f"rank{self.topo.rank}.pt")
-        torch.set_rng_state(rng["torch"])
-        if self.device.kind == "cuda" and "cuda" in rng:
-            torch.cuda.set_rng_state(rng["cuda"])
+        t0 = time.perf_counter()
+        # checksummed already: by the launcher (prepare_run_dir) or, after a restart, by resume_source
+        manifest = ckpt.verify(source, checksums=False)
+        ckpt.check_format(source, manifest)
+        step = int(manifest["step"])
+        with ckpt.Reader(source, manifest) as reader:
+            self.strategy.load(reader)
+            same_shape = (manifest["world_size"] == self.topo.world_size
+                          and manifest["layout"].get("strategy") == self.mode)
+            rng = reader.rng(self.topo.rank) if same_shape else None
+        if rng is not None:
+            torch.set_rng_state(rng["torch"])
+            if self.device.kind == "cuda" and "cuda" in rng:
+                torch.cuda.set_rng_state(rng["cuda"])
+        else:
+            torch.manual_seed(self.cfg.run.seed + 1000 * self.topo.rank + 7919 * step)
+            if self.topo.is_first:
+                print(f"trainyard: resuming from a {manifest['world_size']}-worker "
+                      f"{manifest['layout'].get('strategy')!r} checkpoint as {self.topo.world_size} "
+                      f"{self.mode!r} workers: the weights, optimizer state and data position (step {step}) carry "
+                      f"over; each rank's random stream (dropout) starts afresh from run.seed", file=sys.stderr,
+                      flush=True)
         self.device.ledger.refresh()
         self.resumed_from = source
-        return int(manifest["step"])
+        load_ms = torch.tensor([(time.perf_counter() - t0) * 1000])   # the slowest rank's: when all could go on
+        dist.all_reduce(load_ms, op=dist.ReduceOp.MAX, group=self.topo.side)
+        self.resumed = {"load_ms": round(float(load_ms), 1), "from_world_size": manifest["world_size"],
+                        "from_strategy": manifest["layout"].get("strategy")}
+        return step
 
     # --- the loop: batch, train step, exchange, report, commands, boundary -----------------------------
     def run(self) -> dict | None:
         self.tel.update_state(step=self.first_step, steps=self.cfg.run.steps, paused=False)
         announce(self.tel, self.cfg, self.topo, self.device, self.model.names, self.first_step, self.restart,
-                 self.resumed_from)
+                 self.resumed_from, resumed=self.resumed)
         step, loss, last = self.first_step, None, time.perf_counter()
         while True:
             trained = self._train(step) if not self.paused and step < self.cfg.run.steps else None
@@ -258,14 +281,14 @@ class Worker(RunControl):
         """Every rank writes its files, rank 0 publishes the checkpoint. A write that fails on any rank (a full
         disk) stops the run on every rank with CheckpointWriteError, the staged files removed and the previous
         checkpoint untouched: the ranks agree on it first, so none waits at a barrier for one that gave up."""
+        t0 = time.perf_counter()
         staged = ckpt.staging_dir(self.run_dir, step)
         rng = {"torch": torch.get_rng_state()}
         if self.device.kind == "cuda":
             rng["cuda"] = torch.cuda.get_rng_state()
         failed = None
         try:
-            ckpt.write_file(staged, f"rank{self.topo.rank}.pt", rng)
-            self.strategy.save(staged)
+            ckpt.write_rank_file(staged, self.topo.rank, *self.strategy.checkpoint_state(), rng)
         except OSError as e:
             failed = e
         ckpt.agree_written(self.topo.side, self.topo.rank, self.run_dir, step, failed)
@@ -281,8 +304,8 @@ class Worker(RunControl):
             except OSError as e:
                 failed = e
         ckpt.agree_written(self.topo.side, self.topo.rank, self.run_dir, step, failed)
-        if path is not None:
-            self.tel.event("checkpoint", step, path=str(path))
+        if path is not None:   # write_ms: rank 0's, its start to the published folder (it waits for every rank's file)
+            self.tel.event("checkpoint", step, path=str(path), write_ms=round((time.perf_counter() - t0) * 1000, 1))
 
     @torch.no_grad()
     def evaluate(self) -> float | None:

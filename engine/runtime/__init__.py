@@ -7,7 +7,8 @@
 - lifecycle.py: the stop flag, run_start, the operator's commands every run takes and the run's end, shared by
   the step loop (engine/run/worker.py) and the parameter server's coordinator.
 - events.py: what a technique or strategy says after a step, forwarded unread by the loop to the telemetry.
-- checkpoint.py: atomic checkpoints with checksums; refusal.py: a worker's refusal ends the run (exit 2)
+- checkpoint.py: atomic checkpoints with checksums, read by name at any job shape (checkpoint_files.py: each
+  rank's safetensors file and the reader); refusal.py: a worker's refusal ends the run (exit 2)
   instead of a restart; compat.py: what this torch can do; emulate.py: emulated trouble (a layer made slow
   mid-run, a slow rank, a rank killed at a technique's moment).
 

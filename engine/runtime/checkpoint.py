@@ -1,17 +1,26 @@
-"""Checkpoints: atomic directories with a manifest of checksums.
+"""Checkpoints: atomic directories with a manifest of checksums, every tensor under its global name.
 
     runs/NAME/checkpoints/step_000010/
-        manifest.json        step, world size, layout, config, {file: sha256, bytes}
-        model.pt             model state (ddp: rank 0 writes it, the ranks hold equal copies)
-        optimizer.pt         optimizer state (ddp)
-        shard0.pt, ...       sharded: each owner's parameters and optimizer state
-        stage0.pt, ...       pipeline: each stage's layers and optimizer state
-        rank0.pt, rank1.pt   per-rank RNG states
+        manifest.json          step, world size, layout, config, ties, {file: sha256, bytes}, and the index:
+                               each weight's and each parameter's optimizer state's file, shape and dtype
+        rank0.safetensors ...  what rank 0 holds: "weights/layers.3.fc.weight" (the fp32 master where there is
+                               one), "optimizer/layers.3.fc.weight/exp_avg", "rng/torch"; its header's metadata
+                               the optimizer's scalars, a tied tensor's other names, a strategy's own extras
 
-Every rank writes its files into `step_000010.tmp/`; when all have (a barrier in
-the caller), rank 0 writes the manifest and renames the folder. A reader
-therefore sees a whole checkpoint or none, and a file that was truncated or
-altered later fails its checksum and is refused with its name.
+Format 2 (FORMAT_VERSION) is the same for every strategy and job shape: a parameter has one global name
+(the model's own state_dict key), and trainyard owns whole parameters (a sharded run's owner, a pipeline's
+stage, a parameter server's server), so a name is all a resume at another world size or strategy needs:
+each rank reads the names it holds in the new shape, one tensor at a time, from whichever files hold them
+(Reader, in checkpoint_files.py). Why not torch.distributed.checkpoint: its resharding is for a tensor split across ranks, which
+trainyard never does; its load is a collective of the group that reads, which a parameter server's
+servers (a group without their workers) and `trainyard export` (no group) do not have; and safetensors files
+are what export and other tools read. Format 1 (one file layout per strategy, .pt files; before
+2026-11-26) is read for its weights (model_state: export, engine.train's final weights), and refused for a
+resume by check_format, which says what to do.
+
+Every rank writes its file into `step_000010.tmp/`; when all have (a barrier in the caller), rank 0 writes
+the manifest and renames the folder. A reader therefore sees a whole checkpoint or none, and a file that was
+truncated or altered later fails its checksum and is refused with its name.
 """
 
 from __future__ import annotations
@@ -26,13 +35,14 @@ from pathlib import Path
 
 import torch
 
+from engine.runtime.checkpoint_files import CheckpointError, Reader, index_of, rank_file, write_rank_file
+
+__all__ = ["CheckpointError", "CheckpointWriteError", "Reader", "index_of", "rank_file", "write_rank_file"]
+
 MANIFEST = "manifest.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READ_FORMATS = (1, 2)    # format 1: weights only (model_state); a resume refuses it (check_format)
 _STEP_DIR = re.compile(r"step_(\d{6,})")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used, with the reason and the file."""
 
 
 class CheckpointWriteError(CheckpointError):
@@ -75,7 +85,7 @@ def finalize(run_dir: Path, step: int, meta: dict, keep: int) -> Path:
     staged = staging_dir(run_dir, step)
     files = {p.name: {"sha256": _sha256(p), "bytes": p.stat().st_size}
              for p in sorted(staged.iterdir()) if p.is_file() and not p.name.startswith(".")}
-    manifest = {"format": FORMAT_VERSION, "step": step, **meta, "files": files}
+    manifest = {"format": FORMAT_VERSION, "step": step, **meta, "files": files, "index": index_of(staged)}
     tmp = staged / f".{MANIFEST}.partial"
     tmp.write_text(json.dumps(manifest, indent=2))
     os.replace(tmp, staged / MANIFEST)
@@ -152,8 +162,10 @@ def resolve(path: Path) -> Path:
     return found[-1]
 
 
-def verify(path: Path) -> dict:
-    """Read the manifest and check every file's size and checksum; return the manifest."""
+def verify(path: Path, checksums: bool = True) -> dict:
+    """Read the manifest and check every file's size and checksum; return the manifest. `checksums=False`:
+    the sizes only (a checkpoint the launcher verified before any worker started: one pass over the files,
+    not one per rank)."""
     manifest_path = Path(path) / MANIFEST
     try:
         manifest = json.loads(manifest_path.read_text())
@@ -161,9 +173,9 @@ def verify(path: Path) -> dict:
         raise CheckpointError(f"{manifest_path}: missing; the checkpoint is incomplete") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{manifest_path}: corrupted ({e})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_VERSION or "files" not in manifest:
+    if not isinstance(manifest, dict) or manifest.get("format") not in READ_FORMATS or "files" not in manifest:
         raise CheckpointError(f"{manifest_path}: not a trainyard checkpoint manifest (format "
-                              f"{FORMAT_VERSION} expected)")
+                              f"{' or '.join(map(str, READ_FORMATS))} expected)")
     for name, want in manifest["files"].items():
         file = Path(path) / name
         if not file.exists():
@@ -171,7 +183,7 @@ def verify(path: Path) -> dict:
         size = file.stat().st_size
         if size != want["bytes"]:
             raise CheckpointError(f"{file}: truncated or altered ({size} bytes, manifest says {want['bytes']})")
-        if _sha256(file) != want["sha256"]:
+        if checksums and _sha256(file) != want["sha256"]:
             raise CheckpointError(f"{file}: corrupted (checksum does not match the manifest)")
     return manifest
 
@@ -215,18 +227,31 @@ def resume_source(run_dir: Path, requested: Path | None, restart: int) -> Path |
     return requested
 
 
-def check_world_size(source: Path, manifest: dict, world_size: int) -> None:
-    if manifest["world_size"] != world_size:
-        raise CheckpointError(f"{source}: written by {manifest['world_size']} workers; this run has "
-                              f"{world_size} (parallel.world_size must match to resume)")
+def check_format(source: Path, manifest: dict) -> None:
+    """A resume reads format 2 only; a format-1 checkpoint is refused naming its format and what to do."""
+    if manifest.get("format") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{source}: written in trainyard's checkpoint format {manifest.get('format')} (one file layout per "
+            f"strategy, before 2026-11-26), which this version does not resume (it resumes format "
+            f"{FORMAT_VERSION}: any world size and strategy). Finish the run with the trainyard that wrote it, or "
+            f"start afresh from its weights: `trainyard export RUN DIR`, then model.hf_weights = DIR (a Hugging "
+            f"Face model; the optimizer state and the step are not carried)")
 
 
-def check_strategy(source: Path, manifest: dict, name: str) -> None:
-    """A checkpoint resumes only under the parallel strategy that wrote it (their files differ)."""
-    wrote = manifest.get("layout", {}).get("strategy", "unknown")
-    if wrote != name:
-        raise CheckpointError(f"{source}: written by a {wrote!r} run; this run is {name!r} "
-                              f"(resume with the parallel.strategy that wrote it)")
+def check_optimizer(source: Path, manifest: dict, name: str) -> None:
+    """The optimizer state carries over only to the same kind of optimizer (its statistics differ)."""
+    saved = manifest.get("config", {}).get("optim", {}).get("name")
+    if saved is not None and saved != name:
+        raise CheckpointError(f"{source}: its optimizer state is {saved!r}'s; this run has optim.name = "
+                              f"{name!r} (resume with the optimizer the run was started with)")
+
+
+def check_shapes(source: Path, manifest: dict, model: torch.nn.Module) -> None:
+    """Every entry of `model`'s state dict is in the checkpoint, with its shape: another model is refused by
+    the first name that differs (a user's model, which the config's [model] does not describe)."""
+    reader = Reader(source, manifest)
+    for key, value in model.state_dict().items():
+        reader.spec(key, tuple(value.shape))
 
 
 def check_precision(source: Path, manifest: dict, precision: dict) -> None:
@@ -240,9 +265,21 @@ def check_precision(source: Path, manifest: dict, precision: dict) -> None:
                                   f"started with)")
 
 
-def model_state(path: Path) -> dict:
-    """The whole model's state dict from a verified checkpoint, whichever strategy wrote it."""
-    manifest = verify(path)
+def model_state(path: Path, manifest: dict | None = None) -> dict:
+    """The whole model's state dict from a checkpoint, whichever strategy and job shape wrote it (format 1
+    too): the fp32 masters where the run kept them, a tied weight one tensor under every key. Verified first,
+    unless `manifest` (verify's) says it was."""
+    manifest = manifest or verify(path)
+    if manifest["format"] == FORMAT_VERSION:
+        with Reader(path, manifest) as reader:
+            held: dict = {}   # (file, tensor) -> the tensor read: a tied weight is one tensor under every key
+            state = {}
+            for key in reader.weight_keys():
+                where = reader.stored(key)
+                if where not in held:
+                    held[where] = reader.weight(key)
+                state[key] = held[where]
+            return state
     files = manifest["files"]
     if "model.pt" in files:
         return load_file(path, "model.pt")
@@ -260,6 +297,25 @@ def model_state(path: Path) -> dict:
         if held is not None:
             state.update({k: held for k in keys if k not in state})
     return state
+
+
+def load_into(module: torch.nn.Module, path: Path, manifest: dict | None = None) -> None:
+    """`module` (the whole model) takes a checkpoint's weights in place, on whatever devices its tensors are:
+    by name, one tensor in flight at a time (a format-1 checkpoint: its whole state dict at once). Another
+    model's checkpoint is refused naming the first key that differs. Verified first, unless `manifest` says
+    it was."""
+    manifest = manifest or verify(path)
+    if manifest["format"] != FORMAT_VERSION:
+        module.load_state_dict(model_state(path, manifest))
+        return
+    own = module.state_dict(keep_vars=True)
+    with Reader(path, manifest) as reader, torch.no_grad():
+        extra = sorted(set(reader.weight_keys()) - set(own))
+        if extra:
+            raise CheckpointError(f"{path}: holds {extra[0]!r}, which this model has not (a checkpoint of "
+                                  f"another model)")
+        for key, value in own.items():
+            value.copy_(reader.weight(key, tuple(value.shape)))
 
 
 def tied_keys(model) -> list[list[str]]:

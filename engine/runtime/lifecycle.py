@@ -39,8 +39,9 @@ def device_fields(device) -> dict:
 
 
 def announce(tel, cfg, topo, device, names, first_step: int, restart: int, resumed_from,
-             layout: dict | None = None) -> None:
-    """Rank 0: the run_start record, and the restart and resume events."""
+             layout: dict | None = None, resumed: dict | None = None) -> None:
+    """Rank 0: the run_start record, and the restart and resume events (`resumed`: the resume event's other
+    fields, the load's time and the job shape that wrote the checkpoint)."""
     if not topo.is_first:
         return
     start = {"type": "run_start", "name": cfg.run.name, "strategy": cfg.parallel.strategy,
@@ -55,7 +56,7 @@ def announce(tel, cfg, topo, device, names, first_step: int, restart: int, resum
         tel.note(f"[yellow]restart {restart} of {cfg.parallel.max_restarts}:[/] a worker failed; "
                  f"resumed from step {first_step}")
     if first_step:
-        tel.event("resume", first_step, checkpoint=str(resumed_from))
+        tel.event("resume", first_step, checkpoint=str(resumed_from), **(resumed or {}))
         if not restart:
             tel.note(f"resumed from {resumed_from} at step {first_step}")
 

@@ -11,10 +11,11 @@ overrides what it does otherwise; the loop never asks whether a strategy has a m
 
 What the console and the ledger see: tracked_module, owned_layers, in_flight, layer_owners, layer_stages,
 stage_rows, stream_stats, layout. Checkpoints: weights and optimizer_state (this rank's, under the model's own
-names), load_optimizer_state (from any strategy's, by name), save, load.
+names: checkpoint_state, what it writes), load_optimizer_state and load (from any strategy's and job shape's, by
+name: engine/runtime/checkpoint.py, format 2).
 
 A fifth strategy: subclass Strategy in a module (or folder) of its own under engine/strategies/, implement
-train_step, weights, save and load, override what it does otherwise (its commands and events, what the console
+train_step and weights, override what it does otherwise (its commands and events, what the console
 sees), give it a settings table in engine/config/parallel.py ([parallel.NAME], handed to it whole) and its name
 in `parallel.strategy`'s choices, and add it to make_strategy (interface.py). The step loop does not change.
 
@@ -108,18 +109,18 @@ class Strategy:
         return {"strategy": self.name}
 
     # --- checkpoints and the end -----------------------------------------------------------------
-    def weights(self) -> dict[str, torch.Tensor]:
+    def weights(self, copy: bool = True) -> dict[str, torch.Tensor]:
         """The weights this rank writes, under the model's own state_dict names, as its updates keep them (fp32
         masters under bf16 working weights). Every rank's together hold every weight once or more: what a
-        load by name (a new job shape) reads."""
+        load by name (a new job shape) reads. `copy=False`: the live tensors (a checkpoint's writer)."""
         raise NotImplementedError
 
-    def optimizer_state(self) -> dict[str, dict]:
+    def optimizer_state(self, copy: bool = True) -> dict[str, dict]:
         """The optimizer state this rank keeps, under the model's own parameter names ({name: {"exp_avg": ...,
         "step": ...}}, on the CPU): the parameters whose updates run here. Every rank's together hold every
         parameter's once or more, as `weights` does: what a load by name (a new job shape) reads."""
         self.sync()
-        return self.updater.state_by_name(parameter_names(self.model))
+        return self.updater.state_by_name(parameter_names(self.model), copy)
 
     def load_optimizer_state(self, state: dict[str, dict]) -> None:
         """Each parameter whose update runs here takes its entry of `state` (a whole model's by name, written
@@ -127,11 +128,24 @@ class Strategy:
         self.sync()
         self.updater.load_state_by_name(state, parameter_names(self.model))
 
-    def save(self, staged: Path) -> None:
-        raise NotImplementedError
+    def checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
+        """What this rank writes to a checkpoint: (weights, optimizer state) by global name. Together the ranks
+        write every weight and every parameter's optimizer state once or more (a copy others hold alike may be
+        left to one of them: DDP's rank 0). The live tensors, not copies: the writer reads each before the next
+        step, one at a time."""
+        return self.weights(copy=False), self.optimizer_state(copy=False)
 
-    def load(self, source: Path, manifest: dict) -> None:
-        raise NotImplementedError
+    def load(self, reader) -> None:
+        """This rank's weights and optimizer state from a checkpoint written by any strategy at any world size
+        (reader: engine.runtime.checkpoint.Reader), by name, one tensor at a time: the model's working weights
+        (every rank's own copy), the masters and optimizer state of the parameters whose updates run here."""
+        self.sync()
+        with torch.no_grad():
+            for key, value in self.model.state_dict().items():
+                value.copy_(reader.weight(key, tuple(value.shape)))
+        names = parameter_names(self.model)
+        self.updater.load_weights_by_name(lambda name: reader.weight(name), names)
+        self.updater.load_state_by_name(reader.optimizer, names)
 
     def close(self) -> None:
         self.updater.close()

@@ -4,10 +4,10 @@
     loss = strategy.train_step(x, y)      # forward, backward (all-reduce inside), optimizer step
     strategy.timings                      # fwd_ms, bwd_ms, optim_ms, compute_ms of that step, on the device's clock
     strategy.stream_stats()               # the one communicator: bytes, busy time, in flight
-    strategy.save(staged_dir); strategy.load(checkpoint, manifest)
+    strategy.checkpoint_state(); strategy.load(reader)   # rank 0 writes the copy every rank holds
 
 Every strategy has this contract (engine/strategies/base.py: Strategy): it builds its own
-optimizer over what it updates, and writes and reads its own checkpoint files.
+optimizer over what it updates, and says what of a checkpoint it writes and reads, by global name.
 
 Each rank runs its slice of the global batch; DDP averages gradients, so a step
 equals a single-process step on the whole global batch. A communication hook
@@ -22,7 +22,6 @@ tests pass a scripted GPU's).
 from __future__ import annotations
 
 import contextlib
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -31,7 +30,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 from engine.training.data import micro_steps
 from engine.training.loss import cross_entropy, share_loss
-from engine.runtime import checkpoint as ckpt
 from engine.config import DdpConfig, OptimConfig, UpdateConfig
 from engine.runtime.devices import LedgerDevice
 from engine.runtime.refusal import Refused
@@ -156,22 +154,12 @@ class DDPStrategy(Strategy):
         return {"strategy": self.name}
 
     # --- checkpoints: ranks hold equal copies, rank 0 writes them ---------------------------
-    def weights(self) -> dict[str, torch.Tensor]:
+    def weights(self, copy: bool = True) -> dict[str, torch.Tensor]:
         self.sync()   # the weights as the updates keep them: fp32 masters under bf16 working weights
-        return self.updater.weights_state(self.model)
+        return self.updater.weights_state(self.model, copy)
 
-    def save(self, staged: Path) -> None:
-        if self.topo.is_first:
-            ckpt.write_file(staged, "model.pt", self.weights())
-            ckpt.write_file(staged, "optimizer.pt", self.updater.state_dict())
-
-    def load(self, source: Path, manifest: dict) -> None:
-        ckpt.check_strategy(source, manifest, self.name)
-        self.sync()
-        state = ckpt.load_file(source, "model.pt")
-        self.model.load_state_dict(state)
-        weights = {id(p): state[n] for n, p in self.model.named_parameters()}
-        self.updater.load_state_dict(ckpt.load_file(source, "optimizer.pt"), weights)
+    def checkpoint_state(self) -> tuple[dict, dict]:
+        return super().checkpoint_state() if self.topo.is_first else ({}, {})
 
 
 def params_by_layer(model, only=None) -> dict[int, list]:

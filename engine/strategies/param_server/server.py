@@ -26,7 +26,9 @@ from engine.strategies.param_server.links import (
     ACK, ALL_LAYERS, BYE, CKPT, CONTROL, FINISH, GATHER, GRAD, LOST, PING, PROFILE, PULL, SERVER_STATS,
     STOP, TAG_PING, TAG_WEIGHTS, WEIGHTS, Message, flatten, link_error, pack_weights, unflatten_into)
 from engine.strategies.param_server.setup import ParamServerError, Setup
+from engine.strategies.base import parameter_names
 from engine.techniques.ps_sync import MODES, Arrival, LayerSync
+from engine.techniques.updates.state import load_named_state, named_state
 
 # per owned layer in a server's stats: index, version; the last update's workers, mean staleness and window ms;
 # then since the server (re)started: updates applied, gradients in them, their staleness summed and at most, and
@@ -263,27 +265,31 @@ class PSServer:
         return 0
 
     def save(self, step: int) -> None:
-        model = self.setup.model
-        params, buffers = {}, {}
+        """This server's part of checkpoint `step`: its layers' weights (fp32 where it keeps masters; a tied
+        weight by its first holder's server) and buffers, their optimizer state by global name, and each
+        layer's version (what staleness counts from)."""
+        model, names = self.setup.model, parameter_names(self.setup.model)
+        weights, optimizer = {}, {}
         for j in self.mine:
-            for key, value in model.layers[j].state_dict().items():
-                (params if key in dict(model.layers[j].named_parameters()) else buffers)[f"layers.{j}.{key}"] = value
-        ckpt.write_file(ckpt.staging_dir(self.setup.cfg.run_dir, step), f"server{self.rank}.pt", {
-            "params": params, "buffers": buffers,
-            "optimizer": {self.names[j]: self.opt[j].state_dict() for j in self.mine},
-            "version": {self.names[j]: self.sync[j].version for j in self.mine},
-            "count": {self.names[j]: self.count[j] for j in self.mine}})
+            weights.update({names[id(p)]: p.detach() for p in self.setup.params[j]})
+            weights.update({f"layers.{j}.{k}": b.detach() for k, b in model.layers[j].named_buffers()
+                            if k in model.layers[j].state_dict()})
+            optimizer.update(named_state(self.opt[j], self.setup.params[j], names, copy=False))
+        ckpt.write_rank_file(ckpt.staging_dir(self.setup.cfg.run_dir, step), self.rank, weights, optimizer, {},
+                             {"param_server_version": {self.names[j]: self.sync[j].version for j in self.mine}})
 
-    def load(self, state: dict) -> None:
-        model = self.setup.model
-        model.load_state_dict({**state["params"], **state["buffers"]}, strict=False)
+    @torch.no_grad()
+    def load(self, reader) -> None:
+        """This server's layers from a checkpoint of any strategy and world size, by name. A layer's version
+        is the parameter server's that wrote it, or else the step (one update per step, as in bsp)."""
+        model, names = self.setup.model, parameter_names(self.setup.model)
+        versions = reader.extras().get("param_server_version", {})
+        step = int(reader.manifest["step"])
         for j in self.mine:
-            name = self.names[j]
-            if name not in state["optimizer"]:
-                raise ckpt.CheckpointError(f"layer {name!r} is not in this server's checkpoint file "
-                                           f"(the layers were assigned differently when it was written)")
-            self.opt[j].load_state_dict(state["optimizer"][name])
-            self.sync[j].restore(state["version"][name])
+            for key, value in model.layers[j].state_dict(keep_vars=True).items():
+                value.copy_(reader.weight(f"layers.{j}.{key}", tuple(value.shape)))
+            load_named_state(self.opt[j], self.setup.params[j], names, reader.optimizer)
+            self.sync[j].restore(int(versions.get(self.names[j], step)))
 
     def send_weights(self) -> None:
         for j in self.mine:

@@ -82,7 +82,8 @@ class Setup:
             self.device.ledger.track_module(self.model)
         self.links = make_links(topo, self.servers, cfg.parallel.collective_timeout_s)
         self.source = ckpt.resume_source(cfg.run_dir, job.resume, self.restart)
-        self.resumed = ckpt.verify(self.source) if self.source else None   # its manifest
+        # its manifest, checksummed already: by the launcher (prepare_run_dir) or, after a restart, resume_source
+        self.resumed = ckpt.verify(self.source, checksums=False) if self.source else None
         self.first_step = int(self.resumed["step"]) if self.resumed else 0
 
     def batch(self, iteration: int, index: int):
@@ -93,18 +94,13 @@ class Setup:
         return global_count(self.data, iteration, self.cfg.data.batch_size, self.cfg.run.seed, self.loss_fn)
 
     def restore(self, server) -> None:
-        """Load a server's (engine/strategies/param_server/server.py) share of the checkpoint
-        this run resumes from, if any."""
+        """Load a server's (engine/strategies/param_server/server.py) layers from the checkpoint this run
+        resumes from, if any: written by any strategy at any world size, read by name (server.load)."""
         if self.source is None:
             return
-        manifest = self.resumed
-        ckpt.check_world_size(self.source, manifest, self.topo.world_size)
-        ckpt.check_strategy(self.source, manifest, "param_server")
-        saved = manifest["layout"].get("server_layers")
-        if saved != self.layout()["server_layers"]:
-            raise ckpt.CheckpointError(f"{self.source}: its layers were served as {saved}; this run serves "
-                                       f"them as {self.layout()['server_layers']} (parallel.param_server.servers must match)")
-        server.load(ckpt.load_file(self.source, f"server{self.topo.rank}.pt"))
+        ckpt.check_format(self.source, self.resumed)
+        with ckpt.Reader(self.source, self.resumed) as reader:
+            server.load(reader)
         for j in server.mine:
             server.count[j] = self.first_step * self.workers
 

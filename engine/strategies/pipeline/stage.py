@@ -156,9 +156,10 @@ class PipelineStage(StageWire, StageCheckpoint, Strategy):
             return self.micro_batches
         return min(self.stages - self.rank, self.micro_batches)
 
-    def _adopt(self, stage_layers: list[list[str]]) -> None:
+    def _adopt(self, stage_layers: list[list[str]]) -> list[int]:
         """Take a layout between steps (resume, the balanced start): nothing is in flight, the weights are
-        every rank's own copy, and optimizer state starts fresh for layers this rank did not update."""
+        every rank's own copy, and optimizer state starts fresh for layers this rank did not update (after a
+        resume, the balanced start takes theirs from the checkpoint: restore_layers). Returns those layers."""
         old = set(range(self.start, self.end))
         self._set_layout(stage_layers)
         new = set(range(self.start, self.end))
@@ -168,6 +169,7 @@ class PipelineStage(StageWire, StageCheckpoint, Strategy):
         for i in sorted(new - old):
             self.updater.add_layer(i, self.owned[i])
         self.device.ledger.retrack(self.ledger_module)
+        return sorted(new - old)
 
     # --- a step --------------------------------------------------------------------------------
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float | None:
@@ -178,7 +180,8 @@ class PipelineStage(StageWire, StageCheckpoint, Strategy):
             self.balance_first = False
             decision = self.rebalancer.initial(self.model, x[:size], y[:size], self.loss_fn, self.stage_layers)
             if decision.changed:
-                self._adopt(decision.stages)
+                self.restore_layers(self._adopt(decision.stages))
+            self.resumed = None
         dev = self.device.torch_device
         m, counted_y = self.micro_batches, counted(y, self.loss_fn) if self.is_last else 0
         inputs: dict[int, torch.Tensor] = {}

@@ -15,12 +15,11 @@ import bisect
 import queue
 import threading
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from engine.runtime import checkpoint as ckpt, emulate
+from engine.runtime import emulate
 from engine.config import OptimConfig, ShardedConfig, UpdateConfig
 from engine.training.loss import cross_entropy, share_loss
 from engine.training.data import micro_steps
@@ -312,40 +311,14 @@ class ShardedStrategy(GradientReduce, Strategy):
                 "slices": len(self.plan), "owners": dict(zip(self.param_names, self.owners))}
 
     # --- checkpoints: every owner writes its shard ------------------------------------------
-    def weights(self) -> dict[str, torch.Tensor]:
+    def weights(self, copy: bool = True) -> dict[str, torch.Tensor]:
         """The parameters this rank owns (rank 0: the buffers too)."""
         self.sync()
         kept = self.updater.master_of()   # the weights as the owner's updates keep them (fp32 masters)
-        mine = {n: kept.get(id(p), p.detach()).clone() for n, p, o in zip(self.param_names, self.params, self.owners)
+        held = {n: kept.get(id(p), p.detach()) for n, p, o in zip(self.param_names, self.params, self.owners)
                 if o == self.rank}
-        return {**mine, **({n: b.detach().clone() for n, b in self.buffers} if self.topo.is_first else {})}
-
-    def save(self, staged: Path) -> None:
-        held = self.weights()
-        buffer_names = {n for n, _ in self.buffers}
-        ckpt.write_file(staged, f"shard{self.rank}.pt",
-                        {"params": {n: v for n, v in held.items() if n not in buffer_names},
-                         "buffers": {n: v for n, v in held.items() if n in buffer_names},
-                         "optimizer": self.updater.state_dict()})
-
-    def load(self, source: Path, manifest: dict) -> None:
-        ckpt.check_strategy(source, manifest, self.name)
-        if manifest["layout"].get("owners") != dict(zip(self.param_names, self.owners)):
-            raise ckpt.CheckpointError(f"{source}: its parameter ownership differs from this run's (another model "
-                                       f"or world size, or a trainyard from before owners were interleaved, "
-                                       f"2026-11-25: resume it with the version that wrote it)")
-        self.sync()
-        by_name = dict(zip(self.param_names, self.params))
-        with torch.no_grad():
-            for owner in range(self.world):
-                shard = ckpt.load_file(source, f"shard{owner}.pt")
-                for name, value in shard["params"].items():
-                    by_name[name].copy_(value)
-                for name, value in shard.get("buffers", {}).items():
-                    dict(self.buffers)[name].copy_(value)
-                if owner == self.rank:
-                    weights = {id(by_name[n]): v for n, v in shard["params"].items()}
-                    self.updater.load_state_dict(shard["optimizer"], weights)
+        held.update({n: b.detach() for n, b in self.buffers} if self.topo.is_first else {})
+        return {n: v.clone() for n, v in held.items()} if copy else held
 
     def close(self) -> None:
         """Let the last broadcasts land and give the stream groups back."""

@@ -9,13 +9,15 @@ from __future__ import annotations
 import torch
 
 
-def named_state(optimizer: torch.optim.Optimizer, params: list, names: dict[int, str]) -> dict[str, dict]:
+def named_state(optimizer: torch.optim.Optimizer, params: list, names: dict[int, str],
+                copy: bool = True) -> dict[str, dict]:
     """`optimizer`'s state of each of `params` (in the order the optimizer holds them: the working parameter
     or its fp32 master) under its global name (`names`: id of a parameter -> the model's own name), copied to
     the CPU: {name: {"exp_avg": ..., "exp_avg_sq": ..., "step": ...}}. What a checkpoint of any job shape
-    reads: a strategy, a world size and a placement leave it the same."""
+    reads: a strategy, a world size and a placement leave it the same. `copy=False`: the live tensors, where
+    they are (a checkpoint's writer copies each to the host as it writes it)."""
     held = optimizer.state_dict()["state"]
-    return {names[id(p)]: {k: v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v
+    return {names[id(p)]: {k: (v.detach().to("cpu", copy=True) if copy else v.detach()) if torch.is_tensor(v) else v
                            for k, v in held[i].items()}
             for i, p in enumerate(params) if i in held}
 
@@ -32,31 +34,11 @@ def load_named_state(optimizer: torch.optim.Optimizer, params: list, names: dict
 class UpdateState:
     """LayerUpdates' checkpoint side (a mixin: the updates and wait_host are LayerUpdates')."""
 
-    def state_dict(self) -> dict:
-        self.wait_host()
-        return {"layers": {u.name: u.optimizer.state_dict() for u in self.updates.values()},
-                "placement": self.placement()}
-
-    def load_state_dict(self, saved: dict, weights: dict[int, torch.Tensor] | None = None) -> None:
-        """The optimizer state from a checkpoint; `weights` (id of a parameter -> its saved fp32 value, from
-        weights_state) sets the masters and working weights of the layers updated here; without it the
-        masters are copied from the parameters (loaded already, in fp32)."""
-        self.wait_host()
-        layers = saved.get("layers", {})
-        missing = sorted(set(self.by_name) - set(layers))
-        if missing:
-            raise ValueError(f"the checkpoint holds no optimizer state for layer {missing[0]!r}")
-        for name, u in self.by_name.items():
-            if weights is not None:
-                u.load_weights([weights[id(p)] for p in u.params])
-            else:
-                u.refresh_master()
-            u.optimizer.load_state_dict(layers[name])
-
-    def state_by_name(self, names: dict[int, str]) -> dict[str, dict]:
+    def state_by_name(self, names: dict[int, str], copy: bool = True) -> dict[str, dict]:
         """The optimizer state of every parameter updated here, under its global name (named_state)."""
         self.wait_host()
-        return {k: v for u in self.updates.values() for k, v in named_state(u.optimizer, u.params, names).items()}
+        return {k: v for u in self.updates.values()
+                for k, v in named_state(u.optimizer, u.params, names, copy).items()}
 
     def load_state_by_name(self, state: dict[str, dict], names: dict[int, str]) -> None:
         """Every layer updated here takes its parameters' entries of `state` (any strategy's, any job shape's)."""
@@ -64,18 +46,27 @@ class UpdateState:
         for u in self.updates.values():
             load_named_state(u.optimizer, u.params, names, state)
 
+    def load_weights_by_name(self, read, names: dict[int, str]) -> None:
+        """Every layer updated here takes its parameters' weights, `read(name)` (a checkpoint's, by global name;
+        the fp32 masters where the run kept them), into its masters and working weights: one layer's in
+        flight at a time."""
+        self.wait_host()
+        for u in self.updates.values():
+            u.load_weights([read(names[id(p)]) for p in u.params])
+
     def master_of(self) -> dict[int, torch.Tensor]:
         """id of each parameter updated here -> the weight its update keeps (the fp32 master where there
         is one): what a checkpoint stores."""
         self.wait_host()
         return {id(p): w for u in self.updates.values() for p, w in zip(u.params, u.weights())}
 
-    def weights_state(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    def weights_state(self, module: torch.nn.Module, copy: bool = True) -> dict[str, torch.Tensor]:
         """`module`'s state dict with each parameter updated here as its update keeps it (fp32 masters
-        under bf16 working weights), so a checkpoint holds full-precision weights."""
+        under bf16 working weights), so a checkpoint holds full-precision weights (`copy=False`: the live
+        tensors, for a writer that reads them before the next step)."""
         kept = self.master_of()
         state = module.state_dict()
         for name, p in module.named_parameters(remove_duplicate=False):
             if id(p) in kept:
-                state[name] = kept[id(p)].detach().clone()
+                state[name] = kept[id(p)].detach().clone() if copy else kept[id(p)].detach()
         return state

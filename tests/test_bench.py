@@ -26,9 +26,12 @@ def test_bench_broadcast_reports_every_variant_and_figure(cli):
                 "--steps", "2", "--warmup", "1", "--hidden", "32", "--depth", "4", "--features", "32", timeout=110)
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stdout)
-    assert [v["variant"] for v in report["variants"]] == ["ddp", "sharded-1", "sharded-2", "sharded-2-gated"]
-    ddp, *sharded = report["variants"]
+    assert [v["variant"] for v in report["variants"]] == ["ddp", "fsdp2-no-reshard", "fsdp2-reshard", "sharded-1",
+                                                          "sharded-2", "sharded-2-gated"]
+    ddp, *fsdp2, sharded = report["variants"][0], *report["variants"][1:3], report["variants"][3:]
     assert ddp["ratio_to_ddp"] == 1.0 and ddp["state_fraction_of_ddp"] == 1.0
+    for row in fsdp2:   # torch's FSDP2 shards the optimizer state too
+        assert 0.4 <= row["state_fraction_of_ddp"] <= 0.6 and row["step_ms"] > 0 and "communication_ms" not in row
     for row in sharded:   # the owners split the optimizer state: 4 equal layers over 2 ranks
         assert 0.4 <= row["state_fraction_of_ddp"] <= 0.6 and row["step_ms"] > 0
     assert sharded[2]["broadcast_wait_ms"] == 0.0 and sharded[1]["broadcast_wait_ms"] > 0
@@ -39,6 +42,7 @@ def test_bench_broadcast_reports_every_variant_and_figure(cli):
         assert 0.0 <= row["overlap_efficiency"] <= 1.0
         assert row["communication_ms"] == pytest.approx(row["reduce_span_ms"] + row["broadcast_span_ms"], abs=0.02)
     assert report["best_gated"] == "sharded-2-gated" and report["goals"]["ratio_to_ddp_at_most"] == 1.0
+    assert report["best_fsdp2"] in ("fsdp2-no-reshard", "fsdp2-reshard") and "below_fsdp2" in report["meets_goals"]
     for figure in ("meets_goals", "parameters"):
         assert figure in report
 
@@ -137,12 +141,15 @@ def test_bench_broadcast_in_bf16_halves_the_sharded_broadcast(cli):
     report = json.loads(r.stdout)
     assert report["precision"] == "bf16" and report["precisions"]["bf16"] == {"compute": "bf16", "params": "bf16",
                                                                                "reduce": "fp32"}
-    names = ["ddp", "sharded-1", "sharded-2", "sharded-2-gated"]
+    names = ["ddp", "fsdp2-no-reshard", "fsdp2-reshard", "sharded-1", "sharded-2", "sharded-2-gated"]
     fp32 = {row["variant"]: row for row in report["variants"]}   # today's figures, from the fp32 runs
     bf16 = {row["variant"]: row for row in report["bf16"]["variants"]}
     assert list(fp32) == list(bf16) == names
     params = report["parameters"]
-    for name in names[1:]:   # each rank's streams carry every slice: all the weights, 4 then 2 bytes each
+    # FSDP2 gathers its working parameters (fp32, then bf16) once or twice and reduces fp32 gradients
+    assert fp32["fsdp2-no-reshard"]["bytes_per_step"] == 8 * params and bf16["fsdp2-no-reshard"]["bytes_per_step"] == 6 * params
+    assert fp32["fsdp2-reshard"]["bytes_per_step"] == 12 * params and bf16["fsdp2-reshard"]["bytes_per_step"] == 8 * params
+    for name in names[3:]:   # each rank's streams carry every slice: all the weights, 4 then 2 bytes each
         assert fp32[name]["bytes_per_step"] == 4 * params and bf16[name]["bytes_per_step"] == 2 * params
         assert bf16[name]["parameter_bytes_per_rank"] * 2 == fp32[name]["parameter_bytes_per_rank"]
         # the fp32 masters live at the owners: together, the fp32 weights
@@ -150,7 +157,7 @@ def test_bench_broadcast_in_bf16_halves_the_sharded_broadcast(cli):
     # ddp is torch's mixed precision (fp32 weights under autocast): its all-reduce keeps its bytes
     assert bf16["ddp"]["bytes_per_step"] == fp32["ddp"]["bytes_per_step"] == 4 * params
     ratios = {row["variant"]: row for row in report["bf16_vs_fp32"]}
-    assert [ratios[n]["bytes_ratio"] for n in names] == [1.0, 0.5, 0.5, 0.5]
+    assert [ratios[n]["bytes_ratio"] for n in names] == [1.0, 0.75, round(8 / 12, 4), 0.5, 0.5, 0.5]
     assert all(ratios[n]["step_ms_bf16"] > 0 and ratios[n]["step_ratio"] > 0 for n in names)
     assert "bytes are the figure" in report["note"]
 
@@ -258,8 +265,70 @@ def test_bench_broadcast_clip_grad_norm_reports_three_modes_and_rollback_rates(c
     (2, 4, "sharded-4-gated-flat", {"reduce": 100, "broadcast": 100}),  # flat: once per remote rank
     (2, 4, "ddp", {"allreduce": 150}),                                   # ring of 4: 1.5 x P over each edge
     (4, 4, "sharded-4-gated", {"reduce": 75, "broadcast": 75}),        # (H-1)/H of it, each way
+    (2, 2, "fsdp2-no-reshard", {"allgather": 50, "reduce_scatter": 100}),   # gloo's reduce-scatter: an all-reduce
+    (2, 2, "fsdp2-reshard", {"allgather": 100, "reduce_scatter": 100}),     # gathered again in backward
+    (2, 4, "fsdp2-reshard", {"allgather": 150, "reduce_scatter": 150}),
 ])
 def test_the_line_rate_ideal_counts_the_busiest_links_bytes_per_phase(hosts, world, variant, want):
     from engine.bench.linerate import ideal_bytes
     owned = [100 // world] * world   # 100 bytes of parameters in equal shares
     assert ideal_bytes(variant, owned, 100, hosts) == {**want, "total": sum(want.values())}
+
+
+def test_the_ideal_takes_the_best_rounds_probe_never_above_the_shaped_rate():
+    from engine.bench.linerate import best_rate
+    probe = {"probe_bytes": 32 << 20, "probe_s": [0.3]}
+    slow, fast = {**probe, "bytes_per_s": 0.5e8}, {**probe, "bytes_per_s": 1.2e8}
+    got = best_rate([slow, fast, slow], "1gbit")   # a round on a busy machine says nothing of the line
+    assert got["bytes_per_s"] == 1.2e8 and not got["capped"] and got["rounds_bytes_per_s"] == [50000000, 120000000, 50000000]
+    got = best_rate([{**probe, "bytes_per_s": 1.4e8}], "1gbit")   # faster than tbf lets through: impossible
+    assert got["bytes_per_s"] == 1e9 / 8 and got["capped"]
+
+
+def test_a_variant_under_its_ideal_is_called_a_fault_of_the_probe():
+    from engine.bench.broadcast import _summary
+    phases = dict.fromkeys(("fwd_ms", "bwd_ms", "reduce_ms", "optim_ms", "broadcast_wait_ms", "gate_ms",
+                            "reduce_span_ms", "broadcast_span_ms", "broadcast_issue_ms"), 1.0)
+
+    def row(step_ms):
+        return {"step_ms": step_ms, **phases, "parameters": 25, "model_bytes": 100, "parameter_bytes": 100,
+                "bytes_per_step": 100, "master_bytes": 0, "owned_bytes": 50, "optimizer_state_bytes": 50,
+                "state_per_rank": [50, 50], "master_per_rank": [0, 0], "owned_per_rank": [50, 50]}
+    variants = ["ddp", "fsdp2-no-reshard", "fsdp2-reshard", "sharded-2-gated"]
+    runs = {v: [row(ms)] for v, ms in zip(variants, (2000.0, 3000.0, 4000.0, 500.0))}
+    # 1 byte/s over the link: ddp's ideal (100 bytes) is 100 s; the sharded variant's 100 s too: both under it
+    out = _summary(runs, variants, 2, {"ratio_to_ddp_at_most": 1.0}, with_bytes=False, hosts=2,
+                   link={"bytes_per_s": 1.0})
+    under = [r["variant"] for r in out["variants"] if r.get("under_ideal")]
+    assert under == variants and "the probe under-measured the link" in out["probe_failed"]
+    assert out["best_fsdp2"] == "fsdp2-no-reshard" and out["meets_goals"]["below_fsdp2"]
+    fine = _summary(runs, variants, 2, {"ratio_to_ddp_at_most": 1.0}, with_bytes=False, hosts=2,
+                    link={"bytes_per_s": 1e9})
+    assert "probe_failed" not in fine and not any(r.get("under_ideal") for r in fine["variants"])
+
+
+def test_a_goal_is_met_by_every_round_missed_by_none_and_undecided_in_between():
+    from engine.bench.verdict import judge
+    assert judge([0.95, 0.97, 0.99], at_most=1.0) == {"median": 0.97, "spread": [0.95, 0.99], "goal": "<= 1",
+                                                       "verdict": "met"}
+    assert judge([0.95, 0.97, 1.02], at_most=1.0)["verdict"] == "undecided"
+    assert judge([1.01, 1.2], at_most=1.0)["verdict"] == "missed"
+    assert judge([1.4, 1.6], at_least=1.5)["verdict"] == "undecided"
+    assert judge([1.6], at_least=1.5)["verdict"] == "met"
+    with pytest.raises(ValueError):
+        judge([1.0])
+
+
+def test_the_memory_bench_holds_one_variants_model_at_a_time(monkeypatch):
+    """On a GPU every variant's allocator peak must be its own: no step runs while another variant's model
+    exists (the bench builds each afresh in every round and frees it after)."""
+    from engine.bench import memory
+    seen, step = [], memory._Trainer.step
+
+    def counted(self, timed):
+        seen.append(memory._Trainer.alive)
+        return step(self, timed)
+    monkeypatch.setattr(memory._Trainer, "step", counted)
+    out = memory.measure(rounds=2, steps=1, link_gbps=0.0, d_model=16, depth=1, seq_len=8, batch=4)
+    assert set(out["variants"]) == set(memory.VARIANTS + memory.TORCH_VARIANTS)
+    assert seen and max(seen) == 1 and memory._Trainer.alive == 0

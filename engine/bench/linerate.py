@@ -4,7 +4,8 @@
     ideal = ideal_bytes("sharded-4-gated", owned_per_rank, parameter_bytes, hosts)
     ideal["total"] / rate * 1000                              # ms, if every phase ran at the line's rate
 
-The probe is iperf's idea with the job's own transport: the first rank of every host sends 32 MiB to the
+The probe runs at the start of every round, beside the variants, and the ideal takes the best rate any round
+measured, capped at the shaped rate (best_rate). The probe is iperf's idea with the job's own transport: the first rank of every host sends 32 MiB to the
 next host's first rank while it receives as much from the previous host's (two hosts: both ways over the
 one pair), five times after a warm-up, and the fastest gives the bytes per second each link carries each
 way when both ways are busy, as they are in a step. Not the nominal rate: tbf, the veth pair, TCP and gloo
@@ -21,6 +22,9 @@ parameter bytes owned on host h, P their sum, W = H k):
   root's buffer to every other rank: k times the two-level figures.
 - ddp: gloo's ring all-reduce (reduce-scatter, then all-gather) sends 2 (W - 1) / W of every gradient byte
   along each edge of the ring of ranks; one edge leaves each host, one enters it.
+- fsdp2: each all-gather of the parameters (one a step, two when it reshards after forward) sends (W - 1) / W
+  of them along each edge; its reduce-scatter of the gradients is, on gloo, an all-reduce: 2 (W - 1) / W
+  (NCCL's would send half).
 A phase's figure is the larger direction of the most loaded link; phases run one after the other, so the
 total is their sum.
 """
@@ -60,13 +64,32 @@ def probe_link(topo, hosts: int, nbytes: int = PROBE_BYTES, repeats: int = 5) ->
     return {"bytes_per_s": nbytes / seconds, "probe_bytes": nbytes, "probe_s": [round(t, 4) for t in took[1:]]}
 
 
-def ideal_bytes(variant: str, owned_per_rank: list[int], parameter_bytes: int, hosts: int) -> dict:
-    """Each phase's bytes over the most loaded host link, in its busier direction, and their `total`."""
+def best_rate(probes: list[dict], link: str) -> dict:
+    """The rate the ideal uses: the best any round's probe measured (a round's probe can stall on a busy
+    machine: that is no property of the line), never above the rate `link` shapes; and each round's."""
+    from engine.processes.cluster import rate_bits
+    shaped = rate_bits(link) / 8
+    best = max(probes, key=lambda p: p["bytes_per_s"])
+    return {"bytes_per_s": min(best["bytes_per_s"], shaped), "shaped_bytes_per_s": shaped,
+            "capped": best["bytes_per_s"] > shaped, "probe_bytes": best["probe_bytes"],
+            "probe_s": best["probe_s"], "rounds_bytes_per_s": [round(p["bytes_per_s"]) for p in probes]}
+
+
+def ideal_bytes(variant: str, owned_per_rank: list[int], parameter_bytes: int, hosts: int,
+                working_bytes: int | None = None) -> dict:
+    """Each phase's bytes over the most loaded host link, in its busier direction, and their `total`
+    (`parameter_bytes`: the fp32 model's, what gradients are reduced in; `working_bytes`: what fsdp2 gathers,
+    its bf16 working parameters under mixed precision; default the same)."""
     world = len(owned_per_rank)
     k = world // hosts
     if variant.startswith("ddp"):
         ring = 2 * (world - 1) / world * parameter_bytes
         return {"allreduce": int(ring), "total": int(ring)}
+    if variant.startswith("fsdp2"):
+        from engine.bench.torch_fsdp import gathers
+        gather = gathers(variant == "fsdp2-reshard") * (world - 1) / world * (working_bytes or parameter_bytes)
+        reduce = 2 * (world - 1) / world * parameter_bytes
+        return {"allgather": int(gather), "reduce_scatter": int(reduce), "total": int(gather + reduce)}
     per_host = [sum(owned_per_rank[h * k:(h + 1) * k]) for h in range(hosts)]
     total = sum(per_host)
     fan = k if variant.endswith("flat") and k > 1 else 1   # every rank on its own, not one per host

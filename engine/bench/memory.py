@@ -14,7 +14,9 @@ the peak the ledger measures when every layer keeps its activations. Side by sid
     torch-save-on-cpu torch.autograd.graph.save_on_cpu: every saved tensor to the host (pinned on a GPU)
 
 Each variant trains the same steps from the same weights, in rounds (one variant after
-another, repeated) so drift hits all alike. The figures: each variant's median step
+another, repeated) so drift hits all alike. In each round a variant is built afresh (same seed), warmed up
+(auto plans after its second step) and timed, then freed before the next is built: one variant's model
+is alive at a time, so on a GPU each allocator peak is its own. The figures: each variant's median step
 time as samples/s, its ratio to full recompute, the ledger's peak over the timed steps
 against the capacity, and the bytes copied to the host per step; in the JSON also what swapping waited for
 per step: `host_wait_ms_per_step` (the host held by backpressure, and on the CPU by a fetch) and
@@ -23,9 +25,9 @@ per step: `host_wait_ms_per_step` (the host held by backpressure, and on the CPU
 On the CPU a "device" is this process, counted by the ledger; a swap is a memcpy on the
 link thread (paced to --host-link-gbps when given, an emulated PCIe link). With `--device cuda`
 (the default where a GPU is visible) the stage trains on GPU 0 and every variant reports the
-allocator's peak beside the ledger's; "fits" is then the allocator's peak within the capacity. Every
-variant's model stays on the one GPU, so a variant's allocator peak is its step's peak less what the others
-hold (`_Trainer.resident_bytes`).
+allocator's peak beside the ledger's; "fits" is then the allocator's peak within the capacity, taken
+with only that variant's model on the GPU (less what the allocator still held from before its step, which
+`_Trainer.resident_bytes` tells apart from its own).
 torch's own variants save through their own hooks, which the ledger cannot see.
 
     trainyard bench memory [--json] [--rounds 8] [--steps 3] [--host-link-gbps G] [--device cuda|cpu]
@@ -87,6 +89,8 @@ class _MasterUpdates:
 class _Trainer:
     """One variant in one precision: its own model (same seed), optimizer, ledger and policy."""
 
+    alive = 0   # trainers built and not yet closed: one at a time (tests/test_bench.py asserts it)
+
     def __init__(self, variant: str, data, model_cfg, capacity: int, link_gbps: float, batch: int, kind: str,
                  precision: str = "fp32"):
         import torch
@@ -98,6 +102,7 @@ class _Trainer:
         from engine.techniques.memory import ActivationPolicy
         from engine.models import build_model
         from engine.training.optim import make_optimizer
+        _Trainer.alive += 1
         self.torch = torch
         self.variant, self.data, self.batch = variant, data, batch
         self.device = CudaDevice(capacity, 0) if kind == "cuda" else LedgerDevice(capacity)
@@ -126,9 +131,9 @@ class _Trainer:
 
     def resident_bytes(self) -> int:
         """What this variant keeps on the device between steps, as the caching allocator counts it (each
-        storage rounded up to its 512-byte blocks): weights, gradients, optimizer state and masters. Every
-        variant's model stays resident on one GPU, so a variant's allocator peak is its step's peak less what
-        the other variants hold (`other_bytes`)."""
+        storage rounded up to its 512-byte blocks): weights, gradients, optimizer state and masters. A
+        variant's allocator peak is its step's peak less anything else still allocated (`other_bytes`: with one
+        variant alive at a time, what a probe or the last variant left to the allocator, normally nothing)."""
         torch = self.torch
         tensors = [p for p in self.model.parameters()] + [p.grad for p in self.model.parameters()]
         tensors += [v for state in self.opt.state.values() for v in state.values()]
@@ -196,6 +201,37 @@ class _Trainer:
 
     def close(self) -> None:
         self.policy.close()
+        _Trainer.alive -= 1
+
+
+
+class _Tally:
+    """A variant's figures over the rounds, each round's trainer built afresh and freed after it."""
+
+    def __init__(self):
+        self.times, self.swapped, self.host_waits, self.stalls = [], [], [], []
+        self.peak = self.saved = self.allocator_peak = 0
+        self.policies, self.note = {}, ""
+
+    def add(self, t: _Trainer) -> None:
+        self.times += t.times
+        self.swapped += t.swapped
+        self.host_waits += t.host_waits
+        self.stalls += t.stalls
+        self.peak, self.saved = max(self.peak, t.peak), max(self.saved, t.saved)
+        self.allocator_peak = max(self.allocator_peak, t.allocator_peak)
+        self.policies, self.note = t.policy.policies(), t.policy.plan.note if t.policy.plan else ""
+
+
+def _free(t: _Trainer) -> None:
+    """Close a round's trainer and give its device memory back before the next variant is built."""
+    t.close()
+    torch = t.torch
+    del t
+    import gc
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 HELD = ("parameters", "gradients", "optimizer_state", "master")   # the ledger's categories keep holds all step
@@ -225,23 +261,25 @@ def measure(rounds: int, steps: int, link_gbps: float, d_model: int, depth: int,
         ledger = probe.device.ledger
         ledger.refresh()
         held[p] = {**{k: ledger.bytes[k] for k in HELD}, "activations": probe.saved, "keep_peak": probe.peak}
-        probe.close()
+        layers = len(probe.model.names)
+        _free(probe)
         capacity[p] = keep_peak[p] // 2
-    # a variant's precisions back to back in each round: drift hits both alike
-    trainers = {(p, v): _Trainer(v, data, cfg.model, capacity[p], link_gbps, batch, kind, p)
-                for v in VARIANTS + TORCH_VARIANTS for p in precisions}
-    for t in trainers.values():   # warm-up; auto measures its second step and plans after it
-        for _ in range(3):
-            t.step(timed=False)
+    # a variant's precisions back to back in each round: drift hits both alike; one variant alive at a time
+    tallies = {(p, v): _Tally() for v in VARIANTS + TORCH_VARIANTS for p in precisions}
     for _ in range(rounds):
-        for t in trainers.values():
+        for (p, v), tally in tallies.items():
+            t = _Trainer(v, data, cfg.model, capacity[p], link_gbps, batch, kind, p)
+            for _ in range(3):   # warm-up; auto measures its second step and plans after it
+                t.step(timed=False)
             for _ in range(steps):
                 t.step(timed=True)
+            tally.add(t)
+            _free(t)
     compare = len(precisions) > 1
     rows = {prec: {} for prec in precisions}
-    for (prec, v), t in trainers.items():
+    for (prec, v), t in tallies.items():
         median_s = statistics.median(t.times)
-        policies = t.policy.policies()
+        policies = t.policies
         torch_own = v in TORCH_VARIANTS   # the ledger does not see inside torch's own hooks
         peak = t.allocator_peak if kind == "cuda" else None if torch_own else t.peak
         rows[prec][v] = {"samples_per_s": batch / median_s, "median_step_ms": median_s * 1000,
@@ -253,15 +291,14 @@ def measure(rounds: int, steps: int, link_gbps: float, d_model: int, depth: int,
                          "swap_layers": sum(p == "swap" for p in policies.values()),
                          "recompute_layers": sum(p == "recompute" for p in policies.values()),
                          "plan": policies if v.startswith("auto") else None,
-                         "note": t.policy.plan.note if t.policy.plan else ""}
+                         "note": t.note}
         if compare:   # the activations the forward left on the device (the ledger's; not inside torch's hooks)
             rows[prec][v]["activation_bytes"] = None if torch_own else t.saved
-        t.close()
     for by_variant in rows.values():
         base = by_variant["recompute"]["samples_per_s"]
         for row in by_variant.values():
             row["vs_recompute"] = row["samples_per_s"] / base
-    out = {"capacity_bytes": capacity["fp32"], "keep_peak_bytes": keep_peak["fp32"], "layers": len(probe.model.names),
+    out = {"capacity_bytes": capacity["fp32"], "keep_peak_bytes": keep_peak["fp32"], "layers": layers,
            "device": kind, "host_link_gbps": link_gbps or round(measure_link_gbps(torch.device(kind)), 2),
            "link": "paced (emulated)" if link_gbps else "measured memcpy", "variants": rows["fp32"],
            "model": {"d_model": d_model, "depth": depth, "seq_len": seq_len, "batch": batch},

@@ -24,6 +24,10 @@ CATEGORIES = ("parameters", "gradients", "optimizer_state", "master", "activatio
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
+    """The bytes `t` holds here: a DTensor's (FSDP2's sharded parameters and their state) are its local shard's."""
+    local = getattr(t, "_local_tensor", None)
+    if local is not None:
+        t = local
     return t.numel() * t.element_size()
 
 

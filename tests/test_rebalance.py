@@ -151,6 +151,23 @@ def test_a_migration_whose_peer_dies_fails_within_the_collective_timeout(how, sc
 
 # --- the decision rule, no processes --------------------------------------------------------------
 
+def test_splits_within_the_clocks_noise_are_ties_won_by_the_fewest_boundary_bytes():
+    """The bench's case: a trunk, then a wide layer ("up", 8x the bytes out). Cut before it or after it:
+    modelled 1.8% apart (within TIES), the cut that ships the narrow activation wins; 23% apart, the
+    faster one does."""
+    from engine.techniques.rebalance import TIES
+    names = ["trunk", "act", "up", "rest", "head"]
+    clusters = [[n] for n in names]
+    nbytes = {"trunk": 400, "act": 100, "up": 800, "rest": 100, "head": 10}
+    skewed = [["trunk", "act", "up", "rest"], ["head"]]
+    near = {"trunk": 50.0, "act": 0.2, "up": 1.0, "rest": 51.0, "head": 0.1}
+    _, new, _ = decide(clusters, names, near, nbytes, skewed, 0.0)   # after act: 52.1; after up: 51.2
+    assert (52.1 - 51.2) / 51.2 < TIES and new.stages == (("trunk", "act"), ("up", "rest", "head"))
+    far = {"trunk": 40.0, "act": 0.2, "up": 12.0, "rest": 52.0, "head": 0.1}
+    _, new, _ = decide(clusters, names, far, nbytes, skewed, 0.0)    # after act: 64.1; after up: 52.2
+    assert new.stages == (("trunk", "act", "up"), ("rest", "head")) and new.max_ms == pytest.approx(52.2)
+
+
 def test_the_decision_keeps_a_layout_within_the_threshold_and_moves_a_skewed_one():
     names = ["a", "b", "c", "d"]
     clusters = [[n] for n in names]
@@ -544,3 +561,40 @@ def test_a_balanced_start_after_a_resume_takes_the_moved_layers_state_from_the_c
     for name in ref_state:
         torch.testing.assert_close(merged[name], ref_state[name], atol=1e-5, rtol=0, msg=name)
     torch.testing.assert_close(results[-1]["losses"], ref_losses[10:], atol=1e-5, rtol=0)
+
+
+def test_the_pipeline_bench_pairs_the_steps_of_a_turn_and_times_no_sampled_or_moving_step():
+    """A judged ratio is the median of num/den within each turn, so a slow spell of the machine (turn 3: both
+    twice as slow) moves nothing; a step the layer clock timed, one in which layers moved, and the warm-up
+    are left out, on every rank alike (the slowest rank's step counts)."""
+    from engine.bench.pipeline import _steps, paired
+    keep = lambda k, armed, moved: k >= 1 and not armed and not moved   # noqa: E731
+    auto = [[(500.0, False, False, 0), (100.0, False, False, 0), (300.0, True, False, 0), (200.0, False, False, 0),
+             (900.0, False, True, 0), (100.0, False, False, 0)],
+            [(400.0, False, False, 0), (110.0, False, False, 0), (280.0, True, False, 0), (180.0, False, False, 0),
+             (800.0, False, True, 0), (90.0, False, False, 0)]]
+    assert _steps(auto, keep) == [None, 110.0, None, 200.0, None, 100.0]
+    static = [[(900.0, False, False, 0), (150.0, False, False, 0), (160.0, False, False, 0), (300.0, False, False, 0),
+               (155.0, False, False, 0), (150.0, False, False, 0)]]
+    assert paired(_steps(static, keep), _steps(auto, keep)) == pytest.approx(1.5)
+    with pytest.raises(RuntimeError, match="no step was left to time"):
+        paired(_steps(static, keep), [None] * 6)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_the_pipeline_bench_round_steps_every_variant_side_by_side():
+    """One round of the bench on 2 stages, one turn past the warm-up: the skewed start is rebalanced at its
+    check, every variant is timed, and the layout it took is the best static split of the check's costs or
+    within the threshold of it."""
+    from engine.bench.pipeline import bench_model, one_round, skewed_layout
+    with DistPool(2, timeout_s=60) as pool:
+        got = one_round(pool, 2, steps=1)
+    ms, ratios, layouts, costs = got["ms"], got["ratios"], got["layouts"], got["costs"]
+    names = bench_model().names
+    assert layouts["after"] != skewed_layout(names, 2) and [n for s in layouts["best"] for n in s] == names
+    assert set(costs["layer_ms"]) == set(names) and all(v > 0 for v in costs["layer_ms"].values())
+    assert {"before", "migration", "after", "skewed", "best", "torch", "even", "even_uncounted"} <= set(ms)
+    assert all(ms[k] > 0 for k in ms if ms[k] is not None)
+    assert set(ratios) >= {"after / before", "after / best static", "trainyard / torch on torch's layout"}
+    assert set(got["page_faults"]) == {"auto", "skewed", "best", "torch", "even", "even_uncounted"}

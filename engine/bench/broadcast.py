@@ -68,7 +68,7 @@ import time
 from engine.bench.broadcast_tables import goal_of, print_comparison, print_precision
 from engine.bench.clip import add_precision_and_clip, check_precision_and_clip, ratio
 from engine.bench.torch_ddp import TorchDDP
-from engine.bench.verdict import judge
+from engine.bench.verdict import judge_ratio
 
 
 PRECISIONS = {"fp32": ("fp32", "fp32", "fp32"), "bf16": ("bf16", "bf16", "fp32")}   # compute, params, reduce
@@ -336,10 +336,11 @@ def _summary(runs: dict[str, list[dict]], variants: list[str], world: int, goal:
     best = min((r for r in rows if r["variant"].endswith("gated")), key=lambda r: r["step_ms"])
     fsdp = min((r for r in rows if r["variant"].startswith("fsdp2")), key=lambda r: r["step_ms"])
 
-    def per_round(v: str, of: str) -> list[float]:   # v's step over `of`'s, round by round (drift hits both)
-        return [a["step_ms"] / b["step_ms"] for a, b in zip(runs[v], runs[of])]
-    judged = {"step_ratio": judge(per_round(best["variant"], "ddp"), at_most=goal["ratio_to_ddp_at_most"]),
-              "below_fsdp2": judge(per_round(best["variant"], fsdp["variant"]), at_most=1.0)}
+    def step_ms(v: str) -> list[float]:   # round by round
+        return [r["step_ms"] for r in runs[v]]
+    judged = {"step_ratio": judge_ratio(step_ms(best["variant"]), step_ms("ddp"),
+                                        at_most=goal["ratio_to_ddp_at_most"]),
+              "below_fsdp2": judge_ratio(step_ms(best["variant"]), step_ms(fsdp["variant"]), at_most=1.0)}
     met = {name: j["verdict"] == "met" for name, j in judged.items()}
     met["optimizer_state"] = best["state_fraction_of_ddp"] <= 1 / world + 0.02
     if "communication_over_ideal_at_most" in goal and "communication_over_ideal" in best:

@@ -67,7 +67,7 @@ class Peaks(threading.Thread):
 
     def run(self) -> None:
         pids: dict[int, int] = {}
-        first_seen = False
+        first_seen, offset = False, 0
         while not self.done.is_set():
             for f in (self.run_dir / "pids").glob("rank*.pid") if (self.run_dir / "pids").is_dir() else []:
                 try:
@@ -78,7 +78,14 @@ class Peaks(threading.Thread):
                 value = _hwm(pid)
                 if value is not None:
                     self.last[rank] = value
-            text = self.log.read_text().replace(" ", "") if self.log.exists() and not first_seen else ""
+            text = ""
+            if self.log.exists() and not first_seen:   # the lines logged since the last look, whole ones only
+                with self.log.open("rb") as f:
+                    f.seek(offset)
+                    chunk = f.read()
+                whole = chunk[:chunk.rfind(b"\n") + 1]
+                offset += len(whole)
+                text = whole.decode(errors="replace").replace(" ", "")
             if not self.at_resume and '"kind":"resume"' in text:
                 self.at_resume = dict(self.last)
             if '"type":"step"' in text:

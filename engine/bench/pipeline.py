@@ -4,24 +4,29 @@ N stages (`--stages`, by default as many as the machine has cores, at most 4; on
 gloo on the CPU) train an MLP with a heavy head:
 a trunk of narrow layers, then wide layers (each 8x a trunk layer's work) before the
 classifier, so an even split by layer count leaves the last stage with most of the work.
-The run starts from a skewed layout (the last stage holds all but N - 1 layers). Side by side in one
-invocation, in rounds (so drift hits all alike):
+The run starts from a skewed layout (the last stage holds all but N - 1 layers). Every variant is built
+in the same N processes and stepped in turns, one step of each (engine/bench/pipeline_job.py):
 
-    before       trainyard, the skewed layout, `rebalance = "auto"`, until its first check
+    before       trainyard, the skewed layout, `rebalance = "auto"`, alone until its first check
     migration    the step during which the layers move (the check's decision, live)
-    after        the same run, in the layout it rebalanced to
+    after        the same run, in the layout it rebalanced to, checked at every step as the engine does
+      its steps the layer clock times   after's sampled steps (the clock's cost, apart)
+    skewed static   trainyard, the skewed layout, `rebalance = "off"`, stepped beside after: the
+                 before of the judged after/before
     best static  trainyard, `rebalance = "off"`, the layout with the smallest modelled slowest stage
                  (compute plus boundary sends at the measured link rate) over every split of the
-                 layers, by brute force on the very costs the rebalancer decided on
+                 layers, by brute force on the very costs the rebalancer decided on (the model's own
+                 optimum: the rebalancer's 5% ties, engine/techniques/rebalance.py TIES, are not applied)
     torch even   torch.distributed.pipelining's Schedule1F1B, the layers split evenly by count
     trainyard even   trainyard, `rebalance = "off"`, on torch's even split: the two engines on one
                  layout, so their ratio is trainyard's own overhead per micro-batch (goal <= 1.03)
       the same, activations not counted   the ledger without its saved-tensor hooks (which torch has no
                  counterpart of): what they cost, apart from the rest of the overhead
 
-The figures are throughput (samples/s over the steps of each phase, the slowest rank's
-wall time) and the ratios the goals name; a migration step is compared with the mean of
-the three steps before and the three after it. Beside the measured speed-up the table prints the
+A variant's figure is the median over its timed steps of the slowest stage's step; a judged ratio is the
+median over the turns of the two variants' steps in the same turn (`paired`), so the machine's drift
+hits both. Which steps are timed, and why: pipeline_job.py. The migration step is compared with the mean
+of the steps before and after it. Beside the measured speed-up the table prints the
 ideal ones from the same measured layer times, bubble-bound (1F1B: a step is the stages' sum over
 the micro-batches plus (m - 1) times the slowest stage's, per micro-batch): the best contiguous
 split's, and a perfect balance's.
@@ -32,7 +37,7 @@ Each goal is judged on every round's ratio (engine/bench/verdict.py): met, misse
 the rounds' spread covers it. after/before is judged against 0.9 of the best contiguous split's
 bubble-bound ideal, a figure the rebalance's own decision cannot lower.
 
-    trainyard bench pipeline [--json] [--rounds 2] [--steps 12] [--stages N]
+    trainyard bench pipeline [--json] [--rounds 2] [--steps 40] [--stages N]
 """
 
 from __future__ import annotations
@@ -43,7 +48,6 @@ import json
 import math
 import os
 import statistics
-import time
 
 import torch
 from torch import nn
@@ -53,7 +57,7 @@ from engine.bench.verdict import judge
 STAGES = 4   # the default where the machine has the cores (default_stages)
 BATCH, MICRO = 256, 8
 HIDDEN, DEPTH, WIDE, CLASSES = 256, 16, 2048, 10
-THRESHOLD, CHECK_AT = 0.2, 8
+THRESHOLD = 0.2
 
 
 def bench_model(hidden: int = HIDDEN, depth: int = DEPTH, wide: int = WIDE, classes: int = CLASSES, seed: int = 0):
@@ -122,78 +126,73 @@ def _batches(steps: int, seed: int = 0):
             for _ in range(steps)]
 
 
-def trainyard_job(topo, stages: list[list[str]], steps: int, rebalance: str, count_activations: bool = True) -> dict:
-    """One pipeline run; with `rebalance = "auto"` its first check is after step CHECK_AT. Without
-    `count_activations` the ledger leaves out its saved-tensor hooks (the share they cost)."""
-    from engine.config import OptimConfig, PipelineConfig
-    from engine.runtime.devices import LedgerDevice
-    from engine.strategies.pipeline import PipelineStage
-    model = bench_model()
-    device = LedgerDevice(1 << 40)
-    device.ledger.count_activations = count_activations
-    settings = PipelineConfig(micro_batches=MICRO, schedule="1f1b", rebalance=rebalance,
-                              imbalance_threshold=THRESHOLD, rebalance_check_every=CHECK_AT)
-    stage = PipelineStage(model, stages, topo, device, OptimConfig(name="sgd", lr=0.01), settings)
-    step_ms, decision, migrated_at = [], None, None
-    for step, (x, y) in enumerate(_batches(steps), 1):
-        t0 = time.perf_counter()
-        stage.train_step(x, y)
-        if stage.take_migration() is not None:
-            migrated_at = step
-        found = stage.check(step) if decision is None else None
-        decision = decision or (found if found is not None and found.changed else None)
-        step_ms.append((time.perf_counter() - t0) * 1000)
-    stage.close()
-    return {"step_ms": step_ms, "stages": stage.stage_layers, "migrated_at": migrated_at,
-            "layer_ms": decision.layer_ms if decision else None,
-            "out_bytes": decision.out_bytes if decision else None,
-            "link_bytes_per_ms": decision.link_bytes_per_ms if decision else None}
+def _steps(per_rank: list[list[tuple]], keep) -> list[float | None]:
+    """Each step's slowest rank, None where `keep(k, armed, moved)` leaves the step out (a step's flags are
+    every rank's alike)."""
+    return [max(rank[k][0] for rank in per_rank) if keep(k, step[1], step[2]) else None
+            for k, step in enumerate(per_rank[0])]
 
 
-def _slowest(results: list[dict], lo: int, hi: int) -> float:
-    """Mean step ms over steps [lo, hi) (1-based), the slowest rank's."""
-    return max(statistics.mean(r["step_ms"][lo - 1:hi - 1]) for r in results)
+def _median(steps: list[float | None], needed: bool = True) -> float | None:
+    kept = [ms for ms in steps if ms is not None]
+    if not kept and needed:
+        raise RuntimeError("no step was left to time: give more --steps")
+    return statistics.median(kept) if kept else None
+
+
+def paired(num: list[float | None], den: list[float | None]) -> float:
+    """The median over the turns of num's step over den's in the same turn: the two ran within a second of each
+    other, on the same cores, so a core that slows down for seconds (this machine's run between ~67 and ~85 ms
+    on one fixed kernel, in spells of seconds, each core on its own) slows both."""
+    return _median([a / b if a is not None and b is not None else None for a, b in zip(num, den)])
+
+
+def one_round(pool, stages: int, steps: int) -> dict:
+    """A round (engine/bench/pipeline_job.py): {"ms": every row's step ms, "ratios": the judged ratios,
+    "layouts", "costs": the check's, "page_faults": each variant's median minor faults a step, warm-up
+    apart (under 100 where the allocator keeps what a step frees)}."""
+    from engine.bench.pipeline_job import WARMUP, side_by_side_job
+    names = bench_model().names
+    got = pool.run(side_by_side_job, timeout=600, skewed=skewed_layout(names, stages),
+                   even=even_layout(names, stages), steps=steps)
+    first = [r["first"] for r in got]
+    at = len(first[0])   # the migration step, 1-based
+    timed = lambda k, armed, moved: k >= WARMUP and not armed and not moved   # noqa: E731
+    turns = {name: _steps([r["rows"][name] for r in got], timed) for name in got[0]["rows"]}
+    clock = _steps([r["rows"]["auto"] for r in got], lambda k, armed, moved: k >= WARMUP and armed and not moved)
+    ms = {"before": _median(_steps(first, lambda k, armed, moved: timed(k, armed, moved) and k < at - 1)),
+          "migration": max(r[at - 1][0] for r in first),
+          **{name: _median(t) for name, t in turns.items() if name != "auto"},
+          "after": _median(turns["auto"]), "clock": _median(clock, needed=False)}
+    ms["around"] = statistics.mean([ms["before"], ms["after"]])
+    faults = {name: statistics.median(max(rank[k][3] for rank in per_rank) for k in range(WARMUP, len(per_rank[0])))
+              for name, per_rank in ((n, [r["rows"][n] for r in got]) for n in got[0]["rows"])}
+    ratios = {"after / before": paired(turns["skewed"], turns["auto"]),
+              "after / best static": paired(turns["best"], turns["auto"]),
+              "after / torch even split": paired(turns["torch"], turns["auto"]),
+              "migration step / the steps around it": ms["around"] / ms["migration"],
+              "trainyard / torch on torch's layout": paired(turns["even"], turns["torch"]),
+              "uncounted / torch": paired(turns["even_uncounted"], turns["torch"])}
+    return {"ms": ms, "ratios": ratios, "layouts": got[0]["layouts"], "costs": got[0]["costs"],
+            "page_faults": faults}
 
 
 def run(rounds: int, steps: int, stages: int = STAGES) -> dict:
-    from engine.bench.torch_pipeline import torch_1f1b_job
     from engine.processes.procpool import DistPool
     names = bench_model().names
-    rows: dict[str, list[float]] = {k: [] for k in ("before", "migration", "around", "after", "best", "torch", "even",
-                                                "even_uncounted")}
-    layouts, costs = {}, {}
+    rows: dict[str, list[float]] = {}
+    ratios: dict[str, list[float]] = {}
+    faults: dict[str, list[float]] = {}
     with DistPool(stages, timeout_s=120) as pool:
         for _ in range(rounds):
-            auto = pool.run(trainyard_job, timeout=600, stages=skewed_layout(names, stages), steps=CHECK_AT + 2 + steps,
-                            rebalance="auto")
-            at = auto[0]["migrated_at"]
-            if at is None:
-                raise RuntimeError("the skewed start was not rebalanced at its first check")
-            decided = next(r for r in auto if r["layer_ms"])
-            rate = decided["link_bytes_per_ms"]
-            costs = {"layer_ms": decided["layer_ms"], "out_bytes": decided["out_bytes"],
-                     "link_bytes_per_ms": None if rate == math.inf else rate, "micro_batches": MICRO}
-            rows["before"].append(_slowest(auto, 2, at))   # step 1 warms up
-            rows["migration"].append(max(r["step_ms"][at - 1] for r in auto))
-            rows["around"].append(statistics.mean([_slowest(auto, at - 3, at), _slowest(auto, at + 1, at + 4)]))
-            rows["after"].append(_slowest(auto, at + 1, len(auto[0]["step_ms"]) + 1))
-            layouts["after"] = auto[0]["stages"]
-            layouts["best"], layouts["best_modelled_ms"] = best_static(names, decided["layer_ms"], stages,
-                                                                       decided["out_bytes"], rate, MICRO)
-            best = pool.run(trainyard_job, timeout=600, stages=layouts["best"], steps=steps + 1, rebalance="off")
-            rows["best"].append(_slowest(best, 2, steps + 2))
-            layouts["torch"] = even_layout(names, stages)
-            torch_run = pool.run(torch_1f1b_job, timeout=600, build="engine.bench.pipeline:bench_model",
-                                 build_kwargs={}, stage_layers=layouts["torch"], micro_batches=MICRO,
-                                 batches=_batches(steps + 1), optim={"name": "sgd", "lr": 0.01}, warmup=1)
-            rows["torch"].append(max(statistics.mean(r["step_ms"]) for r in torch_run))
-            even = pool.run(trainyard_job, timeout=600, stages=layouts["torch"], steps=steps + 1, rebalance="off")
-            rows["even"].append(_slowest(even, 2, steps + 2))
-            bare = pool.run(trainyard_job, timeout=600, stages=layouts["torch"], steps=steps + 1, rebalance="off",
-                            count_activations=False)
-            rows["even_uncounted"].append(_slowest(bare, 2, steps + 2))
-    ms = {k: statistics.median(v) for k, v in rows.items()}
-    thr = {k: BATCH / ms[k] * 1000 for k in ("before", "after", "best", "torch", "even", "even_uncounted", "migration")}
+            got = one_round(pool, stages, steps)
+            for into, part in ((rows, "ms"), (ratios, "ratios"), (faults, "page_faults")):
+                for k, v in got[part].items():
+                    into.setdefault(k, []).append(v)
+    layouts, costs = got["layouts"], got["costs"]
+    layouts["torch"] = even_layout(names, stages)
+    ms = {k: statistics.median(x for x in v if x is not None) for k, v in rows.items() if any(x is not None for x in v)}
+    thr = {k: BATCH / ms[k] * 1000 for k in ms}
     layer_ms = costs["layer_ms"]
 
     def bound(layout):   # bubble-bound step time of a layout, from the measured layer times
@@ -201,28 +200,28 @@ def run(rounds: int, steps: int, stages: int = STAGES) -> dict:
     balanced = bubble_bound_ms([sum(layer_ms.values()) / stages] * stages, MICRO)
     skewed_bound = bound(skewed_layout(names, stages))
     best_split = round(skewed_bound / bound(layouts["best"]), 3)
-
-    def per_round(num: str, den: str) -> list[float]:   # round by round: drift hits both runs of a round alike
-        return [a / b for a, b in zip(rows[num], rows[den])]
-    judged = {"after / before": judge(per_round("before", "after"), at_least=round(0.9 * best_split, 3)),
-              "after / best static": judge(per_round("best", "after"), at_least=0.97),
-              "after / torch even split": judge(per_round("torch", "after"), at_least=1.0),
-              "migration step / the steps around it": judge(per_round("around", "migration"), at_least=0.7),
-              "trainyard / torch on torch's layout": judge(per_round("even", "torch"), at_most=1.03)}
-    return {"judged": judged,"stages": stages, "batch": BATCH, "micro_batches": MICRO, "rounds": rounds, "steps": steps,
-            "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+    goals = {"after / before": {"at_least": round(0.9 * best_split, 3)}, "after / best static": {"at_least": 0.97},
+             "after / torch even split": {"at_least": 1.0}, "migration step / the steps around it": {"at_least": 0.7},
+             "trainyard / torch on torch's layout": {"at_most": 1.03}}
+    judged = {name: judge(ratios[name], **goal) for name, goal in goals.items()}
+    ratio = {name: statistics.median(v) for name, v in ratios.items()}
+    return {"judged": judged, "stages": stages, "batch": BATCH, "micro_batches": MICRO, "rounds": rounds,
+            "steps": steps, "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
             "step_ms": {k: round(v, 2) for k, v in ms.items()},
+            "step_ms_per_round": {k: [round(x, 2) for x in v] for k, v in rows.items()},
             "samples_per_s": {k: round(v, 1) for k, v in thr.items()},
-            "after_over_before": round(ms["before"] / ms["after"], 3),
-            "after_over_best_static": round(ms["best"] / ms["after"], 3),
-            "after_over_torch_even": round(ms["torch"] / ms["after"], 3),
-            "migration_step_over_around": round(ms["around"] / ms["migration"], 3),
-            "trainyard_over_torch_same_layout": round(ms["even"] / ms["torch"], 3),
-            "trainyard_uncounted_over_torch_same_layout": round(ms["even_uncounted"] / ms["torch"], 3),
+            "after_over_before": round(ratio["after / before"], 3),
+            "after_over_best_static": round(ratio["after / best static"], 3),
+            "after_over_torch_even": round(ratio["after / torch even split"], 3),
+            "migration_step_over_around": round(ratio["migration step / the steps around it"], 3),
+            "trainyard_over_torch_same_layout": round(ratio["trainyard / torch on torch's layout"], 3),
+            "trainyard_uncounted_over_torch_same_layout": round(ratio["uncounted / torch"], 3),
+            "clock_step_over_after": round(ms["clock"] / ms["after"], 3) if "clock" in ms else None,
             "ideal": {"best_split_over_before": best_split,
                       "balanced_over_before": round(skewed_bound / balanced, 3),
                       "after_layout_over_before": round(skewed_bound / bound(layouts["after"]), 3)},
             "costs": costs,
+            "page_faults_per_step": faults,
             "layouts": {"skewed": skewed_layout(names, stages), **layouts}}
 
 
@@ -233,12 +232,16 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="trainyard bench pipeline")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--rounds", type=int, default=2, help="repeat every variant this often (median)")
-    parser.add_argument("--steps", type=int, default=12, help="measured steps per variant")
+    parser.add_argument("--steps", type=int, default=40,
+                        help="turns of every variant after the migration (each variant's steps, warm-up apart)")
     parser.add_argument("--stages", type=int, default=None,
                         help=f"pipeline stages, one worker process each (default: this machine's cores, at most "
                              f"{STAGES})")
     args = parser.parse_args(argv)
     stages = args.stages if args.stages is not None else default_stages()
+    for flag, value in (("--rounds", args.rounds), ("--steps", args.steps)):
+        if value < 1:
+            parser.error(f"{flag} {value}: must be at least 1")
     if stages < 2 or stages > len(bench_model().names) - 1:
         parser.error(f"--stages {stages}: must be between 2 and {len(bench_model().names) - 1}")
     report = run(args.rounds, args.steps, stages)
@@ -257,22 +260,31 @@ def main(argv: list[str]) -> int:
     for col in ("variant", "step ms", "samples/s", "layout (layers per stage)"):
         table.add_column(col, justify="left" if col in ("variant", "layout (layers per stage)") else "right")
     lay = report["layouts"]
-    for key, label, layout in (("before", "before (skewed)", lay["skewed"]), ("migration", "migration step", None),
-                               ("after", "after auto rebalance", lay["after"]), ("best", "best static", lay["best"]),
+    for key, label, layout in (("before", "before: auto, skewed, until its check", lay["skewed"]),
+                               ("migration", "migration step", None),
+                               ("after", "after auto rebalance", lay["after"]),
+                               ("clock", "  its steps the layer clock times", lay["after"]),
+                               ("skewed", "skewed static, beside after", lay["skewed"]),
+                               ("best", "best static", lay["best"]),
                                ("torch", "torch Schedule1F1B even", lay["torch"]),
                                ("even", "trainyard on torch's even split", lay["torch"]),
                                ("even_uncounted", "  the same, activations not counted", lay["torch"])):
+        if key not in report["step_ms"]:   # the clock's row, where no step it timed was among the turns
+            continue
         table.add_row(label, f"{report['step_ms'][key]:.1f}", f"{report['samples_per_s'][key]:.0f}",
                       "" if layout is None else " | ".join(str(len(s)) for s in layout))
     Console().print(table)
     ideal = report["ideal"]
-    print(f"after/before {report['after_over_before']:.3f} measured; bubble-bound ideal from the measured layer "
+    print(f"after/before {report['after_over_before']:.3f} measured (the skewed layout stepped beside the rebalanced "
+          f"one); bubble-bound ideal from the measured layer "
           f"times: {ideal['after_layout_over_before']:.3f} for the layout it took, {ideal['best_split_over_before']:.3f} "
           f"for the best contiguous split, {ideal['balanced_over_before']:.3f} for a perfect balance")
     print(f"after/best static {report['after_over_best_static']:.3f}, after/torch even {report['after_over_torch_even']:.3f}, "
           f"migration step/around {report['migration_step_over_around']:.3f}; trainyard/torch on the same layout "
           f"{report['trainyard_over_torch_same_layout']:.3f} (goal <= 1.03); without the ledger's saved-tensor hooks "
-          f"{report['trainyard_uncounted_over_torch_same_layout']:.3f}")
+          f"{report['trainyard_uncounted_over_torch_same_layout']:.3f}"
+          + ("" if report["clock_step_over_after"] is None
+             else f"; the layer clock's steps {report['clock_step_over_after']:.3f}x the others"))
     if judged:
         from engine.bench.verdict import say
         print("goals (each ratio the median of the rounds'; met: every round, missed: none, undecided: the spread "

@@ -70,45 +70,63 @@ def _resolve(build: str):
     return getattr(importlib.import_module(module), fn)
 
 
+class TorchPipeline:
+    """Stage `topo.rank` of the model under torch's schedule, built once; `step(x, y)` runs one optimizer step
+    on a global batch and returns its loss on the last stage (None elsewhere). `trainyard bench pipeline`
+    steps one beside trainyard's stages in the same processes."""
+
+    def __init__(self, topo, build: str, build_kwargs: dict, stage_layers: list[list[str]], micro_batches: int,
+                 optim: dict, schedule: str = "1f1b"):
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        from engine.config import OptimConfig
+        from engine.runtime import compat
+        from engine.training.loss import cross_entropy
+        from engine.training.optim import make_optimizer
+
+        if len(stage_layers) != topo.world_size:
+            raise ValueError(f"{len(stage_layers)} stages for world size {topo.world_size}: one stage per rank")
+        if schedule not in ("1f1b", "gpipe"):
+            raise ValueError(f"schedule {schedule!r}: must be '1f1b' or 'gpipe'")
+        self.module = _Stage(_resolve(build)(**build_kwargs), stage_layers[topo.rank])
+        stage = PipelineStage(self.module, stage_index=topo.rank, num_stages=topo.world_size,
+                              device=torch.device("cpu"), group=topo.compute)
+        cls = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
+        # scale_grads=True (the default): per-micro-batch mean losses, gradients divided by micro_batches
+        self.schedule = cls(stage, n_microbatches=micro_batches, loss_fn=cross_entropy, scale_grads=True)
+        # torch < 2.10's step has no return_outputs (an unknown keyword would reach the stage's forward)
+        self.no_outputs = ({"return_outputs": False} if compat.accepts(self.schedule.step, "return_outputs")
+                           else {})
+        self.optimizer = make_optimizer(OptimConfig(**optim), list(self.module.parameters()))
+        self.micro_batches = micro_batches
+        self.first, self.last = topo.rank == 0, topo.rank == topo.world_size - 1
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> float | None:
+        if x.shape[0] % self.micro_batches:
+            raise ValueError(f"batch of {x.shape[0]} does not split into {self.micro_batches} equal micro-batches")
+        self.optimizer.zero_grad(set_to_none=True)
+        mb_losses: list = []
+        args = (x,) if self.first else ()   # middle and last stages receive their input from the previous stage
+        self.schedule.step(*args, target=y if self.last else None, losses=mb_losses if self.last else None,
+                           **self.no_outputs)
+        self.optimizer.step()
+        return torch.stack(mb_losses).mean().item() if self.last else None
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {f"layers.{key}": t.detach().clone() for key, t in self.module.layers.state_dict().items()}
+
+
 def torch_1f1b_job(topo, build: str, build_kwargs: dict, stage_layers: list[list[str]], micro_batches: int,
                    batches: list[tuple[torch.Tensor, torch.Tensor]], optim: dict, schedule: str = "1f1b",
                    warmup: int = 0) -> dict:
     """On every rank: run stage `topo.rank` of the model under torch's schedule, one optimizer step per batch."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-
-    from engine.runtime import compat
-    from engine.config import OptimConfig
-    from engine.training.loss import cross_entropy
-    from engine.training.optim import make_optimizer
-
-    if len(stage_layers) != topo.world_size:
-        raise ValueError(f"{len(stage_layers)} stages for world size {topo.world_size}: one stage per rank")
-    if schedule not in ("1f1b", "gpipe"):
-        raise ValueError(f"schedule {schedule!r}: must be '1f1b' or 'gpipe'")
-    stage_mod = _Stage(_resolve(build)(**build_kwargs), stage_layers[topo.rank])
-    stage = PipelineStage(stage_mod, stage_index=topo.rank, num_stages=topo.world_size,
-                          device=torch.device("cpu"), group=topo.compute)
-    cls = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
-    # scale_grads=True (the default): per-micro-batch mean losses, gradients divided by micro_batches
-    sched = cls(stage, n_microbatches=micro_batches, loss_fn=cross_entropy, scale_grads=True)
-    # torch < 2.10's step has no return_outputs (an unknown keyword would reach the stage's forward)
-    no_outputs = {"return_outputs": False} if compat.accepts(sched.step, "return_outputs") else {}
-    optimizer = make_optimizer(OptimConfig(**optim), list(stage_mod.parameters()))
-    first, last = topo.rank == 0, topo.rank == topo.world_size - 1
-
+    pipe = TorchPipeline(topo, build, build_kwargs, stage_layers, micro_batches, optim, schedule)
     step_ms, losses = [], []
     for k, (x, y) in enumerate(batches):
-        if x.shape[0] % micro_batches:
-            raise ValueError(f"batch of {x.shape[0]} does not split into {micro_batches} equal micro-batches")
         t0 = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        mb_losses: list = []
-        args = (x,) if first else ()   # middle and last stages receive their input from the previous stage
-        sched.step(*args, target=y if last else None, losses=mb_losses if last else None, **no_outputs)
-        optimizer.step()
+        loss = pipe.step(x, y)
         ms = (time.perf_counter() - t0) * 1000
         if k >= warmup:
             step_ms.append(ms)
-        losses.append(torch.stack(mb_losses).mean().item() if last else None)   # every step, warm-up too
-    state = {f"layers.{key}": t.detach().clone() for key, t in stage_mod.layers.state_dict().items()}
-    return {"step_ms": step_ms, "losses": losses, "state": state}
+        losses.append(loss)   # every step, warm-up too
+    return {"step_ms": step_ms, "losses": losses, "state": pipe.state()}

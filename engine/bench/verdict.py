@@ -26,6 +26,15 @@ def judge(per_round: list[float], at_most: float | None = None, at_least: float 
             "verdict": "met" if met else "missed" if missed else "undecided"}
 
 
+def judge_ratio(num: list[float], den: list[float], at_most: float | None = None,
+                at_least: float | None = None) -> dict:
+    """judge() of num / den round by round: a round's two figures were measured side by side, so the drift
+    that hits one hits the other."""
+    if len(num) != len(den):
+        raise ValueError(f"judge_ratio: {len(num)} rounds against {len(den)}")
+    return judge([a / b for a, b in zip(num, den)], at_most=at_most, at_least=at_least)
+
+
 def say(name: str, judged: dict) -> str:
     """One goal's line: its name, median, spread over the rounds, goal and verdict."""
     lo, hi = judged["spread"]

@@ -140,9 +140,12 @@ class Strategy:
         (reader: engine.runtime.checkpoint.Reader), by name, one tensor at a time: the model's working weights
         (every rank's own copy), the masters and optimizer state of the parameters whose updates run here."""
         self.sync()
-        with torch.no_grad():
+        updated = {id(p) for u in self.updater.updates.values() for p in u.params}
+        theirs = {name for name, p in self.model.named_parameters(remove_duplicate=False) if id(p) in updated}
+        with torch.no_grad():   # the rest: load_weights_by_name reads the updated ones into masters and weights
             for key, value in self.model.state_dict().items():
-                value.copy_(reader.weight(key, tuple(value.shape)))
+                if key not in theirs:
+                    value.copy_(reader.weight(key, tuple(value.shape)))
         names = parameter_names(self.model)
         self.updater.load_weights_by_name(lambda name: reader.weight(name), names)
         self.updater.load_state_by_name(reader.optimizer, names)

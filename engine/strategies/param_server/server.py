@@ -272,8 +272,8 @@ class PSServer:
         weights, optimizer = {}, {}
         for j in self.mine:
             weights.update({names[id(p)]: p.detach() for p in self.setup.params[j]})
-            weights.update({f"layers.{j}.{k}": b.detach() for k, b in model.layers[j].named_buffers()
-                            if k in model.layers[j].state_dict()})
+            kept = model.layers[j].state_dict().keys()   # a non-persistent buffer is not a checkpoint's
+            weights.update({f"layers.{j}.{k}": b.detach() for k, b in model.layers[j].named_buffers() if k in kept})
             optimizer.update(named_state(self.opt[j], self.setup.params[j], names, copy=False))
         ckpt.write_rank_file(ckpt.staging_dir(self.setup.cfg.run_dir, step), self.rank, weights, optimizer, {},
                              {"param_server_version": {self.names[j]: self.sync[j].version for j in self.mine}})

@@ -2,7 +2,7 @@
 
     trainyard run CONFIG.toml [--headless] [--steps N] [--set section.key=value ...]
                   [--telemetry-log PATH] [--resume CHECKPOINT_OR_RUN_DIR]
-                  [--nnodes N --node-rank R --rdzv-endpoint HOST:PORT] [--interface IFNAME]
+                  [--nnodes N|MIN:MAX --node-rank R --rdzv-endpoint HOST:PORT] [--interface IFNAME]
     trainyard demo [NAME] [--steps N] [--headless]      NAME: tour (default), pipeline, memory, sharded, hybrid, ps, ddp
     trainyard console [RUN] [--read-only] [--replay LOG] [--token-file F]
     trainyard runs
@@ -50,7 +50,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--listen", metavar="tcp://127.0.0.1:PORT",
                      help="also serve consoles on loopback TCP (token in the run's token file)")
     hosts = run.add_argument_group("several hosts (docs/cluster.md): one `trainyard run` per host")
-    hosts.add_argument("--nnodes", type=int, metavar="N", help="hosts in the run (cluster.nnodes)")
+    hosts.add_argument("--nnodes", type=_host_range, metavar="N|MIN:MAX",
+                       help="hosts in the run (cluster.nnodes); MIN:MAX: the fewest it may go on with too "
+                            "(cluster.min_nnodes)")
     hosts.add_argument("--node-rank", type=int, metavar="R", help="this host's number, 0 to N-1 (cluster.node_rank)")
     hosts.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
                        help="host 0's address and a free port, the same on every host (cluster.rdzv_endpoint)")
@@ -159,11 +161,26 @@ def _dispatch(args) -> int:
     if not args.headless:
         err.print("note: running headless; watch the run live with `trainyard console` in another terminal")
     overrides = args.overrides + ([f"telemetry.listen={args.listen}"] if args.listen else [])
+    if args.nnodes is not None:
+        low, args.nnodes = args.nnodes
+        overrides.append(f"cluster.min_nnodes={low}")
     for flag, key in (("nnodes", "nnodes"), ("node_rank", "node_rank"), ("rdzv_endpoint", "rdzv_endpoint"),
                       ("interface", "interface")):
         if getattr(args, flag) is not None:
             overrides.append(f"cluster.{key}={getattr(args, flag)}")
     return _run(Path(args.config), overrides, args.steps, args.telemetry_log, args.resume, headless=True)
+
+
+def _host_range(text: str) -> tuple[int, int]:
+    """`--nnodes N` (one size: min_nnodes 0) or `MIN:MAX`."""
+    low, colon, high = text.partition(":")
+    try:
+        values = (int(low), int(high)) if colon else (0, int(low))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a host count N or a range MIN:MAX, e.g. 2:4") from None
+    if colon and not 1 <= values[0] <= values[1]:
+        raise argparse.ArgumentTypeError(f"{text!r}: MIN must be at least 1 and at most MAX")
+    return values
 
 
 def _run(config: Path, overrides: list[str], steps: int | None, telemetry_log: Path | None,

@@ -147,6 +147,11 @@ def test_bad_cluster_settings_are_refused_before_anything_starts(cli):
                                                                  "cluster.nnodes = 3",
         ("--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "x:1"): "cluster.node_rank = 2: must be below",
         ("--nnodes", "2", "--rdzv-endpoint", "10.0.0.1"): "cluster.rdzv_endpoint = \"10.0.0.1\": is not HOST:PORT",
+        ("--nnodes", "3:2"): "argument --nnodes: '3:2': MIN must be at least 1 and at most MAX",
+        ("--nnodes", "two"): "argument --nnodes: 'two': give a host count N or a range MIN:MAX",
+        ("--nnodes", "1:2", "--rdzv-endpoint", "127.0.0.1:29400"): "cluster.min_nnodes = 1 (--nnodes 1:2): every host "
+                                                                   "count from 1 to 2 holds, but a run that goes on "
+                                                                   "with fewer hosts is not available yet",
     }
     for args, message in config_errors.items():
         r = cli.run("run", DEMO, "--headless", *cli.base_args("bad"), *args, timeout=30)

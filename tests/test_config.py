@@ -145,6 +145,7 @@ log_max_mb = 64
 
 [cluster]
 nnodes = 2
+min_nnodes = 2
 node_rank = 1
 rdzv_endpoint = "10.0.0.1:29400"
 rdzv_timeout_s = 30.0
@@ -526,3 +527,36 @@ def test_param_server_settings_are_checked_together():
         'memory.policy = "swap": not available with parallel.strategy = "param_server" (use "keep")')
     assert error_of({"parallel": ps, "update": {"placement": "host"}}).startswith(
         'update.placement = "host": not available with parallel.strategy = "param_server"')
+
+
+# --- a range of hosts (cluster.min_nnodes) ----------------------------------------------------------
+
+HOSTS = {"nnodes": 4, "node_rank": 0, "rdzv_endpoint": "10.0.0.1:29400"}
+
+
+def test_every_host_count_of_a_range_is_checked_and_refused_by_name():
+    ok = config_from_dict({"cluster": {**HOSTS, "min_nnodes": 2},
+                           "parallel": {"world_size": 8}, "data": {"batch_size": 24}})
+    assert ok.cluster.min_nnodes == 2   # 4, 6 and 8 ranks all divide 24
+    # 3 hosts of 4 (2 ranks each): 6 ranks do not divide 32
+    assert error_of({"cluster": {**HOSTS, "min_nnodes": 2}, "parallel": {"world_size": 8},
+                     "data": {"batch_size": 32}}) == (
+        "with 3 of 4 hosts (parallel.world_size 6): data.batch_size = 32: must be divisible by "
+        "parallel.world_size = 6 (e.g. 30 or 36)")
+    assert error_of({"cluster": {**HOSTS, "min_nnodes": 5}, "parallel": {"world_size": 8}}) == (
+        "cluster.min_nnodes = 5: must be at most cluster.nnodes = 4 (`--nnodes MIN:MAX`)")
+    # a parameter server keeps its servers and a worker at every count
+    assert error_of({"cluster": {**HOSTS, "min_nnodes": 1},
+                     "parallel": {"strategy": "param_server", "world_size": 4,
+                                  "param_server": {"servers": 1, "workers": 3}},
+                     "data": {"batch_size": 24}, "optim": {"name": "sgd"}}) == (
+        "with 1 of 4 hosts (parallel.world_size 1) the parameter server's 1 servers leave no worker: "
+        "set cluster.min_nnodes above 1 or fewer servers")
+    # a pipeline's stage count follows the world: a partition list fixes it
+    assert error_of({"cluster": {**HOSTS, "min_nnodes": 2}, "parallel": {
+        "strategy": "pipeline", "world_size": 4, "pipeline": {"partition": [["fc0"], ["act0"], ["fc1"], ["head"]]}}}
+    ).startswith("parallel.pipeline.partition lists 4 stages: with a range of hosts")
+    # an emulated rank must exist at the smallest count
+    assert error_of({"cluster": {**HOSTS, "min_nnodes": 1}, "parallel": {"world_size": 8},
+                     "data": {"batch_size": 24}, "emulate": {"slow_rank": 5, "slow_rank_ms": 1.0}}).startswith(
+        "with 1 of 4 hosts (parallel.world_size 2): emulate.slow_rank = 5: no such rank")

@@ -116,12 +116,24 @@ def test_without_gpus_auto_says_nothing(gpus, capsys):
     (["memory.policy=auto", "parallel.strategy=pipeline", "parallel.pipeline.micro_batches=2", "device.memory=10KiB"],
      'memory.policy = "auto" plans against it) is below the smallest capacity this run fits: the largest '
      'pipeline stage holds'),
+    # a range of hosts: the fewest hosts run the fewest stages, each holding the most
+    (["memory.policy=auto", "parallel.strategy=pipeline", "parallel.pipeline.micro_batches=2", "device.memory=10KiB",
+      "parallel.world_size=4", "cluster.nnodes=4", "cluster.min_nnodes=2", "cluster.rdzv_endpoint=10.0.0.1:29400"],
+     'memory.policy = "auto" plans against it) is below the smallest capacity this run fits: with 2 of 4 hosts '
+     '(2 stages) the largest pipeline stage holds'),
 ])
 def test_a_capacity_a_plan_cannot_fit_is_refused_before_launch(overrides, words, tmp_path):
     cfg = load_config(DEMO, [*overrides, f"run.dir={tmp_path}"])
     with pytest.raises(RunSetupError) as e:
         check_machine(Job(config=cfg))
     assert words in str(e.value) and "set device.memory to at least" in str(e.value)
+
+
+def test_a_pipeline_of_more_stages_than_clusters_is_refused_before_launch():
+    cfg = load_config(DEMO, ["memory.policy=auto", "parallel.strategy=pipeline", "parallel.pipeline.micro_batches=2",
+                             "device.memory=10KiB", "parallel.world_size=64", "data.batch_size=64"])
+    with pytest.raises(RunSetupError, match=r"parallel.pipeline: cannot split 5 clusters into 64 stages"):
+        check_machine(Job(config=cfg))
 
 
 def test_on_a_gpu_the_capacity_binds_without_a_plan(gpus):

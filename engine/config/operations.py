@@ -53,6 +53,11 @@ class ClusterConfig:
 
     nnodes: int = setting(1, "Hosts in the run; each runs `parallel.world_size / nnodes` workers, whose global "
                              "ranks are contiguous per host.", min=1, max=1024)
+    min_nnodes: int = setting(0, "The fewest hosts a run may go on with (`--nnodes MIN:MAX` sets it, and "
+                                 "nnodes = MAX); 0: nnodes, a run of one size. Every count from min_nnodes to "
+                                 "nnodes is checked at the start, each refused by name. Not yet available at "
+                                 "launch: a run that shrinks and grows is being built (docs/cluster.md).",
+                              min=0, max=1024)
     node_rank: int = setting(0, "This host's number, 0 to nnodes-1. Host 0 serves the rendezvous at "
                                 "`rdzv_endpoint` and prepares the run directory.", min=0)
     rdzv_endpoint: str = setting("", "`HOST:PORT` of host 0's c10d rendezvous (torch elastic), the same on "

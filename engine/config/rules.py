@@ -10,6 +10,7 @@ from __future__ import annotations
 import ipaddress
 import math
 import re
+from dataclasses import replace
 
 from engine.config.batch import batch_splits_over_ranks, near_multiples, schedule_ends_low
 from engine.config.declare import show
@@ -125,6 +126,45 @@ def hosts_split_workers(cfg: Config) -> str | None:
     return None
 
 
+def host_counts(cfg: Config) -> range:
+    """The host counts a run may have: `cluster.min_nnodes` (0: nnodes) to `cluster.nnodes`."""
+    c = cfg.cluster
+    return range(c.min_nnodes or c.nnodes, c.nnodes + 1)
+
+
+def every_host_count_holds(cfg: Config) -> str | None:
+    """With a range of hosts (`cluster.min_nnodes` < `nnodes`), what a world size decides holds at every count
+    from min_nnodes to nnodes, each host running `world_size / nnodes` ranks: the global batch divides the
+    ranks, a parameter server keeps its servers and at least one worker (`param_server.workers` is then the
+    world less the servers), an emulated rank exists; a pipeline's stage count is the world's, so a
+    `partition` list (a fixed count) is refused."""
+    c, p = cfg.cluster, cfg.parallel
+    if c.min_nnodes > c.nnodes:
+        return (f"cluster.min_nnodes = {c.min_nnodes}: must be at most cluster.nnodes = {c.nnodes} "
+                f"(`--nnodes MIN:MAX`)")
+    if len(host_counts(cfg)) == 1:
+        return None
+    if p.strategy == "pipeline" and isinstance(p.pipeline.partition, list):
+        return (f"parallel.pipeline.partition lists {len(p.pipeline.partition)} stages: with a range of hosts "
+                f"(cluster.min_nnodes = {c.min_nnodes} to nnodes = {c.nnodes}) the stage count follows the "
+                f"world; use partition = \"uniform\" or \"balanced\"")
+    per_host = p.world_size // c.nnodes
+    for hosts in host_counts(cfg):
+        world = hosts * per_host
+        ps = p.param_server
+        if p.strategy == "param_server" and world <= ps.servers:
+            return (f"with {hosts} of {c.nnodes} hosts (parallel.world_size {world}) the parameter server's "
+                    f"{ps.servers} servers leave no worker: set cluster.min_nnodes above "
+                    f"{ps.servers // per_host} or fewer servers")
+        at = replace(cfg, parallel=replace(p, world_size=world,
+                                           param_server=replace(ps, workers=world - ps.servers)))
+        for rule in (param_server_ranks, batch_splits_over_ranks, slow_rank_is_whole, kill_has_its_moment):
+            problem = rule(at)
+            if problem:
+                return f"with {hosts} of {c.nnodes} hosts (parallel.world_size {world}): {problem}"
+    return None
+
+
 def slow_layer_is_whole(cfg: Config) -> str | None:
     """`emulate.slow_layer` needs `emulate.slow_layer_ms` > 0, and is not available with
     `parallel.strategy = "param_server"` (whose slow machines are `parallel.param_server.slow_workers`)."""
@@ -207,4 +247,5 @@ def precision_makes_sense(cfg: Config) -> str | None:
 
 CROSS_CHECKS = [schedule_ends_low, hosts_split_workers, listen_is_loopback, slices_cover_streams, model_matches_data, files_exist,
                 branchy_has_square_images, param_server_ranks, batch_splits_over_ranks, heads_split_width,
-                slow_layer_is_whole, slow_rank_is_whole, kill_has_its_moment, precision_makes_sense]
+                slow_layer_is_whole, slow_rank_is_whole, kill_has_its_moment, precision_makes_sense,
+                every_host_count_holds]

@@ -79,11 +79,19 @@ def _check_capacity(job, capacity: int, binding: str) -> None:
             model = build_model(cfg.model, data.meta, cfg.run.seed)
     layer_bytes = [sum(tensor_bytes(p) for p in layer.parameters()) for layer in model.layers]
     if cfg.parallel.strategy == "pipeline":
-        stages = configured_stages(model, cfg.parallel.pipeline.partition, cfg.parallel.world_size)
+        # the fewest stages hold the most: with a range of hosts, the smallest count's world
+        c = cfg.cluster
+        fewest = (c.min_nnodes or c.nnodes) * (cfg.parallel.world_size // c.nnodes)
+        try:
+            configured_stages(model, cfg.parallel.pipeline.partition, cfg.parallel.world_size)   # the most stages
+            stages = configured_stages(model, cfg.parallel.pipeline.partition, fewest)
+        except ValueError as e:
+            raise RunSetupError(f"parallel.pipeline: {e}") from None
         index = {name: i for i, name in enumerate(model.names)}
         # a stage naming unknown layers is the worker's to refuse, with the layers it has
         held = max(sum(layer_bytes[index[n]] for n in stage if n in index) for stage in stages)
-        who = "the largest pipeline stage holds"
+        who = ("the largest pipeline stage holds" if fewest == cfg.parallel.world_size else
+               f"with {c.min_nnodes} of {c.nnodes} hosts ({fewest} stages) the largest pipeline stage holds")
     else:
         held = sum(layer_bytes)
         who = "every rank holds" if cfg.parallel.strategy != "param_server" else "every worker holds"

@@ -82,6 +82,12 @@ def prepare_run_dir(job: Job) -> None:
     cfg = job.config
     check_machine(job)
     check_model(job)
+    c = cfg.cluster
+    if c.min_nnodes and c.min_nnodes < c.nnodes:
+        raise RunSetupError(
+            f"cluster.min_nnodes = {c.min_nnodes} (--nnodes {c.min_nnodes}:{c.nnodes}): every host count from "
+            f"{c.min_nnodes} to {c.nnodes} holds, but a run that goes on with fewer hosts is not available yet "
+            f"(docs/cluster.md); run with --nnodes {c.nnodes}, and resume on the hosts that are left after a loss")
     run_dir = cfg.run_dir
     node = cfg.cluster.node_rank
     if node:

@@ -38,10 +38,12 @@ from engine.training.timing import Clock, LayerSpans, first_tensor
 
 MODES = ("auto", "manual", "off")
 # Splits whose modelled slowest stages are within this fraction of the smallest are ties for the decision,
-# won by the fewest boundary bytes: the layer clock's times move by a few % from one check to the next, and
-# the model counts a boundary's bytes at the link's rate but not the CPU a send costs. Measured (`trainyard
-# bench pipeline --stages 2`, six runs): the two best splits were modelled 0.7% to 3.4% apart, the winner
-# changed from run to run, and the one sending 8x the bytes (after a wide layer) stepped 8% slower.
+# won by the fewest boundary bytes: the layer clock's times move by a few % from one check to the next, so a
+# smaller difference is not a measured one, and the model counts a boundary's bytes at the link's rate but
+# not the CPU a send costs. Measured (`trainyard bench pipeline --stages 2`, six runs): the two best splits
+# were modelled 0.7% to 3.4% apart and the winner changed from run to run; the one sending 8x the bytes
+# (cut after a wide layer) gave after/before 1.19-1.23 in three runs against 1.29-1.32 for the other (one
+# later run of it: 1.34, so part of that gap was the machine's).
 TIES = 0.05
 
 

@@ -411,7 +411,7 @@ def test_a_balanced_start_is_one_layout_on_every_rank_and_trains_like_one_proces
 
 
 def test_the_bench_finds_the_best_static_split_by_brute_force():
-    from engine.bench.pipeline import best_static, bench_model, even_layout, skewed_layout
+    from engine.bench.pipeline_model import best_static, bench_model, even_layout, skewed_layout
     from engine.techniques.partition import Cluster, partition
     names = bench_model().names
     assert [len(s) for s in even_layout(names)] == [10, 10, 10, 9]
@@ -435,7 +435,7 @@ def test_the_bench_finds_the_best_static_split_by_brute_force():
 def test_the_bubble_bound_of_a_skewed_and_a_balanced_pipeline():
     """2 stages, 8 micro-batches: the skewed start (one stage doing all the work) against a perfect balance is
     the issue's 1.78x: a 1F1B bubble of 1/9 is left."""
-    from engine.bench.pipeline import bubble_bound_ms
+    from engine.bench.pipeline_model import bubble_bound_ms
     assert bubble_bound_ms([0.0, 16.0], 8) == 16.0
     assert bubble_bound_ms([8.0, 8.0], 8) == 9.0
     assert 16.0 / 9.0 == pytest.approx(1.78, abs=0.005)
@@ -587,7 +587,8 @@ def test_the_pipeline_bench_round_steps_every_variant_side_by_side():
     """One round of the bench on 2 stages, one turn past the warm-up: the skewed start is rebalanced at its
     check, every variant is timed, and the layout it took is the best static split of the check's costs or
     within the threshold of it."""
-    from engine.bench.pipeline import bench_model, one_round, skewed_layout
+    from engine.bench.pipeline import one_round
+    from engine.bench.pipeline_model import bench_model, skewed_layout
     with DistPool(2, timeout_s=60) as pool:
         got = one_round(pool, 2, steps=1)
     ms, ratios, layouts, costs = got["ms"], got["ratios"], got["layouts"], got["costs"]

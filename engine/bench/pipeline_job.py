@@ -40,12 +40,13 @@ import time
 
 import torch.distributed as dist
 
+from engine.bench.pipeline_model import MICRO, THRESHOLD, batches, bench_model, best_static
+
 WARMUP = 2      # steps of every variant that are not timed
 CHECK_AT = 8    # the auto run's check interval: its first check decides the migration
 
 
 def _trainyard(topo, stages, rebalance: str, count_activations: bool = True):
-    from engine.bench.pipeline import MICRO, THRESHOLD, bench_model
     from engine.config import OptimConfig, PipelineConfig
     from engine.runtime.devices import LedgerDevice
     from engine.strategies.pipeline import PipelineStage
@@ -77,15 +78,14 @@ class _Auto:
 def side_by_side_job(topo, skewed: list[list[str]], even: list[list[str]], steps: int) -> dict:
     """On every stage's process. Returns {"first": [step], "rows": {variant: [step]}, "layouts", "costs"}, a
     step as _timed gives it; every rank's (the bench takes the slowest rank's step)."""
-    from engine.bench.pipeline import MICRO, _batches, bench_model, best_static
     from engine.bench.torch_pipeline import TorchPipeline
     names = bench_model().names
     _pin(topo.rank)
     _keep_freed_memory()
-    batches = _batches(CHECK_AT + 2 + WARMUP + steps)
+    inputs = batches(CHECK_AT + 2 + WARMUP + steps)
     auto = _Auto(_trainyard(topo, skewed, "auto"))
     first = []
-    for x, y in batches[:CHECK_AT + 2]:
+    for x, y in inputs[:CHECK_AT + 2]:
         first.append(_timed(auto.step, x, y))
         if first[-1][2]:   # layers moved in it
             break
@@ -97,11 +97,11 @@ def side_by_side_job(topo, skewed: list[list[str]], even: list[list[str]], steps
     stages = {"skewed": _trainyard(topo, skewed, "off"), "best": _trainyard(topo, best, "off"),
               "even": _trainyard(topo, even, "off"),
               "even_uncounted": _trainyard(topo, even, "off", count_activations=False)}
-    baseline = TorchPipeline(topo, "engine.bench.pipeline:bench_model", {}, even, MICRO, {"name": "sgd", "lr": 0.01})
+    baseline = TorchPipeline(topo, "engine.bench.pipeline_model:bench_model", {}, even, MICRO, {"name": "sgd", "lr": 0.01})
     variants = {"auto": auto.step, **{name: _static(s.train_step) for name, s in stages.items()},
                 "torch": _static(baseline.step)}
     rows = {name: [] for name in variants}
-    for k, (x, y) in enumerate(batches[len(first):len(first) + WARMUP + steps]):
+    for k, (x, y) in enumerate(inputs[len(first):len(first) + WARMUP + steps]):
         order = list(variants)
         random.Random(k).shuffle(order)   # the same order on every rank; a new one every turn
         for name in order:

@@ -204,3 +204,41 @@ def test_a_host_that_never_joins_ends_the_run_after_the_rendezvous_timeout(cli):
     assert "2 hosts must join within cluster.rdzv_timeout_s = 2 s" in r.stderr
     launcher = read_pid(cli.tmp_path / "runs" / "alone", "launcher")
     assert launcher and not pid_alive(launcher)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_param_server_host_that_comes_back_restarts_the_group_from_the_last_checkpoint(cli):
+    """Loopback, 2 hosts x 2 ranks (the server and a worker on host 0, two workers on host 1). Host 1's
+    processes SIGKILLed: the servers go on with the worker left (no restart). Host 1 started again: host 0's
+    agent restarts the group for it, a restart torch does not count (TORCHELASTIC_RESTART_COUNT stays 0),
+    and every rank resumes from the last checkpoint, not from the first step."""
+    from engine.processes.procpool import free_port
+    port = free_port()
+    paced = ["--steps", "60", "--set", "parallel.world_size=4", "--set", "parallel.param_server.servers=1",
+             "--set", "parallel.param_server.workers=3", "--set", "parallel.param_server.slow_workers={}",
+             "--set", "data.batch_size=48", "--set", "run.step_pause_ms=40", "--set", "checkpoint.every=10",
+             "--set", "run.eval_every=0", "--set", "cluster.host_timeout_s=3"]
+
+    def host(r: int):
+        return cli.start("run", "demo/configs/digits_ps.toml", "--headless", *cli.base_args("psback"), "--nnodes", "2",
+                         "--node-rank", str(r), "--rdzv-endpoint", f"127.0.0.1:{port}", *paced)
+    procs = {0: host(0), 1: host(1)}
+    run_dir = cli.tmp_path / "runs" / "psback"
+    log = run_dir / "telemetry.jsonl"
+    wait_for(lambda: len(list_checkpoints(run_dir)) >= 2, 120, "two checkpoints")
+    os.killpg(procs[1].pid, signal.SIGKILL)
+    procs[1].wait(timeout=10)
+    lost_at = steps_logged(log)
+    wait_for(lambda: steps_logged(log) >= lost_at + 3, 60, "steps without host 1")
+    procs[1] = host(1)
+    outs = finish(procs, timeout=200)
+    for r, (code, out, err) in outs.items():
+        assert code == 0, f"host {r}: {err}"
+    assert "host 0: a host is waiting to join; restarting the worker group" in outs[0][2]
+    records = read_jsonl(log)
+    written = {r["step"] for r in records if r.get("kind") == "checkpoint"}
+    restarts = [r for r in records if r.get("kind") == "restart"]
+    assert restarts and restarts[0]["step"] in written and restarts[0]["step"] >= 20, (restarts, written)
+    starts = [r for r in records if r["type"] == "run_start"]
+    assert len(starts) == 2 and records[-1]["type"] == "summary" and records[-1]["steps"] == 60

@@ -228,3 +228,30 @@ def test_a_full_disk_stops_the_run_and_the_previous_checkpoint_resumes_it(cli, t
     finally:
         cli.reap()
         subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
+def test_every_restart_of_the_worker_group_is_counted_into_the_next_starts_job(capsys):
+    """torch counts a failure's restart (TORCHELASTIC_RESTART_COUNT) but not one for a host that joins; the
+    launcher counts both in job.generation, which the next start's pickled Job carries (meet takes the largest),
+    and says which it was."""
+    import logging
+    import pickle
+
+    from engine.config import load_config
+    from engine.run.launch import _RestartReporter
+    from engine.run.rank import Job
+    from tests.test_training import DEMO
+    job = Job(config=load_config(DEMO, ["cluster.nnodes=2", "cluster.rdzv_endpoint=127.0.0.1:29400"]))
+    reporter = _RestartReporter(job)
+
+    def say(text: str) -> None:
+        reporter.emit(logging.LogRecord("torch", logging.INFO, __file__, 0, text, None, None))
+    say("[default] Worker group FAILED. 1/2 attempts left; will restart worker group")
+    say("[default] Detected 1 new nodes from group_rank=0; will restart worker group")
+    say("[default] Rendezvous complete")
+    assert job.generation == 2 and pickle.loads(pickle.dumps(job)).generation == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["trainyard: host 0: a worker failed; restarting the worker group from the last checkpoint "
+                   "(1 of 2 restarts left); waiting for all 2 hosts at the rendezvous",
+                   "trainyard: host 0: a host is waiting to join; restarting the worker group from the last "
+                   "checkpoint; waiting for all 2 hosts at the rendezvous"]

@@ -210,17 +210,22 @@ def _check_port_free(port: int, what: str) -> None:
 
 
 class _RestartReporter(logging.Handler):
-    """Prints the agent's decision to restart the worker group, in one line (its own log is quietened)."""
+    """Prints the agent's decision to restart the worker group, in one line (its own log is quietened), and
+    counts it in `job.generation` before the agent starts the new group (whose pickled Job carries it): a
+    restart for a host that joins is no failure, so torch's restart count stays, and without ours the new
+    group would start from the run's first checkpoint asked for instead of its last."""
 
-    def __init__(self, node: int, nnodes: int):
+    def __init__(self, job: Job):
         super().__init__(logging.INFO)
+        node, nnodes = job.config.cluster.node_rank, job.config.cluster.nnodes
         self.where = f"host {node}: " if nnodes > 1 else ""
-        self.nnodes = nnodes
+        self.nnodes, self.job = nnodes, job
 
     def emit(self, record: logging.LogRecord) -> None:
         text = record.getMessage()
         if "will restart worker group" not in text:
             return
+        self.job.generation += 1
         m = re.search(r"(\d+)/(\d+) attempts left", text)
         left = f" ({m.group(1)} of {m.group(2)} restarts left)" if m else ""
         why = "a worker failed" if m else "a host is waiting to join"   # only a failure counts attempts
@@ -241,7 +246,7 @@ def launch(job: Job) -> dict | None:
     agent = agent_dir(cfg.run_dir, cfg.cluster.node_rank)
     launch_cfg = _launch_config(job, agent)
     agent_log = logging.getLogger("torch.distributed.elastic.agent.server.api")
-    reporter = _RestartReporter(cfg.cluster.node_rank, cfg.cluster.nnodes)
+    reporter = _RestartReporter(job)
     agent_log.addHandler(reporter)
     agent_log.setLevel(logging.INFO)
     agent_log.propagate = False

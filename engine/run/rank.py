@@ -44,6 +44,9 @@ class Job:
     # our launcher: its pid and the file a worker writes a refusal to before signalling it (engine/runtime/refusal.py)
     launcher_pid: int | None = None
     refusal_path: str | None = None
+    # our launcher: how many times its agent has restarted the worker group, for a failure or for a host that
+    # joins (torch's TORCHELASTIC_RESTART_COUNT counts failures only); the next start's pickle carries it
+    generation: int = 0
     # (kind, capacity_bytes, local_rank, local_world_size) -> device; None: engine.runtime.devices.open_device.
     # Tests give one whose probe returns a GPU's figures, so the CUDA telemetry path runs on the CPU.
     open_device: Callable | None = None
@@ -89,17 +92,18 @@ def build_rank(job: Job, topo: Topology):
     data = job.data if job.data is not None else load_dataset(cfg.data, cfg.run.seed)
     torch.manual_seed(cfg.run.seed)
     model = received_model(job) if job.model_file is not None else build_model(cfg.model, data.meta, cfg.run.seed)
-    restart, device.rank_names = meet(topo, device.name)
+    restart, device.rank_names = meet(topo, device.name, job.generation)
     # the working weights in their dtype (bf16 under precision.params = "bf16"; the fp32 masters are made
     # where the updates run: engine/techniques/updates/layer.py)
     return restart, device, data, model.to(device.torch_device, dtype=param_dtype(cfg.precision))
 
 
-def meet(topo: Topology, device_name: str) -> tuple[int, list[str]]:
+def meet(topo: Topology, device_name: str, generation: int = 0) -> tuple[int, list[str]]:
     """Every rank's word at start: how many times the group has restarted (the largest count of any
     host's agent: a host that was lost and started again has a fresh agent, count 0, while the others
-    count on, and its ranks must resume too), and every rank's device name (run_start's `devices`)."""
-    mine = (int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), device_name)
+    count on, and its ranks must resume too; a restart for a host that joins is counted by our launcher,
+    `generation`, as torch counts failures only), and every rank's device name (run_start's `devices`)."""
+    mine = (max(int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), generation), device_name)
     everyone: list = [None] * topo.world_size
     dist.all_gather_object(everyone, mine, group=topo.side)
     return max(count for count, _ in everyone), [name for _, name in everyone]

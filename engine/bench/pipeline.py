@@ -85,15 +85,16 @@ def one_round(pool, stages: int, steps: int) -> dict:
     first = [r["first"] for r in got]
     at = len(first[0])   # the migration step, 1-based
     timed = lambda k, armed, moved: k >= WARMUP and not armed and not moved   # noqa: E731
-    turns = {name: _steps([r["rows"][name] for r in got], timed) for name in got[0]["rows"]}
-    clock = _steps([r["rows"]["auto"] for r in got], lambda k, armed, moved: k >= WARMUP and armed and not moved)
+    per_rank = {name: [r["rows"][name] for r in got] for name in got[0]["rows"]}
+    turns = {name: _steps(rows, timed) for name, rows in per_rank.items()}
+    clock = _steps(per_rank["auto"], lambda k, armed, moved: k >= WARMUP and armed and not moved)
     ms = {"before": _median(_steps(first, lambda k, armed, moved: timed(k, armed, moved) and k < at - 1)),
           "migration": max(r[at - 1][0] for r in first),
           **{name: _median(t) for name, t in turns.items() if name != "auto"},
           "after": _median(turns["auto"]), "clock": _median(clock, needed=False)}
     ms["around"] = statistics.mean([ms["before"], ms["after"]])
-    faults = {name: statistics.median(max(rank[k][3] for rank in per_rank) for k in range(WARMUP, len(per_rank[0])))
-              for name, per_rank in ((n, [r["rows"][n] for r in got]) for n in got[0]["rows"])}
+    faults = {name: statistics.median(max(rank[k][3] for rank in rows) for k in range(WARMUP, len(rows[0])))
+              for name, rows in per_rank.items()}
     ratios = {"after / before": paired(turns["skewed"], turns["auto"]),
               "after / best static": paired(turns["best"], turns["auto"]),
               "after / torch even split": paired(turns["torch"], turns["auto"]),

@@ -97,7 +97,8 @@ def side_by_side_job(topo, skewed: list[list[str]], even: list[list[str]], steps
     stages = {"skewed": _trainyard(topo, skewed, "off"), "best": _trainyard(topo, best, "off"),
               "even": _trainyard(topo, even, "off"),
               "even_uncounted": _trainyard(topo, even, "off", count_activations=False)}
-    baseline = TorchPipeline(topo, "engine.bench.pipeline_model:bench_model", {}, even, MICRO, {"name": "sgd", "lr": 0.01})
+    baseline = TorchPipeline(topo, "engine.bench.pipeline_model:bench_model", {}, even, MICRO,
+                             {"name": "sgd", "lr": 0.01})
     variants = {"auto": auto.step, **{name: _static(s.train_step) for name, s in stages.items()},
                 "torch": _static(baseline.step)}
     rows = {name: [] for name in variants}

@@ -48,8 +48,12 @@ def brute(clusters, k, threshold):
         splits.append((sizes, times, nbytes))
     opt = min(max(t) for _, t, _ in splits)
     limit = opt + threshold + _REL_EPS * abs(opt)
-    ok = [(nb, sizes) for sizes, t, nb in splits if max(t) <= limit]
-    return opt, min(ok)[1], min(ok)[0]
+    ok = [(nb, max(t), sizes) for sizes, t, nb in splits if max(t) <= limit]
+    fewest = min(nb for nb, _, _ in ok)
+    slowest = min(m for nb, m, _ in ok if nb == fewest)
+    # among the splits sending the fewest bytes, the fastest (up to rounding), then the first in stage sizes
+    tied = [sizes for nb, m, sizes in ok if nb == fewest and m <= slowest + _REL_EPS * abs(slowest)]
+    return opt, min(tied), fewest
 
 
 @st.composite
@@ -143,6 +147,16 @@ def test_boundary_bytes_break_time_ties():
     assert layout.boundary_bytes == 10 and layout.max_ms == 4.0
     # with equal bytes the smaller stage-size tuple wins
     assert partition(make([4, 0, 4], [10, 10, 0]), 2).stages == (("c0",), ("c1", "c2"))
+
+
+def test_among_equal_bytes_within_the_threshold_the_fastest_split_wins():
+    """Every cut ships 10 bytes: a threshold of 3 ms admits 5/5, 4/6 and 6/4 ms; the 5/5 split wins, though
+    a shorter first stage would come first in sizes (the rebalancer's ties, rebalance.TIES, take this way)."""
+    clusters = make([4, 1, 1, 4], [10, 10, 10, 0])
+    layout = partition(clusters, 2, 3.0)
+    assert layout.stages == (("c0", "c1"), ("c2", "c3")) and layout.max_ms == 5.0
+    # fewer bytes still come first: a cheap cut at 6/4 ms beats the balanced one
+    assert partition(make([4, 1, 1, 4], [10, 10, 1, 0]), 2, 3.0).stages == (("c0", "c1", "c2"), ("c3",))
 
 
 def test_threshold_trades_time_for_bytes():

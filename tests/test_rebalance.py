@@ -432,6 +432,20 @@ def test_the_bench_finds_the_best_static_split_by_brute_force():
         assert slowest == pytest.approx(exact.max_ms)
 
 
+def test_the_bench_measures_the_fastest_split_of_every_boundary_size_near_the_modelled_optimum():
+    """Four layers: the optimum cuts after the wide one (8x the bytes, 50.5 ms), the cut before it is 0.4% slower
+    and sends a narrow layer's bytes: both are measured, the optimum first; the cut after "a" (80% slower) is
+    not; with no ties, the optimum alone."""
+    from engine.bench.pipeline_model import static_candidates
+    names = ["a", "b", "wide", "c"]
+    ms = {"a": 10.0, "b": 40.0, "wide": 0.5, "c": 50.2}
+    nbytes = {"a": 100, "b": 100, "wide": 800, "c": 100}
+    got = static_candidates(names, ms, 2, nbytes)
+    assert got == [[["a", "b", "wide"], ["c"]], [["a", "b"], ["wide", "c"]]]
+    assert static_candidates(names, ms, 2, nbytes, ties=0.0) == [[["a", "b", "wide"], ["c"]]]
+    assert static_candidates(names, ms, 2, nbytes, most=1) == got[:1]
+
+
 def test_the_bubble_bound_of_a_skewed_and_a_balanced_pipeline():
     """2 stages, 8 micro-batches: the skewed start (one stage doing all the work) against a perfect balance is
     the issue's 1.78x: a 1F1B bubble of 1/9 is left."""
@@ -598,4 +612,7 @@ def test_the_pipeline_bench_round_steps_every_variant_side_by_side():
     assert {"before", "migration", "after", "skewed", "best", "torch", "even", "even_uncounted"} <= set(ms)
     assert all(ms[k] > 0 for k in ms if ms[k] is not None)
     assert set(ratios) >= {"after / before", "after / best static", "trainyard / torch on torch's layout"}
-    assert set(got["page_faults"]) == {"auto", "skewed", "best", "torch", "even", "even_uncounted"}
+    k = len(layouts["candidates"])
+    assert layouts["candidates"][0] == layouts["modelled_best"] and layouts["best"] in layouts["candidates"]
+    assert set(got["page_faults"]) == {"auto", "skewed", "torch", "even", "even_uncounted",
+                                       *(f"best{i}" for i in range(k))}

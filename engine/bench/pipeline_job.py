@@ -8,7 +8,9 @@ seconds, another process taking a core) it does to its neighbours too.
              alone, every stage starting it together), in an order drawn afresh every turn:
                  auto          the same run, in the layout it rebalanced to, checked at every step as before
                  skewed        the skewed layout, `rebalance = "off"`: the before of after/before, stepped beside
-                 best          the best contiguous split of the check's own costs, `rebalance = "off"`
+                 best0, ...    the best contiguous splits of the check's own costs, `rebalance = "off"`: the
+                               modelled optimum and the fastest of every other boundary size within 5% of it
+                               (pipeline_model.static_candidates); the faster measured is "best static"
                  torch         torch.distributed.pipelining's Schedule1F1B on the even split by count
                  even          trainyard on that even split, `rebalance = "off"`
                  even_uncounted   the same, the ledger's saved-tensor hooks off
@@ -40,7 +42,7 @@ import time
 
 import torch.distributed as dist
 
-from engine.bench.pipeline_model import MICRO, THRESHOLD, batches, bench_model, best_static
+from engine.bench.pipeline_model import MICRO, THRESHOLD, batches, bench_model, best_static, static_candidates
 
 WARMUP = 2      # steps of every variant that are not timed
 CHECK_AT = 8    # the auto run's check interval: its first check decides the migration
@@ -79,9 +81,13 @@ def side_by_side_job(topo, skewed: list[list[str]], even: list[list[str]], steps
     """On every stage's process. Returns {"first": [step], "rows": {variant: [step]}, "layouts", "costs"}, a
     step as _timed gives it; every rank's (the bench takes the slowest rank's step)."""
     from engine.bench.torch_pipeline import TorchPipeline
+    import torch
     names = bench_model().names
     _pin(topo.rank)
     _keep_freed_memory()
+    # the narrow trunk makes denormal floats, slow on the CPU (not on a GPU), and how many a step meets depends
+    # on the weights, which differ by variant: flushed, one layout's step took ~100-120 ms, not ~135-150
+    torch.set_flush_denormal(True)
     inputs = batches(CHECK_AT + 2 + WARMUP + steps)
     auto = _Auto(_trainyard(topo, skewed, "auto"))
     first = []
@@ -92,9 +98,11 @@ def side_by_side_job(topo, skewed: list[list[str]], even: list[list[str]], steps
     else:
         raise RuntimeError(f"the skewed start was not rebalanced at its check after step {CHECK_AT}")
     decided = auto.decision
-    best, best_ms = best_static(names, decided.layer_ms, len(skewed), decided.out_bytes,
-                                decided.link_bytes_per_ms, MICRO)
-    stages = {"skewed": _trainyard(topo, skewed, "off"), "best": _trainyard(topo, best, "off"),
+    costs = (names, decided.layer_ms, len(skewed), decided.out_bytes, decided.link_bytes_per_ms, MICRO)
+    best, best_ms = best_static(*costs)
+    candidates = static_candidates(*costs)
+    stages = {"skewed": _trainyard(topo, skewed, "off"),
+              **{f"best{i}": _trainyard(topo, split, "off") for i, split in enumerate(candidates)},
               "even": _trainyard(topo, even, "off"),
               "even_uncounted": _trainyard(topo, even, "off", count_activations=False)}
     baseline = TorchPipeline(topo, "engine.bench.pipeline_model:bench_model", {}, even, MICRO,
@@ -112,7 +120,8 @@ def side_by_side_job(topo, skewed: list[list[str]], even: list[list[str]], steps
         stage.close()
     rate = decided.link_bytes_per_ms
     return {"first": first, "rows": rows,
-            "layouts": {"after": auto.stage.stage_layers, "best": best, "best_modelled_ms": best_ms},
+            "layouts": {"after": auto.stage.stage_layers, "modelled_best": best, "best_modelled_ms": best_ms,
+                        "candidates": candidates},
             "costs": {"layer_ms": decided.layer_ms, "out_bytes": decided.out_bytes,
                       "link_bytes_per_ms": None if rate == float("inf") else rate, "micro_batches": MICRO}}
 

@@ -55,7 +55,11 @@ def _serve(rank: int, world: int, port: int, timeout_s: float, inbox, outbox, pl
     topo = Topology.from_env("gloo", "cpu", timeout_s)
     try:
         while True:
-            job = inbox.get()
+            try:
+                job = inbox.get()   # unpickling imports the job's module: a failure is the job's, not the rank's
+            except Exception:
+                outbox.put((rank, False, traceback.format_exc()))
+                continue
             if job is None:
                 break
             fn, kwargs = job
@@ -109,11 +113,16 @@ class DistPool:
         results, errors, deadline = {}, {}, time.monotonic() + timeout
         while len(results) + len(errors) < len(ranks):
             try:
-                rank, ok, value = self.outbox.get(timeout=max(0.1, deadline - time.monotonic()))
+                rank, ok, value = self.outbox.get(timeout=min(1.0, max(0.1, deadline - time.monotonic())))
             except queue.Empty:
-                self.close()
-                raise PoolError(f"{fn.__name__}: no answer from ranks "
-                                f"{sorted(set(ranks) - set(results) - set(errors))} in {timeout} s")
+                waiting = sorted(set(ranks) - set(results) - set(errors))
+                dead = [r for r in waiting if not self.procs[r].is_alive()]
+                if dead or time.monotonic() >= deadline:
+                    self.close(now=bool(dead))
+                    raise PoolError(f"{fn.__name__}: rank {dead[0]}'s process ended (exit code "
+                                    f"{self.procs[dead[0]].exitcode}) before it answered" if dead else
+                                    f"{fn.__name__}: no answer from ranks {waiting} in {timeout} s") from None
+                continue
             (results if ok else errors)[rank] = value
             if errors and time.monotonic() > deadline:
                 break

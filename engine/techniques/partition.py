@@ -35,7 +35,8 @@ two exact steps (dynamic programming, no heuristics):
 2. Among all splits whose every stage time is <= T* + threshold_ms, choose the
    one whose boundaries carry the fewest activation bytes: the sum of
    `out_bytes` of the last cluster of every stage but the last (the final
-   cluster's output never crosses a stage boundary).  Remaining ties go to the
+   cluster's output never crosses a stage boundary).  Among those, the one
+   with the smallest slowest stage; remaining ties go to the
    lexicographically smallest tuple of stage sizes (counted in clusters), i.e.
    earlier stages are kept as short as possible.
 
@@ -278,13 +279,24 @@ def partition(clusters: Sequence[Cluster], stages: int, threshold_ms: float = 0.
             best[s][j] = b
     limit = _limit(best[stages][n], threshold_ms)
 
-    # Step 2: over splits with every stage <= limit, minimise (boundary bytes, sizes)
-    # lexicographically. suffix[s][i] = best (bytes, sizes) covering clusters i..n-1 with s
-    # stages; the first stage's size leads the sizes tuple, so fixing the first stage
-    # and taking the best suffix is optimal.
-    suffix: list[list[tuple[int, tuple[int, ...]] | None]] = \
-        [[None] * (n + 1) for _ in range(stages + 1)]
-    suffix[0][n] = (0, ())
+    # Step 2: over splits with every stage <= limit, the fewest boundary bytes B, and among those the
+    # smallest slowest stage M: (bytes, max) is minimised exactly by taking the best suffix for each first
+    # stage. Step 3: the splits with every stage <= M that send B bytes are exactly those ties (none sends
+    # fewer, none is faster); the first of them in stage sizes wins.
+    _, slowest = _fewest_bytes(clusters, compute, seg, stages, limit, by_time=True)
+    sizes = _fewest_bytes(clusters, compute, seg, stages, min(limit, _limit(slowest, 0.0)), by_time=False)[1]
+    return _layout_from_sizes(clusters, sizes, link_bytes_per_ms, micro_batches)
+
+
+def _fewest_bytes(clusters: Sequence[Cluster], compute: list[list[float]], seg: list[list[float]], stages: int,
+                  limit: float, by_time: bool) -> tuple:
+    """The smallest (boundary bytes, slowest stage) when `by_time`, else (boundary bytes, stage sizes), over
+    the splits whose every stage costs <= limit. suffix[s][i] holds the best covering clusters i..n-1 with
+    s stages; both keys grow with their suffix's, so fixing the first stage and taking the best suffix is
+    optimal."""
+    n = len(clusters)
+    suffix: list[list[tuple | None]] = [[None] * (n + 1) for _ in range(stages + 1)]
+    suffix[0][n] = (0, 0.0 if by_time else ())
     for s in range(1, stages + 1):
         for i in range(n - s, -1, -1):
             if i < stages - s:  # the stages before need at least one cluster each
@@ -299,13 +311,13 @@ def partition(clusters: Sequence[Cluster], stages: int, threshold_ms: float = 0.
                 if rest is None:
                     continue
                 cost = rest[0] + (clusters[j - 1].out_bytes if s > 1 else 0)
-                key = (cost, (j - i,) + rest[1])
+                key = (cost, max(seg[i][j], rest[1]) if by_time else (j - i,) + rest[1])
                 if cand is None or key < cand:
                     cand = key
             suffix[s][i] = cand
     chosen = suffix[stages][0]
     assert chosen is not None, "the time-optimal split always satisfies the limit"
-    return _layout_from_sizes(clusters, chosen[1], link_bytes_per_ms, micro_batches)
+    return chosen
 
 
 def uniform(clusters: Sequence[Cluster], stages: int) -> Layout:

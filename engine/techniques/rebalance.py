@@ -38,8 +38,8 @@ from engine.training.timing import Clock, LayerSpans, first_tensor
 
 MODES = ("auto", "manual", "off")
 # Splits whose modelled slowest stages are within this fraction of the smallest are ties for the decision,
-# won by the fewest boundary bytes: the layer clock's times move by a few % from one check to the next, so a
-# smaller difference is not a measured one, and the model counts a boundary's bytes at the link's rate but
+# won by the fewest boundary bytes (then the fastest of those): the layer clock's times move by a few % from
+# one check to the next, so a smaller difference is not a measured one, and the model counts a boundary's bytes at the link's rate but
 # not the CPU a send costs. Measured (`trainyard bench pipeline --stages 2`, six runs): the two best splits
 # were modelled 0.7% to 3.4% apart and the winner changed from run to run; the one sending 8x the bytes
 # (cut after a wide layer) gave after/before 1.19-1.23 in three runs against 1.29-1.32 for the other (one
@@ -201,7 +201,7 @@ def decide(clusters: list[list[str]], names: list[str], layer_ms: dict[str, floa
     The threshold decides *when*: the current layout stays while its stages differ by no more than the
     threshold, or while it is within the threshold of the best. *Which* layout: partition()'s, the
     smallest modelled slowest stage (compute plus its boundary sends: bytes over the measured link rate),
-    where splits within TIES of the smallest are ties, won by the fewest boundary bytes."""
+    where splits within TIES of the smallest are ties, won by the fewest boundary bytes, then the fastest."""
     costs = clusters_from(names, clusters, layer_ms, out_bytes)
     now = stage_times(stage_layers, layer_ms)
     current = modelled(costs, stage_layers, link_bytes_per_ms, micro_batches)

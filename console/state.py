@@ -208,7 +208,8 @@ def headline(state: RunState, wide: bool, live: bool) -> Text:
     Times come from the records (a replay is frozen); `live`: elapsed runs on the wall clock."""
     hello, step = state.hello, state.last_step or {}
     parts = [(hello.get("run") or "no run yet", "bold #ffb000"),
-             (f"{state.mode}×{hello.get('world_size', '?')}", "bold"),
+             (f"{state.mode}×{hello.get('world_size', '?')}"
+              + (f" of {hello['max_world_size']}" if hello.get("max_world_size") else ""), "bold"),
              *([(precision, "bold #a29bfe")] if (precision := state.precision) != "fp32" else []),
              *([(f"sync {state.sync_mode}", "bold cyan")] if state.mode == "param_server" and state.sync_mode
                else []),

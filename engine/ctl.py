@@ -36,7 +36,8 @@ def runs() -> int:
         return 0
     table = Table("name", "mode", "world size", "step", "socket", box=None)
     for info in live:
-        table.add_row(info["name"], info.get("mode", "?"), str(info.get("world_size", "?")), _current_step(info),
+        world = str(info.get("world_size", "?")) + (f"/{info['max_world_size']}" if info.get("max_world_size") else "")
+        table.add_row(info["name"], info.get("mode", "?"), world, _current_step(info),
                       info["socket"] + (f"  {info['tcp']}" if info.get("tcp") else ""))
     out.print(table)
     return 0

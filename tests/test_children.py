@@ -332,7 +332,8 @@ def test_a_run_leaves_nothing_in_the_temp_dir(cli, own_tmp):
 
 def test_the_agent_keeps_its_logs_in_the_run_directory(tmp_path):
     from engine.config import load_config
-    from engine.run.launch import _launch_config, agent_dir
+    from engine.run.launch import _launch_config
+    from engine.run.rank import agent_dir
     from engine.run.rank import Job
     job = Job(config=load_config(DEMO, [f"run.dir={tmp_path}", "run.name=logs"]))
     logs = agent_dir(job.config.run_dir, 0)
@@ -342,7 +343,8 @@ def test_the_agent_keeps_its_logs_in_the_run_directory(tmp_path):
 
 def test_a_fresh_start_removes_the_earlier_agent_logs(tmp_path):
     from engine.config import load_config
-    from engine.run.launch import agent_dir, prepare_run_dir
+    from engine.run.launch import prepare_run_dir
+    from engine.run.rank import agent_dir
     from engine.run.rank import Job
     cfg = load_config(DEMO, [f"run.dir={tmp_path}", "run.name=again"])
     old = agent_dir(cfg.run_dir, 0) / "again-1_x" / "attempt_0" / "1" / "error.json"

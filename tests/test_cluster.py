@@ -149,9 +149,9 @@ def test_bad_cluster_settings_are_refused_before_anything_starts(cli):
         ("--nnodes", "2", "--rdzv-endpoint", "10.0.0.1"): "cluster.rdzv_endpoint = \"10.0.0.1\": is not HOST:PORT",
         ("--nnodes", "3:2"): "argument --nnodes: '3:2': MIN must be at least 1 and at most MAX",
         ("--nnodes", "two"): "argument --nnodes: 'two': give a host count N or a range MIN:MAX",
-        ("--nnodes", "1:2", "--rdzv-endpoint", "127.0.0.1:29400"): "cluster.min_nnodes = 1 (--nnodes 1:2): every host "
-                                                                   "count from 1 to 2 holds, but a run that goes on "
-                                                                   "with fewer hosts is not available yet",
+        ("--nnodes", "2:4", "--rdzv-endpoint", "127.0.0.1:29400", "--set", "parallel.world_size=8", "--set",
+         "data.batch_size=32"): "with 3 of 4 hosts (parallel.world_size 6): data.batch_size = 32: must be divisible "
+                                "by parallel.world_size = 6",
     }
     for args, message in config_errors.items():
         r = cli.run("run", DEMO, "--headless", *cli.base_args("bad"), *args, timeout=30)
@@ -242,3 +242,86 @@ def test_a_param_server_host_that_comes_back_restarts_the_group_from_the_last_ch
     assert restarts and restarts[0]["step"] in written and restarts[0]["step"] >= 20, (restarts, written)
     starts = [r for r in records if r["type"] == "run_start"]
     assert len(starts) == 2 and records[-1]["type"] == "summary" and records[-1]["steps"] == 60
+
+
+def reference_losses(overrides: list[str], steps: int) -> list[float]:
+    """Every step's loss of one process on the whole batch (single_process_reference's run)."""
+    from engine.config import load_config
+    from engine.training.data import batch_for, load_dataset
+    from engine.models import build_model
+    from engine.training.loss import cross_entropy
+    from engine.training.optim import make_optimizer
+    cfg = load_config(DEMO, overrides)
+    ds = load_dataset(cfg.data, cfg.run.seed)
+    model = build_model(cfg.model, ds.meta, cfg.run.seed)
+    opt = make_optimizer(cfg.optim, model.parameters())
+    losses = []
+    for step in range(steps):
+        x, y = batch_for(ds, step, cfg.data.batch_size, cfg.run.seed)
+        opt.zero_grad()
+        loss = cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_range_of_hosts_shrinks_without_a_lost_host_grows_when_it_comes_back_and_equals_one_process(cli):
+    """Loopback, 3 hosts x 1 rank, `--nnodes 2:3`. Host 1 (the middle one) SIGKILLed after two checkpoints: hosts
+    0 and 2 meet again without it, ranks 0 and 1 on hosts 0 and 2 (no gap), resume from the last checkpoint at
+    world 2 with the same global batch, and say so (a `resize` event). Host 1 started again: the two running
+    hosts (paused, so that the run waits for it) stop at a checkpoint (no summary), and the three resume from
+    it at world 3, unpaused. Every step is logged
+    once after each resize, with the loss of one process on the whole batch, and the final weights are its."""
+    from engine.processes.procpool import free_port
+    port = free_port()
+    paced = ["--steps", "80", "--set", "parallel.world_size=3", "--set", "data.batch_size=48",
+             "--set", "run.step_pause_ms=40", "--set", "checkpoint.every=10", "--set", "parallel.max_restarts=2",
+             "--set", "run.eval_every=0", "--set", "cluster.host_timeout_s=3", "--set", "cluster.last_call_s=2"]
+
+    def host(r: int):
+        return cli.start("run", DEMO, "--headless", *cli.base_args("resize"), "--nnodes", "2:3", "--node-rank", str(r),
+                         "--rdzv-endpoint", f"127.0.0.1:{port}", *paced)
+    procs = {r: host(r) for r in range(3)}
+    run_dir = cli.tmp_path / "runs" / "resize"
+    log = run_dir / "telemetry.jsonl"
+
+    def resizes():
+        return [r for r in read_jsonl(log) if r.get("kind") == "resize"] if log.exists() else []
+    wait_for(lambda: len(list_checkpoints(run_dir)) >= 2, 120, "two checkpoints")
+    os.killpg(procs[1].pid, signal.SIGKILL)
+    procs[1].wait(timeout=10)
+    wait_for(lambda: resizes() and steps_logged(log) >= resizes()[0]["step"] + 3, 120, "steps after the shrink")
+    paused = cli.run("ctl", "resize", "pause", timeout=60)   # the run cannot end before host 1 is back
+    assert paused.returncode == 0, paused.stdout + paused.stderr
+    listed = cli.run("runs")
+    assert listed.returncode == 0 and "resize" in listed.stdout and "2/3" in listed.stdout, listed.stdout
+    procs[1] = host(1)
+    outs = finish(procs, timeout=200)
+    for r, (code, out, err) in outs.items():
+        assert code == 0, f"host {r}: {err}"
+    assert "host 0: a host is waiting to join; restarting the worker group" in outs[0][2]
+    records = read_jsonl(log)
+    starts = [r for r in records if r["type"] == "run_start"]
+    assert [s["hosts"] for s in starts] == [[0, 1, 2], [0, 2], [0, 1, 2]], [s["hosts"] for s in starts]
+    assert [s["max_world_size"] for s in starts] == [3, 3, 3]
+    written = {r["step"] for r in records if r.get("kind") == "checkpoint"}
+    shrink, grow = resizes()
+    assert (shrink["from_world_size"], shrink["world_size"], shrink["hosts"], shrink["max_hosts"]) == (3, 2, [0, 2], 3)
+    assert (grow["from_world_size"], grow["world_size"], grow["hosts"]) == (2, 3, [0, 1, 2])
+    assert shrink["step"] in written and shrink["step"] >= 20 and grow["step"] in written, (shrink, grow, written)
+    stops = [r for r in records if r.get("kind") == "stop"]
+    assert [(r["step"], r["reason"]) for r in stops] == [(grow["step"], "restart: a host joins")]
+    assert [r["type"] for r in records].count("summary") == 1 and records[-1]["type"] == "summary"
+    overrides = ["data.batch_size=48"]
+    want = reference_losses(overrides, 80)
+    for event, end in ((shrink, grow["step"]), (grow, 80)):
+        i = records.index(event)
+        after = [r for r in records[i:] if r["type"] == "step" and r["step"] <= end]
+        assert [r["step"] for r in after] == list(range(event["step"] + 1, end + 1))
+        for r in after:
+            assert r["loss"] == pytest.approx(want[r["step"] - 1], rel=1e-5, abs=1e-6), r["step"]
+    assert records[-1]["steps"] == 80
+    assert_equal_to_reference(run_dir, overrides, 80)

@@ -149,6 +149,7 @@ min_nnodes = 2
 node_rank = 1
 rdzv_endpoint = "10.0.0.1:29400"
 rdzv_timeout_s = 30.0
+last_call_s = 5.0
 host_timeout_s = 6.0
 interface = "eth1"
 

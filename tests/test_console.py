@@ -480,3 +480,15 @@ def test_bench_console_reports_every_figure(cli):
     assert report["commands_arrived"] == 3 and report["steps_per_s_shown"] > 0
     for figure in ("cpu_percent_of_one_core", "key_to_hub_ms_median", "key_to_hub_ms_max", "meets_goals"):
         assert figure in report
+
+
+def test_the_header_shows_the_world_a_range_of_hosts_has_now_of_its_largest():
+    """A run over `--nnodes 2:3` that lost a host: its new hello says world 2 of 3; a run of one size says its
+    world alone."""
+    state = RunState()
+    state.apply({"type": "hello", "run": "r", "mode": "ddp", "world_size": 2, "max_world_size": 3})
+    assert "ddp×2 of 3" in headline(state, wide=True, live=False).plain
+    state = RunState()
+    state.apply({"type": "hello", "run": "r", "mode": "ddp", "world_size": 3})
+    assert "ddp×3 " in headline(state, wide=True, live=False).plain + " " and " of " not in \
+        headline(state, wide=True, live=False).plain

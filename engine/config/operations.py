@@ -55,8 +55,8 @@ class ClusterConfig:
                              "ranks are contiguous per host.", min=1, max=1024)
     min_nnodes: int = setting(0, "The fewest hosts a run may go on with (`--nnodes MIN:MAX` sets it, and "
                                  "nnodes = MAX); 0: nnodes, a run of one size. Every count from min_nnodes to "
-                                 "nnodes is checked at the start, each refused by name. Not yet available at "
-                                 "launch: a run that shrinks and grows is being built (docs/cluster.md).",
+                                 "nnodes is checked at the start, each refused by name. A host lost: the others "
+                                 "go on from the last checkpoint once min_nnodes are there (docs/cluster.md).",
                               min=0, max=1024)
     node_rank: int = setting(0, "This host's number, 0 to nnodes-1. Host 0 serves the rendezvous at "
                                 "`rdzv_endpoint` and prepares the run directory.", min=0)
@@ -64,6 +64,9 @@ class ClusterConfig:
                                      "every host; required when nnodes > 1.")
     rdzv_timeout_s: float = setting(120.0, "How long a host waits for the others at the rendezvous, at the "
                                            "start and after a failure, before the run fails.", min=1.0)
+    last_call_s: float = setting(30.0, "With a range of hosts: once min_nnodes hosts are at the rendezvous, how "
+                                       "long it waits for more before the run goes on with those there (torch's "
+                                       "last_call_timeout).", min=1.0, max=3600.0)
     host_timeout_s: float = setting(15.0, "A host whose agent is silent this long is dead to the rendezvous "
                                           "(heartbeats go every second), so the others restart without it and "
                                           "it can rejoin.", min=2.0, max=3600.0)

@@ -49,7 +49,7 @@ from engine.config import config_to_toml
 from engine.run.handover import hand_over, release
 from engine.runtime.refusal import REFUSAL_SIGNAL
 from engine.run.checks import RunSetupError, check_machine, check_model
-from engine.run.rank import Job
+from engine.run.rank import Job, agent_dir, restart_marker
 from engine.run.worker import worker_main
 
 
@@ -70,11 +70,6 @@ class RunInterrupted(RuntimeError):
         self.signum = signum
 
 
-def agent_dir(run_dir: Path, node_rank: int) -> Path:
-    """Where host `node_rank`'s elastic agent keeps its logs (and the launcher its refusal file)."""
-    return Path(run_dir) / "agent" / f"node{node_rank}"
-
-
 def prepare_run_dir(job: Job) -> None:
     """Check this host (check_machine), the run directory and the checkpoint to resume before any process
     starts. With several hosts, host 0 prepares the (shared) run directory; the others only check what
@@ -82,12 +77,6 @@ def prepare_run_dir(job: Job) -> None:
     cfg = job.config
     check_machine(job)
     check_model(job)
-    c = cfg.cluster
-    if c.min_nnodes and c.min_nnodes < c.nnodes:
-        raise RunSetupError(
-            f"cluster.min_nnodes = {c.min_nnodes} (--nnodes {c.min_nnodes}:{c.nnodes}): every host count from "
-            f"{c.min_nnodes} to {c.nnodes} holds, but a run that goes on with fewer hosts is not available yet "
-            f"(docs/cluster.md); run with --nnodes {c.nnodes}, and resume on the hosts that are left after a loss")
     run_dir = cfg.run_dir
     node = cfg.cluster.node_rank
     if node:
@@ -191,12 +180,22 @@ def _launch_config(job: Job, logs_dir: Path | None = None) -> LaunchConfig:
                                     rdzv_configs=rdzv, **common)
     host, port = c.rdzv_endpoint.rsplit(":", 1)
     per_host = cfg.parallel.world_size // c.nnodes
-    job.placement = (c.node_rank * per_host, host.strip("[]"), int(port) + 1)
+    job.placement = (host.strip("[]"), int(port) + 1)
     if c.node_rank == 0:
         _check_port_free(int(port) + 1, "the workers' store (the rendezvous port + 1)")
-    return compat.launch_config(min_nodes=c.nnodes, max_nodes=c.nnodes, nproc_per_node=per_host,
+    # the rendezvous numbers the hosts that are there in the order of their names: named by host number, the
+    # hosts present get contiguous ranks in that order, host 0 first (the name is no address: the workers' store
+    # address is placement's, and the agents' own store is the rendezvous's)
+    common["local_addr"] = host_name(c.node_rank)
+    return compat.launch_config(min_nodes=c.min_nnodes or c.nnodes, max_nodes=c.nnodes, nproc_per_node=per_host,
                                 run_id=cfg.run.name, rdzv_endpoint=c.rdzv_endpoint,
-                                rdzv_configs={**rdzv, "is_host": c.node_rank == 0}, **common)
+                                rdzv_configs={**rdzv, "is_host": c.node_rank == 0,
+                                              "last_call_timeout": max(1, round(c.last_call_s))}, **common)
+
+
+def host_name(node_rank: int) -> str:
+    """Host `node_rank`'s name at the rendezvous, which orders hosts by name (torch's _NodeDesc sorts)."""
+    return f"trainyard-host-{node_rank:05d}"
 
 
 def _check_port_free(port: int, what: str) -> None:
@@ -229,7 +228,14 @@ class _RestartReporter(logging.Handler):
         m = re.search(r"(\d+)/(\d+) attempts left", text)
         left = f" ({m.group(1)} of {m.group(2)} restarts left)" if m else ""
         why = "a worker failed" if m else "a host is waiting to join"   # only a failure counts attempts
-        wait = f"; waiting for all {self.nnodes} hosts at the rendezvous" if self.nnodes > 1 else ""
+        if not m:   # the workers, stopped next, learn from it that the run goes on (Worker.restarting)
+            marker = restart_marker(self.job.config.run_dir, self.job.config.cluster.node_rank)
+            with suppress(OSError):
+                marker.parent.mkdir(parents=True, exist_ok=True)
+                marker.write_text(str(self.job.generation))
+        fewest = self.job.config.cluster.min_nnodes or self.nnodes
+        hosts = f"all {self.nnodes}" if fewest == self.nnodes else f"{fewest} to {self.nnodes}"
+        wait = f"; waiting for {hosts} hosts at the rendezvous" if self.nnodes > 1 else ""
         print(f"trainyard: {self.where}{why}; restarting the worker group from the last checkpoint{left}{wait}",
               file=sys.stderr, flush=True)
 
@@ -272,6 +278,7 @@ def launch(job: Job) -> dict | None:
     finally:
         agent_log.removeHandler(reporter)
         release(job)
+        restart_marker(cfg.run_dir, cfg.cluster.node_rank).unlink(missing_ok=True)
         _remove_empty_folders(agent)
     summary = next((v for _, v in sorted(results.items()) if v), None)   # rank 0's, or a refusal
     if summary and summary.get("type") == "refused":

@@ -39,8 +39,8 @@ class Job:
     telemetry_log: Path | None = None
     headless: bool = True
     launched_at: float = 0.0
-    # several hosts, our launcher: (this host's first global rank, the workers' store host, its port)
-    placement: tuple[int, str, int] | None = None
+    # several hosts, our launcher: (the workers' store host, its port): host 0, the rendezvous port + 1
+    placement: tuple[str, int] | None = None
     # our launcher: its pid and the file a worker writes a refusal to before signalling it (engine/runtime/refusal.py)
     launcher_pid: int | None = None
     refusal_path: str | None = None
@@ -67,17 +67,38 @@ class Job:
         return Path(log) if log else self.config.run_dir / "telemetry.jsonl"
 
 
+def agent_dir(run_dir: Path, node_rank: int) -> Path:
+    """Where host `node_rank`'s elastic agent keeps its logs (and the launcher its refusal file)."""
+    return Path(run_dir) / "agent" / f"node{node_rank}"
+
+
+def restart_marker(run_dir: Path, node_rank: int) -> Path:
+    """The file host `node_rank`'s launcher writes the restart's generation to when its agent restarts the worker
+    group for a host that joins, before the agent signals the workers (launch._RestartReporter): what tells a
+    stopped worker that the run goes on (Worker.restarting)."""
+    return agent_dir(run_dir, node_rank) / "restarting"
+
+
+def restart_marked(run_dir: Path, node_rank: int) -> int:
+    """The generation the marker names; -1 where there is none."""
+    try:
+        return int(restart_marker(run_dir, node_rank).read_text())
+    except (OSError, ValueError):
+        return -1
+
+
 def place_on_host(job: Job) -> None:
-    """Before the process group starts: the network interface, and (several hosts under our launcher)
-    global ranks by host number instead of the rendezvous's order of hosts, with the store on host 0."""
+    """Before the process group starts: the network interface, and (several hosts under our launcher) the
+    workers' store on host 0. The ranks are the agent's: the rendezvous numbers the hosts that are there in the
+    order of their names, which our launcher makes their host numbers (launch.host_name), so the ranks are
+    contiguous over the hosts present, host 0's first; meet() checks it."""
     interface = job.config.cluster.interface
     if interface:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
         os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)
     if job.placement is not None:
-        first, host, port = job.placement
-        os.environ.update(RANK=str(first + int(os.environ["LOCAL_RANK"])), MASTER_ADDR=host, MASTER_PORT=str(port),
-                          GROUP_RANK=str(job.config.cluster.node_rank))
+        host, port = job.placement
+        os.environ.update(MASTER_ADDR=host, MASTER_PORT=str(port))
 
 
 def build_rank(job: Job, topo: Topology):
@@ -92,18 +113,29 @@ def build_rank(job: Job, topo: Topology):
     data = job.data if job.data is not None else load_dataset(cfg.data, cfg.run.seed)
     torch.manual_seed(cfg.run.seed)
     model = received_model(job) if job.model_file is not None else build_model(cfg.model, data.meta, cfg.run.seed)
-    restart, device.rank_names = meet(topo, device.name, job.generation)
+    restart, device.rank_names = meet(topo, device.name, job.generation,
+                                      job.config.cluster.node_rank if job.placement is not None else None)
     # the working weights in their dtype (bf16 under precision.params = "bf16"; the fp32 masters are made
     # where the updates run: engine/techniques/updates/layer.py)
     return restart, device, data, model.to(device.torch_device, dtype=param_dtype(cfg.precision))
 
 
-def meet(topo: Topology, device_name: str, generation: int = 0) -> tuple[int, list[str]]:
+def meet(topo: Topology, device_name: str, generation: int = 0, node_rank: int | None = None
+         ) -> tuple[int, list[str]]:
     """Every rank's word at start: how many times the group has restarted (the largest count of any
     host's agent: a host that was lost and started again has a fresh agent, count 0, while the others
     count on, and its ranks must resume too; a restart for a host that joins is counted by our launcher,
-    `generation`, as torch counts failures only), and every rank's device name (run_start's `devices`)."""
-    mine = (max(int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), generation), device_name)
+    `generation`, as torch counts failures only), and every rank's device name (run_start's `devices`).
+    `node_rank`: this rank's host number (several hosts, our launcher), which sets `topo.host_ids`: the
+    hosts there, in rank order, must come in host order (RuntimeError otherwise: ranks numbered by another
+    order would put rank 0, the hub and the pipeline's neighbours elsewhere than configured)."""
+    mine = (max(int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), generation), device_name, node_rank)
     everyone: list = [None] * topo.world_size
     dist.all_gather_object(everyone, mine, group=topo.side)
-    return max(count for count, _ in everyone), [name for _, name in everyone]
+    if node_rank is not None:
+        hosts = [host for _, _, host in everyone]
+        if hosts != sorted(hosts):
+            raise RuntimeError(f"the rendezvous numbered the ranks over hosts {hosts} (by rank), not in host order; "
+                               f"this torch orders hosts otherwise than by name (engine/run/launch.py host_name)")
+        topo.host_ids = hosts
+    return max(count for count, _, _ in everyone), [name for _, name, _ in everyone]

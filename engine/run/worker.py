@@ -28,12 +28,12 @@ from engine.runtime import checkpoint as ckpt
 from engine.runtime.control import COLUMN, encode_commands, exchange, share_commands
 from engine.runtime.emulate import Emulated
 from engine.runtime.events import forward
-from engine.runtime.lifecycle import RunControl, StopRequest, announce, device_fields
+from engine.runtime.lifecycle import RunControl, StopRequest, announce, device_fields, world_range
 from engine.runtime.profiler import LayerProfiler
 from engine.runtime.refusal import is_refusal, refuse
 from engine.runtime.topology import Topology
 from engine.run.layer_rows import LayerRows
-from engine.run.rank import Job, build_rank, place_on_host
+from engine.run.rank import Job, build_rank, place_on_host, restart_marked
 from engine.run.report import StepReport
 from engine.strategies.interface import make_strategy
 from engine.techniques.memory import ActivationPolicy
@@ -42,6 +42,9 @@ from engine.telemetry.outlets import Telemetry
 from engine.training.timing import Clock
 
 PAUSED_POLL_S = 0.1   # how often paused ranks meet at the boundary to hear "resume" or "stop"
+# a range of hosts, a stop by a signal: how long a rank whose peers stopped waits for its own agent's signal (the
+# agents see a joining host within their 0.1 s monitor interval of each other)
+RESTART_WAIT_S = 10.0
 
 
 def worker_main(job: Job) -> dict | None:
@@ -119,7 +122,8 @@ class Worker(RunControl):
     def _hello(self) -> dict:
         cfg = self.cfg
         return {"run": cfg.run.name, "mode": cfg.parallel.strategy, "world_size": self.topo.world_size,
-                "hosts": self.topo.hosts(), "backend": self.topo.backend, **device_fields(self.device),
+                **world_range(cfg), "hosts": self.topo.hosts(), "backend": self.topo.backend,
+                **device_fields(self.device),
                 "layers": list(self.model.names), "layout": self.strategy.layout(),
                 "updated_layers": [n for n, layer in zip(self.model.names, self.model.layers)
                                    if any(True for _ in layer.parameters())],
@@ -307,6 +311,25 @@ class Worker(RunControl):
         if path is not None:   # write_ms: rank 0's, its start to the published folder (it waits for every rank's file)
             self.tel.event("checkpoint", step, path=str(path), write_ms=round((time.perf_counter() - t0) * 1000, 1))
 
+    def restarting(self) -> bool:
+        """A range of hosts stopped by a signal, the final checkpoint written: whether this host's agent is
+        restarting the group to take in a host that joins (its launcher marks it before the agent signals the
+        workers; rank.restart_marker), so the run goes on and this is no end: no evaluation, no summary. A
+        rank whose stop came from its peers waits up to RESTART_WAIT_S for its own agent's signal: leaving at
+        once, exit 0, an agent that has not yet seen the host waiting would take the run for finished."""
+        c = self.cfg.cluster
+        if self.job.placement is None or not c.min_nnodes or c.min_nnodes >= c.nnodes \
+                or not (self.stop_reason or "").startswith("signal"):
+            return False
+        deadline = time.monotonic() + RESTART_WAIT_S
+        while True:
+            signalled = self.stop.requested   # read before the marker, which is written before the signal
+            if restart_marked(self.run_dir, c.node_rank) > self.job.generation:
+                return True
+            if signalled or time.monotonic() > deadline:   # a shutdown (Ctrl-C, a kill) or a peer's
+                return False
+            time.sleep(0.05)
+
     @torch.no_grad()
     def evaluate(self) -> float | None:
         self.strategy.sync()   # every parameter's latest broadcast has landed
@@ -319,6 +342,12 @@ class Worker(RunControl):
         if step > self.first_step or stopped_early:
             self.checkpoint(step)
         self.strategy.gather_weights()
+        if stopped_early and self.restarting():
+            if self.topo.is_first:
+                self.tel.event("stop", step, reason="restart: a host joins")
+                self.tel.close("the worker group restarts to take in a host that joins; it resumes from step "
+                               f"{step}")
+            return None
         if not self.topo.is_first:
             return None
         summary = self.end(step, stopped_early, loss, self.evaluate(), {

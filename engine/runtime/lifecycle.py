@@ -38,6 +38,13 @@ def device_fields(device) -> dict:
             "devices": list(device.rank_names or [device.name]), "device_note": device.note}
 
 
+def world_range(cfg) -> dict:
+    """What hello says of a run over a range of hosts (`--nnodes MIN:MAX`): `max_world_size`, the world at MAX
+    hosts (`parallel.world_size`), which the consoles show beside the world the run has now; nothing else."""
+    c = cfg.cluster
+    return {"max_world_size": cfg.parallel.world_size} if c.min_nnodes and c.min_nnodes < c.nnodes else {}
+
+
 def announce(tel, cfg, topo, device, names, first_step: int, restart: int, resumed_from,
              layout: dict | None = None, resumed: dict | None = None) -> None:
     """Rank 0: the run_start record, and the restart and resume events (`resumed`: the resume event's other
@@ -45,20 +52,31 @@ def announce(tel, cfg, topo, device, names, first_step: int, restart: int, resum
     if not topo.is_first:
         return
     start = {"type": "run_start", "name": cfg.run.name, "strategy": cfg.parallel.strategy,
-             "world_size": topo.world_size, "hosts": topo.hosts(), "backend": topo.backend, **device_fields(device),
+             "world_size": topo.world_size, **world_range(cfg), "hosts": topo.hosts(), "backend": topo.backend,
+             **device_fields(device),
              "layers": list(names), "first_step": first_step,
              "restart": restart, "config": cfg.to_dict()}
     if layout is not None:
         start["layout"] = layout
     tel._write(start)
+    was = (resumed or {}).get("from_world_size")
+    grew = restart and was is not None and was < topo.world_size
     if restart:
         tel.event("restart", first_step, restart=restart, max_restarts=cfg.parallel.max_restarts)
-        tel.note(f"[yellow]restart {restart} of {cfg.parallel.max_restarts}:[/] a worker failed; "
-                 f"resumed from step {first_step}")
+        # a restart for a host that joins counts no failure (parallel.max_restarts counts those)
+        head = f"restart {restart}:[/] a host joined" if grew else \
+            f"restart {restart} of {cfg.parallel.max_restarts}:[/] a worker failed"
+        tel.note(f"[yellow]{head}; resumed from step {first_step}")
     if first_step:
         tel.event("resume", first_step, checkpoint=str(resumed_from), **(resumed or {}))
         if not restart:
             tel.note(f"resumed from {resumed_from} at step {first_step}")
+    if restart and was is not None and was != topo.world_size:
+        hosts = sorted(set(topo.hosts()))
+        tel.event("resize", first_step, from_world_size=was, world_size=topo.world_size, hosts=hosts,
+                  max_hosts=cfg.cluster.nnodes)
+        tel.note(f"[yellow]resized:[/] {was} -> {topo.world_size} workers on {len(hosts)} of {cfg.cluster.nnodes} "
+                 f"hosts ({', '.join(map(str, hosts))}); resumed from step {first_step}")
 
 
 class RunControl:

@@ -34,6 +34,7 @@ class Topology:
     timeout_s: float
     compute: object = None
     side: object = None
+    host_ids: list[int] | None = None   # every rank's host number, where the hosts say it (engine/run/rank.py meet)
 
     @classmethod
     def from_env(cls, backend: str, device_kind: str, timeout_s: float) -> "Topology":
@@ -87,7 +88,10 @@ class Topology:
                 dist.destroy_process_group(group)
 
     def hosts(self) -> list[int]:
-        """The host (node) of every rank: an agent gives each host `local_world_size` consecutive ranks."""
+        """The host (node) of every rank: an agent gives each host `local_world_size` consecutive ranks; its
+        number where the hosts said it (a run that lost a host numbers the ranks over the hosts left)."""
+        if self.host_ids is not None:
+            return list(self.host_ids)
         return [r // self.local_world_size for r in range(self.world_size)]
 
     @property

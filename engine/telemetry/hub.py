@@ -100,7 +100,8 @@ class Hub:
             self._files.append(self.registry_path)
             write_private(self.registry_path, json.dumps({
                 "name": stem, "run": self.hello.get("run"), "pid": os.getpid(), "mode": self.hello.get("mode"),
-                "world_size": self.hello.get("world_size"), "socket": str(self.socket_path),
+                "world_size": self.hello.get("world_size"), "max_world_size": self.hello.get("max_world_size"),
+                "socket": str(self.socket_path),
                 "tcp": self.tcp_address, "token_file": self.token_path and str(self.token_path),
                 "started": round(time.time(), 3), "uid": os.getuid()}))
         except BaseException:

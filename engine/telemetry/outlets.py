@@ -28,7 +28,8 @@ from engine.telemetry.protocol import ps_columns, rank_columns
 # events after which the next step carries every rank's full row (and the log its layer rows): what they
 # change shows in the rows
 FULL_ROWS_AFTER = frozenset({"policy", "placement", "memory_plan", "update_plan", "migration", "rebalance",
-                             "resume", "restart", "worker_lost", "sync_mode", "memory_over_capacity"})
+                             "resume", "restart", "resize", "worker_lost", "sync_mode",
+                             "memory_over_capacity"})
 
 
 class RankRows:

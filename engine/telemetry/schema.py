@@ -61,6 +61,7 @@ RUN_START = {
                  "layers", "first_step", "restart", "config"],
     "properties": {**_COMMON, "type": {"const": "run_start"}, "name": {"type": "string"},
                    "strategy": {"type": "string"}, "world_size": {"type": "integer", "minimum": 1},
+                   "max_world_size": {"type": "integer", "minimum": 1},
                    "hosts": {"type": "array", "items": {"type": "integer", "minimum": 0}},
                    "backend": {"enum": ["gloo", "nccl"]}, "device": {"type": "string"},
                    "simulated": {"type": "boolean"}, "devices": {"type": "array", "items": {"type": "string"}},
@@ -146,7 +147,7 @@ STEP = {
 
 EVENT_KINDS = ["checkpoint", "restart", "resume", "eval", "memory_over_capacity", "stop", "command", "update_plan",
                "placement", "rebalance", "migration", "memory_plan", "policy", "sync_mode", "worker_lost",
-               "ps_profile", "step_skipped", "step_rolled_back"]
+               "resize", "ps_profile", "step_skipped", "step_rolled_back"]
 EVENT = {
     "type": "object",
     "required": ["schema", "time", "type", "kind", "step"],
@@ -174,6 +175,12 @@ EVENT = {
         {"if": {"properties": {"kind": {"const": "sync_mode"}}},
          "then": {"required": ["mode", "previous", "source"], "properties": {"mode": {"enum": list(SYNC_MODES)}}}},
         {"if": {"properties": {"kind": {"const": "worker_lost"}}}, "then": {"required": ["rank", "reason"]}},
+        {"if": {"properties": {"kind": {"const": "resize"}}},
+         "then": {"required": ["from_world_size", "world_size", "hosts", "max_hosts"],
+                  "properties": {"from_world_size": {"type": "integer", "minimum": 1},
+                                 "world_size": {"type": "integer", "minimum": 1},
+                                 "hosts": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+                                 "max_hosts": {"type": "integer", "minimum": 1}}}},
         {"if": {"properties": {"kind": {"const": "ps_profile"}}}, "then": {"required": ["layers", "mode"]}},
         {"if": {"properties": {"kind": {"const": "step_skipped"}}},
          "then": {"required": ["grad_norm", "redone_layers"],

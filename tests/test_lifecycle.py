@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 import shutil
 import signal
@@ -230,24 +231,28 @@ def test_a_full_disk_stops_the_run_and_the_previous_checkpoint_resumes_it(cli, t
         subprocess.run(["umount", "-l", str(disk)], capture_output=True)
 
 
-def test_every_restart_of_the_worker_group_is_counted_into_the_next_starts_job(capsys):
+def test_every_restart_of_the_worker_group_is_counted_into_the_next_starts_job(capsys, tmp_path):
     """torch counts a failure's restart (TORCHELASTIC_RESTART_COUNT) but not one for a host that joins; the
     launcher counts both in job.generation, which the next start's pickled Job carries (meet takes the largest),
-    and says which it was."""
+    and says which it was. A restart for a joining host is marked for the workers (rank.restart_marker) before
+    the agent signals them; a failure's is not."""
     import logging
     import pickle
 
     from engine.config import load_config
     from engine.run.launch import _RestartReporter
-    from engine.run.rank import Job
+    from engine.run.rank import Job, restart_marked
     from tests.test_training import DEMO
-    job = Job(config=load_config(DEMO, ["cluster.nnodes=2", "cluster.rdzv_endpoint=127.0.0.1:29400"]))
+    job = Job(config=load_config(DEMO, ["cluster.nnodes=2", "cluster.rdzv_endpoint=127.0.0.1:29400",
+                                        f"run.dir={tmp_path}"]))
     reporter = _RestartReporter(job)
 
     def say(text: str) -> None:
         reporter.emit(logging.LogRecord("torch", logging.INFO, __file__, 0, text, None, None))
     say("[default] Worker group FAILED. 1/2 attempts left; will restart worker group")
+    assert restart_marked(job.config.run_dir, 0) == -1
     say("[default] Detected 1 new nodes from group_rank=0; will restart worker group")
+    assert restart_marked(job.config.run_dir, 0) == 2
     say("[default] Rendezvous complete")
     assert job.generation == 2 and pickle.loads(pickle.dumps(job)).generation == 2
     err = capsys.readouterr().err.splitlines()
@@ -255,3 +260,26 @@ def test_every_restart_of_the_worker_group_is_counted_into_the_next_starts_job(c
                    "(1 of 2 restarts left); waiting for all 2 hosts at the rendezvous",
                    "trainyard: host 0: a host is waiting to join; restarting the worker group from the last "
                    "checkpoint; waiting for all 2 hosts at the rendezvous"]
+
+
+@pytest.mark.parametrize("hosts,error", [
+    ([0, 0, 2, 2], None),
+    ([0, 0, 2, 1], "numbered the ranks over hosts [0, 0, 2, 1] (by rank), not in host order"),
+    ([0, 0, 1, 1, 1, 1], "host number(s) 1 joined the run from two hosts: every host needs its own --node-rank"),
+])
+def test_meet_checks_that_the_ranks_follow_the_host_numbers(monkeypatch, hosts, error):
+    """Every rank's host number, gathered at start: the hosts there in host order, each once (2 ranks a host
+    here), which then name every rank's host (run_start's `hosts`)."""
+    from engine.run import rank as rank_module
+    from engine.runtime.topology import Topology
+    topo = Topology(rank=0, world_size=len(hosts), local_rank=0, local_world_size=2, backend="gloo", timeout_s=5)
+
+    def gather(into, mine, group=None):
+        into[:] = [(3 if r == 1 else 0, f"dev{r}", host) for r, host in enumerate(hosts)]
+    monkeypatch.setattr(rank_module.dist, "all_gather_object", gather)
+    if error:
+        with pytest.raises(RuntimeError, match=re.escape(error)):
+            rank_module.meet(topo, "dev0", 1, 0)
+        return
+    assert rank_module.meet(topo, "dev0", 1, 0) == (3, ["dev0", "dev1", "dev2", "dev3"])
+    assert topo.hosts() == [0, 0, 2, 2]

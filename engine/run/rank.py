@@ -134,6 +134,10 @@ def meet(topo: Topology, device_name: str, generation: int = 0, node_rank: int |
     dist.all_gather_object(everyone, mine, group=topo.side)
     if node_rank is not None:
         hosts = [host for _, _, host in everyone]
+        twice = sorted({h for h in hosts if hosts.count(h) > topo.local_world_size})
+        if twice:
+            raise RuntimeError(f"host number(s) {', '.join(map(str, twice))} joined the run from two hosts: every host "
+                               f"needs its own --node-rank (cluster.node_rank)")
         if hosts != sorted(hosts):
             raise RuntimeError(f"the rendezvous numbered the ranks over hosts {hosts} (by rank), not in host order; "
                                f"this torch orders hosts otherwise than by name (engine/run/launch.py host_name)")

@@ -72,9 +72,29 @@ def host_of(pid: int, hosts) -> int:
     return next(h.index for h in hosts.hosts if h.netns == named)
 
 
-def assert_equal_to_reference(run_dir, overrides: list[str], steps: int) -> None:
+def loopback_host(cli, config: str, name: str, nnodes: str, port: int, *args: str):
+    """A starter of one `trainyard run` per emulated host on this machine's loopback (no namespaces): host(r)."""
+    def host(r: int):
+        return cli.start("run", config, "--headless", *cli.base_args(name), "--nnodes", nnodes, "--node-rank", str(r),
+                         "--rdzv-endpoint", f"127.0.0.1:{port}", *args)
+    return host
+
+
+def rejoin_and_finish(procs: dict, host) -> dict:
+    """Host 1 started again; every host finishes with exit 0, and host 0's launcher said it restarted its group
+    for the host that joined. Returns finish()'s outputs."""
+    procs[1] = host(1)
+    outs = finish(procs, timeout=200)
+    for r, (code, out, err) in outs.items():
+        assert code == 0, f"host {r}: {err}"
+    assert "host 0: a host is waiting to join; restarting the worker group" in outs[0][2]
+    return outs
+
+
+def assert_equal_to_reference(run_dir, overrides: list[str], steps: int, want: dict | None = None) -> None:
+    """The run's last checkpoint holds one process's weights (`want`: that process's state, where the test has it)."""
     got = model_state(list_checkpoints(run_dir)[-1])
-    want = single_process_reference(overrides, steps)
+    want = want if want is not None else single_process_reference(overrides, steps)
     assert got.keys() == want.keys()
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-5, msg=name)
@@ -219,10 +239,7 @@ def test_a_param_server_host_that_comes_back_restarts_the_group_from_the_last_ch
              "--set", "parallel.param_server.workers=3", "--set", "parallel.param_server.slow_workers={}",
              "--set", "data.batch_size=48", "--set", "run.step_pause_ms=40", "--set", "checkpoint.every=10",
              "--set", "run.eval_every=0", "--set", "cluster.host_timeout_s=3"]
-
-    def host(r: int):
-        return cli.start("run", "demo/configs/digits_ps.toml", "--headless", *cli.base_args("psback"), "--nnodes", "2",
-                         "--node-rank", str(r), "--rdzv-endpoint", f"127.0.0.1:{port}", *paced)
+    host = loopback_host(cli, "demo/configs/digits_ps.toml", "psback", "2", port, *paced)
     procs = {0: host(0), 1: host(1)}
     run_dir = cli.tmp_path / "runs" / "psback"
     log = run_dir / "telemetry.jsonl"
@@ -231,39 +248,13 @@ def test_a_param_server_host_that_comes_back_restarts_the_group_from_the_last_ch
     procs[1].wait(timeout=10)
     lost_at = steps_logged(log)
     wait_for(lambda: steps_logged(log) >= lost_at + 3, 60, "steps without host 1")
-    procs[1] = host(1)
-    outs = finish(procs, timeout=200)
-    for r, (code, out, err) in outs.items():
-        assert code == 0, f"host {r}: {err}"
-    assert "host 0: a host is waiting to join; restarting the worker group" in outs[0][2]
+    rejoin_and_finish(procs, host)
     records = read_jsonl(log)
     written = {r["step"] for r in records if r.get("kind") == "checkpoint"}
     restarts = [r for r in records if r.get("kind") == "restart"]
     assert restarts and restarts[0]["step"] in written and restarts[0]["step"] >= 20, (restarts, written)
     starts = [r for r in records if r["type"] == "run_start"]
     assert len(starts) == 2 and records[-1]["type"] == "summary" and records[-1]["steps"] == 60
-
-
-def reference_losses(overrides: list[str], steps: int) -> list[float]:
-    """Every step's loss of one process on the whole batch (single_process_reference's run)."""
-    from engine.config import load_config
-    from engine.training.data import batch_for, load_dataset
-    from engine.models import build_model
-    from engine.training.loss import cross_entropy
-    from engine.training.optim import make_optimizer
-    cfg = load_config(DEMO, overrides)
-    ds = load_dataset(cfg.data, cfg.run.seed)
-    model = build_model(cfg.model, ds.meta, cfg.run.seed)
-    opt = make_optimizer(cfg.optim, model.parameters())
-    losses = []
-    for step in range(steps):
-        x, y = batch_for(ds, step, cfg.data.batch_size, cfg.run.seed)
-        opt.zero_grad()
-        loss = cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
-    return losses
 
 
 @pytest.mark.slow
@@ -273,17 +264,14 @@ def test_a_range_of_hosts_shrinks_without_a_lost_host_grows_when_it_comes_back_a
     0 and 2 meet again without it, ranks 0 and 1 on hosts 0 and 2 (no gap), resume from the last checkpoint at
     world 2 with the same global batch, and say so (a `resize` event). Host 1 started again: the two running
     hosts (paused, so that the run waits for it) stop at a checkpoint (no summary), and the three resume from
-    it at world 3, unpaused. Every step is logged
-    once after each resize, with the loss of one process on the whole batch, and the final weights are its."""
+    it at world 3, unpaused. Every step is logged once after each resize, with the loss of one process on the
+    whole batch, and the final weights are its."""
     from engine.processes.procpool import free_port
     port = free_port()
     paced = ["--steps", "80", "--set", "parallel.world_size=3", "--set", "data.batch_size=48",
              "--set", "run.step_pause_ms=40", "--set", "checkpoint.every=10", "--set", "parallel.max_restarts=2",
              "--set", "run.eval_every=0", "--set", "cluster.host_timeout_s=3", "--set", "cluster.last_call_s=2"]
-
-    def host(r: int):
-        return cli.start("run", DEMO, "--headless", *cli.base_args("resize"), "--nnodes", "2:3", "--node-rank", str(r),
-                         "--rdzv-endpoint", f"127.0.0.1:{port}", *paced)
+    host = loopback_host(cli, DEMO, "resize", "2:3", port, *paced)
     procs = {r: host(r) for r in range(3)}
     run_dir = cli.tmp_path / "runs" / "resize"
     log = run_dir / "telemetry.jsonl"
@@ -298,17 +286,13 @@ def test_a_range_of_hosts_shrinks_without_a_lost_host_grows_when_it_comes_back_a
     assert paused.returncode == 0, paused.stdout + paused.stderr
     listed = cli.run("runs")
     assert listed.returncode == 0 and "resize" in listed.stdout and "2/3" in listed.stdout, listed.stdout
-    procs[1] = host(1)
-    outs = finish(procs, timeout=200)
-    for r, (code, out, err) in outs.items():
-        assert code == 0, f"host {r}: {err}"
-    assert "host 0: a host is waiting to join; restarting the worker group" in outs[0][2]
+    rejoin_and_finish(procs, host)
     records = read_jsonl(log)
     starts = [r for r in records if r["type"] == "run_start"]
     assert [s["hosts"] for s in starts] == [[0, 1, 2], [0, 2], [0, 1, 2]], [s["hosts"] for s in starts]
     assert [s["max_world_size"] for s in starts] == [3, 3, 3]
     written = {r["step"] for r in records if r.get("kind") == "checkpoint"}
-    shrink, grow = resizes()
+    shrink, grow = [r for r in records if r.get("kind") == "resize"]
     assert (shrink["from_world_size"], shrink["world_size"], shrink["hosts"], shrink["max_hosts"]) == (3, 2, [0, 2], 3)
     assert (grow["from_world_size"], grow["world_size"], grow["hosts"]) == (2, 3, [0, 1, 2])
     assert shrink["step"] in written and shrink["step"] >= 20 and grow["step"] in written, (shrink, grow, written)
@@ -316,7 +300,8 @@ def test_a_range_of_hosts_shrinks_without_a_lost_host_grows_when_it_comes_back_a
     assert [(r["step"], r["reason"]) for r in stops] == [(grow["step"], "restart: a host joins")]
     assert [r["type"] for r in records].count("summary") == 1 and records[-1]["type"] == "summary"
     overrides = ["data.batch_size=48"]
-    want = reference_losses(overrides, 80)
+    want: list[float] = []
+    reference = single_process_reference(overrides, 80, want)
     for event, end in ((shrink, grow["step"]), (grow, 80)):
         i = records.index(event)
         after = [r for r in records[i:] if r["type"] == "step" and r["step"] <= end]
@@ -324,4 +309,4 @@ def test_a_range_of_hosts_shrinks_without_a_lost_host_grows_when_it_comes_back_a
         for r in after:
             assert r["loss"] == pytest.approx(want[r["step"] - 1], rel=1e-5, abs=1e-6), r["step"]
     assert records[-1]["steps"] == 80
-    assert_equal_to_reference(run_dir, overrides, 80)
+    assert_equal_to_reference(run_dir, overrides, 80, reference)

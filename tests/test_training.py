@@ -16,8 +16,9 @@ from tests.conftest import ROOT, read_jsonl
 DEMO = str(ROOT / "demo" / "configs" / "digits_ddp.toml")
 
 
-def single_process_reference(overrides: list[str], steps: int) -> dict:
-    """The same global batches, the same optimizer, one process: what every layout must equal."""
+def single_process_reference(overrides: list[str], steps: int, losses: list[float] | None = None) -> dict:
+    """The same global batches, the same optimizer, one process: what every layout must equal. `losses`: each
+    step's loss is appended to it."""
     cfg = load_config(DEMO, overrides)
     ds = load_dataset(cfg.data, cfg.run.seed)
     model = build_model(cfg.model, ds.meta, cfg.run.seed)
@@ -25,8 +26,11 @@ def single_process_reference(overrides: list[str], steps: int) -> dict:
     for step in range(steps):
         x, y = batch_for(ds, step, cfg.data.batch_size, cfg.run.seed)
         opt.zero_grad()
-        cross_entropy(model(x), y).backward()
+        loss = cross_entropy(model(x), y)
+        loss.backward()
         opt.step()
+        if losses is not None:
+            losses.append(float(loss.detach()))
     return model.state_dict()
 
 

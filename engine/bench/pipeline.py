@@ -91,11 +91,13 @@ def one_round(pool, stages: int, steps: int) -> dict:
     turns = {name: _steps(rows, timed) for name, rows in per_rank.items()}
     clock = _steps(per_rank["auto"], lambda k, armed, moved: k >= WARMUP and armed and not moved)
     candidates = got[0]["layouts"]["candidates"]
-    fastest = min(range(len(candidates)), key=lambda i: _median(turns[f"best{i}"]))
-    turns["best"] = turns[f"best{fastest}"]
+    measured = [turns.pop(f"best{i}") for i in range(len(candidates))]   # every candidate's turns
+    candidates_ms = [_median(t) for t in measured]
+    fastest = candidates_ms.index(min(candidates_ms))
+    turns["best"] = measured[fastest]
     ms = {"before": _median(_steps(first, lambda k, armed, moved: timed(k, armed, moved) and k < at - 1)),
           "migration": max(r[at - 1][0] for r in first),
-          **{name: _median(t) for name, t in turns.items() if name != "auto" and not name[-1].isdigit()},
+          **{name: _median(t) for name, t in turns.items() if name != "auto"},
           "after": _median(turns["auto"]), "clock": _median(clock, needed=False)}
     ms["around"] = statistics.mean([ms["before"], ms["after"]])
     faults = {name: statistics.median(max(rank[k][3] for rank in rows) for k in range(WARMUP, len(rows[0])))
@@ -106,8 +108,7 @@ def one_round(pool, stages: int, steps: int) -> dict:
               "migration step / the steps around it": ms["around"] / ms["migration"],
               "trainyard / torch on torch's layout": paired(turns["even"], turns["torch"]),
               "uncounted / torch": paired(turns["even_uncounted"], turns["torch"])}
-    layouts = {**got[0]["layouts"], "best": candidates[fastest],
-               "candidates_ms": [round(_median(turns[f"best{i}"]), 2) for i in range(len(candidates))]}
+    layouts = {**got[0]["layouts"], "best": candidates[fastest], "candidates_ms": [round(v, 2) for v in candidates_ms]}
     return {"ms": ms, "ratios": ratios, "layouts": layouts, "costs": got[0]["costs"], "page_faults": faults}
 
 

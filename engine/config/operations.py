@@ -75,6 +75,12 @@ class ClusterConfig:
                                  "address). It must exist on every host.",
                              pattern=r"[A-Za-z0-9_.:@-]{1,15}|")
 
+    @property
+    def host_counts(self) -> range:
+        """The host counts a run may have: `min_nnodes` (0: nnodes) to `nnodes`; more than one: a range of hosts
+        (`--nnodes MIN:MAX`), which goes on without a lost host and grows when one joins."""
+        return range(self.min_nnodes or self.nnodes, self.nnodes + 1)
+
 
 @dataclass
 class EmulateConfig:

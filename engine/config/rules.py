@@ -126,12 +126,6 @@ def hosts_split_workers(cfg: Config) -> str | None:
     return None
 
 
-def host_counts(cfg: Config) -> range:
-    """The host counts a run may have: `cluster.min_nnodes` (0: nnodes) to `cluster.nnodes`."""
-    c = cfg.cluster
-    return range(c.min_nnodes or c.nnodes, c.nnodes + 1)
-
-
 def every_host_count_holds(cfg: Config) -> str | None:
     """With a range of hosts (`cluster.min_nnodes` < `nnodes`), what a world size decides holds at every count
     from min_nnodes to nnodes, each host running `world_size / nnodes` ranks: the global batch divides the
@@ -142,14 +136,14 @@ def every_host_count_holds(cfg: Config) -> str | None:
     if c.min_nnodes > c.nnodes:
         return (f"cluster.min_nnodes = {c.min_nnodes}: must be at most cluster.nnodes = {c.nnodes} "
                 f"(`--nnodes MIN:MAX`)")
-    if len(host_counts(cfg)) == 1:
+    if len(c.host_counts) == 1:
         return None
     if p.strategy == "pipeline" and isinstance(p.pipeline.partition, list):
         return (f"parallel.pipeline.partition lists {len(p.pipeline.partition)} stages: with a range of hosts "
                 f"(cluster.min_nnodes = {c.min_nnodes} to nnodes = {c.nnodes}) the stage count follows the "
                 f"world; use partition = \"uniform\" or \"balanced\"")
     per_host = p.world_size // c.nnodes
-    for hosts in host_counts(cfg):
+    for hosts in c.host_counts:
         world = hosts * per_host
         ps = p.param_server
         if p.strategy == "param_server" and world <= ps.servers:

@@ -81,9 +81,10 @@ def _check_capacity(job, capacity: int, binding: str) -> None:
     if cfg.parallel.strategy == "pipeline":
         # the fewest stages hold the most: with a range of hosts, the smallest count's world
         c = cfg.cluster
-        fewest = (c.min_nnodes or c.nnodes) * (cfg.parallel.world_size // c.nnodes)
+        fewest = c.host_counts[0] * (cfg.parallel.world_size // c.nnodes)
         try:
-            configured_stages(model, cfg.parallel.pipeline.partition, cfg.parallel.world_size)   # the most stages
+            if fewest < cfg.parallel.world_size:   # the most stages must split the model too
+                configured_stages(model, cfg.parallel.pipeline.partition, cfg.parallel.world_size)
             stages = configured_stages(model, cfg.parallel.pipeline.partition, fewest)
         except ValueError as e:
             raise RunSetupError(f"parallel.pipeline: {e}") from None

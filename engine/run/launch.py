@@ -187,7 +187,7 @@ def _launch_config(job: Job, logs_dir: Path | None = None) -> LaunchConfig:
     # hosts present get contiguous ranks in that order, host 0 first (the name is no address: the workers' store
     # address is placement's, and the agents' own store is the rendezvous's)
     common["local_addr"] = host_name(c.node_rank)
-    return compat.launch_config(min_nodes=c.min_nnodes or c.nnodes, max_nodes=c.nnodes, nproc_per_node=per_host,
+    return compat.launch_config(min_nodes=c.host_counts[0], max_nodes=c.nnodes, nproc_per_node=per_host,
                                 run_id=cfg.run.name, rdzv_endpoint=c.rdzv_endpoint,
                                 rdzv_configs={**rdzv, "is_host": c.node_rank == 0,
                                               "last_call_timeout": max(1, round(c.last_call_s))}, **common)
@@ -233,7 +233,7 @@ class _RestartReporter(logging.Handler):
             with suppress(OSError):
                 marker.parent.mkdir(parents=True, exist_ok=True)
                 marker.write_text(str(self.job.generation))
-        fewest = self.job.config.cluster.min_nnodes or self.nnodes
+        fewest = self.job.config.cluster.host_counts[0]
         hosts = f"all {self.nnodes}" if fewest == self.nnodes else f"{fewest} to {self.nnodes}"
         wait = f"; waiting for {hosts} hosts at the rendezvous" if self.nnodes > 1 else ""
         print(f"trainyard: {self.where}{why}; restarting the worker group from the last checkpoint{left}{wait}",

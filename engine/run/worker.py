@@ -318,7 +318,7 @@ class Worker(RunControl):
         rank whose stop came from its peers waits up to RESTART_WAIT_S for its own agent's signal: leaving at
         once, exit 0, an agent that has not yet seen the host waiting would take the run for finished."""
         c = self.cfg.cluster
-        if self.job.placement is None or not c.min_nnodes or c.min_nnodes >= c.nnodes \
+        if self.job.placement is None or len(c.host_counts) == 1 \
                 or not (self.stop_reason or "").startswith("signal"):
             return False
         deadline = time.monotonic() + RESTART_WAIT_S

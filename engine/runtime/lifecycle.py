@@ -41,8 +41,7 @@ def device_fields(device) -> dict:
 def world_range(cfg) -> dict:
     """What hello says of a run over a range of hosts (`--nnodes MIN:MAX`): `max_world_size`, the world at MAX
     hosts (`parallel.world_size`), which the consoles show beside the world the run has now; nothing else."""
-    c = cfg.cluster
-    return {"max_world_size": cfg.parallel.world_size} if c.min_nnodes and c.min_nnodes < c.nnodes else {}
+    return {"max_world_size": cfg.parallel.world_size} if len(cfg.cluster.host_counts) > 1 else {}
 
 
 def announce(tel, cfg, topo, device, names, first_step: int, restart: int, resumed_from,

@@ -7,13 +7,13 @@
 
 Both post the same messages: `Feed` (one wire message: hello, snapshot, step, event, reply,
 summary, bye, ...) and `Link` (the connection's state). A replayed log's `run_start` becomes a
-hello; its step, event and summary records go out as the socket would send them.
+hello; its step, event and summary records go out as the socket would send them. A line of the log
+that is not whole JSON (cut short by a writer that stopped) is left out, and a `replay` event says so.
 console/state.py folds those messages into what the screen shows.
 """
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from collections.abc import Callable
@@ -153,6 +153,14 @@ def replay_messages(records: list[dict]) -> list[dict]:
     return out
 
 
+def skipped_event(notes: list[str], most: int = 3) -> dict:
+    """One `replay` event for the events panel saying which lines of the log were left out (one event: the
+    panel keeps only one of several alike): `skipped=run.jsonl: line 7: not JSON (...); ...`."""
+    more = f"; and {len(notes) - most} more" if len(notes) > most else ""
+    return {"v": protocol.VERSION, "type": "event", "kind": "replay", "step": None,
+            "skipped": "; ".join(notes[:most]) + more}
+
+
 class ReplaySource:
     """A telemetry log played back at its own pace (times `speed`); pause, step, faster, slower.
 
@@ -164,10 +172,11 @@ class ReplaySource:
     connected = False
 
     def __init__(self, path: Path, *, paused: bool = False, preload: int = 0, speed: float = 1.0):
-        records = []
+        records, self.notes = [], []   # notes: the lines left out (not JSON, or cut short), said at the start
         for part in protocol.log_parts(path) or [path]:   # a rotated log's parts, in order (no part: say so)
-            with open(part) as f:
-                records += [json.loads(line) for line in f if line.strip()]
+            got, notes = protocol.read_records(part)
+            records += got
+            self.notes += [f"{Path(part).name}: {note}" for note in notes]
         self.path = Path(path)
         self.messages = replay_messages(records)
         self.total = len(self.messages)
@@ -220,6 +229,8 @@ class ReplaySource:
     def run(self, post: Callable[[Message], object], cancelled: Callable[[], bool]) -> None:
         for msg in self.messages[:self.preload]:
             post(Feed(msg))
+        if self.notes:
+            post(Feed(skipped_event(self.notes)))
         post(Link("replay", "ready"))
         for i in range(self.preload, self.total):
             if not self._wait_turn(i, cancelled):

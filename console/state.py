@@ -125,8 +125,9 @@ class RunState:
                                "bold #ffb000", None))
         elif kind == "summary":
             self.summary = msg
-            accuracy = msg.get("test_accuracy")
-            self.notes.append((f"run finished: {msg.get('steps')} steps, final loss {msg.get('final_loss', 0):.4f}"
+            accuracy, loss = msg.get("test_accuracy"), msg.get("final_loss")
+            loss = f"{loss:.4f}" if isinstance(loss, (int, float)) else "not finite"   # null: NaN or inf
+            self.notes.append((f"run finished: {msg.get('steps')} steps, final loss {loss}"
                                + (f", test accuracy {accuracy:.2%}" if accuracy is not None else ""), "bold", None))
         elif kind == "dropped":
             self.notes.append((f"{msg.get('count')} messages dropped (the console fell behind)", "dim", None))
@@ -217,8 +218,10 @@ def headline(state: RunState, wide: bool, live: bool) -> Text:
               + (f"/{state.steps}" if state.steps else ""), "")]
     if state.paused:
         parts.append(("paused", "bold #ffb000"))
-    if "loss" in step:
-        parts.append((f"loss {step['loss']:.{4 if wide else 3}f}", "#ff9f43"))
+    if "loss" in step:   # null: not finite (the record's `nonfinite` says so)
+        loss = step["loss"]
+        text = f"loss {loss:.{4 if wide else 3}f}" if isinstance(loss, (int, float)) else "loss not finite"
+        parts.append((text, "#ff9f43"))
     if "samples_per_s" in step:
         rate = step["samples_per_s"]
         parts.append((f"{rate:,.0f} samples/s" if wide else f"{rate / 1000:.1f}k/s", "#48dbfb"))

@@ -59,14 +59,12 @@ def run_name(demo: str, runs_dir: Path) -> str:
     """`demo-NAME`, whose previous run the demo overwrites, unless that run is still going (left training
     by a console that detached, or starting in another terminal): then `demo-NAME-2`, `-3`, ... the first
     name no live run has."""
-    from engine.telemetry.protocol import list_runs, pid_alive
+    from engine.run.claim import live as holds
+    from engine.telemetry.protocol import list_runs
     live = {info.get("run") for info in list_runs()}
 
-    def busy(name: str) -> bool:
-        try:
-            return name in live or pid_alive(int((runs_dir / name / "pids" / "launcher.pid").read_text()))
-        except (OSError, ValueError):
-            return False
+    def busy(name: str) -> bool:   # a live run's launcher or workers hold its folder (engine/run/claim.py)
+        return name in live or holds(runs_dir / name)
 
     name, n = f"demo-{demo}", 1
     while busy(name):

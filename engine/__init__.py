@@ -74,6 +74,7 @@ def train(config: Config | dict | str | Path, *, model: LayerList | "torch.nn.Mo
     from engine.processes.children import torch_cache_out_of_temp
     from engine.run.export import export_at_end, keep_hf_config
     from engine.run.launch import launch, prepare_run_dir
+    from engine.processes.lifeline import mark_run
     from engine.models import LayerList
     from engine.run.rank import Job
 
@@ -99,13 +100,17 @@ def train(config: Config | dict | str | Path, *, model: LayerList | "torch.nn.Mo
         raise TypeError(f"loss_fn must be a function (output, target) -> loss, got {type(loss_fn).__name__}")
     job = Job(config=cfg, model=model, data=data, resume=Path(resume) if resume else None,
               telemetry_log=Path(telemetry_log) if telemetry_log else None, headless=headless, loss_fn=loss_fn)
+    mark_run(cfg.run_dir)   # every process of the run carries it (engine/processes/lifeline.py)
     prepare_run_dir(job)
-    keep_hf_config(cfg, hf_model)   # what `trainyard export` rebuilds a Hugging Face model from
-    summary = launch(job)
-    if model is not None:
-        from engine.run.handover import load_final_weights
-        load_final_weights(model, cfg.run_dir)
-    export_at_end(cfg)   # a Hugging Face model: runs/NAME/hf/
+    try:
+        keep_hf_config(cfg, hf_model)   # what `trainyard export` rebuilds a Hugging Face model from
+        summary = launch(job)
+        if model is not None:
+            from engine.run.handover import load_final_weights
+            load_final_weights(model, cfg.run_dir)
+        export_at_end(cfg)   # a Hugging Face model: runs/NAME/hf/
+    finally:
+        job.claim.release()   # the run folder is free for the next run
     return summary
 
 

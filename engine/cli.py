@@ -12,8 +12,9 @@
     trainyard cluster up --hosts 2 --link 1gbit | exec HOST -- COMMAND | status | down
 
 Exit status: 0 done; 1 the run failed (workers died more often than
-parallel.max_restarts allows); 2 a bad config, command line or checkpoint
-(nothing was started); 128+N stopped by signal N after the final checkpoint.
+parallel.max_restarts allows, an error that would recur on a restart, a full disk);
+2 a bad config, command line or checkpoint, or a live run's name (nothing was
+started); 128+N stopped by signal N after the final checkpoint.
 `ctl`: 0 applied, 1 rejected, 2 a bad command or no such run.
 `export`: 0 written; 2 refused (DIR exists, no such run or step, a damaged checkpoint; docs/checkpoints.md).
 `demo` starts its run (demo/__init__.py says which config and what to press) in the background and
@@ -201,22 +202,46 @@ def _run(config: Path, overrides: list[str], steps: int | None, telemetry_log: P
     for line in cfg.renamed:   # a key written by its old name: one line each, the run goes on
         err.print(f"trainyard: {escape(line)}")
 
+    from engine.processes.lifeline import mark_run
+    from engine.run.claim import Claim, RunSetupError
+    try:   # before torch loads: a live run's name is refused at once
+        claim = Claim.take(cfg.run_dir, cfg.cluster.node_rank, cfg.run.name)
+    except RunSetupError as e:
+        err.print(f"[red]cannot start:[/] {escape(str(e))}")
+        return 2
+    except OSError as e:   # its folder on a full or read-only disk
+        from engine.runtime.disk import describe_os_error
+        err.print(f"[red]run failed:[/] {escape(describe_os_error(e, cfg.run_dir))}")
+        return 1
+    mark_run(cfg.run_dir)   # in every process of the run's environment, the fork server's included
     if cfg.device.kind != "cuda":   # the workers' fork server imports torch while this process does
         from engine.processes import forkserver
         from engine.run import PRELOAD
         forkserver.start([PRELOAD, *forkserver.config_modules(cfg)])
     from engine.runtime.checkpoint import CheckpointError
     from engine.run.launch import RunFailed, RunInterrupted, RunRefused, RunSetupError, launch, prepare_run_dir
+    from engine.runtime.disk import describe_os_error
     from engine.run.rank import Job
 
-    job = Job(config=cfg, resume=resume, telemetry_log=telemetry_log, headless=headless)
+    job = Job(config=cfg, resume=resume, telemetry_log=telemetry_log, headless=headless, claim=claim)
+    labels = {RunRefused: "run refused", RunSetupError: "cannot start", CheckpointError: "checkpoint refused",
+              RunFailed: "run failed"}
     try:
         prepare_run_dir(job)
+    except (CheckpointError, RunSetupError) as e:
+        claim.abandon()   # refused before it started: a folder made for it goes
+        err.print(f"[red]{next(labels[c] for c in type(e).__mro__ if c in labels)}:[/] {escape(str(e))}")
+        return 2
+    except OSError as e:   # the launcher's own write (a full disk): said by name, no traceback
+        err.print(f"[red]run failed:[/] {escape(describe_os_error(e, cfg.run_dir))}")
+        return 1
+    try:
         launch(job)
+    except OSError as e:
+        err.print(f"[red]run failed:[/] {escape(describe_os_error(e, cfg.run_dir))}")
+        return 1
     except (CheckpointError, RunSetupError, RunFailed) as e:
-        label = {CheckpointError: "checkpoint refused", RunSetupError: "cannot start", RunRefused: "run refused",
-                 RunFailed: "run failed"}[type(e)]
-        err.print(f"[red]{label}:[/] {escape(str(e))}")
+        err.print(f"[red]{next(labels[c] for c in type(e).__mro__ if c in labels)}:[/] {escape(str(e))}")
         return 1 if isinstance(e, RunFailed) else 2
     except RunInterrupted as e:
         err.print(f"[yellow]{escape(str(e))}[/]")

@@ -137,6 +137,19 @@ def read_jsonl(path: Path) -> list[dict]:
     return read_log(path)
 
 
+def fill_disk(disk: Path, name: str = "filler") -> Path:
+    """Fill what is left of the (small, test-mounted) filesystem holding `disk` with a file `name`."""
+    filler = disk / name
+    with open(filler, "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * (1 << 16))
+                f.flush()
+        except OSError:
+            pass
+    return filler
+
+
 def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -82,7 +82,7 @@ def _two_ranks(run_dir, step=7):
 def test_every_rank_file_is_read_by_name_whatever_wrote_it(tmp_path):
     path = _two_ranks(tmp_path)
     manifest = ckpt.verify(path)
-    assert manifest["format"] == 2 and set(manifest["files"]) == {"rank0.safetensors", "rank1.safetensors"}
+    assert manifest["format"] == 3 and set(manifest["files"]) == {"rank0.safetensors", "rank1.safetensors"}
     assert manifest["index"]["weights"]["layers.1.weight"] == ["rank1.safetensors", [3], "F32"]
     with ckpt.Reader(path, manifest) as reader:
         assert torch.equal(reader.weight("layers.2.weight"), torch.arange(6.0).reshape(2, 3))
@@ -144,3 +144,123 @@ def test_a_rank_file_is_a_safetensors_file(tmp_path):
     with safe_open(str(tmp_path / "rank3.safetensors"), framework="pt") as f:
         for key, value in weights.items():
             assert torch.equal(f.get_tensor(f"weights/{key}"), value), key
+
+
+def _flip(file, at: int, mask: int) -> bytes:
+    """Flip the bits `mask` of byte `at` of `file`; returns the bytes it held."""
+    was = file.read_bytes()
+    changed = bytearray(was)
+    changed[at] ^= mask
+    file.write_bytes(bytes(changed))
+    return was
+
+
+def _positions(path, name: str) -> dict[str, int]:
+    """Where to flip a byte of each file of a checkpoint: its start, its header, its middle and its end; a rank
+    file's header length, tensor table, trainyard's metadata and padding; the manifest's format, step, a
+    file's checksum and its own."""
+    data = (path / name).read_bytes()
+    at = {"first": 0, "middle": len(data) // 2, "last": len(data) - 1}
+    if name.endswith(".safetensors"):
+        head = int.from_bytes(data[:8], "little")
+        at |= {"header length": 7, "header open": 8, "tensor table": data.index(b"data_offsets"),
+               "trainyard step": data.index(b'\\"step\\": ') + 10, "header end": 8 + head - 1, "data": 8 + head}
+    else:
+        text = data.decode()
+        at |= {"format": text.index('"format": ') + 10, "step": text.index('"step": ') + 8,
+               "a file's checksum": text.index('"sha256": "') + 11,
+               "own checksum": text.index('"manifest_sha256": "') + 20,
+               "a key": text.index('"world_size"') + 3, "whitespace": text.index("\n  ") + 1}
+    return at
+
+
+def test_one_byte_flipped_anywhere_in_what_a_resume_reads_is_refused_by_name(tmp_path):
+    """A resume reads a checkpoint's manifest.json and its rank files, nothing else. A byte flipped in any
+    of them, at any kind of place, is refused by verify naming the file; in the manifest a flip that changes no
+    value it says (whitespace for whitespace) is harmless, and verify gives the same manifest."""
+    path = _two_ranks(tmp_path)
+    clean = ckpt.verify(path)
+    for name in ("manifest.json", "rank0.safetensors", "rank1.safetensors"):
+        for where, at in _positions(path, name).items():
+            for mask in (0x01, 0x02, 0x10, 0xFF):
+                was = _flip(path / name, at, mask)
+                try:
+                    ckpt.verify(path)
+                except ckpt.CheckpointError as e:
+                    assert str(path / name) in str(e), (name, where, mask, str(e))
+                else:
+                    raise AssertionError(f"{name}: a flip at its {where} ({mask:#x}) was believed")
+                finally:
+                    (path / name).write_bytes(was)
+    # "\n" for "\r": JSON's whitespace either way, and the checksum is of the values, not of the bytes
+    _flip(path / "manifest.json", _positions(path, "manifest.json")["whitespace"] - 1, 0x07)
+    assert ckpt.verify(path) == clean
+
+
+def test_a_manifest_edited_or_its_folder_renamed_is_refused_naming_both_steps(tmp_path):
+    """Seen: "step": 30 edited to 38 resumed at step 38. The manifest's own checksum refuses the edit; an edit
+    that recomputes the checksum is refused by the folder's name and by every rank file's header."""
+    path = _two_ranks(tmp_path)
+    manifest_path = path / "manifest.json"
+    manifest_path.write_text(manifest_path.read_text().replace('"step": 7', '"step": 9'))
+    with pytest.raises(ckpt.CheckpointError, match=f"{manifest_path}: corrupted \\(its checksum does not match\\)"):
+        ckpt.verify(path)
+    edited = json.loads(manifest_path.read_text())
+    edited["manifest_sha256"] = ckpt.manifest_checksum(edited)
+    manifest_path.write_text(json.dumps(edited))
+    with pytest.raises(ckpt.CheckpointError, match="says step 9, but its folder's name step_000007 says step 7"):
+        ckpt.verify(path)
+    moved = path.rename(path.with_name("step_000009"))
+    with pytest.raises(ckpt.CheckpointError, match=r"rank0.safetensors: its header says step 7; the manifest says "
+                                                   r"step 9"):
+        ckpt.verify(moved)
+    with ckpt.Reader(moved, edited) as reader, pytest.raises(ckpt.CheckpointError, match="its header says step 7; "
+                                                                                        "the manifest says step 9"):
+        reader.weight("layers.1.weight")   # a reader given a manifest checks it too
+
+
+def test_a_rank_file_of_another_step_is_refused(tmp_path):
+    staged = ckpt.staging_dir(tmp_path, 4)
+    ckpt.write_rank_file(staged, 0, {"w": torch.zeros(2)}, {}, {}, step=3)   # a stale file of step 3
+    path = ckpt.finalize(tmp_path, 4, {"world_size": 1}, keep=2)
+    with pytest.raises(ckpt.CheckpointError, match=f"{path / 'rank0.safetensors'}: its header says step 3; the "
+                                                   f"manifest says step 4"):
+        ckpt.verify(path, checksums=False)
+
+
+def _as_format_2(run_dir, step=7):
+    """A checkpoint as the code before format 3 wrote it: no step in the rank files, no manifest_sha256."""
+    old = run_dir / "old"
+    ckpt.write_rank_file(old, 0, {"layers.0.weight": torch.arange(4.0)}, {"layers.0.weight": {"m": torch.ones(4)}},
+                         {"torch": torch.get_rng_state()})
+    ckpt.staging_dir(run_dir, step).parent.mkdir(parents=True, exist_ok=True)
+    old.rename(ckpt.staging_dir(run_dir, step))
+    path = ckpt.finalize(run_dir, step, {"world_size": 1, "layout": {"strategy": "ddp"}}, keep=3)
+    manifest = json.loads((path / "manifest.json").read_text())
+    del manifest["manifest_sha256"]
+    (path / "manifest.json").write_text(json.dumps({**manifest, "format": 2}, indent=2))
+    return path
+
+
+def test_a_format_2_checkpoint_still_resumes_and_exports_checked_against_its_folder(tmp_path):
+    path = _as_format_2(tmp_path)
+    manifest = ckpt.verify(path)
+    ckpt.check_format(path, manifest)   # resumable
+    assert torch.equal(ckpt.model_state(path)["layers.0.weight"], torch.arange(4.0))
+    with ckpt.Reader(path, manifest) as reader:
+        assert torch.equal(reader.optimizer["layers.0.weight"]["m"], torch.ones(4))
+    text = (path / "manifest.json").read_text()
+    (path / "manifest.json").write_text(text.replace('"step": 7', '"step": 8'))
+    with pytest.raises(ckpt.CheckpointError, match="says step 8, but its folder's name step_000007 says step 7"):
+        ckpt.verify(path)
+    (path / "manifest.json").write_text(text.replace('"F32"', '"F16"'))   # its index, unchecksummed
+    with pytest.raises(ckpt.CheckpointError, match="its index is not what the rank files' headers hold"):
+        ckpt.verify(path)
+
+
+def test_a_full_disk_names_the_disk_and_the_checkpoint_to_resume_from(tmp_path):
+    write(tmp_path, 3)
+    said = str(ckpt.write_failed(tmp_path, 6, "No space left on device"))
+    assert said.startswith(f"the checkpoint of step 6 could not be written in {tmp_path / 'checkpoints'}: No space "
+                           f"left on device (its disk ({tmp_path / 'checkpoints'}, mounted at ")
+    assert " free of " in said and f"resume from it with --resume {tmp_path}" in said

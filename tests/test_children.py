@@ -372,12 +372,16 @@ def test_empty_agent_folders_are_removed_and_a_failed_workers_error_kept(tmp_pat
 
 WORKER_RAISES = textwrap.dedent("""
     import sys
+    from types import SimpleNamespace
+    from engine.processes import lifeline
     from engine.run import launch
     def worker_main(job):
         raise RuntimeError("a worker's own error")
     launch.worker_main = worker_main
+    job = SimpleNamespace(launcher=lifeline.identity(), config=SimpleNamespace(
+        parallel=SimpleNamespace(shutdown_timeout_s=5), cluster=SimpleNamespace(nnodes=1)))
     try:
-        launch.run_worker(None)
+        launch.run_worker(job)
     except SystemExit as e:
         print("exit", e.code)
 """)
@@ -386,11 +390,11 @@ WORKER_RAISES = textwrap.dedent("""
 @pytest.mark.timeout(60)
 def test_a_worker_that_raises_writes_the_agents_error_file_and_no_pickle(tmp_path, own_tmp):
     """torch.multiprocessing pickles an error raised out of a worker into pytorch-errorfile-*.pickle in the
-    temp dir and never removes it; run_worker ends the worker with exit status 1 after torch's `record` has
-    written the error where the agent reads it."""
+    temp dir and never removes it; run_worker ends the worker with exit status 1 once the error is where the
+    agent reads it, written whole (a full disk once left it empty, and the agent failed to parse it)."""
     error_file = tmp_path / "error.json"
     r = subprocess.run([sys.executable, "-c", WORKER_RAISES], cwd=ROOT, capture_output=True, text=True, timeout=50,
                        env={**os.environ, "TORCHELASTIC_ERROR_FILE": str(error_file)})
     assert r.stdout.strip() == "exit 1", r.stderr
     assert "a worker's own error" in json.loads(error_file.read_text())["message"]["message"]
-    assert not list(own_tmp.iterdir())
+    assert not list(own_tmp.iterdir()) and not list(tmp_path.glob("*.partial"))

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 
+import psutil
 import pytest
 import torch
 
@@ -279,8 +280,13 @@ def test_a_range_of_hosts_shrinks_without_a_lost_host_grows_when_it_comes_back_a
     def resizes():
         return [r for r in read_jsonl(log) if r.get("kind") == "resize"] if log.exists() else []
     wait_for(lambda: len(list_checkpoints(run_dir)) >= 2, 120, "two checkpoints")
-    os.killpg(procs[1].pid, signal.SIGKILL)
+    # host 1's launcher alone, agent and all: its workers and fork server leave by themselves (the lifeline)
+    tree = psutil.Process(procs[1].pid).children(recursive=True)
+    assert len(tree) >= 3   # the fork server, the resource tracker, the worker
+    procs[1].kill()
     procs[1].wait(timeout=10)
+    wait_for(lambda: not [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE],
+             5 + 5, "host 1's processes to be gone")
     wait_for(lambda: resizes() and steps_logged(log) >= resizes()[0]["step"] + 3, 120, "steps after the shrink")
     paused = cli.run("ctl", "resize", "pause", timeout=60)   # the run cannot end before host 1 is back
     assert paused.returncode == 0, paused.stdout + paused.stderr

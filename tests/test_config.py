@@ -162,6 +162,7 @@ slow_rank_ms = 2.0
 kill_rank = 1
 kill_at = "broadcast"
 kill_step = 4
+kill_how = "error"
 nonfinite_layer = "fc0"
 nonfinite_step = 3
 nonfinite_rank = 0

@@ -160,6 +160,7 @@ def test_each_key_sends_its_command_and_the_reply_shows(engines):
             await pilot.press("p")        # paused now: p resumes
             await until(pilot, lambda: "resume: applied" in events_text(app), what="the resume reply")
             text = events_text(app)
+            print(text)
         assert engine.commands == [
             ("set-policy", ["blocks.3", "swap"]), ("set-policy", ["blocks.3", "keep"]),
             ("set-policy", ["blocks.3", "recompute"]), ("set-placement", ["blocks.3", "host"]),
@@ -190,6 +191,7 @@ def test_m_chooses_the_sync_mode_and_sends_set_sync(engines):
             await pilot.press("m", "escape")              # changed its mind: nothing sent
             await pilot.pause(0.1)
             text = events_text(app)
+            print(text)
         assert engine.commands == [("set-sync", ["bsp"])]
         assert "set-sync bsp: pending" in text and f"set-sync bsp: applied at step {engine.step}" in text
     run(scenario())
@@ -244,6 +246,7 @@ def test_rejected_commands_show_their_reason(engines):
             await until(pilot, lambda: "checkpoint: rejected" in events_text(app), what="the rejection")
             await until(pilot, lambda: "rebalance: rejected" in events_text(app), what="the refusal")
             text = events_text(app)
+            print(text)
         assert "rebalance: rejected: a rebalance is already in flight" in text
         assert "checkpoint: rejected: the disk is full" in text
         assert engine.commands == [("checkpoint", [])]   # the refused one never reached the engine
@@ -492,3 +495,33 @@ def test_the_header_shows_the_world_a_range_of_hosts_has_now_of_its_largest():
     state.apply({"type": "hello", "run": "r", "mode": "ddp", "world_size": 3})
     assert "ddp×3 " in headline(state, wide=True, live=False).plain + " " and " of " not in \
         headline(state, wide=True, live=False).plain
+
+
+@pytest.mark.timeout(60)
+def test_a_replay_skips_a_cut_last_line_and_a_bad_one_and_says_so(tmp_path):
+    lines = DDP_FEED.read_text().splitlines()
+    feed = tmp_path / "cut.jsonl"   # 12 records, a bad line among them, and the 13th cut short
+    feed.write_text("\n".join(lines[:5] + ["{not json", *lines[5:12]]) + "\n" + lines[12][:40])
+    source = ReplaySource(feed, paused=True, preload=11)
+    assert source.total == 12 and source.notes == [
+        "cut.jsonl: line 6: not JSON (Expecting property name enclosed in double quotes)",
+        "cut.jsonl: an incomplete last line (40 bytes): the writer stopped mid-record"]
+
+    async def scenario():
+        app = ConsoleApp(source)
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, lambda: app.replay_ready, what="the preload")
+            await pilot.pause(0.2)
+            text = events_text(app).replace("\n", "")   # as one line, however the panel wrapped it
+            assert "replay" in text and "skipped=cut.jsonl: line 6: not JSON" in text
+            assert "cut.jsonl: an incomplete last line (40 bytes)" in text
+    run(scenario())
+
+
+def test_a_step_whose_loss_was_not_finite_shows_so():
+    state = RunState()
+    state.apply({"type": "hello", "run": "r", "mode": "ddp", "world_size": 2})
+    state.apply({"type": "step", "step": 3, "loss": None, "samples_per_s": 10.0, "nonfinite": ["loss"]})
+    assert "loss not finite" in headline(state, wide=True, live=False).plain
+    state.apply({"type": "summary", "steps": 3, "final_loss": None})
+    assert "final loss not finite" in state.take()[2][-1][0]

@@ -248,10 +248,11 @@ def test_a_demo_run_takes_a_new_name_while_its_previous_run_is_live(tmp_path, ru
     from demo import run_name
     runs = tmp_path / "runs"
     assert run_name("tour", runs) == "demo-tour"
-    (runs / "demo-tour" / "pids").mkdir(parents=True)
-    (runs / "demo-tour" / "pids" / "launcher.pid").write_text("999999999")   # finished: overwritten
-    assert run_name("tour", runs) == "demo-tour"
-    (runs / "demo-tour" / "pids" / "launcher.pid").write_text(str(os.getpid()))   # still going
+    from engine.run.claim import Claim
+    claim = Claim.take(runs / "demo-tour", 0, "demo-tour")   # still going: its launcher holds the folder
     assert run_name("tour", runs) == "demo-tour-2"
+    claim.release()   # finished (or killed: the kernel releases it): overwritten
+    assert run_name("tour", runs) == "demo-tour"
+    claim = Claim.take(runs / "demo-tour", 0, "demo-tour")
     (runtime_dir / "demo-tour-2.json").write_text(f'{{"run": "demo-tour-2", "pid": {os.getpid()}}}')
     assert run_name("tour", runs) == "demo-tour-3"

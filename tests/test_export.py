@@ -255,7 +255,7 @@ def test_overwrite_replaces_the_folder_only_once_the_new_one_is_whole(runs, tmp_
     def fails(*args, **kwargs):
         raise OSError("disk full")
     monkeypatch.setattr(module, "_write_layers", fails)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(ExportError, match="the export stopped \\(disk full"):
         export(run_dir, old, overwrite=True)
     assert (old / "mine.txt").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
     monkeypatch.undo()
@@ -276,3 +276,78 @@ def test_tokenizer_files_are_copied_and_nothing_else(tmp_path):
     assert copy_tokenizer(source, tmp_path / "out") == wanted
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == wanted
     assert copy_tokenizer(None, tmp_path / "out") == []
+
+
+def _small_run(root: Path, log: str = "") -> Path:
+    """A run folder as a LayerList's run leaves it, written in this process (no workers): config.toml (naming
+    a telemetry log elsewhere where `log` says) and one checkpoint of step 2 written by the code's own
+    functions (engine/runtime/checkpoint.py)."""
+    from engine.runtime import checkpoint as ckpt
+    run_dir = root / "runs" / "small"
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.toml").write_text(f'[run]\nname = "small"\n[telemetry]\nlog = "{log}"\n')
+    ckpt.write_rank_file(ckpt.staging_dir(run_dir, 2), 0, {"layers.0.weight": torch.arange(6.0).reshape(2, 3)}, {},
+                         {"torch": torch.get_rng_state()})
+    ckpt.finalize(run_dir, 2, {"world_size": 1, "config": {"model": {"name": "user"}}, "tied": []}, keep=2)
+    return run_dir
+
+
+def test_a_target_the_run_writes_is_refused_even_with_overwrite(tmp_path):
+    """Seen: `trainyard export RUN RUN/checkpoints --overwrite` replaced every checkpoint with the export. A
+    target that is, holds or is inside what the run writes is refused by name; the run's own hf/ is not."""
+    log = tmp_path / "logs" / "small.jsonl"
+    run_dir = _small_run(tmp_path, str(log))
+    (run_dir / "hf").mkdir()
+    refused = {
+        run_dir / "checkpoints": "it is the run's checkpoints",
+        run_dir / "checkpoints" / "step_000002": "it is inside the run's checkpoints",
+        run_dir / "checkpoints" / "new": "it is inside the run's checkpoints",
+        run_dir / "config.toml": "it is the run's config",
+        run_dir / "telemetry.jsonl": "it is its telemetry log",
+        run_dir / "telemetry.3.jsonl": "it is a part of its telemetry log",
+        run_dir / "agent" / "node0": "it is inside its agents' logs",
+        run_dir / "pids": "it is its pid files",
+        run_dir / "user_model.node1.pt": "it is a user's model handed to its workers",
+        log: "it is its telemetry log",
+        log.with_name("small.2.jsonl"): "it is a part of its telemetry log",
+        log.parent: "it holds its telemetry log",
+        tmp_path / "runs": "it holds the run",
+    }
+    for dest, why in refused.items():
+        with pytest.raises(ExportError, match=f"{dest}: {why}") as info:
+            export(run_dir, dest, overwrite=True)
+        assert "which the run writes" in str(info.value) or "holds the run" in str(info.value)
+    assert [p.name for p in list_checkpoints(run_dir)] == ["step_000002"]
+    assert export(run_dir, run_dir / "hf", overwrite=True).step == 2   # where the run's end exports
+    assert export(run_dir, run_dir / "mine").step == 2                 # a folder of one's own, in the run
+
+
+@pytest.mark.parametrize("how", ["os", "safetensors"])
+def test_a_full_disk_stops_the_export_naming_the_disk_and_leaves_nothing(tmp_path, monkeypatch, how):
+    """ENOSPC midway through the write (Python's own, or safetensors' writer's, which reports it in its text):
+    an ExportError naming the target's disk and its free bytes; neither a partial folder nor the new one is
+    left, and the folder it would have replaced (--overwrite) is as it was."""
+    import errno
+    import safetensors.torch
+    from engine.run import export as module
+    run_dir = _small_run(tmp_path)
+    old = tmp_path / "out"
+    old.mkdir()
+    (old / "mine.txt").write_text("kept")
+    real = safetensors.torch.save_file
+
+    def full(tensors, filename, metadata=None):
+        real(tensors, filename, metadata=metadata)   # one file whole, then the disk fills
+        if how == "os":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(filename))
+        raise safetensors.SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    with pytest.raises(ExportError) as info:
+        module.export(run_dir, old, overwrite=True)
+    said = str(info.value)
+    assert f"{old.resolve()}: the export stopped (No space left on device" in said
+    assert f"its disk ({tmp_path.resolve()}, mounted at " in said and " free of " in said
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "runs"]   # no out.partial-PID, no out.old-PID
+    assert sorted(p.name for p in old.iterdir()) == ["mine.txt"]
+    assert cli.main(["export", str(run_dir), str(tmp_path / "new")]) == 2   # the command: refused, no traceback
+    assert not (tmp_path / "new").exists()

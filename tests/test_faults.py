@@ -131,8 +131,12 @@ def test_only_the_named_rank_dies_at_its_moment_from_its_step_in_the_first_attem
 
 @pytest.mark.parametrize("data, expected", [
     ({"emulate": {"kill_rank": 1, "kill_at": "migrate"}},
-     'emulate.kill_at = "migrate": must be one of "migration", "broadcast", "host_update", "window" '
-     '(did you mean "migration"?)'),
+     'emulate.kill_at = "migrate": must be one of "migration", "broadcast", "host_update", "window", "step", '
+     '"checkpoint" (did you mean "migration"?)'),
+    ({"emulate": {"kill_rank": 0, "kill_at": "step"},
+      "parallel": {"strategy": "param_server", "world_size": 3, "param_server": {"servers": 1, "workers": 2}}},
+     'emulate.kill_at = "step": needs the step loop of parallel.strategy = "ddp", "sharded" or "pipeline" '
+     '(got "param_server")'),
     ({"emulate": {"kill_rank": 2, "kill_at": "broadcast"}, "parallel": {"strategy": "sharded"}},
      "emulate.kill_rank = 2: no such rank; parallel.world_size = 2 has ranks 0 to 1"),
     ({"emulate": {"kill_rank": 1}},

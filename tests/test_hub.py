@@ -10,6 +10,7 @@ engine.protocol connections, some driven from threads. Runtime folders live unde
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import socket
@@ -348,3 +349,97 @@ def test_starts_inside_a_running_event_loop(rundir):
         finally:
             hub.close()
     asyncio.run(main())
+
+
+def raw_line(conn: protocol.Connection) -> bytes:
+    """The hub's next line as it was sent."""
+    while b"\n" not in conn._buffer:
+        conn._buffer += conn.sock.recv(65536)
+    line, conn._buffer = conn._buffer.split(b"\n", 1)
+    return line
+
+
+def strict(line: bytes) -> dict:
+    def refuse(constant):
+        raise AssertionError(f"{constant} in {line[:200]!r}: not JSON")
+    return json.loads(line, parse_constant=refuse)
+
+
+def test_a_non_finite_id_is_refused_as_malformed_and_every_answer_is_strict_json(hubs, clients):
+    hub = hubs()
+    conn = clients(hub.socket_path)
+    conn.read(5)
+    for bad, reason in ((b'"id":1e999', "not JSON (the number 1e999 is out of range)"),
+                        (b'"id":NaN', "not JSON (NaN is not a JSON value)"),
+                        (b'"id":-Infinity', "not JSON (-Infinity is not a JSON value)")):
+        for kind in (b'"type":"command","name":"pause","args":[]', b'"type":"ping"'):
+            conn.sock.sendall(b'{"v":1,' + kind + b"," + bad + b"}\n")
+            assert strict(raw_line(conn)) == {"v": 1, "type": "error", "reason": reason}
+    assert hub.take_commands() == []
+    hub.publish(step(1, loss=float("nan"), ranks=[{"rank": 0, "step_ms": float("inf")}]))
+    sent = strict(raw_line(conn))
+    assert sent["loss"] is None and sent["ranks"][0]["step_ms"] is None
+    assert sent["nonfinite"] == ["loss", "ranks.0.step_ms"]
+    conn.send({"type": "ping", "id": 2})   # the connection goes on
+    assert strict(raw_line(conn)) == {"v": 1, "type": "pong", "id": 2}
+
+
+def test_a_burst_of_100_consoles_all_get_in(hubs):
+    hub = hubs()
+    start, results = threading.Barrier(100), []
+
+    def attach(number: int) -> None:
+        start.wait()
+        try:
+            with protocol.connect(str(hub.socket_path), client=f"c{number}", read_only=True) as conn:
+                results.append(conn.read(10)["type"])
+        except Exception as e:   # noqa: BLE001 - counted below
+            results.append(repr(e))
+    threads = [threading.Thread(target=attach, args=(n,)) for n in range(100)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(20)
+    assert results == ["snapshot"] * 100
+
+
+def test_connect_waits_out_a_full_listen_queue(rundir):
+    path = str(rundir / "busy.sock")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(0)
+    first = protocol.connect_unix(path, 5)   # the queue's one place
+    with pytest.raises(BlockingIOError):     # a plain connect is told EAGAIN at once
+        plain = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        plain.settimeout(5)
+        try:
+            plain.connect(path)
+        finally:
+            plain.close()
+    accepted = []
+    taker = threading.Timer(0.3, lambda: accepted.extend(server.accept() for _ in range(2)))
+    taker.start()
+    second = protocol.connect_unix(path, 5)   # tried again until the queue has room
+    taker.join(5)
+    assert len(accepted) == 2
+    for sock in (first, second, server, *(s for s, _ in accepted)):
+        sock.close()
+    with pytest.raises(ConnectionRefusedError):   # nobody listens: refused after CONNECT_RETRY_S, not forever
+        protocol.connect_unix(path, 0.2)
+
+
+def test_the_fork_servers_folder_is_private(rundir, monkeypatch):
+    import multiprocessing
+    from multiprocessing import forkserver as mp_forkserver
+
+    from engine.processes import forkserver
+    monkeypatch.setenv("TRAINYARD_RUNTIME_DIR", str(rundir))
+    monkeypatch.setattr(forkserver, "_started", False)
+    monkeypatch.setattr(forkserver, "gpu_visible", lambda: False)
+    monkeypatch.setattr(multiprocessing, "set_forkserver_preload", lambda modules: None)
+    monkeypatch.setattr(mp_forkserver, "ensure_running", lambda: None)   # no server: only its folder
+    folder = rundir / f"forkserver-{os.getpid()}"
+    folder.mkdir(mode=0o755)   # left with a wider mode: made private all the same
+    os.chmod(folder, 0o755)
+    assert forkserver.start()
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from engine.runtime.checkpoint import list_checkpoints, model_state, verify
-from tests.conftest import CLI, ROOT, pid_alive, read_jsonl, wait_for
+from tests.conftest import CLI, ROOT, fill_disk, pid_alive, read_jsonl, wait_for
 from tests.test_training import single_process_reference
 
 DEMO = str(ROOT / "demo" / "configs" / "digits_ddp.toml")
@@ -156,7 +156,8 @@ def test_what_cannot_carry_over_is_refused_by_name_before_any_worker_starts(cli,
     assert r.returncode == 2
     assert "its optimizer state is 'sgd''s; this run has optim.name = 'adamw'" in r.stderr
     manifest = json.loads((latest / "manifest.json").read_text())
-    (latest / "manifest.json").write_text(json.dumps({**manifest, "format": 1}))
+    old = {k: v for k, v in manifest.items() if k != "manifest_sha256"}   # format 1 had no checksum of its own
+    (latest / "manifest.json").write_text(json.dumps({**old, "format": 1}))
     r = cli.run("run", DEMO, "--headless", *cli.base_args("done"), "--resume", str(latest), timeout=30)
     assert r.returncode == 2
     assert "written in trainyard's checkpoint format 1" in r.stderr and "trainyard export" in r.stderr
@@ -207,14 +208,7 @@ def test_a_full_disk_stops_the_run_and_the_previous_checkpoint_resumes_it(cli, t
         proc = cli.start(*args, "--steps", "40", "--set", "run.step_pause_ms=60",
                          "--telemetry-log", str(tmp_path / "full.jsonl"))
         wait_for(lambda: [c.name for c in list_checkpoints(run_dir)] == ["step_000010"], 60, "the first checkpoint")
-        filler = disk / "filler"
-        with open(filler, "wb") as f:   # fill what is left of the disk
-            try:
-                while True:
-                    f.write(b"\0" * (1 << 16))
-                    f.flush()
-            except OSError:
-                pass
+        filler = fill_disk(disk)
         _, err = proc.communicate(timeout=90)
         assert proc.returncode == 2, err
         first = list_checkpoints(run_dir)[0]

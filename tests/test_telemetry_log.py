@@ -3,11 +3,16 @@
 
 from __future__ import annotations
 
+import errno
+import json
+import math
+import os
+
 import jsonschema
 import pytest
 
 from engine import protocol
-from engine.telemetry.log import TelemetryLog, fill_ranks, read_log, read_raw
+from engine.telemetry.log import LogWriteError, TelemetryLog, fill_ranks, read_log, read_raw
 from engine.telemetry.outlets import RankRows
 from engine.telemetry.schema import RECORD_SCHEMA
 from tests.conftest import ROOT, read_jsonl
@@ -164,3 +169,152 @@ def test_a_parameter_servers_workers_and_layers_go_as_columns_between_full_steps
         jsonschema.validate(record["ps"], PS)
     filled = protocol.with_ranks(second, protocol.with_ranks(first, None))["ps"]
     assert filled == later   # the names, servers and slowness from the full step, the figures from the columns
+
+
+class FullDisk:
+    """A log's file on a disk with `room` bytes left: a short write, then ENOSPC, as the kernel does."""
+
+    def __init__(self, file, room: int):
+        self.file, self.room = file, room
+
+    def write(self, data) -> int:
+        if self.room <= 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        taken = self.file.write(bytes(data[:self.room]))
+        self.room -= taken
+        return taken
+
+    def __getattr__(self, name):
+        return getattr(self.file, name)
+
+
+def test_a_full_disk_leaves_whole_lines_and_says_where_and_how_far(tmp_path, monkeypatch, capsys):
+    import shutil
+    from types import SimpleNamespace
+    from engine.runtime.disk import disk_words
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(total=100, used=100, free=0))
+    path = tmp_path / "telemetry.jsonl"
+    log = TelemetryLog(path)
+    log.write({"type": "run_start", "name": "r"})
+    for step in range(1, 42):
+        log.write({"type": "step", "step": step, "loss": 1.0})
+    log.write({"type": "event", "kind": "checkpoint", "step": 41, "path": "x"})
+    whole = path.read_bytes()
+    log._file = FullDisk(log._file, room=20)   # half of the next record fits
+    with pytest.raises(LogWriteError) as failed:
+        log.write({"type": "step", "step": 42, "loss": 1.0})
+    assert not isinstance(failed.value, OSError)
+    assert str(failed.value) == (f"the telemetry log {path} could not be written: [Errno 28] No space left on "
+                                 f"device ({disk_words(tmp_path)}); the log is whole up to step 41")
+    assert "has 0 B free of 100 B" in disk_words(tmp_path)
+    assert path.read_bytes() == whole   # cut back to its last whole line
+    with pytest.raises(LogWriteError):  # and it writes no more
+        log.write({"type": "summary"})
+    log.close()
+    assert [r["step"] for r in read_raw(path) if r["type"] == "step"] == list(range(1, 42))
+    assert capsys.readouterr().err == ""   # nothing skipped: every line is whole
+
+
+def test_a_full_disk_at_a_new_part_and_before_any_step(tmp_path, monkeypatch):
+    path = tmp_path / "run.jsonl"
+    log = TelemetryLog(path, max_bytes=100)
+    log.write({"type": "run_start", "name": "r", "pad": "x" * 60})
+    def no_room(self):   # not even for the next part's file
+        raise OSError(errno.EDQUOT, "Disk quota exceeded")
+    monkeypatch.setattr(TelemetryLog, "_open", no_room)
+    with pytest.raises(LogWriteError, match=r"run\.1\.jsonl could not be written: \[Errno 122\] Disk quota "
+                                            r"exceeded \(its disk \(.* free of .*\); the log is whole with no step "
+                                            r"record yet"):
+        log.write({"type": "step", "step": 1, "loss": 1.0, "pad": "x" * 60})
+    log.close()
+
+
+def test_rank_zeros_telemetry_stops_on_a_full_disk_and_closes_quietly(tmp_path):
+    tel = rank_zero(tmp_path)
+    tel.step(step_record(1))
+    tel.log._file = FullDisk(tel.log._file, room=0)
+    with pytest.raises(LogWriteError, match="whole up to step 1"):
+        tel.step(step_record(2))
+    with pytest.raises(LogWriteError):   # a failure met on the hub's thread stops the next step too
+        tel.step(step_record(3))
+    tel.event("stop", 2, reason="failed")   # consoles alone hear what follows: no second failure
+    tel.summary({"name": "r", "steps": 1})
+    tel.close("run failed (LogWriteError: ...)")
+    assert [r["step"] for r in read_raw(tmp_path / "t.jsonl")] == [1]
+
+
+def rank_zero(tmp_path):
+    from engine.config import config_from_dict
+    from engine.run.rank import Job
+    from engine.telemetry.outlets import RankZeroTelemetry
+    job = Job(config=config_from_dict({"telemetry": {"hub": False}}), telemetry_log=tmp_path / "t.jsonl",
+              headless=False)
+    return RankZeroTelemetry(job, {"mode": "ddp", "layers": [], "capabilities": []}, 0)
+
+
+def step_record(step: int, loss: float = 1.0) -> dict:
+    rows = [{**row, "loss": loss, "optim_ms": 1.0, "over_capacity": False, "cpu_percent": 1.0,
+             **dict.fromkeys(("parameters_bytes", "gradients_bytes", "optimizer_state_bytes", "activations_bytes",
+                              "swapped_bytes"), 0)} for row in FULL]
+    return {"step": step, "loss": loss, "samples_per_s": 10.0, "step_ms": 1.0, "ranks": rows}
+
+
+def strict_loads(text: str):
+    def refuse(constant):
+        raise AssertionError(f"{constant} is not JSON")
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_non_finite_figures_are_written_null_and_named():
+    record = {"type": "step", "step": 3, "loss": math.nan, "ok": 1.5,
+              "ranks": [{"rank": 0, "step_ms": 1.0}, {"rank": 1, "step_ms": math.inf}],
+              "ps": {"layers": [{"window_ms": {"2": -math.inf}}]}, "t": (1.0, math.nan)}
+    out = strict_loads(protocol.strict_json(record))
+    assert out["loss"] is None and out["ranks"][1]["step_ms"] is None
+    assert out["ps"]["layers"][0]["window_ms"]["2"] is None
+    assert out["ok"] == 1.5 and out["ranks"][0] == {"rank": 0, "step_ms": 1.0} and out["t"] == [1.0, None]
+    assert out["nonfinite"] == ["loss", "ranks.1.step_ms", "ps.layers.0.window_ms.2", "t.1"]
+    assert record["loss"] != record["loss"] and record["ranks"][1]["step_ms"] == math.inf   # the caller's is untouched
+    finite = {"type": "step", "loss": 1.0, "ranks": [{"rank": 0}]}
+    assert protocol.finite_record(finite) is finite and "nonfinite" not in strict_loads(protocol.strict_json(finite))
+    many = protocol.finite_record({"x": [math.nan] * 20})
+    assert many["nonfinite"] == [f"x.{i}" for i in range(16)] + ["+4 more"]
+    assert strict_loads(protocol.encode({"type": "step", "loss": math.inf}))["nonfinite"] == ["loss"]
+
+
+def test_a_nan_loss_is_said_once_as_an_event_and_every_such_step_is_flagged(tmp_path):
+    tel = rank_zero(tmp_path)
+    notes = []
+    tel.note = notes.append
+    tel.step(step_record(1))
+    tel.step(step_record(2, math.nan))
+    tel.step(step_record(3, math.inf))
+    tel.step(step_record(4))
+    tel.close("run finished")
+    lines = (tmp_path / "t.jsonl").read_text().splitlines()
+    records = [strict_loads(line) for line in lines]
+    # step 1 has every rank's full row, the rest the columns (no loss in them)
+    assert [(r["type"], r.get("step")) for r in records] == [("step", 1), ("event", 2), ("step", 2), ("step", 3),
+                                                             ("step", 4)]
+    assert {k: records[1][k] for k in ("kind", "step", "what", "value")} == {"kind": "nonfinite", "step": 2,
+                                                                            "what": "loss", "value": "nan"}
+    assert [(r["loss"], r.get("nonfinite")) for r in records[2:]] == [(None, ["loss"]), (None, ["loss"]), (1.0, None)]
+    assert len(notes) == 1 and "step 2" in notes[0] and "nan" in notes[0]
+    validator = jsonschema.Draft202012Validator(RECORD_SCHEMA)
+    for record in records:
+        validator.validate(record)
+
+
+def test_readers_skip_a_cut_last_line_and_a_bad_middle_line_and_say_so(tmp_path, capsys):
+    path = tmp_path / "run.jsonl"
+    good = [json.dumps({"type": "step", "step": s, "loss": 1.0}) for s in (1, 2, 3)]
+    path.write_text(f"{good[0]}\n{{\"type\": \"st\n{good[1]}\n[1, 2]\n{good[2]}\n" + good[2][:17])
+    assert [r["step"] for r in read_raw(path)] == [1, 2, 3]
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"trainyard: {path}: skipped line 2: not JSON (Invalid control character at)",
+                   f"trainyard: {path}: skipped line 4: not a JSON object",
+                   f"trainyard: {path}: skipped an incomplete last line (17 bytes): the writer stopped mid-record"]
+    path.write_bytes(good[0].encode() + b"\n" + "{\"note\": \"é\"}".encode()[:-3])   # cut inside a character
+    assert len(read_raw(path)) == 1 and "incomplete last line (11 bytes)" in capsys.readouterr().err
+    path.write_text(good[0])   # whole JSON, only the newline missing: kept
+    assert len(read_raw(path)) == 1 and capsys.readouterr().err == ""

@@ -1,14 +1,22 @@
 """Tokens from disk (`[data] name = "tokens"`): a flat file of ids, memory-mapped by every worker, cut into
-samples deterministically; a run on it, an exact resume, and bad files refused by name before any worker."""
+samples deterministically; a run on it, an exact resume, and bad files refused by name before any worker:
+ids past the model's vocabulary among them, found by a scan kept beside the file."""
 
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pytest
 import torch
 
+import engine
 from engine.config import ConfigError, DataConfig, config_from_dict
-from engine.training.data import TokenWindows, batch_for, load_dataset
+from engine.models import LayerList
+from engine.run.checks import RunSetupError, check_model, check_token_ids
+from engine.run.rank import Job
+from engine.training import data as data_module
+from engine.training.data import TokenWindows, batch_for, largest_id, load_dataset, scan_path
 from engine.runtime.checkpoint import list_checkpoints
 from tests.conftest import read_jsonl
 
@@ -108,3 +116,123 @@ def test_a_model_given_to_train_fits_any_data_and_a_config_file_cannot_claim_one
     assert cfg.model.name == "user"   # what engine.train sets for the model it is given
     r = cli.run("run", "demo/configs/digits_ddp.toml", "--headless", "--set", "model.name=user", timeout=30)
     assert r.returncode == 2 and 'model.name = "user": names the model given to engine.train' in r.stderr
+
+
+# --- ids past the model's vocabulary ---------------------------------------------------------------------
+def token_job(train, vocab_size: int = 0, val=None, dtype: str = "uint16", model=None, given=None) -> Job:
+    """The launcher's job for a token file: [model] `model` (the built-in transformer), or a LayerList `given`
+    to engine.train."""
+    data = {"name": "tokens", "train": str(train), "vocab_size": vocab_size, "dtype": dtype, "seq_len": SEQ}
+    if val is not None:
+        data["val"] = str(val)
+    model = {"name": "user"} if given is not None else model or {"name": "transformer"}
+    return Job(config=config_from_dict({"model": model, "data": data}), model=given)
+
+
+def ids_with(path, n: int, planted: dict, dtype=np.uint16):
+    """n ids below 50, with {position: id} planted."""
+    ids = np.random.default_rng(1).integers(0, 50, n).astype(dtype)
+    for position, token in planted.items():
+        ids[position] = token
+    ids.tofile(path)
+
+
+def test_an_id_past_the_vocabulary_far_from_the_start_is_refused_naming_it_and_its_position(tmp_path, monkeypatch):
+    monkeypatch.setattr(data_module, "SCAN_CHUNK_IDS", 1000)   # the largest id in a late chunk, found there
+    ids_with(tmp_path / "t.bin", 200_000, {150_001: 60000, 180_000: 60000, 3: 99})
+    with pytest.raises(RunSetupError) as refused:
+        check_model(token_job(tmp_path / "t.bin", vocab_size=100))   # what prepare_run_dir calls
+    assert str(refused.value) == (
+        f'data.train = "{tmp_path / "t.bin"}": token id 60000 at token index 150001 is past the model\'s vocabulary '
+        f"of 100 ids (data.vocab_size); re-tokenize the file with a vocabulary of at most 100 ids, or set "
+        f"data.vocab_size to at least 60001")
+
+
+def test_ids_up_to_the_last_of_the_vocabulary_pass_and_a_val_id_past_the_training_files_is_refused(tmp_path):
+    ids_with(tmp_path / "t.bin", 5000, {4000: 99})
+    check_token_ids(token_job(tmp_path / "t.bin", vocab_size=100))
+    ids_with(tmp_path / "v.bin", 500, {10: 99})
+    check_token_ids(token_job(tmp_path / "t.bin", val=tmp_path / "v.bin"))   # data.vocab_size = 0: train's 99 + 1
+    ids_with(tmp_path / "v.bin", 500, {10: 99, 20: 100})
+    with pytest.raises(RunSetupError, match=r'data.val = ".*v.bin": token id 100 at token index 20 is past the '
+                                            r"model's vocabulary of 100 ids \(data.vocab_size = 0: the training "
+                                            r"file's largest id \+ 1\)"):
+        check_token_ids(token_job(tmp_path / "t.bin", val=tmp_path / "v.bin"))
+
+
+def test_the_scan_is_kept_beside_the_file_reused_and_made_again_when_the_file_changes(tmp_path, monkeypatch):
+    path = tmp_path / "t.bin"
+    ids_with(path, 4000, {1234: 77})
+    assert largest_id(str(path), "uint16") == (77, 1234)
+    kept = json.loads(scan_path(str(path)).read_text())
+    assert kept == {"bytes": 8000, "mtime_ns": path.stat().st_mtime_ns, "dtype": "uint16", "max_id": 77,
+                    "max_id_position": 1234}
+    scan = data_module._scan
+
+    def no_scan(*args):
+        raise AssertionError("scanned again")
+    monkeypatch.setattr(data_module, "_scan", no_scan)
+    assert largest_id(str(path), "uint16") == (77, 1234)
+    with pytest.raises(RunSetupError, match="token id 77 at token index 1234"):   # the launcher's check reads it too
+        check_token_ids(token_job(path, vocab_size=50))
+    ids_with(path, 4000, {99: 88})   # another file under the same name: its size and mtime_ns say so
+    with pytest.raises(AssertionError, match="scanned again"):
+        largest_id(str(path), "uint16")
+    monkeypatch.setattr(data_module, "_scan", scan)
+    assert largest_id(str(path), "uint16") == (88, 99)
+    as_uint32 = np.fromfile(path, dtype=np.uint32)   # the same bytes as other ids: scanned afresh
+    assert largest_id(str(path), "uint32") == (int(as_uint32.max()), int(as_uint32.argmax()))
+    assert json.loads(scan_path(str(path)).read_text())["dtype"] == "uint32"
+
+
+def test_a_folder_that_cannot_be_written_is_scanned_each_time(tmp_path, monkeypatch):
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    ids_with(folder / "t.bin", 4000, {2000: 120})
+    folder.chmod(0o555)
+
+    def refused(*args, **kwargs):   # what a read-only folder answers (root writes whatever the mode says)
+        raise PermissionError(13, "Permission denied")
+    monkeypatch.setattr(data_module.tempfile, "mkstemp", refused)
+    try:
+        for _ in range(2):
+            with pytest.raises(RunSetupError, match="token id 120 at token index 2000"):
+                check_token_ids(token_job(folder / "t.bin", vocab_size=100))
+        assert sorted(p.name for p in folder.iterdir()) == ["t.bin"]
+    finally:
+        folder.chmod(0o755)
+
+
+def test_uint32_ids_past_65535(tmp_path):
+    ids_with(tmp_path / "t.bin", 3000, {2999: 70_000}, dtype=np.uint32)
+    check_token_ids(token_job(tmp_path / "t.bin", vocab_size=70_001, dtype="uint32"))
+    with pytest.raises(RunSetupError, match="token id 70000 at token index 2999 .* vocabulary of 70000 ids"):
+        check_token_ids(token_job(tmp_path / "t.bin", vocab_size=70_000, dtype="uint32"))
+
+
+def test_a_hugging_face_config_and_a_model_given_to_train_give_the_vocabulary(tmp_path):
+    from transformers import LlamaConfig
+    LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=2).to_json_file(tmp_path / "config.json")
+    ids_with(tmp_path / "t.bin", 3000, {700: 64})
+    hf = token_job(tmp_path / "t.bin", model={"name": "hf", "hf_config": str(tmp_path)})
+    with pytest.raises(RunSetupError) as refused:
+        check_token_ids(hf)
+    assert (f"token id 64 at token index 700 is past the model's vocabulary of 64 ids (vocab_size in "
+            f"{tmp_path / 'config.json'}); re-tokenize") in str(refused.value)
+    assert str(refused.value).endswith("use a model whose vocab_size is at least 65")
+    embedding = LayerList([("embed", torch.nn.Embedding(64, 8)), ("head", torch.nn.Linear(8, 64))])
+    with pytest.raises(RunSetupError, match="vocabulary of 64 ids \\(num_embeddings of layer 'embed' of the model "
+                                            "given to engine.train\\)"):
+        check_token_ids(token_job(tmp_path / "t.bin", given=embedding))
+    unclear = LayerList([("fc", torch.nn.Linear(8, 8))])   # no input embedding to read: not checked
+    check_token_ids(token_job(tmp_path / "t.bin", given=unclear))
+
+
+def test_engine_train_refuses_an_id_past_the_vocabulary_before_any_worker(tmp_path):
+    ids_with(tmp_path / "t.bin", 3000, {2500: 50})
+    model = LayerList([("embed", torch.nn.Embedding(50, 8)), ("head", torch.nn.Linear(8, 50))])
+    with pytest.raises(RunSetupError, match="token id 50 at token index 2500"):
+        data = {"name": "tokens", "train": str(tmp_path / "t.bin"), "seq_len": SEQ}
+        engine.train({"run": {"dir": str(tmp_path / "runs")}, "data": data}, model=model)
+    assert not (tmp_path / "runs").exists()

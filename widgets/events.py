@@ -24,10 +24,12 @@ KIND_STYLES = {
     "rebalance": "bold #ffb000", "migration": "bold #ffb000", "sync_mode": "bold cyan",
     "worker_lost": "bold red", "ps_profile": "bold blue", "memory_plan": "bold blue", "update_plan": "bold blue",
     "policy": "bold green", "placement": "bold green", "step_skipped": "bold #ffb000",
-    "step_rolled_back": "bold yellow",
+    "step_rolled_back": "bold yellow", "nonfinite": "bold red", "checkpoint_skipped": "bold red",
+    "replay": "bold yellow",
 }
 TAGS = {"memory_over_capacity": "memory", "sync_mode": "sync", "worker_lost": "lost", "ps_profile": "profile",
-        "memory_plan": "mem plan", "update_plan": "upd plan", "step_skipped": "skipped", "step_rolled_back": "rollback"}
+        "memory_plan": "mem plan", "update_plan": "upd plan", "step_skipped": "skipped", "step_rolled_back": "rollback",
+        "checkpoint_skipped": "no ckpt"}
 
 
 def describe(event: dict) -> tuple[str, str]:
@@ -47,6 +49,14 @@ def describe(event: dict) -> tuple[str, str]:
                        f" over capacity {human_bytes(event.get('capacity_bytes'))}")
     if kind == "stop":
         return style, f"stopped ({event.get('reason', '?')})"
+    if kind == "nonfinite":
+        return style, (f"{event.get('what', '?')} is {event.get('value', 'not finite')} (later steps log it as null; "
+                       f"optim.skip_nonfinite skips such steps)")
+    if kind == "checkpoint_skipped":
+        return style, (f"final checkpoint skipped: it needs about {event.get('needs_s', '?')} s, more than "
+                       f"parallel.shutdown_timeout_s = {event.get('shutdown_timeout_s', '?')} leaves")
+    if kind == "replay":
+        return style, f"skipped {event.get('skipped', 'a line')}"
     if kind == "command":
         command = " ".join([str(event.get("name", "?")), *map(str, event.get("args") or [])])
         if event.get("status") == "rejected":

@@ -108,8 +108,19 @@ class EmulateConfig:
                                         "`broadcast` (sharded: an owner with its slices part issued), "
                                         "`host_update` (a host update handed to the host thread, not landed), "
                                         "`window` (param_server, soft or bsp: a server whose layer window "
-                                        "holds a gradient and is still open).",
-                           choices=("migration", "broadcast", "host_update", "window"))
+                                        "holds a gradient and is still open), `step` (ddp, sharded, pipeline: "
+                                        "the start of a step, in the step loop), `checkpoint` (ddp, sharded, "
+                                        "pipeline: a rank whose file of a checkpoint is written, the checkpoint "
+                                        "not yet published).",
+                           choices=("migration", "broadcast", "host_update", "window", "step", "checkpoint"))
+    kill_how: str = setting("sigkill", "How `kill_rank` fails: `sigkill` (the process dies, as a machine that "
+                                       "fails: the group restarts from the last checkpoint, first attempt only), "
+                                       "`launcher` (it SIGKILLs its launcher, elastic agent and all: every worker "
+                                       "stops within parallel.shutdown_timeout_s, first attempt only) or `error` "
+                                       "(an IndexError raised there, as a model that indexes past its table: an "
+                                       "error that would recur, so the run ends at once, exit status 1, naming "
+                                       "the rank and step; raised in every attempt).",
+                            choices=("sigkill", "launcher", "error"))
     kill_step: int = setting(0, "The first step (counted from 0) at which `kill_rank` may die.", min=0)
     nonfinite_layer: str = setting("", "A layer (by name) whose gradient gets an inf at step `nonfinite_step`, "
                                        "on `nonfinite_rank`: the step guard skips that step on every rank "

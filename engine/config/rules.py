@@ -209,6 +209,8 @@ def kill_has_its_moment(cfg: Config) -> str | None:
         return (f'{at}: needs parallel.strategy = "pipeline" with parallel.pipeline.rebalance = "auto" or "manual", '
                 f'where layers migrate (got parallel.strategy = {show(p.strategy)}, parallel.pipeline.rebalance = '
                 f'{show(pipe.rebalance)})')
+    if e.kill_at in ("step", "checkpoint") and p.strategy == "param_server":
+        return f'{at}: needs the step loop of parallel.strategy = "ddp", "sharded" or "pipeline" (got "param_server")'
     if e.kill_at == "broadcast" and p.strategy != "sharded":
         return f'{at}: needs parallel.strategy = "sharded", whose broadcast it is (got {show(p.strategy)})'
     placement = cfg.update.placement

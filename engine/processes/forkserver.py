@@ -10,8 +10,8 @@ server's own imports overlap the launcher's. Only where no GPU is visible (no /d
 process forked after anything touched the CUDA driver cannot use CUDA, so with a GPU every worker is spawned.
 
 The server's socket lives in the runtime directory (the sockets' private folder), in `forkserver-PID/`,
-removed when the launcher ends; a folder whose launcher died without that (SIGKILL) is removed by the next
-launcher's start. Nothing goes to the system temp dir. Imports no torch.
+removed when the launcher ends; where the launcher died without that (SIGKILL), the server removes it as it
+exits (engine/processes/forkserver_exit.py), and failing that the next launcher's start. Nothing goes to the system temp dir. Imports no torch.
 """
 
 from __future__ import annotations
@@ -93,14 +93,16 @@ def start(preload: list[str] | tuple = ()) -> bool:
         if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
             shutil.rmtree(old, ignore_errors=True)
     folder = root / f"{PREFIX}{os.getpid()}"
-    folder.mkdir(exist_ok=True)
+    folder.mkdir(mode=0o700, exist_ok=True)
+    folder.chmod(0o700)   # one that was there already too (docs/protocol.md)
     import multiprocessing
     from multiprocessing import forkserver, util
     # removed at exit after multiprocessing has removed its pymp-* folder in it (priority -100 runs first)
     util.Finalize(None, shutil.rmtree, args=(folder,), kwargs={"ignore_errors": True}, exitpriority=-101)
     saved, tempfile.tempdir = tempfile.tempdir, str(folder)   # where multiprocessing makes the socket's folder
     try:
-        multiprocessing.set_forkserver_preload(list(dict.fromkeys([*TORCH, *PRELOADS, *preload])))
+        first = ["engine.processes.forkserver_exit"]   # its folder goes with it once the launcher is gone
+        multiprocessing.set_forkserver_preload(list(dict.fromkeys([*first, *TORCH, *PRELOADS, *preload])))
         forkserver.ensure_running()
     except OSError:
         return False   # launch() then spawns its workers

@@ -1,7 +1,8 @@
 """The run: what starts a training job and drives its steps, on top of every strategy.
 
 - launch.py: the launcher (torch's elastic agent: restarts, rendezvous, several hosts) and the run's end (exit
-  status, refusals); checks.py: what it refuses before any worker starts.
+  status, refusals); checks.py: what it refuses before any worker starts; claim.py: the run folder's locks,
+  one live run to a folder.
 - worker.py: a worker process's entry (`worker_main`) and the data-parallel and pipeline step loop.
 - rank.py: what every rank sets up alike (Job, host placement, pid file, device, data, model).
 - handover.py: a user's model and data handed to the workers as copies of their own (never the caller's

@@ -1,8 +1,10 @@
 """What the launcher refuses before any worker starts (RunSetupError, exit status 2): what this host cannot
-run (too few GPUs, a device.memory below what a rank holds whatever the plans choose), and a Hugging Face
-model that is not reproduced or a data.seq_len past its positions.
+run (too few GPUs, a device.memory below what a rank holds whatever the plans choose), a Hugging Face
+model that is not reproduced or a data.seq_len past its positions, and a token file holding an id past
+the model's vocabulary.
 
     check_machine(job); check_model(job)       # engine/run/launch.py: prepare_run_dir
+    check_token_ids(job)                       # called by check_model: token ids within the model's vocabulary
 
 Imports engine.config, engine.runtime (compat, devices, refusal), engine.strategies.pipeline (the configured
 stages), and late: engine.training.data, engine.models.
@@ -16,27 +18,101 @@ from engine.config import format_size
 from engine.runtime import compat
 from engine.runtime.devices import choose_device, cuda_count, tensor_bytes
 from engine.runtime.refusal import Refused
+from engine.run.claim import RunSetupError
 from engine.strategies.pipeline import configured_stages
 
-
-class RunSetupError(RuntimeError):
-    """The run cannot start as asked (run directory, checkpoint); exit status 2."""
+__all__ = ["RunSetupError", "check_machine", "check_model", "check_token_ids"]
 
 
 def check_model(job) -> None:
     """A `[model] name = "hf"` model is compared with its own forward before any worker starts, on a reduced
     copy built from its config (engine/models/hf/check.py): what is not reproduced, or a data.seq_len past
     its table of positions, is refused by name (RunSetupError, exit status 2). A model given to engine.train
-    was checked when its LayerList was made."""
+    was checked when its LayerList was made. Then the token files' ids are checked against the model's
+    vocabulary (check_token_ids)."""
     cfg = job.config
-    if cfg.model.name != "hf" or job.model is not None:
+    if cfg.model.name == "hf" and job.model is None:
+        from engine.models.hf import check_files
+        seq_len = cfg.data.seq_len if cfg.data.name in ("tokens", "text") else None
+        try:
+            check_files(cfg.model.hf_config, cfg.model.hf_weights, seq_len)
+        except ValueError as e:
+            raise RunSetupError(str(e)) from None
+    check_token_ids(job)
+
+
+def check_token_ids(job) -> None:
+    """`[data] name = "tokens"`: each file's largest id against the model's vocabulary, once, before any
+    worker starts. An id past it is an IndexError in a worker when it is sampled, and trains unnoticed when
+    it is not. The scan is kept beside the file (engine/training/data.py: largest_id)."""
+    cfg = job.config
+    if cfg.data.name != "tokens" or job.data is not None:
         return
-    from engine.models.hf import check_files
-    seq_len = cfg.data.seq_len if cfg.data.name in ("tokens", "text") else None
-    try:
-        check_files(cfg.model.hf_config, cfg.model.hf_weights, seq_len)
-    except ValueError as e:
-        raise RunSetupError(str(e)) from None
+    vocab = model_vocabulary(job)
+    if vocab is None:   # a model whose input embedding is not clear: its own business
+        return
+    size, source, remedy = vocab
+    from engine.training.data import largest_id
+    for key in ("train", "val"):
+        path = getattr(cfg.data, key)
+        if not path:
+            continue
+        max_id, position = largest_id(path, cfg.data.dtype)
+        if max_id >= size:
+            raise RunSetupError(
+                f'data.{key} = "{path}": token id {max_id} at token index {position} is past the model\'s '
+                f"vocabulary of {size} ids ({source}); re-tokenize the file with a vocabulary of at most {size} "
+                f"ids, or {remedy.format(need=max_id + 1)}")
+
+
+def model_vocabulary(job) -> tuple[int, str, str] | None:
+    """(the ids the model's input embedding takes, where that number comes from, how to make it larger), or
+    None where it cannot be known."""
+    cfg = job.config
+    if job.model is not None:
+        return _input_embedding_rows(job.model)
+    if cfg.model.name == "transformer":
+        if cfg.data.vocab_size:
+            return cfg.data.vocab_size, "data.vocab_size", "set data.vocab_size to at least {need}"
+        from engine.training.data import largest_id
+        return (largest_id(cfg.data.train, cfg.data.dtype)[0] + 1,
+                "data.vocab_size = 0: the training file's largest id + 1", "set data.vocab_size to at least {need}")
+    if cfg.model.name == "hf":
+        import os
+        from engine.models.hf import _config
+        from engine.models.hf.anatomy import text_config
+        where = cfg.model.hf_config or cfg.model.hf_weights
+        size = getattr(text_config(_config(where)), "vocab_size", None)
+        if os.path.isdir(where):
+            where = os.path.join(where, "config.json")
+        if isinstance(size, int):
+            return size, f"vocab_size in {where}", "use a model whose vocab_size is at least {need}"
+    return None
+
+
+def _input_embedding_rows(model) -> tuple[int, str, str] | None:
+    """A LayerList's input embedding, where one is clear: the built-in transformer's token embedding, a Hugging
+    Face model's (get_input_embeddings), or the one nn.Embedding its first layer is or holds."""
+    from torch import nn
+    from engine.models.transformer import Embed
+    name, first = model.names[0], model.layers[0]
+    found = [first.token] if isinstance(first, Embed) else _hf_input_embedding(first)
+    found = found or [m for m in first.modules() if isinstance(m, nn.Embedding)]
+    if len(found) != 1 or not isinstance(found[0], nn.Embedding):
+        return None
+    return (found[0].num_embeddings, f"num_embeddings of layer {name!r} of the model given to engine.train",
+            "give engine.train a model whose input embedding has at least {need} rows")
+
+
+def _hf_input_embedding(layer) -> list:
+    # engine.layers' `embed` runs a copy of the model's runner, which knows its own input embedding
+    for m in layer.modules():
+        if hasattr(m, "get_input_embeddings"):
+            try:
+                return [m.get_input_embeddings()]
+            except (AttributeError, NotImplementedError):
+                return []
+    return []
 
 
 def check_machine(job) -> None:

@@ -20,7 +20,9 @@ written under the LayerList's own keys as one `model.safetensors` (a tied weight
 first key, the others named in the file's metadata) with a `trainyard.json` saying what it is.
 
 The folder is written as DIR.partial-PID beside DIR and renamed when whole: a failure leaves nothing, and
-`overwrite` replaces an existing DIR only then. Refusals (ExportError, CheckpointError) name what is wrong.
+`overwrite` replaces an existing DIR only then; a full disk (any OSError) is an ExportError naming the disk.
+DIR may not be, hold or be inside a path the run writes (run_writes; its hf/ excepted, where the run's end
+exports). Refusals (ExportError, CheckpointError) name what is wrong.
 Reads checkpoints only through load_into (a Hugging Face model's weights, one tensor at a time), model_state
 (a LayerList's state dict), verify (the manifest: step, config, the "tied" keys) and
 list_checkpoints (engine/runtime/checkpoint.py), whatever the format of the files behind them.
@@ -33,6 +35,7 @@ import os
 import re
 import shutil
 import sys
+import tomllib
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +43,7 @@ from pathlib import Path
 import torch
 
 from engine.runtime.checkpoint import list_checkpoints, load_into, model_state, verify
+from engine.runtime.disk import describe_os_error
 
 HF_CONFIG_DIR = "hf_config"     # in a run directory: the config of a model given to engine.train
 END_DIR = "hf"                  # in a run directory: the folder a run of an hf model leaves at its end
@@ -128,9 +132,45 @@ def _step_of(checkpoint: Path) -> int:
     return int(number.group(1)) if number else int(verify(checkpoint)["step"])
 
 
+def run_writes(run_dir: Path) -> list[tuple[Path, str, str, str]]:
+    """What a run writes in its folder, and its telemetry log wherever its config puts it: (folder, a pattern
+    of names in it, the name shown, what it is). Its hf/ is not here: the run's end exports into it."""
+    run_dir = run_dir.resolve()
+    written = [(run_dir, "checkpoints", "the run's checkpoints"), (run_dir, "config.toml", "the run's config"),
+               (run_dir, "agent", "its agents' logs"), (run_dir, "pids", "its pid files"),
+               (run_dir, HF_CONFIG_DIR, "the config this export builds a model given to engine.train from"),
+               (run_dir, "update_profile.json", "its update planner's profile")]
+    found = [(folder, re.escape(name), name, what) for folder, name, what in written]
+    found.append((run_dir, r"user_model\.node\d+\.pt", "user_model.nodeN.pt", "a user's model handed to its workers"))
+    for log in {run_dir / "telemetry.jsonl", *_configured_log(run_dir)}:
+        found.append((log.parent, re.escape(log.name), log.name, "its telemetry log"))
+        found.append((log.parent, rf"{re.escape(log.stem)}\.\d+{re.escape(log.suffix)}", f"{log.stem}.N{log.suffix}",
+                      "a part of its telemetry log"))
+    return found
+
+
+def _configured_log(run_dir: Path) -> list[Path]:
+    """The telemetry log the run's config.toml names (`[telemetry] log`), if any; relative: from here."""
+    try:
+        log = tomllib.loads((run_dir / "config.toml").read_text()).get("telemetry", {}).get("log", "")
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError, AttributeError):
+        return []   # no config, or one that does not parse: the default log is still guarded
+    return [Path(log).resolve()] if isinstance(log, str) and log else []
+
+
 def _check_dest(dest: Path, run_dir: Path, overwrite: bool) -> None:
     if dest.resolve() == run_dir.resolve() or dest.resolve() in run_dir.resolve().parents:
         raise ExportError(f"{dest}: it holds the run {run_dir} itself; export into another folder")
+    target = dest.resolve()
+    for folder, pattern, shown, what in run_writes(run_dir):
+        for at in (target, *target.parents):
+            if at.parent == folder and re.fullmatch(pattern, at.name):
+                where = "it is" if at == target else "it is inside"
+                raise ExportError(f"{dest}: {where} {what} ({at}), which the run writes (and --overwrite would "
+                                  f"replace); export into another folder")
+        if target == folder or target in folder.parents:
+            raise ExportError(f"{dest}: it holds {what} ({folder / shown}), which the run writes (and --overwrite "
+                              f"would replace); export into another folder")
     if dest.exists() and not dest.is_dir():
         raise ExportError(f"{dest}: a file, not a folder; choose another DIR")
     if dest.exists() and not overwrite:
@@ -140,23 +180,45 @@ def _check_dest(dest: Path, run_dir: Path, overwrite: bool) -> None:
 @contextmanager
 def _whole_or_nothing(dest: Path, overwrite: bool):
     """A folder to write into, beside `dest`, that becomes `dest` when the block ends well (an existing `dest`
-    is replaced only then) and is removed if it raises."""
+    is replaced only then) and is removed if it raises. An OSError (a full disk) becomes an ExportError
+    naming the disk and its free bytes."""
     dest = dest.resolve()   # "." and "out/" have a name to put beside
     partial = dest.with_name(f"{dest.name}.partial-{os.getpid()}")
-    shutil.rmtree(partial, ignore_errors=True)   # a crashed export of this pid's
-    partial.mkdir(parents=True)
     try:
+        shutil.rmtree(partial, ignore_errors=True)   # a crashed export of this pid's
+        partial.mkdir(parents=True)
         yield partial
-        if dest.exists() and overwrite:
-            old = dest.with_name(f"{dest.name}.old-{os.getpid()}")
-            os.replace(dest, old)
-            os.replace(partial, dest)
-            shutil.rmtree(old)
-        else:
-            os.replace(partial, dest)
-    except BaseException:
+        _publish(partial, dest, overwrite)
+    except BaseException as e:
         shutil.rmtree(partial, ignore_errors=True)
+        failed = _os_error(e)
+        if failed is None:
+            raise
+        kept = f"; {dest}, as it was, is untouched" if dest.exists() else ""
+        raise ExportError(f"{dest}: the export stopped ({describe_os_error(failed, dest.parent)}); no partial "
+                          f"folder is left{kept}") from None
+
+
+def _publish(partial: Path, dest: Path, overwrite: bool) -> None:
+    if not (dest.exists() and overwrite):
+        os.replace(partial, dest)
+        return
+    old = dest.with_name(f"{dest.name}.old-{os.getpid()}")
+    os.replace(dest, old)
+    try:
+        os.replace(partial, dest)
+    except OSError:
+        os.replace(old, dest)   # the existing folder back, as it was
         raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _os_error(e: BaseException) -> OSError | None:
+    """The OSError behind a failed write: itself, or the one safetensors' writer (Rust) reports in its text."""
+    if isinstance(e, OSError):
+        return e
+    found = re.search(r"\(os error (\d+)\)", str(e)) if type(e).__name__ == "SafetensorError" else None
+    return OSError(int(found.group(1)), os.strerror(int(found.group(1)))) if found else None
 
 
 # --- a Hugging Face model ----------------------------------------------------------------------------------

@@ -37,18 +37,21 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
 from torch.distributed.elastic.rendezvous import RendezvousError
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from engine.runtime import checkpoint as ckpt
 from engine.runtime import compat
+from engine.runtime import emulate
 from engine.processes import forkserver
 from engine.run import PRELOAD
 from engine.processes.children import torch_cache_out_of_temp
 from engine.config import config_to_toml
 from engine.run.handover import hand_over, release
-from engine.runtime.refusal import REFUSAL_SIGNAL
+from engine.runtime.refusal import FAILED, REFUSAL_SIGNAL, read_refusal
 from engine.run.checks import RunSetupError, check_machine, check_model
+from engine.run.claim import Claim, remove_leftovers
+from engine.processes import lifeline
 from engine.run.rank import Job, agent_dir, restart_marker
 from engine.run.worker import worker_main
 
@@ -59,7 +62,8 @@ class RunRefused(RunSetupError):
 
 
 class RunFailed(RuntimeError):
-    """Workers failed more often than `parallel.max_restarts` allows."""
+    """Workers failed more often than `parallel.max_restarts` allows, or a worker's error would recur on a restart
+    (engine/runtime/refusal.py): exit status 1."""
 
 
 class RunInterrupted(RuntimeError):
@@ -71,12 +75,25 @@ class RunInterrupted(RuntimeError):
 
 
 def prepare_run_dir(job: Job) -> None:
-    """Check this host (check_machine), the run directory and the checkpoint to resume before any process
-    starts. With several hosts, host 0 prepares the (shared) run directory; the others only check what
-    they would resume."""
+    """Check this host (check_machine), claim the run directory (engine/run/claim.py: a live run's is refused
+    by name) and check the checkpoint to resume before any process starts. With several hosts, host 0 prepares
+    the (shared) run directory; the others only check what they would resume. The claim, `job.claim`, is held
+    until the process ends or it is released."""
     cfg = job.config
     check_machine(job)
     check_model(job)
+    if job.claim is None:   # `trainyard run` took it first thing
+        job.claim = Claim.take(cfg.run_dir, cfg.cluster.node_rank, cfg.run.name)
+    try:
+        remove_leftovers(cfg.run.name)
+        _prepare_claimed(job)
+    except BaseException:
+        job.claim.abandon()   # a folder made for this run goes with it
+        raise
+
+
+def _prepare_claimed(job: Job) -> None:
+    cfg = job.config
     run_dir = cfg.run_dir
     node = cfg.cluster.node_rank
     if node:
@@ -243,6 +260,7 @@ class _RestartReporter(logging.Handler):
 def launch(job: Job) -> dict | None:
     cfg = job.config
     job.launched_at = job.launched_at or time.time()
+    job.launcher = lifeline.identity()   # what every worker watches
     # A restarted gloo group hangs in connectFullMesh when it shares the rendezvous
     # store (pytorch/pytorch#135712); a store of its own restarts cleanly.
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
@@ -272,9 +290,8 @@ def launch(job: Job) -> dict | None:
                         f"{c.nnodes} hosts must join within cluster.rdzv_timeout_s = {c.rdzv_timeout_s:g} s"
                         ) from None
     except SignalException as e:
-        saved = ckpt.list_checkpoints(cfg.run_dir)
-        where = f"latest checkpoint: {saved[-1]}" if saved else "no checkpoint was written"
-        raise RunInterrupted(f"stopped by {signal.Signals(e.sigval).name}; {where}", int(e.sigval)) from None
+        raise RunInterrupted(f"stopped by {signal.Signals(e.sigval).name}; {_latest(cfg.run_dir)}",
+                             int(e.sigval)) from None
     finally:
         agent_log.removeHandler(reporter)
         release(job)
@@ -286,6 +303,12 @@ def launch(job: Job) -> dict | None:
     return summary
 
 
+def _latest(run_dir: Path) -> str:
+    """Where the run can go on from: its latest checkpoint (each one is whole: published only once written)."""
+    saved = ckpt.list_checkpoints(run_dir)
+    return f"latest checkpoint: {saved[-1]}" if saved else "no checkpoint was written"
+
+
 def start_method() -> str:
     """How the agent starts a worker: forked from the fork server where it runs (engine/processes/forkserver.py:
     no GPU visible), else spawned afresh."""
@@ -293,14 +316,43 @@ def start_method() -> str:
 
 
 def run_worker(job: Job) -> dict | None:
-    """worker_main; where it raises, the worker exits with status 1 once torch's `record` has written the error
-    to the agent's error.json (what the launcher reports, as before). An error raised on out of here would also
-    be pickled by torch.multiprocessing into a pytorch-errorfile-*.pickle in the system temp dir, which nothing
-    removes."""
+    """worker_main, watching the launcher (engine/processes/lifeline.py); where it raises, the worker exits with
+    status 1 once the error is in the agent's error.json (what the launcher reports, as before). An error raised
+    on out of here would also be pickled by torch.multiprocessing into a pytorch-errorfile-*.pickle in the
+    system temp dir, which nothing removes."""
+    # one host: the run stops with its launcher (a final checkpoint where it fits); several: this host is lost
+    lifeline.hold(job.launcher, job.config.parallel.shutdown_timeout_s, f"rank {os.environ.get('RANK', '?')}",
+                  stop=job.config.cluster.nnodes == 1)
+    os.environ[emulate.LAUNCHER_PID] = str(job.launcher[0])   # emulate.kill_how = "launcher"
     try:
-        return record(worker_main)(job)
-    except Exception:
+        result = worker_main(job)
+    except Exception as e:
+        _record_error(e)
         sys.exit(1)
+    lifeline.finished()   # the agent may keep a finished worker waiting: a stop must still end it
+    return result
+
+
+def _record_error(error: BaseException) -> None:
+    """torch's error file for the agent (TORCHELASTIC_ERROR_FILE), written whole or not at all: torch writes it
+    in place, and a full disk left it empty, which the agent then failed to parse (a JSONDecodeError traceback
+    instead of the worker's error)."""
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    partial = f"{path}.partial"
+    os.environ["TORCHELASTIC_ERROR_FILE"] = partial
+    try:
+        ErrorHandler().record_exception(error)
+        if os.path.getsize(partial):
+            os.replace(partial, path)
+    except OSError:
+        pass
+    finally:
+        os.environ["TORCHELASTIC_ERROR_FILE"] = path
+        with suppress(OSError):
+            os.unlink(partial)
 
 
 def _remove_empty_folders(agent: Path) -> None:
@@ -335,10 +387,9 @@ def _refusals(job: Job, folder: Path):
         if raised:
             return
         raised.append(signum)
-        try:
-            text = path.read_text()
-        except OSError:
-            text = "a worker refused the run without saying why"
+        kind, text = read_refusal(str(path))
+        if kind == FAILED:
+            raise RunFailed(f"{text} (not restarted: the same error would recur); {_latest(job.config.run_dir)}")
         raise RunRefused(text)
 
     previous = signal.signal(REFUSAL_SIGNAL, handler)

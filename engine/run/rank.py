@@ -23,6 +23,7 @@ from engine.training.data import Dataset, load_dataset
 from engine.models import LayerList, build_model
 from engine.training.precision import param_dtype
 from engine.runtime.devices import open_device
+from engine.run.claim import hold_as_worker
 from engine.run.handover import received_model
 from engine.runtime.topology import Topology
 
@@ -44,6 +45,10 @@ class Job:
     # our launcher: its pid and the file a worker writes a refusal to before signalling it (engine/runtime/refusal.py)
     launcher_pid: int | None = None
     refusal_path: str | None = None
+    # our launcher or torchrun's agent: (pid, start time), which every worker watches (engine/processes/lifeline.py)
+    launcher: tuple[int, int | None] | None = None
+    # the launcher's claim on the run folder (engine/run/claim.py): the launcher's alone, never pickled
+    claim: object | None = None
     # our launcher: how many times its agent has restarted the worker group, for a failure or for a host that
     # joins (torch's TORCHELASTIC_RESTART_COUNT counts failures only); the next start's pickle carries it
     generation: int = 0
@@ -58,7 +63,7 @@ class Job:
         # them the worker's: workers load model_file instead (handover.hand_over writes it first).
         if self.model is not None and self.model_file is None:
             raise RuntimeError("a Job with a user's model is pickled before handover.hand_over(job) saved it")
-        return {**self.__dict__, "model": None}
+        return {**self.__dict__, "model": None, "claim": None}
 
     def log_path(self) -> Path:
         if self.telemetry_log:
@@ -106,7 +111,7 @@ def build_rank(job: Job, topo: Topology):
     rank, from the seed). Returns (restart count, device, data, model)."""
     cfg = job.config
     pid_dir = cfg.run_dir / "pids"
-    pid_dir.mkdir(parents=True, exist_ok=True)
+    hold_as_worker(cfg.run_dir, cfg.cluster.node_rank)   # the folder is this run's while any worker lives
     (pid_dir / f"rank{topo.rank}.pid").write_text(str(os.getpid()))
     device = (job.open_device or open_device)(cfg.device.kind, cfg.capacity_bytes, topo.local_rank,
                                               topo.local_world_size)

@@ -15,6 +15,8 @@ from __future__ import annotations
 import os
 import sys
 import time
+import traceback
+from contextlib import suppress
 from dataclasses import dataclass
 
 import torch
@@ -26,11 +28,12 @@ from engine.training.optim import lr_at
 from engine.training.precision import compute_in
 from engine.runtime import checkpoint as ckpt
 from engine.runtime.control import COLUMN, encode_commands, exchange, share_commands
-from engine.runtime.emulate import Emulated
+from engine.runtime.emulate import Emulated, reached
+from engine.processes.lifeline import launcher_gone
 from engine.runtime.events import forward
 from engine.runtime.lifecycle import RunControl, StopRequest, announce, device_fields, world_range
 from engine.runtime.profiler import LayerProfiler
-from engine.runtime.refusal import is_refusal, refuse
+from engine.runtime.refusal import is_refusal, refuse, transient
 from engine.runtime.topology import Topology
 from engine.run.layer_rows import LayerRows
 from engine.run.rank import Job, build_rank, place_on_host, restart_marked
@@ -45,6 +48,10 @@ PAUSED_POLL_S = 0.1   # how often paused ranks meet at the boundary to hear "res
 # a range of hosts, a stop by a signal: how long a rank whose peers stopped waits for its own agent's signal (the
 # agents see a joining host within their 0.1 s monitor interval of each other)
 RESTART_WAIT_S = 10.0
+# a stop's final checkpoint before any was timed in this process: its fixed cost, and a write rate well below a
+# disk's (a GPU machine's checkpoints were measured at 0.5 GB/s)
+FIRST_CHECKPOINT_S = 0.5
+FIRST_CHECKPOINT_BPS = 250e6
 
 
 def worker_main(job: Job) -> dict | None:
@@ -55,7 +62,7 @@ def worker_main(job: Job) -> dict | None:
     if param_server and int(os.environ["RANK"]) >= cfg.parallel.param_server.servers:
         from engine.strategies.param_server import supervise
         return supervise(job, build_rank)   # a parameter-server worker: its death does not end the run
-    stop = StopRequest()
+    stop = StopRequest(grace_s=cfg.parallel.shutdown_timeout_s)
     topo = Topology.from_env(cfg.parallel.backend, cfg.device.kind, cfg.parallel.collective_timeout_s)
     worker = None
     try:
@@ -65,11 +72,18 @@ def worker_main(job: Job) -> dict | None:
         worker = Worker(job, topo, stop)
         return worker.run()
     except Exception as e:
-        refused = is_refusal(e) and job.launcher_pid is not None and not stop.requested
+        lost = transient(e)
+        # our launcher is there to tell (not torchrun's) and this is no stop: a restart would fail the same way
+        final = lost is None and job.refusal_path is not None and not stop.requested
         if worker is not None:   # consoles hear why, and the socket and registry entry go away
-            worker.tel.close(f"run {'refused' if refused else 'failed'} ({type(e).__name__}: {e})")
-        if refused:   # a restart would fail the same way: the launcher ends the run (exit 2)
-            refuse(job.refusal_path, job.launcher_pid, topo.rank, e, lambda: stop.requested)
+            with suppress(Exception):   # a log that could not be written must not hide the error
+                worker.tel.close(f"run {'refused' if final and is_refusal(e) else 'failed'} ({type(e).__name__}: {e})")
+        if final:   # the launcher ends the run: exit 2 for a refusal, 1 for a failure
+            where = worker.where() if worker is not None else "while starting"
+            if not is_refusal(e) and not getattr(type(e), "says_all", False):   # its traceback, once
+                print(f"trainyard: rank {topo.rank} failed ({where}); not restarted, the same error would "
+                      f"recur:\n{traceback.format_exc()}", file=sys.stderr, end="", flush=True)
+            refuse(job.refusal_path, job.launcher_pid, topo.rank, e, lambda: stop.requested, where)
         if stop.requested:   # being shut down and a peer already left: nothing more to save
             print(f"trainyard: rank {topo.rank} stopped ({type(e).__name__} after a peer left)",
                   file=sys.stderr, flush=True)
@@ -115,6 +129,8 @@ class Worker(RunControl):
             if cfg.telemetry.layer_every else None
         self.tel = Telemetry.open(job, self._hello(), topo.is_first, self.first_step)
         self.wait_ms = 0.0
+        self.step_now = None        # the step being trained, 1-based as the records count (where())
+        self.checkpoint_s = None    # the last checkpoint's time: whether a final one fits a stop's grace
         self.lr = cfg.optim.lr   # the last step's learning rate (engine/training/optim.py lr_at)
         self.layer_rows = LayerRows(self.strategy, self.memory, self.topo)   # the console's layer table
         self.report = StepReport(self.tel, cfg, self.strategy, self.layer_rows, topo)
@@ -174,6 +190,7 @@ class Worker(RunControl):
                  self.resumed_from, resumed=self.resumed)
         step, loss, last = self.first_step, None, time.perf_counter()
         while True:
+            self.step_now = step + 1
             trained = self._train(step) if not self.paused and step < self.cfg.run.steps else None
             step += trained is not None
             table, commands = self._exchange(trained)
@@ -193,7 +210,8 @@ class Worker(RunControl):
                 self.take(command, step)
             forward(self.tel, step, self.strategy.boundary(step, trained is not None, self.memory))
             if table[:, COLUMN["stop"]].max() > 0 and self.stop_reason is None:
-                self.begin_stop(f"signal {self.stop.signal or 'on another rank'}")
+                gone = " (the launcher is gone)" if launcher_gone() else ""
+                self.begin_stop(f"signal {self.stop.signal or 'on another rank'}{gone}")
             if self.stop_reason or step >= self.cfg.run.steps:
                 return self._finish(step, loss)
             if self.paused:
@@ -295,6 +313,7 @@ class Worker(RunControl):
             ckpt.write_rank_file(staged, self.topo.rank, *self.strategy.checkpoint_state(), rng)
         except OSError as e:
             failed = e
+        reached("checkpoint", step)   # emulate.kill_at: this rank's file written, the checkpoint not published
         ckpt.agree_written(self.topo.side, self.topo.rank, self.run_dir, step, failed)
         path, failed = None, None
         if self.topo.is_first:
@@ -308,8 +327,39 @@ class Worker(RunControl):
             except OSError as e:
                 failed = e
         ckpt.agree_written(self.topo.side, self.topo.rank, self.run_dir, step, failed)
+        self.checkpoint_s = time.perf_counter() - t0
         if path is not None:   # write_ms: rank 0's, its start to the published folder (it waits for every rank's file)
-            self.tel.event("checkpoint", step, path=str(path), write_ms=round((time.perf_counter() - t0) * 1000, 1))
+            self.tel.event("checkpoint", step, path=str(path), write_ms=round(self.checkpoint_s * 1000, 1))
+
+    def where(self) -> str:
+        """Where this rank is, for an error's line: the step it trains, or its start."""
+        return f"step {self.step_now}" if self.step_now is not None else "while starting"
+
+    def _final_checkpoint_fits(self, step: int) -> bool:
+        """A stop by a signal: whether the final checkpoint fits the time left before the process is killed
+        (parallel.shutdown_timeout_s from the signal), on every rank; where it does not, it is skipped and said.
+        Its time: the last checkpoint's, or before any, the bytes this rank holds at FIRST_CHECKPOINT_BPS."""
+        if not (self.stop_reason or "").startswith("signal"):   # agreed by every rank at the boundary
+            return True
+        if self.checkpoint_s is not None:
+            needs_s = self.checkpoint_s
+        else:
+            held = sum(p.numel() * p.element_size() for p in self.model.parameters())
+            needs_s = FIRST_CHECKPOINT_S + 3 * held / FIRST_CHECKPOINT_BPS   # weights and two optimizer moments
+        margin = torch.tensor([min(self.stop.seconds_left() - needs_s, 1e9)])
+        dist.all_reduce(margin, op=dist.ReduceOp.MIN, group=self.topo.side)
+        if margin.item() > 0:
+            return True
+        saved = ckpt.list_checkpoints(self.run_dir)
+        latest = f"the latest checkpoint is {saved[-1]}" if saved else "no checkpoint was written"
+        why = (f"the final checkpoint of step {step} was skipped: it needs about {needs_s:.1f} s, more than is "
+               f"left of parallel.shutdown_timeout_s = {self.cfg.parallel.shutdown_timeout_s:g}; {latest}")
+        if self.topo.is_first:
+            self.tel.event("checkpoint_skipped", step, needs_s=round(needs_s, 2),
+                           shutdown_timeout_s=self.cfg.parallel.shutdown_timeout_s)
+            self.tel.note(f"[yellow]{why}")
+            print(f"trainyard: {why}", file=sys.stderr, flush=True)
+        return False
 
     def restarting(self) -> bool:
         """A range of hosts stopped by a signal, the final checkpoint written: whether this host's agent is
@@ -339,7 +389,7 @@ class Worker(RunControl):
     def _finish(self, step: int, loss: float | None) -> dict | None:
         self.memory.close()
         stopped_early = step < self.cfg.run.steps
-        if step > self.first_step or stopped_early:
+        if (step > self.first_step or stopped_early) and self._final_checkpoint_fits(step):
             self.checkpoint(step)
         self.strategy.gather_weights()
         if stopped_early and self.restarting():

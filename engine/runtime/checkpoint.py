@@ -7,20 +7,24 @@
                                one), "optimizer/layers.3.fc.weight/exp_avg", "rng/torch"; its header's metadata
                                the optimizer's scalars, a tied tensor's other names, a strategy's own extras
 
-Format 2 (FORMAT_VERSION) is the same for every strategy and job shape: a parameter has one global name
+Format 2 and 3 are the same for every strategy and job shape: a parameter has one global name
 (the model's own state_dict key), and trainyard owns whole parameters (a sharded run's owner, a pipeline's
 stage, a parameter server's server), so a name is all a resume at another world size or strategy needs:
 each rank reads the names it holds in the new shape, one tensor at a time, from whichever files hold them
 (Reader, in checkpoint_files.py). Why not torch.distributed.checkpoint: its resharding is for a tensor split across ranks, which
 trainyard never does; its load is a collective of the group that reads, which a parameter server's
 servers (a group without their workers) and `trainyard export` (no group) do not have; and safetensors files
-are what export and other tools read. Format 1 (one file layout per strategy, .pt files; before
+are what export and other tools read. Format 3 (FORMAT_VERSION) is format 2 with the manifest's own
+checksum (`manifest_sha256`, over the canonical JSON of its other fields) and the step in every rank file's
+header. Format 2 (written earlier) still resumes and exports, its step checked against its folder's name
+and its index against its files' headers (verify). Format 1 (one file layout per strategy, .pt files; before
 2026-11-26) is read for its weights (model_state: export, engine.train's final weights), and refused for a
 resume by check_format, which says what to do.
 
 Every rank writes its file into `step_000010.tmp/`; when all have (a barrier in the caller), rank 0 writes
 the manifest and renames the folder. A reader therefore sees a whole checkpoint or none, and a file that was
-truncated or altered later fails its checksum and is refused with its name.
+truncated or altered later fails its checksum and is refused with its name: a rank file against the
+manifest's, the manifest against its own, a step against the folder's name and each rank file's header.
 """
 
 from __future__ import annotations
@@ -35,13 +39,17 @@ from pathlib import Path
 
 import torch
 
-from engine.runtime.checkpoint_files import CheckpointError, Reader, index_of, rank_file, write_rank_file
+from engine.runtime.checkpoint_files import (CheckpointError, Reader, check_step, folder_step, index_of,
+                                             rank_file, rank_header, write_rank_file)
+from engine.runtime.disk import disk_words
 
 __all__ = ["CheckpointError", "CheckpointWriteError", "Reader", "index_of", "rank_file", "write_rank_file"]
 
 MANIFEST = "manifest.json"
-FORMAT_VERSION = 2
-READ_FORMATS = (1, 2)    # format 1: weights only (model_state); a resume refuses it (check_format)
+MANIFEST_SHA = "manifest_sha256"   # the manifest's own checksum, over its other fields (manifest_checksum)
+FORMAT_VERSION = 3
+RESUME_FORMATS = (2, 3)  # format 2: no checksum of its own, no step in its rank files (verify checks less)
+READ_FORMATS = (1, 2, 3)  # format 1: weights only (model_state); a resume refuses it (check_format)
 _STEP_DIR = re.compile(r"step_(\d{6,})")
 
 
@@ -80,12 +88,22 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def manifest_checksum(manifest: dict) -> str:
+    """The sha256 of a manifest's content, its own checksum left out: of its canonical JSON (sorted keys, no
+    whitespace), so a byte of the file that changes no value (whitespace) changes nothing it says."""
+    content = {k: v for k, v in manifest.items() if k != MANIFEST_SHA}
+    return hashlib.sha256(json.dumps(content, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
 def finalize(run_dir: Path, step: int, meta: dict, keep: int) -> Path:
     """Write the manifest over the staged files, publish the folder, prune old ones."""
     staged = staging_dir(run_dir, step)
     files = {p.name: {"sha256": _sha256(p), "bytes": p.stat().st_size}
              for p in sorted(staged.iterdir()) if p.is_file() and not p.name.startswith(".")}
-    manifest = {"format": FORMAT_VERSION, "step": step, **meta, "files": files, "index": index_of(staged)}
+    # the checksum is of what a reader parses: a tuple or an int key as JSON gives them back
+    manifest = json.loads(json.dumps({"format": FORMAT_VERSION, "step": step, **meta, "files": files,
+                                      "index": index_of(staged)}))
+    manifest[MANIFEST_SHA] = manifest_checksum(manifest)
     tmp = staged / f".{MANIFEST}.partial"
     tmp.write_text(json.dumps(manifest, indent=2))
     os.replace(tmp, staged / MANIFEST)
@@ -114,12 +132,13 @@ def agree_written(group, rank: int, run_dir: Path, step: int, failed: OSError | 
 
 
 def write_failed(run_dir: Path, step: int, why: str) -> CheckpointWriteError:
-    """The error that stops a run whose checkpoint `step` could not be written, naming the one to resume from."""
+    """The error that stops a run whose checkpoint `step` could not be written, naming the disk (its free
+    bytes) and the checkpoint to resume from."""
     published = list_checkpoints(run_dir)
     previous = (f"the previous checkpoint, {published[-1]}, is whole: resume from it with --resume {run_dir}"
                 if published else "there is no earlier checkpoint")
     return CheckpointWriteError(f"the checkpoint of step {step} could not be written in {checkpoints_dir(run_dir)}: "
-                                f"{why}; {previous}")
+                                f"{why} ({disk_words(checkpoints_dir(run_dir))}); {previous}")
 
 
 def _fsync_dir(path: Path) -> None:
@@ -163,21 +182,51 @@ def resolve(path: Path) -> Path:
 
 
 def verify(path: Path, checksums: bool = True) -> dict:
-    """Read the manifest and check every file's size and checksum; return the manifest. `checksums=False`:
-    the sizes only (a checkpoint the launcher verified before any worker started: one pass over the files,
-    not one per rank)."""
-    manifest_path = Path(path) / MANIFEST
+    """Read the manifest, check its own checksum, its step against the folder's name and every rank file's
+    header, and every file's size and checksum; return the manifest. `checksums=False`: the files' sizes and
+    headers only (a checkpoint the launcher verified before any worker started: one pass over the files, not
+    one per rank)."""
+    path = Path(path)
+    manifest_path = path / MANIFEST
     try:
         manifest = json.loads(manifest_path.read_text())
     except FileNotFoundError:
         raise CheckpointError(f"{manifest_path}: missing; the checkpoint is incomplete") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{manifest_path}: corrupted ({e})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") not in READ_FORMATS or "files" not in manifest:
+    if not isinstance(manifest, dict):
+        raise CheckpointError(f"{manifest_path}: corrupted (not a JSON object)")
+    # Checked wherever there is one: a format 3 whose "format" was flipped to 2 or 1 is still refused.
+    if MANIFEST_SHA in manifest or manifest.get("format") == 3:
+        if MANIFEST_SHA not in manifest:
+            raise CheckpointError(f"{manifest_path}: corrupted (its checksum, {MANIFEST_SHA}, is missing)")
+        if manifest[MANIFEST_SHA] != manifest_checksum(manifest):
+            raise CheckpointError(f"{manifest_path}: corrupted (its checksum does not match)")
+    if manifest.get("format") not in READ_FORMATS or not isinstance(manifest.get("files"), dict):
         raise CheckpointError(f"{manifest_path}: not a trainyard checkpoint manifest (format "
                               f"{' or '.join(map(str, READ_FORMATS))} expected)")
+    try:
+        _check_files(path, manifest, checksums)
+    except (KeyError, TypeError, AttributeError, ValueError) as e:   # a format-2 manifest: no checksum of its own
+        raise CheckpointError(f"{manifest_path}: corrupted ({type(e).__name__}: {e})") from None
+    return manifest
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_files(path: Path, manifest: dict, checksums: bool) -> None:
+    """verify's checks past the manifest's own: the step, every file, the rank files' headers."""
+    manifest_path, step = path / MANIFEST, manifest.get("step")
+    if not _is_int(step):
+        raise CheckpointError(f"{manifest_path}: corrupted (its step is {step!r}, not a number)")
+    named = folder_step(path.resolve())
+    if named is not None and named != step:
+        raise CheckpointError(f"{manifest_path}: says step {step}, but its folder's name {path.resolve().name} says "
+                              f"step {named}")
     for name, want in manifest["files"].items():
-        file = Path(path) / name
+        file = path / name
         if not file.exists():
             raise CheckpointError(f"{file}: missing from the checkpoint")
         size = file.stat().st_size
@@ -185,7 +234,15 @@ def verify(path: Path, checksums: bool = True) -> dict:
             raise CheckpointError(f"{file}: truncated or altered ({size} bytes, manifest says {want['bytes']})")
         if checksums and _sha256(file) != want["sha256"]:
             raise CheckpointError(f"{file}: corrupted (checksum does not match the manifest)")
-    return manifest
+    if manifest["format"] not in RESUME_FORMATS:
+        return
+    for name in manifest["files"]:
+        if name.endswith(".safetensors"):
+            _, meta = rank_header(path / name)
+            check_step(path / name, meta, step, required=manifest["format"] >= 3)
+    if manifest["format"] == 2 and manifest.get("index") != index_of(path):
+        # format 2's manifest has no checksum of its own: its index must be what its (checksummed) files hold
+        raise CheckpointError(f"{manifest_path}: corrupted (its index is not what the rank files' headers hold)")
 
 
 def verify_or_offer(path: Path) -> dict:
@@ -228,14 +285,14 @@ def resume_source(run_dir: Path, requested: Path | None, restart: int) -> Path |
 
 
 def check_format(source: Path, manifest: dict) -> None:
-    """A resume reads format 2 only; a format-1 checkpoint is refused naming its format and what to do."""
-    if manifest.get("format") != FORMAT_VERSION:
+    """A resume reads formats 2 and 3; a format-1 checkpoint is refused naming its format and what to do."""
+    if manifest.get("format") not in RESUME_FORMATS:
         raise CheckpointError(
             f"{source}: written in trainyard's checkpoint format {manifest.get('format')} (one file layout per "
-            f"strategy, before 2026-11-26), which this version does not resume (it resumes format "
-            f"{FORMAT_VERSION}: any world size and strategy). Finish the run with the trainyard that wrote it, or "
-            f"start afresh from its weights: `trainyard export RUN DIR`, then model.hf_weights = DIR (a Hugging "
-            f"Face model; the optimizer state and the step are not carried)")
+            f"strategy, before 2026-11-26), which this version does not resume (it resumes formats "
+            f"{' and '.join(map(str, RESUME_FORMATS))}: any world size and strategy). Finish the run with the "
+            f"trainyard that wrote it, or start afresh from its weights: `trainyard export RUN DIR`, then "
+            f"model.hf_weights = DIR (a Hugging Face model; the optimizer state and the step are not carried)")
 
 
 def check_optimizer(source: Path, manifest: dict, name: str) -> None:
@@ -270,7 +327,7 @@ def model_state(path: Path, manifest: dict | None = None) -> dict:
     too): the fp32 masters where the run kept them, a tied weight one tensor under every key. Verified first,
     unless `manifest` (verify's) says it was."""
     manifest = manifest or verify(path)
-    if manifest["format"] == FORMAT_VERSION:
+    if manifest["format"] in RESUME_FORMATS:
         with Reader(path, manifest) as reader:
             held: dict = {}   # (file, tensor) -> the tensor read: a tied weight is one tensor under every key
             state = {}
@@ -305,7 +362,7 @@ def load_into(module: torch.nn.Module, path: Path, manifest: dict | None = None)
     model's checkpoint is refused naming the first key that differs. Verified first, unless `manifest` says
     it was."""
     manifest = manifest or verify(path)
-    if manifest["format"] != FORMAT_VERSION:
+    if manifest["format"] not in RESUME_FORMATS:
         module.load_state_dict(model_state(path, manifest))
         return
     own = module.state_dict(keep_vars=True)

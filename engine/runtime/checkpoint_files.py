@@ -1,7 +1,7 @@
-"""A format-2 checkpoint's files (engine/runtime/checkpoint.py): one safetensors file per rank, every tensor
-under its global name, and the reader that takes from them what a rank holds in any job shape, by name.
+"""A format-2/3 checkpoint's files (engine/runtime/checkpoint.py): one safetensors file per rank, every
+tensor under its global name, and the reader that takes from them what a rank holds in any job shape, by name.
 
-    write_rank_file(staged, rank, weights, optimizer, rng, extra)   # rank{rank}.safetensors
+    write_rank_file(staged, rank, weights, optimizer, rng, extra)   # rank{rank}.safetensors, the step in its header
     index_of(staged)                          # the manifest's index: which file holds each name
     with Reader(path, manifest) as reader:    # one tensor at a time
         reader.weight("layers.3.fc.weight")
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -31,6 +32,15 @@ def rank_file(rank: int) -> str:
     return f"rank{rank}.safetensors"
 
 
+_STEP_FOLDER = re.compile(r"step_(\d{6,})(\.tmp)?")
+
+
+def folder_step(folder: Path) -> int | None:
+    """The step a checkpoint folder's name says (step_000020, or its staging folder step_000020.tmp), or None."""
+    found = _STEP_FOLDER.fullmatch(Path(folder).name)
+    return int(found.group(1)) if found else None
+
+
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
            "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
@@ -38,13 +48,15 @@ _CODES = {dtype: code for code, dtype in _DTYPES.items()}
 
 
 def write_rank_file(directory: Path, rank: int, weights: dict, optimizer: dict, rng: dict,
-                    extra: dict | None = None) -> None:
+                    extra: dict | None = None, step: int | None = None) -> None:
     """Rank `rank`'s part of a checkpoint: `weights` ({state_dict key: tensor}, the fp32 master where there is
     one), `optimizer` ({parameter name: {"exp_avg": tensor, "step": ...}}: named_state's form), `rng`
     ({"torch": ..., "cuda": ...}) and a strategy's `extra` (JSON), as one safetensors file written under a
     temporary name, fsynced and renamed. The tensors may be the live ones, on any device: each is copied to
     the host as it is written, one at a time (safetensors' own writer wants them all on the host at once).
-    A tensor two names share (a tied weight) is written once, its other names in the header."""
+    A tensor two names share (a tied weight) is written once, its other names in the header. The header
+    holds the checkpoint's `step` (default: the one `directory`'s name says, step_NNNNNN.tmp), which a reader
+    checks against the manifest's (check_step)."""
     tensors, aliases, scalars, seen = {}, {}, {}, {}
 
     def put(name: str, value: torch.Tensor) -> None:
@@ -71,8 +83,9 @@ def write_rank_file(directory: Path, rank: int, weights: dict, optimizer: dict, 
         size = value.numel() * value.element_size()
         table[name] = {"dtype": _CODES[value.dtype], "shape": list(value.shape), "data_offsets": [offset, offset + size]}
         offset += size
-    table["__metadata__"] = {"trainyard": json.dumps({"aliases": aliases, "optimizer_scalars": scalars,
-                                                      "extra": extra or {}})}
+    step = folder_step(directory) if step is None else step
+    own = {"aliases": aliases, "optimizer_scalars": scalars, "extra": extra or {}}
+    table["__metadata__"] = {"trainyard": json.dumps(own if step is None else {"step": step, **own})}
     head = json.dumps(table, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)   # the data starts 8-byte aligned, as safetensors writes it
     directory.mkdir(parents=True, exist_ok=True)
@@ -95,15 +108,36 @@ def write_rank_file(directory: Path, rank: int, weights: dict, optimizer: dict, 
 
 def _table(file: Path) -> tuple[dict, dict, int]:
     """A safetensors file's table ({name: its header entry: dtype, shape, data_offsets}), trainyard's header,
-    and where the data starts, from its first bytes."""
+    and where the data starts, from its first bytes; CheckpointError naming the file where they do not parse
+    (a reader that did not check the file's checksum)."""
     with open(file, "rb") as f:
         size = int.from_bytes(f.read(8), "little")
-        table = json.loads(f.read(size))
-    meta = json.loads(table.pop("__metadata__", {}).get("trainyard", "{}"))
+        if size > os.fstat(f.fileno()).st_size - 8:
+            raise CheckpointError(f"{file}: corrupted (its header's length runs past the file's end)")
+        try:
+            table = json.loads(f.read(size))
+            meta = json.loads(table.pop("__metadata__", {}).get("trainyard", "{}"))
+            if not isinstance(meta, dict):
+                raise ValueError("trainyard's header is not an object")
+        except (ValueError, AttributeError) as e:   # JSON, UTF-8, or a table that is not one
+            raise CheckpointError(f"{file}: corrupted (its header does not parse: {e})") from None
     return table, meta, 8 + size
 
 
-def _header(file: Path) -> tuple[dict, dict]:
+def check_step(file: Path, meta: dict, step: int, required: bool) -> None:
+    """A rank file's header says the step of the checkpoint it belongs to (format 3; `required`): it must be
+    the manifest's `step`. A format-2 file has none and is checked only where it has one."""
+    if "step" not in meta:
+        if required:
+            raise CheckpointError(f"{file}: its header holds no step (the manifest says step {step}): a file of "
+                                  f"another checkpoint, or altered")
+        return
+    if meta["step"] != step:
+        raise CheckpointError(f"{file}: its header says step {meta['step']}; the manifest says step {step} "
+                              f"(a file of another checkpoint)")
+
+
+def rank_header(file: Path) -> tuple[dict, dict]:
     """A safetensors file's tensors ({name: (shape, dtype)}) and trainyard's header."""
     table, meta, _ = _table(file)
     return {k: (v["shape"], v["dtype"]) for k, v in table.items()}, meta
@@ -137,11 +171,11 @@ class RankFile:
 
 
 def index_of(directory: Path) -> dict:
-    """Where each tensor of a staged format-2 checkpoint is: {"weights": {key: [file, shape, dtype]},
+    """Where each tensor of a staged checkpoint (format 2 or 3) is: {"weights": {key: [file, shape, dtype]},
     "optimizer": {parameter name: file}, "rng": {rank: file}, "extra": {file: extra}} (the manifest's index)."""
     index: dict = {"weights": {}, "optimizer": {}, "rng": {}, "extra": {}}
     for file in sorted(Path(directory).glob("rank*.safetensors")):
-        tensors, meta = _header(file)
+        tensors, meta = rank_header(file)
         for name, (shape, dtype) in tensors.items():
             if name.startswith(WEIGHTS):
                 index["weights"].setdefault(name[len(WEIGHTS):], [file.name, shape, dtype])
@@ -160,7 +194,7 @@ def index_of(directory: Path) -> dict:
 
 
 class Reader:
-    """A format-2 checkpoint read by name, one tensor at a time (what a rank holds in the new job shape, and
+    """A format-2 or 3 checkpoint read by name, one tensor at a time (what a rank holds in the new job shape, and
     nothing else: a tensor read is the caller's to copy and drop).
 
         with Reader(path, manifest) as reader:
@@ -213,7 +247,14 @@ class Reader:
 
     def _open(self, file: str) -> RankFile:
         if file not in self._files:
-            self._files[file] = RankFile(self.path / file)
+            opened = RankFile(self.path / file)
+            try:   # verify checked it already, against the manifest; a caller's own manifest is checked here
+                check_step(opened.file, opened.meta, int(self.manifest["step"]),
+                           required=self.manifest.get("format", 0) >= 3)
+            except CheckpointError:
+                opened.close()
+                raise
+            self._files[file] = opened
         return self._files[file]
 
     def _layout(self, file: str) -> tuple[dict, dict]:

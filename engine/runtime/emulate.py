@@ -106,24 +106,32 @@ class Fault:
       a target once it has received them, before it takes them over;
     - `broadcast` (sharded): an owner once it has issued one of its slices, the others still to come;
     - `host_update` (hybrid update): once a layer's host update is handed to the executor, before it lands;
-    - `window` (param_server, soft or bsp): a server once a layer's window holds a gradient, before it closes.
+    - `window` (param_server, soft or bsp): a server once a layer's window holds a gradient, before it closes;
+    - `step` (the step loop: ddp, sharded, pipeline): at the start of a step;
+    - `checkpoint` (the step loop): once this rank's file of a checkpoint is written, before it is published.
+
+    `kill_how = "error"` raises an IndexError there instead, in every attempt: an error that would recur;
+    `kill_how = "launcher"` SIGKILLs the rank's launcher there (the lifeline's case: engine/processes/lifeline.py).
 
     The worker's step loop sets `step` (0-based, the step being trained); a parameter server passes its
     global step to `reached`."""
 
-    def __init__(self, moment: str, from_step: int):
-        self.moment, self.from_step = moment, from_step
+    def __init__(self, moment: str, from_step: int, how: str = "sigkill"):
+        self.moment, self.from_step, self.how = moment, from_step, how
         self.step = 0
 
     @classmethod
     def install(cls, emulate, rank: int, restart: int) -> "Fault | None":
-        """Arm this process's fault (or disarm it: None unless `rank` is `kill_rank` and `restart` is 0)."""
+        """Arm this process's fault (or disarm it: None unless `rank` is `kill_rank` and, for a SIGKILL,
+        `restart` is 0: an error recurs in every attempt, as a bug does)."""
         global FAULT
-        FAULT = cls(emulate.kill_at, emulate.kill_step) if emulate.kill_rank == rank and not restart else None
+        armed = emulate.kill_rank == rank and (not restart or emulate.kill_how == "error")
+        FAULT = cls(emulate.kill_at, emulate.kill_step, emulate.kill_how) if armed else None
         return FAULT
 
 
 FAULT: Fault | None = None   # this process's, once installed
+LAUNCHER_PID = "TRAINYARD_LAUNCHER_PID"   # set by the launcher's worker entry (engine/run/launch.py run_worker)
 
 
 def reached(moment: str, step: int | None = None) -> None:
@@ -132,10 +140,22 @@ def reached(moment: str, step: int | None = None) -> None:
     if fault is None or fault.moment != moment:
         return
     step = fault.step if step is None else step
-    if step >= fault.from_step:
-        print(f"trainyard: emulate.kill_rank: rank {os.environ.get('RANK', '?')} kills itself at {moment} "
+    if step < fault.from_step:
+        return
+    rank = os.environ.get("RANK", "?")
+    if fault.how == "launcher":   # once: the rank itself goes on, until its lifeline stops it
+        fault.from_step = float("inf")
+        launcher = int(os.environ.get(LAUNCHER_PID, "0"))
+        print(f"trainyard: emulate.kill_rank: rank {rank} kills its launcher (pid {launcher}) at {moment} "
               f"(step {step})", file=sys.stderr, flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)
+        if launcher > 0:
+            os.kill(launcher, signal.SIGKILL)
+        return
+    if fault.how == "error":
+        raise IndexError(f"emulate.kill_how = \"error\": rank {rank} indexes past its table at {moment} (step {step})")
+    print(f"trainyard: emulate.kill_rank: rank {rank} kills itself at {moment} (step {step})", file=sys.stderr,
+          flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 class Emulated:
@@ -154,3 +174,4 @@ class Emulated:
     def at(self, step: int) -> None:
         for part in self.parts:
             part.step = step
+        reached("step", step)   # emulate.kill_at = "step"

@@ -16,15 +16,25 @@ import time
 
 
 class StopRequest:
-    """SIGINT/SIGTERM set a flag; the loop acts on it at the next boundary."""
+    """SIGINT/SIGTERM set a flag; the loop acts on it at the next boundary. `grace_s`: how long the process has
+    from the first signal on before it is killed (the elastic agent's parallel.shutdown_timeout_s, and the
+    lifeline's: engine/processes/lifeline.py)."""
 
-    def __init__(self):
+    def __init__(self, grace_s: float = float("inf")):
         self.signal: int | None = None
+        self.at: float | None = None   # time.monotonic() of the first signal
+        self.grace_s = grace_s
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame):
+        if self.signal is None:
+            self.at = time.monotonic()
         self.signal = signum
+
+    def seconds_left(self) -> float:
+        """Seconds until this process is killed; infinite where no signal came."""
+        return float("inf") if self.at is None else self.grace_s - (time.monotonic() - self.at)
 
     @property
     def requested(self) -> bool:

@@ -43,6 +43,7 @@ RECENT_EVENTS = 200     # events a new client gets in its snapshot
 INBOX_MAX = 4096        # published messages waiting for the loop thread; past that the oldest go
 CLOSE_GRACE_S = 1.0     # how long close() lets clients take their last messages and bye
 TOO_LONG = f"message longer than {MAX_CLIENT_LINE_BYTES} bytes"
+BACKLOG = socket.SOMAXCONN   # connections waiting to be accepted: a burst of consoles (asyncio listens again)
 
 
 class Hub:
@@ -82,7 +83,7 @@ class Hub:
             unix.bind(str(self.socket_path))
             self._files.append(self.socket_path)
             os.chmod(self.socket_path, 0o600)   # before listen; the folder is 0700 besides
-            unix.listen(64)
+            unix.listen(BACKLOG)
             if self.tcp_bind:
                 host, port = self.tcp_bind
                 tcp = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
@@ -188,7 +189,7 @@ class Hub:
         for kind, sock in self._socks:
             serve = asyncio.start_unix_server if kind == "unix" else asyncio.start_server
             servers.append(await serve(functools.partial(self._serve, tcp=kind == "tcp"), sock=sock,
-                                       limit=MAX_CLIENT_LINE_BYTES + 1))
+                                       limit=MAX_CLIENT_LINE_BYTES + 1, backlog=BACKLOG))
         ready.set()
         self._drain_inbox()      # what was published before start()
         await self._stopping.wait()

@@ -17,6 +17,7 @@ that is the difference between ~75 KB and ~3.5 KB a step.
 
 from __future__ import annotations
 
+import math
 import sys
 import threading
 import time
@@ -110,6 +111,7 @@ class RankZeroTelemetry(Telemetry):
         self._last_live = 0.0
         self._unsent = None
         self.current_step = first_step
+        self.nonfinite_said = False   # the first step whose loss is NaN or inf gets an event, the rest a flag
         self.hub = None
         if cfg.telemetry.hub:
             self.hub = self._start_hub(hello, cfg, first_step)
@@ -147,7 +149,14 @@ class RankZeroTelemetry(Telemetry):
         return reason
 
     def step(self, record: dict) -> None:
+        if self.log.failure:   # met on the hub's thread (a command's event): the run stops here
+            raise self.log.failure
         step = self.current_step = record["step"]
+        loss = record.get("loss")
+        if isinstance(loss, float) and not math.isfinite(loss) and not self.nonfinite_said:
+            self.nonfinite_said = True
+            self.event("nonfinite", step, what="loss", value=repr(loss))
+            self.note(f"step {step}: the loss is {loss!r} (the log writes it as null, named in `nonfinite`)")
         record, full = self.rank_rows.shape(record)
         now = time.monotonic()
         # Consoles get a sample of the steps (every step with layer times or full rank rows included);
@@ -175,8 +184,10 @@ class RankZeroTelemetry(Telemetry):
         self._write({"type": "event", "kind": kind, "step": step, **fields})
 
     def _write(self, record: dict, live: bool = True) -> dict:
+        """Log the record and send it to consoles. Once the log has failed, consoles alone get it: the run is
+        stopping (its failure was raised from the write that met it)."""
         with self._lock:
-            record = self.log.write(record)
+            record = self.log.stamp(record) if self.log.failure else self.log.write(record)
         if self.hub and live:
             self.hub.publish(record)
         return record
@@ -214,7 +225,13 @@ class RankZeroTelemetry(Telemetry):
             self.progress.finish(record)
 
     def close(self, reason: str) -> None:
-        if self.hub:
-            self.hub.close(reason)
-        with self._lock:
-            self.log.close()
+        """Never raises: it runs while a failure (a full disk's LogWriteError, say) is on its way out."""
+        try:
+            if self.hub:
+                self.hub.close(reason)
+        finally:
+            with self._lock:
+                try:
+                    self.log.close()
+                except OSError as e:
+                    print(f"trainyard: the telemetry log could not be closed ({e})", file=sys.stderr)

@@ -13,7 +13,9 @@ torch in it. docs/protocol.md shows an example of every message.
 
 from __future__ import annotations
 
+import errno
 import json
+import math
 import os
 import re
 import socket
@@ -169,6 +171,29 @@ def log_parts(path: Path) -> list[Path]:
     return [p for p in [path] if p.exists()] + [p for _, p in numbered]
 
 
+def read_records(path: Path) -> tuple[list[dict], list[str]]:
+    """A JSON-lines file's objects, and what was left out, a note a line: a line that is not a JSON object
+    (`line 7: not JSON (...)`), or a last line cut short (no newline, not whole JSON: the writer stopped
+    mid-record, a full disk or a kill). Older logs' NaN and Infinity read as floats."""
+    records, notes = [], []
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                problem = None if isinstance(record, dict) else "not a JSON object"
+            except (ValueError, RecursionError) as e:   # UnicodeDecodeError is a ValueError
+                problem = f"not JSON ({getattr(e, 'msg', e)})"
+            if problem is None:
+                records.append(record)
+            elif not line.endswith(b"\n"):
+                notes.append(f"an incomplete last line ({len(line)} bytes): the writer stopped mid-record")
+            else:
+                notes.append(f"line {number}: {problem}")
+    return records, notes
+
+
 class ProtocolError(ValueError):
     """A message that breaks the protocol; the text is what the peer is told."""
 
@@ -178,14 +203,71 @@ def usage(name: str) -> str:
     return f"{name} {args}".strip()
 
 
+# --- strict JSON -----------------------------------------------------------------
+
+NONFINITE_PATHS_MAX = 16   # a record names at most this many of its non-finite figures, then `+N more`
+
+
+def finite_record(record: dict) -> dict:
+    """`record` with every non-finite float in it (NaN, inf, -inf: not JSON), however deep, replaced by null,
+    and a top-level `nonfinite` list naming them by dotted path: `["loss", "ranks.1.step_ms"]`."""
+    found: list[str] = []
+    cleaned = _finite(record, "", found)
+    if len(found) > NONFINITE_PATHS_MAX:
+        found[NONFINITE_PATHS_MAX:] = [f"+{len(found) - NONFINITE_PATHS_MAX} more"]
+    return {**cleaned, "nonfinite": found} if found else record
+
+
+def _finite(value, prefix: str, found: list[str]):
+    """`value` with its non-finite floats as None, each one's path (`prefix` + key) added to `found`; a
+    container with none is returned as it is, not copied."""
+    out = None
+    for key, item in value.items() if isinstance(value, dict) else enumerate(value):
+        if isinstance(item, float):
+            if math.isfinite(item):
+                continue
+            found.append(f"{prefix}{key}")
+            new = None
+        elif isinstance(item, (dict, list, tuple)):
+            if (new := _finite(item, f"{prefix}{key}.", found)) is item:
+                continue
+        else:
+            continue
+        if out is None:
+            out = dict(value) if isinstance(value, dict) else list(value)
+        out[key] = new
+    return value if out is None else out
+
+
+def strict_json(record: dict) -> str:
+    """`record` as one line of JSON with nothing non-finite in it (finite_record). The scan runs only when
+    the record has something to replace: json.dumps refuses it first, at no cost to a finite record."""
+    try:
+        return json.dumps(record, separators=(",", ":"), allow_nan=False)
+    except ValueError:
+        return json.dumps(finite_record(record), separators=(",", ":"), allow_nan=False)
+
+
 def encode(msg: dict) -> bytes:
-    return (json.dumps({"v": VERSION, **msg}, separators=(",", ":")) + "\n").encode()
+    return (strict_json({"v": VERSION, **msg}) + "\n").encode()
+
+
+def _finite_float(text: str) -> float:
+    if not math.isfinite(value := float(text)):
+        raise ValueError(f"the number {text[:20]} is out of range")
+    return value
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON value")
 
 
 def decode(line: bytes, types=CLIENT_TYPES) -> dict:
-    """One line -> a message, or ProtocolError naming what is wrong with it."""
+    """One line -> a message, or ProtocolError naming what is wrong with it. A client's message must be
+    strict JSON: NaN, Infinity and a number that overflows to inf (1e999, as an `id` say) are refused."""
+    strict = {"parse_float": _finite_float, "parse_constant": _no_constant} if types == CLIENT_TYPES else {}
     try:
-        msg = json.loads(line)
+        msg = json.loads(line, **strict)
     except (ValueError, RecursionError) as e:   # also: nested too deep, an integer too long to convert
         raise ProtocolError(f"not JSON ({e.msg if hasattr(e, 'msg') else e})") from None
     if not isinstance(msg, dict):
@@ -357,6 +439,28 @@ class Connection:
         self.close()
 
 
+CONNECT_RETRY_S = 2.0   # a burst of consoles can fill a hub's listen queue for a moment
+
+
+def connect_unix(path: str, timeout: float) -> socket.socket:
+    """A socket connected to `path`. A full listen queue (EAGAIN) or a refusal while the socket file
+    exists is tried again for up to CONNECT_RETRY_S (or `timeout`, if shorter) before it is raised."""
+    deadline, pause = time.monotonic() + min(CONNECT_RETRY_S, timeout), 0.005
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout)
+        try:
+            sock.connect(path)
+            return sock
+        except OSError as e:
+            sock.close()
+            busy = e.errno in (errno.EAGAIN, errno.ECONNREFUSED) and os.path.exists(path)
+            if not busy or time.monotonic() + pause > deadline:
+                raise
+        time.sleep(pause)
+        pause = min(pause * 2, 0.1)
+
+
 def connect(target: str | None = None, *, client: str = "client", read_only: bool = False,
             token: str | None = None, timeout: float = 10.0) -> Connection:
     """`target`: a run name (None: the only live run), a socket path, or tcp://127.0.0.1:PORT."""
@@ -368,9 +472,7 @@ def connect(target: str | None = None, *, client: str = "client", read_only: boo
         if path is None:
             info = find_run(target)
             path = info["socket"]
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(timeout)
-        sock.connect(path)
+        sock = connect_unix(path, timeout)
     try:
         return Connection(sock, client, read_only, token)
     except BaseException:

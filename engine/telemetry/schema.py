@@ -15,7 +15,7 @@ RANK_ENTRY = {
                  "activations_bytes", "swapped_bytes", "used_bytes", "peak_bytes", "capacity_bytes",
                  "over_capacity", "rss_bytes", "cpu_percent"],
     "properties": {
-        "rank": {"type": "integer", "minimum": 0}, "loss": {"type": "number"},
+        "rank": {"type": "integer", "minimum": 0}, "loss": {"type": ["number", "null"]},
         **{k: {"type": "number", "minimum": 0} for k in ("step_ms", "fwd_ms", "bwd_ms", "optim_ms", "wait_ms",
                                                          "link_wait_ms", "compute_ms")},
         "stale_steps": {"type": "integer", "minimum": 0},
@@ -52,7 +52,9 @@ LAYER = {
                    "policy": {"enum": ["keep", "swap", "recompute"]}, "placement": {"enum": ["device", "host"]}},
 }
 
-_COMMON = {"schema": {"const": 1}, "time": {"type": "number"}}
+# `nonfinite`: the fields written as null because they were NaN or inf (engine.protocol.finite_record)
+_COMMON = {"schema": {"const": 1}, "time": {"type": "number"},
+           "nonfinite": {"type": "array", "items": {"type": "string"}}}
 
 RUN_START = {
     "type": "object",
@@ -129,7 +131,7 @@ STEP = {
     "required": ["schema", "time", "type", "step", "loss", "samples_per_s", "step_ms"],
     "oneOf": [{"required": ["ranks"]}, {"required": ["per_rank"]}],
     "properties": {**_COMMON, "type": {"const": "step"}, "step": {"type": "integer", "minimum": 1},
-                   "loss": {"type": "number"}, "samples_per_s": {"type": "number", "minimum": 0},
+                   "loss": {"type": ["number", "null"]}, "samples_per_s": {"type": "number", "minimum": 0},
                    "step_ms": {"type": "number", "minimum": 0},
                    "ranks": {"type": "array", "minItems": 1, "items": RANK_ENTRY}, "per_rank": PER_RANK,
                    "time_split": TIME_SPLIT, "streams": {"type": "array", "items": STREAM},
@@ -147,7 +149,7 @@ STEP = {
 
 EVENT_KINDS = ["checkpoint", "restart", "resume", "eval", "memory_over_capacity", "stop", "command", "update_plan",
                "placement", "rebalance", "migration", "memory_plan", "policy", "sync_mode", "worker_lost",
-               "resize", "ps_profile", "step_skipped", "step_rolled_back"]
+               "resize", "ps_profile", "step_skipped", "step_rolled_back", "nonfinite"]
 EVENT = {
     "type": "object",
     "required": ["schema", "time", "type", "kind", "step"],
@@ -191,6 +193,8 @@ EVENT = {
                   "properties": {"grad_norm": {"type": "number", "minimum": 0},
                                  "clip": {"type": "number", "exclusiveMinimum": 0},
                                  "redone_layers": {"type": "integer", "minimum": 0}}}},
+        {"if": {"properties": {"kind": {"const": "nonfinite"}}},
+         "then": {"required": ["what", "value"], "properties": {"value": {"enum": ["nan", "inf", "-inf"]}}}},
         {"if": {"properties": {"kind": {"const": "command"}}},
          "then": {"required": ["name", "args", "status"],
                   "properties": {"status": {"enum": ["applied", "rejected"]}}}},

@@ -24,6 +24,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from engine.runtime.refusal import transport_failure
 from engine.techniques.ps_sync import MODES
 
 # message kinds (a header's first number)
@@ -168,17 +169,6 @@ class Link:
         thread = threading.Thread(target=loop, name=f"ps-link-{self.peer}", daemon=True)
         thread.start()
         return thread
-
-
-def transport_failure(e: Exception) -> str | None:
-    """A gloo transport failure in a few words (its own text carries a source path and advice), or
-    None when `e` is not one."""
-    text = str(e)
-    if "Connection closed by peer" in text:
-        return "connection closed by peer"
-    if "Application timeout" in text or "Timed out" in text:
-        return "timed out (parallel.collective_timeout_s)"
-    return None
 
 
 def link_error(e: Exception) -> str:

@@ -36,7 +36,8 @@ from engine.training.data import micro_steps
 from engine.training.loss import share_loss
 from engine.strategies.param_server.links import (
     ALL_LAYERS, BYE, GRAD, PAUSED, PING, PROFILE, PULL, STOP, TAG_PING, TAG_WEIGHTS, flatten, reply_bytes,
-    transport_failure, unpack_weights)
+    unpack_weights)
+from engine.runtime.refusal import transport_failure
 from engine.strategies.param_server.setup import Setup
 from engine.training.precision import compute_in
 from engine.training.timing import Clock, StepTimes

@@ -387,6 +387,27 @@ WORKER_RAISES = textwrap.dedent("""
 """)
 
 
+WORKER_FINISHES = textwrap.dedent("""
+    import signal
+    from types import SimpleNamespace
+    from engine.processes import lifeline
+    from engine.run import launch
+    launch.worker_main = lambda job: "done"
+    job = SimpleNamespace(launcher=lifeline.identity(), config=SimpleNamespace(
+        parallel=SimpleNamespace(shutdown_timeout_s=5), cluster=SimpleNamespace(nnodes=1)))
+    signal.signal(signal.SIGTERM, lambda *a: None)   # the step loop's StopRequest, still installed
+    print(launch.run_worker(job), signal.getsignal(signal.SIGTERM) is signal.SIG_DFL)
+""")
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_that_finished_its_work_is_ended_by_a_stop():
+    """The agent may keep a finished worker waiting for its result to be read: a SIGTERM must end it then (a
+    handler left installed swallowed it, and a rank stayed for minutes after its launcher)."""
+    r = subprocess.run([sys.executable, "-c", WORKER_FINISHES], cwd=ROOT, capture_output=True, text=True, timeout=50)
+    assert r.stdout.split() == ["done", "True"], r.stdout + r.stderr
+
+
 @pytest.mark.timeout(60)
 def test_a_worker_that_raises_writes_the_agents_error_file_and_no_pickle(tmp_path, own_tmp):
     """torch.multiprocessing pickles an error raised out of a worker into pytorch-errorfile-*.pickle in the

@@ -513,7 +513,7 @@ def test_a_replay_skips_a_cut_last_line_and_a_bad_one_and_says_so(tmp_path):
             await until(pilot, lambda: app.replay_ready, what="the preload")
             await pilot.pause(0.2)
             text = events_text(app).replace("\n", "")   # as one line, however the panel wrapped it
-            assert "replay" in text and "skipped=cut.jsonl: line 6: not JSON" in text
+            assert "replay" in text and "skipped cut.jsonl: line 6: not JSON" in text
             assert "cut.jsonl: an incomplete last line (40 bytes)" in text
     run(scenario())
 

@@ -100,6 +100,17 @@ def test_a_server_killed_mid_window_restarts_and_bsp_equals_one_process(cli):
                "--set", "emulate.kill_rank=0", "--set", "emulate.kill_step=3")
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_rank_killed_mid_checkpoint_restarts_from_the_one_before_and_leaves_no_staged_folder(cli):
+    """Rank 1 dies once its file of the step-4 checkpoint is written, before the checkpoint is published: the
+    run restarts from step 2's, and the staged folder goes at the next checkpoint."""
+    before, _ = run_killed(cli, "midckpt", "checkpoint", [], "--set", "emulate.kill_rank=1",
+                           "--set", "emulate.kill_step=3")
+    assert [e["step"] for e in before if e.get("kind") == "checkpoint"] == [2]
+    assert not list((cli.tmp_path / "runs" / "midckpt" / "checkpoints").glob("*.tmp"))
+
+
 # --- the fault itself, no processes ---------------------------------------------------------------
 
 @pytest.fixture

@@ -131,7 +131,6 @@ def test_a_format_2_checkpoint_resumes_as_the_run_that_never_stopped(cli, writte
                 *_sets(SETTINGS, SOURCES["ddp2"]), "--resume", str(at_20), "--telemetry-log", str(log), timeout=150)
     assert r.returncode == 0, r.stderr
     straight, resumed = _losses(written / "ddp2.jsonl"), _losses(log)
-    own = _losses(written / f"{source}.jsonl"); print("vs own", max(abs(resumed[s] - own[s]) for s in resumed), "source vs ddp2", max(abs(own[s] - straight[s]) for s in range(1, 31)))
     assert sorted(resumed) == list(range(21, 31))
     assert max(abs(resumed[s] - straight[s]) for s in resumed) <= TOLERANCE
     assert verify(list_checkpoints(cli.tmp_path / "runs" / "format2")[-1])["format"] == 3

@@ -79,7 +79,7 @@ def worker_main(job: Job) -> dict | None:
             with suppress(Exception):   # a log that could not be written must not hide the error
                 worker.tel.close(f"run {'refused' if final and is_refusal(e) else 'failed'} ({type(e).__name__}: {e})")
         if final:   # the launcher ends the run: exit 2 for a refusal, 1 for a failure
-            where = worker.where() if worker is not None else "while starting"
+            where = worker.where() if worker is not None else "" if param_server else "while starting"
             if not is_refusal(e) and not getattr(type(e), "says_all", False):   # its traceback, once
                 print(f"trainyard: rank {topo.rank} failed ({where}); not restarted, the same error would "
                       f"recur:\n{traceback.format_exc()}", file=sys.stderr, end="", flush=True)

@@ -52,11 +52,14 @@ def transport_failure(error: BaseException) -> str | None:
 
 def transient(error: BaseException) -> str | None:
     """What a restart may cure, in a few words: a peer, the network or the store lost, a collective timed out
-    (torch's DistError, a connection error, gloo's and NCCL's own words); None for anything else."""
+    (torch's DistError, a connection error, gloo's and NCCL's own words, an error whose class says
+    `transient = True`: e.g. the parameter server's PeerLost); None for anything else."""
     import torch.distributed as dist
     words = transport_failure(error)
     if words:
         return words
+    if getattr(type(error), "transient", False) is True:   # a technique's own word for a lost peer
+        return str(error).splitlines()[0][:160] if str(error) else type(error).__name__
     if isinstance(error, getattr(dist, "DistError", ())):
         return f"{type(error).__name__}: {str(error).splitlines()[0][:160] if str(error) else ''}"
     if isinstance(error, (ConnectionError, TimeoutError, EOFError)):

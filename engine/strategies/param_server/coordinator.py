@@ -30,7 +30,7 @@ from engine.strategies.param_server.links import (
 from engine.training.optim import lr_at
 from engine.strategies.param_server.losses import StepLosses
 from engine.strategies.param_server.server import LAYER_STATS, TALLY, PSServer
-from engine.strategies.param_server.setup import ParamServerError, Setup
+from engine.strategies.param_server.setup import PeerLost, Setup
 from engine.telemetry.outlets import Telemetry
 
 CONTROL_EVERY_S = 0.25     # the coordinator tells the servers the state at least this often
@@ -134,7 +134,7 @@ class Coordinator(PSServer, RunControl):
             if not self.live:
                 self.finish()
         elif not self.live:
-            raise ParamServerError("every worker was lost: " + "; ".join(
+            raise PeerLost("every worker was lost: " + "; ".join(
                 f"rank {w}: {why}" for w, why in sorted(self.lost.items())))
 
     def tell_servers(self) -> None:
@@ -268,7 +268,7 @@ class Coordinator(PSServer, RunControl):
         deadline = time.monotonic() + self.setup.cfg.parallel.collective_timeout_s
         while not done():
             if time.monotonic() > deadline:
-                raise ParamServerError(f"timed out waiting for {what}")
+                raise PeerLost(f"timed out waiting for {what}")
             try:
                 message = self.inbox.get(timeout=0.05)
             except queue.Empty:

@@ -25,7 +25,7 @@ from engine.runtime.control import row_values
 from engine.strategies.param_server.links import (
     ACK, ALL_LAYERS, BYE, CKPT, CONTROL, FINISH, GATHER, GRAD, LOST, PING, PROFILE, PULL, SERVER_STATS,
     STOP, TAG_PING, TAG_WEIGHTS, WEIGHTS, Message, flatten, link_error, pack_weights, unflatten_into)
-from engine.strategies.param_server.setup import ParamServerError, Setup
+from engine.strategies.param_server.setup import PeerLost, Setup
 from engine.strategies.base import parameter_names
 from engine.techniques.ps_sync import MODES, Arrival, LayerSync
 from engine.techniques.updates.state import load_named_state, named_state
@@ -123,7 +123,7 @@ class PSServer:
                 self.lose(m.peer, "", m.t)
         elif m.kind == LOST:
             if m.peer not in self.workers:
-                raise ParamServerError(f"server rank {m.peer} was lost ({m.error}); the run cannot go on "
+                raise PeerLost(f"server rank {m.peer} was lost ({m.error}); the run cannot go on "
                                        f"without its layers")
             if m.peer not in self.done:
                 self.lose(m.peer, f"its process ended ({m.error})", m.t)

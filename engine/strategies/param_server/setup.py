@@ -23,7 +23,13 @@ from engine.strategies.param_server.links import make_links
 
 
 class ParamServerError(RuntimeError):
-    """The parameter-server run cannot go on (every worker lost; a model it cannot serve)."""
+    """The parameter-server run cannot go on (a model it cannot serve)."""
+
+
+class PeerLost(ParamServerError):
+    """A server, every worker, or an answer was lost: a restart may cure it (engine/runtime/refusal.py)."""
+
+    transient = True
 
 
 def assign_layers(sizes: dict[int, int], servers: int) -> dict[int, int]:

@@ -118,6 +118,7 @@ def _prepare_claimed(job: Job) -> None:
         (run_dir / "telemetry.jsonl").unlink(missing_ok=True)
     if job.resume is None:
         shutil.rmtree(agent_dir(run_dir, node), ignore_errors=True)
+    ckpt.remove_staged(run_dir)   # a crashed run's unpublished checkpoint (the folder is claimed: no rank writes)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.toml").write_text(config_to_toml(cfg))
     (run_dir / "pids").mkdir(exist_ok=True)
@@ -294,6 +295,8 @@ def launch(job: Job) -> dict | None:
                              int(e.sigval)) from None
     finally:
         agent_log.removeHandler(reporter)
+        if not cfg.cluster.node_rank:   # host 0's workers publish checkpoints: a staged one now is a dead one's
+            ckpt.remove_staged(cfg.run_dir)
         release(job)
         restart_marker(cfg.run_dir, cfg.cluster.node_rank).unlink(missing_ok=True)
         _remove_empty_folders(agent)

@@ -161,6 +161,12 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
 def prune(run_dir: Path, keep: int) -> None:
     for old in list_checkpoints(run_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
+    remove_staged(run_dir)
+
+
+def remove_staged(run_dir: Path) -> None:
+    """Staged folders no rank is writing: those a checkpoint left when a rank stopped or failed before it was
+    published (the launcher's, at the run's start and end; the next checkpoint's)."""
     for stale in checkpoints_dir(run_dir).glob("step_*.tmp"):
         shutil.rmtree(stale, ignore_errors=True)
 

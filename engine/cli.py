@@ -206,49 +206,51 @@ def _run(config: Path, overrides: list[str], steps: int | None, telemetry_log: P
     from engine.run.claim import Claim, RunSetupError
     try:   # before torch loads: a live run's name is refused at once
         claim = Claim.take(cfg.run_dir, cfg.cluster.node_rank, cfg.run.name)
-    except RunSetupError as e:
-        err.print(f"[red]cannot start:[/] {escape(str(e))}")
-        return 2
-    except OSError as e:   # its folder on a full or read-only disk
-        from engine.runtime.disk import describe_os_error
-        err.print(f"[red]run failed:[/] {escape(describe_os_error(e, cfg.run_dir))}")
-        return 1
+    except (RunSetupError, OSError) as e:   # OSError: its folder on a full or read-only disk
+        return _said(e, cfg.run_dir)
     mark_run(cfg.run_dir)   # in every process of the run's environment, the fork server's included
     if cfg.device.kind != "cuda":   # the workers' fork server imports torch while this process does
         from engine.processes import forkserver
         from engine.run import PRELOAD
         forkserver.start([PRELOAD, *forkserver.config_modules(cfg)])
     from engine.runtime.checkpoint import CheckpointError
-    from engine.run.launch import RunFailed, RunInterrupted, RunRefused, RunSetupError, launch, prepare_run_dir
-    from engine.runtime.disk import describe_os_error
+    from engine.run.launch import RunFailed, RunInterrupted, launch, prepare_run_dir
     from engine.run.rank import Job
 
     job = Job(config=cfg, resume=resume, telemetry_log=telemetry_log, headless=headless, claim=claim)
-    labels = {RunRefused: "run refused", RunSetupError: "cannot start", CheckpointError: "checkpoint refused",
-              RunFailed: "run failed"}
     try:
         prepare_run_dir(job)
-    except (CheckpointError, RunSetupError) as e:
-        claim.abandon()   # refused before it started: a folder made for it goes
-        err.print(f"[red]{next(labels[c] for c in type(e).__mro__ if c in labels)}:[/] {escape(str(e))}")
-        return 2
-    except OSError as e:   # the launcher's own write (a full disk): said by name, no traceback
-        err.print(f"[red]run failed:[/] {escape(describe_os_error(e, cfg.run_dir))}")
-        return 1
+    except (CheckpointError, RunSetupError, OSError) as e:
+        if not isinstance(e, OSError):
+            claim.abandon()   # refused before it started: a folder made for it goes
+        return _said(e, cfg.run_dir)
     try:
         launch(job)
-    except OSError as e:
-        err.print(f"[red]run failed:[/] {escape(describe_os_error(e, cfg.run_dir))}")
-        return 1
-    except (CheckpointError, RunSetupError, RunFailed) as e:
-        err.print(f"[red]{next(labels[c] for c in type(e).__mro__ if c in labels)}:[/] {escape(str(e))}")
-        return 1 if isinstance(e, RunFailed) else 2
+    except (CheckpointError, RunSetupError, RunFailed, OSError) as e:   # OSError: the launcher's own writes
+        return _said(e, cfg.run_dir)
     except RunInterrupted as e:
         err.print(f"[yellow]{escape(str(e))}[/]")
         return 128 + e.signum
     from engine.run.export import export_at_end
     export_at_end(cfg)   # a Hugging Face model: runs/NAME/hf/
     return 0
+
+
+def _said(error: Exception, run_dir: Path) -> int:
+    """A run's end by an error, in one line without a traceback; returns the exit status (1 a failure, a full
+    disk; 2 a refusal)."""
+    from engine.runtime.disk import describe_os_error
+    if isinstance(error, OSError):
+        err.print(f"[red]run failed:[/] {escape(describe_os_error(error, run_dir))}")
+        return 1
+    # by the classes' names: a live run's refusal is said before torch (engine.run.launch's import) loads
+    label = next(_LABELS[c.__name__] for c in type(error).__mro__ if c.__name__ in _LABELS)
+    err.print(f"[red]{label}:[/] {escape(str(error))}")
+    return 1 if label == "run failed" else 2
+
+
+_LABELS = {"RunRefused": "run refused", "RunSetupError": "cannot start", "CheckpointError": "checkpoint refused",
+           "RunFailed": "run failed"}
 
 
 def _export(args) -> int:

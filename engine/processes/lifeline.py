@@ -27,14 +27,22 @@ POLL_S = 0.5   # where there is no pidfd: how often the launcher's pid is looked
 _gone: list[int] = []   # the launcher's pid, once this process saw it gone
 
 
-def start_time(pid: int) -> int | None:
-    """Process `pid`'s start time in clock ticks since boot (/proc/PID/stat field 22), None where unknown: with
-    the pid, what tells a process from a later one that reuses its number."""
+def _stat(pid: int) -> tuple[str, int] | None:
+    """(state, start time in clock ticks since boot) of process `pid` (/proc/PID/stat fields 3 and 22), None
+    where it cannot be read."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[19])
+            fields = f.read().rsplit(")", 1)[1].split()
+        return fields[0], int(fields[19])
     except (OSError, IndexError, ValueError):
         return None
+
+
+def start_time(pid: int) -> int | None:
+    """Process `pid`'s start time, None where unknown: with the pid, what tells a process from a later one that
+    reuses its number."""
+    stat = _stat(pid)
+    return stat[1] if stat else None
 
 
 def identity(pid: int | None = None) -> tuple[int, int | None]:
@@ -45,17 +53,12 @@ def identity(pid: int | None = None) -> tuple[int, int | None]:
 
 def alive(who: tuple[int, int | None]) -> bool:
     pid, started = who
-    now = start_time(pid)
-    if now is None:   # no /proc entry to read: by its pid alone
+    stat = _stat(pid)
+    if stat is None:   # no /proc entry to read: by its pid alone
         from engine.telemetry.protocol import pid_alive
         return pid_alive(pid)
-    if started is not None and now != started:
-        return False   # the pid was reused
-    try:   # a zombie has ended
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    state, now = stat
+    return state != "Z" and (started is None or now == started)   # a zombie has ended; a reused pid is another
 
 
 def _wait_gone(who: tuple[int, int | None]) -> None:

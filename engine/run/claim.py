@@ -158,12 +158,12 @@ def hold_as_worker(run_dir: Path, node_rank: int) -> None:
 
 def live(run_dir: Path, node_rank: int = 0) -> bool:
     """Whether a launcher or a worker of this host holds `run_dir` now (a probe: nothing is kept)."""
-    for path, how in ((gate_path(run_dir, node_rank), fcntl.LOCK_EX), (lock_path(run_dir, node_rank), fcntl.LOCK_EX)):
+    for path in (gate_path(run_dir, node_rank), lock_path(run_dir, node_rank)):
         if not path.exists():
             continue
         try:
             with open(path, "a+") as f:
-                if not _try(f, how):
+                if not _try(f, fcntl.LOCK_EX):   # held, shared or not
                     return True
         except OSError:
             continue

@@ -291,7 +291,7 @@ def launch(job: Job) -> dict | None:
                         f"{c.nnodes} hosts must join within cluster.rdzv_timeout_s = {c.rdzv_timeout_s:g} s"
                         ) from None
     except SignalException as e:
-        raise RunInterrupted(f"stopped by {signal.Signals(e.sigval).name}; {_latest(cfg.run_dir)}",
+        raise RunInterrupted(f"stopped by {signal.Signals(e.sigval).name}; {ckpt.latest_said(cfg.run_dir)}",
                              int(e.sigval)) from None
     finally:
         agent_log.removeHandler(reporter)
@@ -304,12 +304,6 @@ def launch(job: Job) -> dict | None:
     if summary and summary.get("type") == "refused":
         raise RunRefused(summary["error"])
     return summary
-
-
-def _latest(run_dir: Path) -> str:
-    """Where the run can go on from: its latest checkpoint (each one is whole: published only once written)."""
-    saved = ckpt.list_checkpoints(run_dir)
-    return f"latest checkpoint: {saved[-1]}" if saved else "no checkpoint was written"
 
 
 def start_method() -> str:
@@ -383,7 +377,7 @@ def _refusals(job: Job, folder: Path):
     except OSError:   # RuntimeDirError (not private) included: the run's agent folder then
         folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"refusal-{os.getpid()}-{time.monotonic_ns()}"
-    job.launcher_pid, job.refusal_path = os.getpid(), str(path)
+    job.refusal_path = str(path)
     raised = []
 
     def handler(signum, frame):
@@ -392,7 +386,7 @@ def _refusals(job: Job, folder: Path):
         raised.append(signum)
         kind, text = read_refusal(str(path))
         if kind == FAILED:
-            raise RunFailed(f"{text} (not restarted: the same error would recur); {_latest(job.config.run_dir)}")
+            raise RunFailed(f"{text} (not restarted: the same error would recur); {ckpt.latest_said(job.config.run_dir)}")
         raise RunRefused(text)
 
     previous = signal.signal(REFUSAL_SIGNAL, handler)

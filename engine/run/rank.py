@@ -42,8 +42,8 @@ class Job:
     launched_at: float = 0.0
     # several hosts, our launcher: (the workers' store host, its port): host 0, the rendezvous port + 1
     placement: tuple[str, int] | None = None
-    # our launcher: its pid and the file a worker writes a refusal to before signalling it (engine/runtime/refusal.py)
-    launcher_pid: int | None = None
+    # our launcher, from its main thread: the file a worker writes a refusal to before signalling it
+    # (engine/runtime/refusal.py)
     refusal_path: str | None = None
     # our launcher or torchrun's agent: (pid, start time), which every worker watches (engine/processes/lifeline.py)
     launcher: tuple[int, int | None] | None = None

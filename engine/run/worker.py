@@ -83,7 +83,7 @@ def worker_main(job: Job) -> dict | None:
             if not is_refusal(e) and not getattr(type(e), "says_all", False):   # its traceback, once
                 print(f"trainyard: rank {topo.rank} failed ({where}); not restarted, the same error would "
                       f"recur:\n{traceback.format_exc()}", file=sys.stderr, end="", flush=True)
-            refuse(job.refusal_path, job.launcher_pid, topo.rank, e, lambda: stop.requested, where)
+            refuse(job.refusal_path, job.launcher[0], topo.rank, e, lambda: stop.requested, where)
         if stop.requested:   # being shut down and a peer already left: nothing more to save
             print(f"trainyard: rank {topo.rank} stopped ({type(e).__name__} after a peer left)",
                   file=sys.stderr, flush=True)
@@ -350,10 +350,9 @@ class Worker(RunControl):
         dist.all_reduce(margin, op=dist.ReduceOp.MIN, group=self.topo.side)
         if margin.item() > 0:
             return True
-        saved = ckpt.list_checkpoints(self.run_dir)
-        latest = f"the latest checkpoint is {saved[-1]}" if saved else "no checkpoint was written"
         why = (f"the final checkpoint of step {step} was skipped: it needs about {needs_s:.1f} s, more than is "
-               f"left of parallel.shutdown_timeout_s = {self.cfg.parallel.shutdown_timeout_s:g}; {latest}")
+               f"left of parallel.shutdown_timeout_s = {self.cfg.parallel.shutdown_timeout_s:g}; "
+               f"{ckpt.latest_said(self.run_dir)}")
         if self.topo.is_first:
             self.tel.event("checkpoint_skipped", step, needs_s=round(needs_s, 2),
                            shutdown_timeout_s=self.cfg.parallel.shutdown_timeout_s)

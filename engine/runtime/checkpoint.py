@@ -50,7 +50,6 @@ MANIFEST_SHA = "manifest_sha256"   # the manifest's own checksum, over its other
 FORMAT_VERSION = 3
 RESUME_FORMATS = (2, 3)  # format 2: no checksum of its own, no step in its rank files (verify checks less)
 READ_FORMATS = (1, 2, 3)  # format 1: weights only (model_state); a resume refuses it (check_format)
-_STEP_DIR = re.compile(r"step_(\d{6,})")
 
 
 class CheckpointWriteError(CheckpointError):
@@ -154,8 +153,15 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     root = checkpoints_dir(run_dir)
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and _STEP_DIR.fullmatch(p.name)]
-    return sorted(found, key=lambda p: int(_STEP_DIR.fullmatch(p.name).group(1)))
+    found = [p for p in root.iterdir() if p.is_dir() and not p.name.endswith(".tmp") and folder_step(p) is not None]
+    return sorted(found, key=folder_step)
+
+
+def latest_said(run_dir: Path) -> str:
+    """Where a stopped run can go on from, in words: its latest checkpoint (each is whole: published only once
+    written), or that there is none."""
+    saved = list_checkpoints(run_dir)
+    return f"latest checkpoint: {saved[-1]}" if saved else "no checkpoint was written"
 
 
 def prune(run_dir: Path, keep: int) -> None:

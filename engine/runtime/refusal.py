@@ -75,19 +75,14 @@ def is_refusal(error: BaseException) -> bool:
     return isinstance(error, (Refused, ValueError, CheckpointError)) or getattr(type(error), "refusal", False) is True
 
 
-def describe(error: BaseException) -> str:
-    """The error's own line: its message, with its class where the message does not say what it is."""
-    text = str(error).strip() or type(error).__name__
-    return text if isinstance(error, (Refused,)) or is_refusal(error) else f"{type(error).__name__}: {text}"
-
-
 def refuse(path: str, launcher_pid: int, rank: int, error: BaseException, stopped, where: str = "") -> None:
     """Hand `error` to the launcher and wait for it to stop this worker; never returns. `stopped()` is
     true once the launcher's SIGTERM has arrived (engine/runtime/lifecycle.py: StopRequest). `where`: the
     step it came from, e.g. "step 12" (a failure's line names it)."""
     kind = REFUSED if is_refusal(error) else FAILED
     at = f", {where}" if where else ""
-    text = f"{kind}\nrank {rank}{at}: {describe(error) if kind == FAILED else error}"
+    said = f"{type(error).__name__}: {error}" if kind == FAILED else str(error)   # a refusal's line says all
+    text = f"{kind}\nrank {rank}{at}: {said}"
     # The first rank to refuse is the one reported. Its text is written whole before the file takes the
     # path (a link fails where one exists): a second rank signalling meanwhile must not make the launcher
     # read an empty file ("run refused: " once came out alone).

@@ -60,6 +60,9 @@ class Terminal:
 
     def close(self) -> None:
         self.tmux("kill-server")
+        # the server leaves its socket file behind (also when its session ended first): tmux(1)'s -L path
+        folder = Path(self.env.get("TMUX_TMPDIR") or "/tmp") / f"tmux-{os.getuid()}"
+        (folder / self.socket).unlink(missing_ok=True)
 
 
 def screen_match(term: Terminal, pattern: str, timeout: float) -> re.Match | None:

@@ -204,7 +204,8 @@ def clock(seconds: float | None) -> str:
 
 
 def headline(state: RunState, wide: bool, live: bool) -> Text:
-    """`run  mode×world  step 41/60  loss 1.0792  3,424 samples/s  0:07 elapsed  ETA 0:28`.
+    """`run  mode×world  step 41/60  loss 1.0792  3,424 samples/s  0:07 elapsed  ETA 0:28`; a language model's
+    run says `52,310 tokens/s  MFU 41.2%` (mfu where the device's peak is known) in place of samples/s.
 
     Times come from the records (a replay is frozen); `live`: elapsed runs on the wall clock."""
     hello, step = state.hello, state.last_step or {}
@@ -222,7 +223,12 @@ def headline(state: RunState, wide: bool, live: bool) -> Text:
         loss = step["loss"]
         text = f"loss {loss:.{4 if wide else 3}f}" if isinstance(loss, (int, float)) else "loss not finite"
         parts.append((text, "#ff9f43"))
-    if "samples_per_s" in step:
+    if "tokens_per_s" in step:   # samples are sequences: tokens are what a language model's user compares
+        rate = step["tokens_per_s"]
+        parts.append((f"{rate:,.0f} tokens/s" if wide else f"{rate / 1000:.1f}k tok/s", "#48dbfb"))
+        if "mfu" in step:
+            parts.append((f"MFU {step['mfu']:.1%}", "#48dbfb"))
+    elif "samples_per_s" in step:
         rate = step["samples_per_s"]
         parts.append((f"{rate:,.0f} samples/s" if wide else f"{rate / 1000:.1f}k/s", "#48dbfb"))
     started = hello.get("started")

@@ -195,3 +195,16 @@ def assert_named_state_close(got: dict, want: dict, atol: float, what: str = "")
                                            msg=lambda m, n=name, k=key: f"{what} {n}.{k}: {m}")
             else:
                 assert got[name][key] == value, f"{what} {name}.{key}: {got[name][key]!r} != {value!r}"
+
+
+class Told:
+    """A rank 0 Telemetry that keeps what it is told (events and notes)."""
+
+    def __init__(self):
+        self.events, self.notes = [], []
+
+    def event(self, kind, step, **fields):
+        self.events.append((kind, step, fields))
+
+    def note(self, text):
+        self.notes.append(text)

@@ -130,6 +130,34 @@ def test_bench_memory_reports_every_variant_beside_torchs_own(cli):
     assert all(row["allocator_peak_bytes"] is None for row in variants.values())   # no GPU here
 
 
+@pytest.mark.timeout(180)
+def test_bench_step_times_trainyard_beside_the_plain_loop_and_judges_the_goals(cli):
+    """`trainyard bench step`: a turn of the plain loop and of `trainyard run` (keep/device, and auto/auto) at the
+    host-bound size; every variant's figures, its ratio to the plain loop, and the goals judged over the rounds."""
+    r = cli.run("bench", "step", "--json", "--size", "host", "--rounds", "1", "--steps", "6",
+                "--variants", "plain,trainyard,trainyard-auto,trainyard-bf16w", timeout=170)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert report["left_out"] == {"trainyard-bf16w": "bf16 working weights need bf16 compute; this size computes "
+                                                     "in fp32"}
+    [host] = report["reports"]
+    assert host["size"] == "host" and host["batch"] == 8 and host["seq_len"] == 64 and host["device"] == "cpu"
+    rows = {row["variant"]: row for row in host["variants"]}
+    assert set(rows) == {"plain", "trainyard", "trainyard-auto"}
+    for name, row in rows.items():
+        assert row["step_ms"] > 0 and row["tokens_per_s"] == pytest.approx(8 * 64 / row["step_ms"] * 1000, rel=1e-3)
+        assert "mfu" not in row and row["peak_bytes"] > 0   # no peak FLOP/s on the CPU
+    assert rows["trainyard"]["x_plain"] == pytest.approx(rows["plain"]["step_ms"] / rows["trainyard"]["step_ms"],
+                                                         rel=1e-2)
+    assert set(host["judged"]) == {"trainyard / plain", "trainyard-auto / trainyard"}
+    assert all(j["verdict"] in ("met", "missed", "undecided") for j in host["judged"].values())
+
+
+def test_bench_step_refuses_an_unknown_variant_by_name(cli):
+    r = cli.run("bench", "step", "--variants", "plain,fastest", timeout=60)
+    assert r.returncode == 2 and "--variants: unknown fastest; the variants are plain, plain-compiled" in r.stderr
+
+
 # --- `--precision bf16`: every bench beside itself in fp32 (issue 26); the bytes halve exactly where they must
 
 @pytest.mark.timeout(90)

@@ -36,6 +36,7 @@ d_model = 48
 heads = 6
 channels = 8
 dropout = 0.1
+compile = true
 hf_config = "hf/config.json"
 hf_weights = "hf/"
 
@@ -117,6 +118,7 @@ profile_steps = 6
 [device]
 kind = "cpu"
 memory = "2GiB"
+peak_tflops = 1.5
 
 [memory]
 policy = { fc0 = "swap", fc1 = "recompute" }
@@ -126,6 +128,7 @@ planner = "exhaustive"
 [checkpoint]
 every = 5
 keep = 1
+background = false
 
 [precision]
 compute = "bf16"

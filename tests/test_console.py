@@ -525,3 +525,15 @@ def test_a_step_whose_loss_was_not_finite_shows_so():
     assert "loss not finite" in headline(state, wide=True, live=False).plain
     state.apply({"type": "summary", "steps": 3, "final_loss": None})
     assert "final loss not finite" in state.take()[2][-1][0]
+
+
+def test_the_header_says_tokens_a_second_and_mfu_where_samples_are_sequences():
+    state = RunState()
+    state.apply({"type": "hello", "run": "r", "mode": "ddp", "world_size": 1})
+    state.apply({"type": "step", "step": 3, "loss": 2.0, "samples_per_s": 10.0, "tokens_per_s": 52310.4,
+                 "mfu": 0.4123})
+    wide, narrow = headline(state, wide=True, live=False).plain, headline(state, wide=False, live=False).plain
+    assert "52,310 tokens/s" in wide and "MFU 41.2%" in wide and "samples/s" not in wide
+    assert "52.3k tok/s" in narrow
+    state.apply({"type": "step", "step": 4, "loss": 2.0, "samples_per_s": 10.0})   # images: samples a second
+    assert "10 samples/s" in headline(state, wide=True, live=False).plain

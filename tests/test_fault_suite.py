@@ -39,7 +39,7 @@ from engine.processes.lifeline import MARK
 from engine.run.claim import Claim, live
 from engine.run.checks import RunSetupError
 from engine.runtime.checkpoint import list_checkpoints, model_state
-from tests.conftest import fill_disk, read_jsonl, wait_for
+from tests.conftest import Told, fill_disk, read_jsonl, wait_for
 from tests.test_faults import one_process
 from tests.test_lifecycle import DEMO, steps_logged
 from tests.test_rebalance import MODEL_SETTINGS, SKEWED
@@ -295,17 +295,6 @@ def test_a_nan_loss_is_said_once_and_the_log_stays_strict_json(cli):
     assert_all_gone(cli.tmp_path / "runs" / "nan", cli.runtime_dir)
 
 
-class _Told:
-    """A rank 0 Telemetry that keeps what it is told."""
-
-    def __init__(self):
-        self.events, self.notes = [], []
-
-    def event(self, kind, step, **fields):
-        self.events.append((kind, step, fields))
-
-    def note(self, text):
-        self.notes.append(text)
 
 
 @pytest.mark.parametrize("checkpoint_s, left_s, fits", [(None, 9.0, True), (None, 0.2, False), (0.05, 0.2, True),
@@ -323,7 +312,7 @@ def test_a_stops_final_checkpoint_is_written_only_where_it_fits_the_time_left(mo
     monkeypatch.setattr(dist, "all_reduce", lambda tensor, op=None, group=None: None)
     stop = StopRequest(grace_s=5.0)
     stop.at = time.monotonic() - (5.0 - left_s)
-    worker = SimpleNamespace(stop=stop, stop_reason="signal 15", checkpoint_s=checkpoint_s, tel=_Told(),
+    worker = SimpleNamespace(stop=stop, stop_reason="signal 15", checkpoint_s=checkpoint_s, tel=Told(),
                              model=torch.nn.Linear(100, 100), topo=SimpleNamespace(side=None, is_first=True),
                              run_dir=tmp_path, cfg=SimpleNamespace(parallel=SimpleNamespace(shutdown_timeout_s=5)))
     assert Worker._final_checkpoint_fits(worker, 12) is fits

@@ -42,6 +42,9 @@ class StubProbe:
     def figures(self) -> dict:
         return stub_figures(self.rank)
 
+    def gauges(self) -> dict:   # NVML's, read at most every OS_SAMPLE_S: the stub gives them with the rest
+        return {}
+
 
 def stub_figures(rank: int) -> dict:
     return {"allocated_bytes": 3 * GiB + rank, "reserved_bytes": 4 * GiB + rank,

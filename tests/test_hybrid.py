@@ -91,7 +91,8 @@ def test_parameters_are_identical_whichever_side_updates(pool, strategy, optim, 
         assert set(mine[-1].values()) == {"host"}
     if placement == "auto":       # the trial starts on the host, alternates, then the plan holds
         assert set(mine[0].values()) == {"host"} and set(mine[1].values()) == {"device"}
-        assert mine[4] == mine[-1] and results[0]["plan"] is not None
+        # the plan from step 5 on, or, measured slower than the trial's device steps, back to their placement
+        assert mine[-1] in (mine[4], mine[3]) and results[0]["plan"] is not None
 
 
 def tight_trial(topo) -> dict:
@@ -189,17 +190,22 @@ def test_auto_placement_plans_after_the_trial_and_saves_the_profile(cli):
     from tests.conftest import read_jsonl
     from tests.test_training import DEMO, single_process_reference
     log = cli.tmp_path / "run.jsonl"
+    # a capacity above the run's peak (356 KiB) and below what the fit check asks (the estimate + 25%: 435 KiB),
+    # so `auto` does not settle on all-device before step 1 (engine/run/fit.py) and the trial runs
     r = cli.run("run", DEMO, "--headless", "--steps", "12", *cli.base_args("auto"), "--set", "update.placement=auto",
-                "--set", "telemetry.layer_every=3", "--telemetry-log", str(log))
+                "--set", "telemetry.layer_every=3", "--set", "device.memory=400KiB", "--telemetry-log", str(log))
     assert r.returncode == 0, r.stderr
     records = read_jsonl(log)
     [plan] = [rec for rec in records if rec.get("kind") == "update_plan"]
-    assert plan["step"] == 4 and set(plan["placement"]) == {"fc0", "fc1", "head"}   # after 4 trial steps
+    # made once the 4th trial step is timed, at the start of the 5th (a host step far slower than the device steps
+    # would have ended the trial sooner: trial.py's budget)
+    assert plan["step"] in (3, 5) and set(plan["placement"]) == {"fc0", "fc1", "head"}
     assert plan["predicted_ms"] <= min(plan["all_device_ms"], plan["all_host_ms"]) + 1e-9
     saved = json.loads((cli.tmp_path / "runs" / "auto" / "update_profile.json").read_text())
     assert [c["name"] for c in saved["layers_backward_order"]] == ["head", "fc1", "fc0"]
     last = next(rec["layers"] for rec in reversed(records) if rec.get("type") == "step" and "layers" in rec)
-    assert {e["name"]: e["placement"] for e in last if "placement" in e} == plan["placement"]
+    back = [rec for rec in records if rec.get("kind") == "plan_reverted"]
+    assert {e["name"]: e["placement"] for e in last if "placement" in e} == (back[-1] if back else plan)["placement"]
     got = model_state(list_checkpoints(cli.tmp_path / "runs" / "auto")[-1])
     want = single_process_reference([], 12)
     for name in want:

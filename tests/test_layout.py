@@ -94,7 +94,8 @@ FLOORS = [
     ("engine.telemetry.protocol", "engine.protocol",   # engine.protocol: the consoles' door to it
      "engine.runtime.disk"),                           # a leaf: what every writer says of a full disk
     ("engine.config",),
-    ("engine.training.precision", "engine.training.timing", "engine.training.loss", "engine.training.optim", "engine.training.data", "engine.models"),
+    ("engine.training.precision", "engine.training.timing", "engine.training.loss", "engine.training.optim", "engine.training.data",
+     "engine.training.throughput", "engine.models"),
     ("engine.telemetry",),
     ("widgets",),                                  # the console's panels: plain data, no engine
     ("console",),                                  # engine.protocol alone; its bench serves a feed through the hub

@@ -96,3 +96,34 @@ def test_auto_picks_the_cpu_ledger_without_gpus():
     if not torch.cuda.is_available():
         assert isinstance(device, LedgerDevice) and device.simulated
         assert "simulated" in device.name
+
+
+def test_a_step_is_booked_at_once_after_two_in_a_row_agree_with_the_same_peak():
+    """ledger.by_units as ddp and sharded use it (a micro-step a unit): the hooks count every saved tensor until
+    two units in a row saved the same bytes (the first one also saves what is made once), then the unit is
+    booked at its forward's end with no hook at all, and every step's peak is the one the hooks gave."""
+    model = small_model()
+    ledger = MemoryLedger(capacity_bytes=1 << 20)
+    ledger.track_module(model)
+    hooked = []
+    counting = ledger.pack_tensor
+    ledger.pack_tensor = lambda t: hooked.append(1) or counting(t)
+    once = torch.randn(32, 16)   # made in the first step only, and saved by it (as a block's shared inputs)
+    peaks, calls = [], []
+    for step in range(4):
+        ledger.reset_peak()
+        hooked.clear()
+        with ledger.by_units(("micro-step", (32, 8), 1)) as units:
+            units.forward_begin()
+            out = model(torch.randn(32, 8))
+            if step == 0:
+                out = out + (once.requires_grad_() ** 2).sum()   # pow saves `once`
+            units.forward_end()
+            out.sum().backward()
+            units.backward_end()
+        peaks.append(ledger.peak_bytes)
+        calls.append(len(hooked))
+    assert ledger.bytes["activations"] == 0
+    assert ledger.unit_bytes(("micro-step", (32, 8), 1)) == 4 * (32 * 8 + 32 * 16)
+    assert calls[1] > 0 and calls[2] > 0 and calls[3] == 0   # counted by tensor until steps 1 and 2 agreed
+    assert peaks[1] == peaks[2] == peaks[3] < peaks[0]

@@ -90,7 +90,8 @@ def test_a_run_on_a_token_file_learns_and_resumes_exactly(cli, tmp_path):
               "--set", "data.name=tokens", "--set", f"data.train={tmp_path / 'train.bin'}",
               "--set", f"data.val={tmp_path / 'val.bin'}", "--set", f"data.seq_len={SEQ}",
               "--set", "data.batch_size=32", "--set", "optim.name=adamw", "--set", "optim.lr=0.01",
-              "--set", "checkpoint.every=10", "--set", "parallel.world_size=2", "--set", "device.memory=1GiB"]
+              "--set", "checkpoint.every=10", "--set", "parallel.world_size=2", "--set", "device.memory=1GiB",
+              "--set", "device.peak_tflops=0.5"]   # a stated peak: mfu on the CPU
     straight = tmp_path / "straight.jsonl"
     r = cli.run("run", "demo/configs/digits_ddp.toml", "--headless", "--steps", "30", *cli.base_args("straight"),
                 *common, "--telemetry-log", str(straight), timeout=120)
@@ -108,6 +109,13 @@ def test_a_run_on_a_token_file_learns_and_resumes_exactly(cli, tmp_path):
     assert want[30] < want[1] - 1.0   # it learns: the ids mostly follow from the one before
     summary = next(rec for rec in read_jsonl(straight) if rec["type"] == "summary")
     assert summary["test_accuracy"] > 0.3
+    # samples are sequences: every step says its tokens a second, and (the peak stated) the fraction of the
+    # peak its FLOPs reach, counted once on the first step: the FLOPs a token costs are the same at every step
+    steps = [rec for rec in read_jsonl(straight) if rec["type"] == "step"]
+    assert all(s["tokens_per_s"] == pytest.approx(s["samples_per_s"] * SEQ, rel=1e-4) for s in steps)
+    per_token = [s["mfu"] * 0.5e12 * 2 / s["tokens_per_s"] for s in steps]
+    assert min(per_token) > 0 and max(per_token) == pytest.approx(min(per_token), rel=1e-3)
+    assert summary["tokens_per_s"] > 0 and 0 < summary["mfu"] < 1
 
 
 def test_a_model_given_to_train_fits_any_data_and_a_config_file_cannot_claim_one(cli, tmp_path):

@@ -118,3 +118,29 @@ def test_resumed_run_repeats_the_losses_of_an_uninterrupted_one(cli, strategy): 
     assert [got[s] for s in range(11, 21)] == [want[s] for s in range(11, 21)]
     resumes = [rec for rec in read_jsonl(split) if rec.get("kind") == "resume"]
     assert resumes and resumes[0]["step"] == 10
+
+
+def test_a_fused_adamw_step_called_directly_equals_adamw_own_bit_for_bit():
+    """engine/training/optim.py `step`: after its first step, a fused AdamW's kernel is called without the
+    wrapper; the weights and both moments are AdamW's own, with weight decay, a learning rate that changes and a
+    parameter without a gradient in some steps."""
+    from engine.config import OptimConfig
+    from engine.training.optim import make_optimizer, set_lr, step
+    torch.manual_seed(0)
+    ours, theirs = ([torch.nn.Parameter(torch.randn(16, 8)) for _ in range(3)] for _ in range(2))
+    with torch.no_grad():
+        for a, b in zip(ours, theirs):
+            b.copy_(a)
+    cfg = OptimConfig(name="adamw", lr=0.01, weight_decay=0.1, kernel="fused")
+    mine, torchs = make_optimizer(cfg, ours), make_optimizer(cfg, theirs)
+    for k in range(6):
+        for i, (a, b) in enumerate(zip(ours, theirs)):
+            g = None if (k % 3 == 2 and i == 1) else torch.randn(16, 8)
+            a.grad, b.grad = g, None if g is None else g.clone()
+        set_lr(mine, 0.01 / (k + 1))
+        set_lr(torchs, 0.01 / (k + 1))
+        step(mine)
+        torchs.step()
+    for a, b in zip(ours, theirs):
+        assert torch.equal(a, b)
+        assert all(torch.equal(mine.state[a][key], torchs.state[b][key]) for key in ("exp_avg", "exp_avg_sq", "step"))

@@ -384,3 +384,92 @@ def test_global_on_a_busy_host_stays_bounded():
     profile = _busy_host_profile(1, 60, 8, 0.3)
     best = plan_global(profile)
     assert best.fits and best.makespan_ms <= plan_local(profile).makespan_ms
+
+
+# --- plans that never lose: calibration, the trial's budget, a plan that goes back (trial.py) -------------------
+
+def test_calibration_scales_the_device_side_to_the_measured_step():
+    from engine.techniques.updates.trial import calibrated
+    profile = Profile([layer("b", fwd=1.0, bwd=2.0, device=1.0, host=5.0), layer("a", fwd=1.0, bwd=2.0, device=1.0,
+                                                                               host=5.0)], 0, 100)
+    everything = {"a": "device", "b": "device"}
+    got, scale = calibrated(profile, everything, 4.0)   # modelled: 2 ms of forward, 6 of backward and updates
+    assert scale == pytest.approx(0.5)
+    assert sum(c.fwd_ms for c in got.layers) + fixed(got, "device").makespan_ms == pytest.approx(4.0)
+    assert [c.host_ms for c in got.layers] == [5.0, 5.0]   # the host's own clock: not scaled
+    assert calibrated(profile, everything, None) == (profile, 1.0)   # nothing measured: as modelled
+
+
+class ScriptedClock:
+    """The updater's step clock: each step (begin_step to begin_step) takes the next of `step_ms`."""
+
+    def __init__(self, step_ms):
+        self.step_ms, self.t = list(step_ms), 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+    def tick(self) -> None:
+        self.t += self.step_ms.pop(0) / 1000
+
+
+def scripted_run(step_ms, profile_steps=2, chosen=None, monkeypatch=None):
+    """An MLP's auto updates, one step a scripted time; `chosen`: the placement the planner returns."""
+    from pathlib import Path
+
+    import torch
+    from engine.config import Config, UpdateConfig
+    from engine.models import build_model
+    from engine.runtime.devices import LedgerDevice
+    from engine.strategies.ddp import params_by_layer
+    from engine.techniques.updates import trial
+    from engine.techniques.updates.report import plan_events
+    from engine.techniques.updates.updater import LayerUpdates
+    from engine.training.loss import cross_entropy
+    if chosen is not None:
+        monkeypatch.setattr(trial, "plan_global", lambda p: update_plan.simulate(p, [chosen[n] for n in p.names]))
+    cfg = Config()
+    cfg.optim.name = "adamw"
+    model = build_model(cfg.model, {"input_dim": 8, "num_classes": 3}, 0)
+    device = LedgerDevice(1 << 30)
+    updater = LayerUpdates(model, params_by_layer(model), cfg.optim, device,
+                           UpdateConfig(placement="auto", profile_steps=profile_steps, host_threads=1))
+    device.ledger.track_module(model, updater)
+    clock = updater.now = ScriptedClock(step_ms)
+    events, placements = [], []
+    for step in range(len(step_ms)):
+        updater.begin_step()
+        cross_entropy(model(torch.randn(4, 8)), torch.tensor([0, 1, 2, 0])).backward()
+        updater.end_backward()
+        updater.wait_host()
+        placements.append(updater.placement())
+        events += plan_events(updater, step + 1, Path("runs/scripted"))   # its profile file is not written here
+        clock.tick()
+    updater.close()
+    return updater, events, placements
+
+
+def test_a_plan_measured_slower_than_the_steps_it_replaced_goes_back(monkeypatch):
+    host_fc0 = {"fc0": "host", "fc1": "device", "head": "device"}
+    # host trial step (the run's first), device trial step 10 ms, then the plan's steps at 30 ms
+    updater, events, placements = scripted_run([50, 10, 30, 30, 30, 30], chosen=host_fc0, monkeypatch=monkeypatch)
+    kinds = [e.kind for e in events]
+    assert kinds == ["update_plan", "plan_reverted"]
+    [back] = [e for e in events if e.kind == "plan_reverted"]
+    assert back.fields["plan_ms"] == 30 and back.fields["replaced_ms"] == 10
+    assert placements[2] == host_fc0 and set(placements[-1].values()) == {"device"}   # back to the trial's device
+    # the same plan at 8 ms a step stands
+    updater, events, placements = scripted_run([50, 10, 8, 8, 8, 8], chosen=host_fc0, monkeypatch=monkeypatch)
+    assert [e.kind for e in events] == ["update_plan"] and placements[-1] == host_fc0
+
+
+def test_the_trial_costs_at_most_two_steps_beyond_its_device_steps():
+    # a host step far slower than the device step: the trial stops after one of each, the plan says its cost
+    updater, events, _ = scripted_run([400, 10, 400, 10, 10, 10], profile_steps=6)
+    [made] = [e for e in events if e.kind == "update_plan"]
+    assert len(updater._trial) == 2 and made.fields["trial_steps"] == 2
+    assert made.fields["trial_extra_ms"] <= made.fields["budget_ms"] == 20
+    # host steps close to the device step: the whole trial runs, within the budget
+    updater, events, _ = scripted_run([12, 10, 12, 10, 12, 10, 10, 10], profile_steps=6)
+    [made] = [e for e in events if e.kind == "update_plan"]
+    assert len(updater._trial) == 6 and made.fields["trial_extra_ms"] <= made.fields["budget_ms"]

@@ -25,18 +25,27 @@ KIND_STYLES = {
     "worker_lost": "bold red", "ps_profile": "bold blue", "memory_plan": "bold blue", "update_plan": "bold blue",
     "policy": "bold green", "placement": "bold green", "step_skipped": "bold #ffb000",
     "step_rolled_back": "bold yellow", "nonfinite": "bold red", "checkpoint_skipped": "bold red",
+    "checkpoint_waited": "bold yellow",
+    "auto_fit": "bold blue", "plan_reverted": "bold yellow",
     "replay": "bold yellow",
 }
 TAGS = {"memory_over_capacity": "memory", "sync_mode": "sync", "worker_lost": "lost", "ps_profile": "profile",
         "memory_plan": "mem plan", "update_plan": "upd plan", "step_skipped": "skipped", "step_rolled_back": "rollback",
-        "checkpoint_skipped": "no ckpt"}
+        "checkpoint_skipped": "no ckpt", "checkpoint_waited": "ckpt wait",
+        "auto_fit": "auto fit", "plan_reverted": "plan back"}
 
 
 def describe(event: dict) -> tuple[str, str]:
     """(tag style, message) for one event record."""
     kind, style = event.get("kind", "?"), KIND_STYLES.get(event.get("kind"), "bold")
     if kind == "checkpoint":
-        return style, f"saved {event.get('path', '')}"
+        said = f"saved {event.get('path', '')}"
+        if "stall_ms" in event:   # what the step waited, beside the write that went on behind it
+            said += f" (the step waited {event['stall_ms']:.0f} ms; written in {event.get('write_ms', 0):.0f} ms)"
+        return style, said
+    if kind == "checkpoint_waited":
+        return style, (f"checkpoint waited {event.get('waited_ms', 0):.0f} ms for the write of step "
+                       f"{event.get('previous', '?')} (one write at a time)")
     if kind == "restart":
         return style, f"worker group restarted ({event.get('restart')}/{event.get('max_restarts')})"
     if kind == "resume":
@@ -88,6 +97,15 @@ def describe(event: dict) -> tuple[str, str]:
         note = f" ({event['note']})" if event.get("note") else ""
         return style, (f"{event.get('planner', '?')}: {ranks or 'no rank planned'} of "
                        f"{human_bytes(event.get('capacity_bytes'))}{note}")
+    if kind == "auto_fit":
+        if "need_bytes" not in event:
+            return style, f"keep and all-device not estimated ({event.get('reason', '?')}); the trials measure"
+        return style, (f"keep and all-device estimated {human_bytes(event.get('need_bytes'))} with the margin, of "
+                       f"{human_bytes(event.get('capacity_bytes'))}: memory {event.get('memory')}, updates "
+                       f"{event.get('placement')} from step 1")
+    if kind == "plan_reverted":
+        return style, (f"update plan went back: {event.get('plan_ms', 0):.1f} ms a step against "
+                       f"{event.get('replaced_ms', 0):.1f} ms for the placement it replaced")
     if kind == "update_plan":
         placement = event.get("placement") or {}
         on_host = sum(p == "host" for p in placement.values())

@@ -9,6 +9,7 @@ invocation and prints ratios; absolute times on a shared machine are noise, rati
     trainyard bench memory               # per-layer keep/swap/recompute at 50% of keep's peak vs full recompute
     trainyard bench ps                   # parameter server: soft sync vs bsp, asp, ssp with a 3x slower worker
     trainyard bench checkpoint           # a 100M-parameter checkpoint written at 4 ranks, loaded at 2: times, RSS
+    trainyard bench step                 # a user's Llama: trainyard's step against the plain loop, eager and compiled
 
 Imports anything in engine (a bench drives the whole engine, or one technique alone); nothing in
 engine imports a bench but the CLI.
@@ -20,7 +21,8 @@ import importlib
 
 BENCHES = {"telemetry": "engine.bench.telemetry", "console": "console.bench", "broadcast": "engine.bench.broadcast",
            "hybrid": "engine.bench.hybrid", "pipeline": "engine.bench.pipeline",
-           "memory": "engine.bench.memory", "ps": "engine.bench.ps", "checkpoint": "engine.bench.checkpoint"}
+           "memory": "engine.bench.memory", "ps": "engine.bench.ps", "checkpoint": "engine.bench.checkpoint",
+           "step": "engine.bench.step"}
 
 
 def run(name: str, argv: list[str]) -> int:

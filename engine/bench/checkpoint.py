@@ -1,9 +1,15 @@
-"""`trainyard bench checkpoint`: how long a checkpoint takes to write and to load, and what a resume holds.
+"""`trainyard bench checkpoint`: how long a checkpoint takes to write and to load, what the step waits for it,
+and what a resume holds.
 
-Three runs of an MLP of about `--params` parameters (AdamW: its two moments per parameter) on the CPU:
+The disk first: as many bytes as a checkpoint holds, written to the same folder and fsynced (`dd conv=fsync`),
+its rate the one a checkpoint's write is compared with. Then three runs of an MLP of about `--params`
+parameters (AdamW: its two moments per parameter) on the CPU:
 
-    write    `--write-world` ranks of `--strategy`, a checkpoint after every step (the checkpoint events'
-             write_ms: rank 0's time from its start to the published folder, every rank's file in it)
+    write    `--write-world` ranks of `--strategy`, a checkpoint every `--every` steps, each step paced
+             (run.step_pause_ms) to take longer than a write: the checkpoint events' stall_ms (what the step
+             waited: the snapshot in host memory), write_ms (the slowest rank's snapshot start to its file
+             fsynced), the write's rate (the checkpoint's bytes over write_ms) against the disk's, and
+             stall_ms / write_ms (after the first checkpoint, which allocates the host buffers). `--sync`: checkpoint.background = false, the step waits for the whole write
     fresh    `--read-world` ranks, no checkpoint to resume: each rank's peak RSS (VmHWM) when its first
              step is logged (the model built, one step) and at its end (training)
     resumed  `--read-world` ranks of `--read-strategy` resumed from the write run's last checkpoint: the resume
@@ -15,7 +21,8 @@ The resumed ranks' peak minus the fresh ones' is what loading held beyond traini
 (docs/checkpoints.md) is no more than one layer in flight. `--root DIR` runs another checkout of trainyard
 (an earlier version, which resumes only at the shape that wrote it) with the same figures, side by side.
 
-    trainyard bench checkpoint [--params 100M] [--write-world 4] [--read-world 2] [--strategy ddp] [--json]
+    trainyard bench checkpoint [--params 100M] [--write-world 4] [--read-world 2] [--strategy ddp] [--every 2]
+                               [--sync] [--json]
 """
 
 from __future__ import annotations
@@ -94,15 +101,32 @@ class Peaks(threading.Thread):
             time.sleep(0.02)
 
 
+def disk_rate(folder: Path, nbytes: int) -> float:
+    """Bytes a second that `folder`'s disk takes: `nbytes` written in 64 MiB blocks and fsynced (what
+    `dd if=/dev/urandom of=FILE bs=64M conv=fsync` measures; random bytes, which no filesystem compresses)."""
+    block = os.urandom(64 << 20)
+    path = folder / "disk-rate.bin"
+    t0 = time.perf_counter()
+    try:
+        with open(path, "wb") as f:
+            for at in range(0, nbytes, len(block)):
+                f.write(memoryview(block)[:min(len(block), nbytes - at)])
+            f.flush()
+            os.fsync(f.fileno())
+        return nbytes / (time.perf_counter() - t0)
+    finally:
+        path.unlink(missing_ok=True)
+
+
 def _run(runs: ChildRuns, root: Path, workdir: Path, name: str, world: int, strategy: str, steps: int,
-         hidden: int, every: int, resume: Path | None = None) -> tuple[list[dict], Peaks]:
+         hidden: int, every: int, resume: Path | None = None, extra: tuple = ()) -> tuple[list[dict], Peaks]:
     log = workdir / f"{name}.jsonl"
     run_dir = workdir / "runs" / name
     config = root / "demo" / "configs" / "digits_ddp.toml"
     sets = [f"run.dir={workdir / 'runs'}", f"run.name={name}", f"run.steps={steps}", "run.eval_every=0",
             f"model.hidden={hidden}", f"model.depth={DEPTH}", "optim.name=adamw", "optim.lr=0.0001",
             "data.batch_size=32", "device.memory=64GiB", f"parallel.world_size={world}",
-            f"parallel.strategy={strategy}", f"checkpoint.every={every}", "checkpoint.keep=2"]
+            f"parallel.strategy={strategy}", f"checkpoint.every={every}", "checkpoint.keep=2", *extra]
     cmd = [sys.executable, "-m", "engine.cli", "run", str(config), "--headless", "--telemetry-log", str(log),
            *[a for s in sets for a in ("--set", s)], *(["--resume", str(resume)] if resume else [])]
     peaks = Peaks(run_dir, log)
@@ -128,14 +152,24 @@ def _mib(n: int | None) -> float | None:
 
 
 def measure(runs: ChildRuns, root: Path, params: float, write_world: int, read_world: int, strategy: str,
-            read_strategy: str, workdir: Path) -> dict:
+            read_strategy: str, workdir: Path, every: int = 2, sync: bool = False) -> dict:
     hidden = hidden_for(params)
-    written, _ = _run(runs, root, workdir, "write", write_world, strategy, 3, hidden, every=1)
-    writes = [e["write_ms"] for e in written if e.get("kind") == "checkpoint" and "write_ms" in e]
+    expected = 3 * 4 * ((DEPTH - 1) * hidden * hidden)   # fp32 weights and AdamW's two moments
+    disk_bps = disk_rate(workdir, expected)
+    # every step longer than a write at the disk's rate (twice it, and the snapshot): the writes never queue
+    pause_ms = max(200, round(2000 * expected / disk_bps))
+    steps = 1 + 4 * every   # four checkpoints in the background, and the run's last
+    written, _ = _run(runs, root, workdir, "write", write_world, strategy, steps, hidden, every=every,
+                      extra=(f"run.step_pause_ms={pause_ms}", f"checkpoint.background={str(not sync).lower()}"))
+    events = [e for e in written if e.get("kind") == "checkpoint" and "write_ms" in e]
+    periodic = events[:-1] or events   # the last is the run's end, synchronous
+    writes = [e["write_ms"] for e in periodic]
+    stalls = [e["stall_ms"] for e in periodic]
     checkpoints = sorted((workdir / "runs" / "write" / "checkpoints").glob("step_*"))
     on_disk = sum(f.stat().st_size for f in checkpoints[-1].iterdir())
+    write_bps = statistics.median(e["bytes"] / (e["write_ms"] / 1000) for e in periodic) if periodic else None
     _, fresh = _run(runs, root, workdir, "fresh", read_world, read_strategy, 2, hidden, every=0)
-    resumed, loaded = _run(runs, root, workdir, "resumed", read_world, read_strategy, 5, hidden, every=0,
+    resumed, loaded = _run(runs, root, workdir, "resumed", read_world, read_strategy, steps + 2, hidden, every=0,
                            resume=checkpoints[-1])
     event = next((e for e in resumed if e.get("kind") == "resume"), {})
     layer = hidden * hidden * 4
@@ -148,7 +182,16 @@ def measure(runs: ChildRuns, root: Path, params: float, write_world: int, read_w
     return {"root": str(root), "params_m": round((DEPTH - 1) * hidden * hidden / 1e6, 1), "hidden": hidden,
             "strategy": strategy, "write_world": write_world, "read_strategy": read_strategy,
             "read_world": read_world, "checkpoint_mib": _mib(on_disk),
+            "every": every, "step_pause_ms": pause_ms, "background": not sync,
             "write_ms": writes, "write_ms_median": statistics.median(writes) if writes else None,
+            "stall_ms": stalls, "stall_ms_median": statistics.median(stalls) if stalls else None,
+            # the first checkpoint allocates the host buffers (pinned, on a GPU); the later ones reuse them
+            "first_stall_ms": stalls[0] if stalls else None,
+            "stall_over_write": round(statistics.median(s / w for s, w in list(zip(stalls, writes))[1:]), 4)
+            if len(writes) > 1 else None,
+            "write_mb_s": round(write_bps / 1e6, 1) if write_bps else None, "disk_mb_s": round(disk_bps / 1e6, 1),
+            "write_over_disk": round(write_bps / disk_bps, 3) if write_bps else None,
+            "waited": sum(1 for e in written if e.get("kind") == "checkpoint_waited"),
             "load_ms": event.get("load_ms"),
             # from the command to the first step, resumed less fresh: the launcher's checksums, the workers' load
             "resume_overhead_s": round(loaded.first_step_s - fresh.first_step_s, 2),
@@ -164,6 +207,10 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--strategy", default="ddp", choices=("ddp", "sharded", "pipeline"))
     ap.add_argument("--read-strategy", default=None, choices=("ddp", "sharded", "pipeline"),
                     help="the resumed run's strategy (default: --strategy)")
+    ap.add_argument("--every", type=int, default=2, help="checkpoint.every of the write run (default 2)")
+    ap.add_argument("--sync", action="store_true", help="checkpoint.background = false: the step waits for the write")
+    ap.add_argument("--dir", type=Path, default=None, help="the folder to write in (default: a temporary one): "
+                                                           "the disk measured")
     ap.add_argument("--root", type=Path, default=ROOT,
                     help="the trainyard checkout to run (default: this one)")
     ap.add_argument("--json", action="store_true")
@@ -172,16 +219,22 @@ def main(argv: list[str]) -> int:
     if not m:
         ap.error(f"--params {args.params!r}: a count such as 100M or 2G")
     params = float(m.group(1)) * {"": 1, "M": 1e6, "G": 1e9}[m.group(2)]
-    with ChildRuns() as runs, tempfile.TemporaryDirectory(prefix="trainyard-bench-ckpt-") as tmp:
+    with ChildRuns() as runs, tempfile.TemporaryDirectory(prefix="trainyard-bench-ckpt-", dir=args.dir) as tmp:
         result = measure(runs, args.root.resolve(), params, args.write_world, args.read_world, args.strategy,
-                         args.read_strategy or args.strategy, Path(tmp))
+                         args.read_strategy or args.strategy, Path(tmp), args.every, args.sync)
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
     print(f"{result['params_m']}M parameters (hidden {result['hidden']}, AdamW), checkpoint "
           f"{result['checkpoint_mib']} MiB, one layer {result['layer_mib']} MiB; {result['root']}")
-    print(f"write: {result['write_world']} x {result['strategy']}, write_ms {result['write_ms']} "
-          f"(median {result['write_ms_median']})")
+    mode = "synchronous" if args.sync else "in the background"
+    print(f"write: {result['write_world']} x {result['strategy']}, {mode}, every {result['every']} steps of "
+          f">= {result['step_pause_ms']} ms; write_ms {result['write_ms']} (median {result['write_ms_median']}), "
+          f"stall_ms {result['stall_ms']} (median {result['stall_ms_median']}); {result['waited']} waited for a write")
+    print(f"rate:  the write {result['write_mb_s']} MB/s, the disk (as many bytes, fsynced, in the same folder) "
+          f"{result['disk_mb_s']} MB/s: {result['write_over_disk']}x; the step's stall / write_ms "
+          f"{result['stall_over_write']} (median after the first, whose stall {result['first_stall_ms']} ms "
+          f"allocates the host buffers)")
     print(f"load:  {result['write_world']} x {result['strategy']} -> {result['read_world']} x "
           f"{result['read_strategy']}, load_ms {result['load_ms']} (the workers'), first step "
           f"{result['resume_overhead_s']} s later than a fresh start's (the launcher's checksums too)")

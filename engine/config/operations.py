@@ -17,6 +17,9 @@ class CheckpointConfig:
 
     every: int = setting(0, "Write a checkpoint every N steps (0: only at exit).", min=0)
     keep: int = setting(3, "Checkpoints kept in the run directory (older ones are deleted).", min=1)
+    background: bool = setting(True, "Write checkpoints in a background thread: the step waits only for a copy "
+                                     "in host memory, and a checkpoint due while one is being written waits for "
+                                     "it; false: the step waits for the whole write (docs/checkpoints.md).")
 
 
 @dataclass

@@ -53,6 +53,10 @@ class ModelConfig:
     heads: int = setting(4, "transformer: attention heads.", min=1)
     channels: int = setting(16, "branchy: channels of each convolution.", min=1)
     dropout: float = setting(0.0, "Dropout probability inside the model.", min=0.0, max=0.9)
+    compile: bool = setting(False, "Compile each layer's own forward on its own (torch.compile, regional: "
+                                   "engine/models/compile.py); hooks, gates and memory policies stay eager around "
+                                   "it. Compile time is reported apart (`compile` events, the summary's "
+                                   "`compile_s`); see docs/models.md.")
 
 
 @dataclass
@@ -165,6 +169,10 @@ class DeviceConfig:
                                   "memory (a size caps it below that); on the CPU 512 MiB of the ledger's "
                                   "simulated device memory. Exceeding it is reported, not hidden.",
                           kind="size")
+    peak_tflops: float = setting(0.0, "The device's peak TFLOP/s for the dtype the step computes in, for the "
+                                      "step records' `mfu`; 0: from the datasheet table of known GPUs "
+                                      "(engine/training/throughput.py), and on the CPU none (no `mfu`).",
+                                 min=0.0)
 
 
 @dataclass

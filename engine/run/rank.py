@@ -11,6 +11,7 @@ parameter server's roles (engine/strategies/param_server/), which sit below the 
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -21,6 +22,7 @@ import torch.distributed as dist
 from engine.config import Config
 from engine.training.data import Dataset, load_dataset
 from engine.models import LayerList, build_model
+from engine.models.compile import compile_layers
 from engine.training.precision import param_dtype
 from engine.runtime.devices import open_device
 from engine.run.claim import hold_as_worker
@@ -122,7 +124,12 @@ def build_rank(job: Job, topo: Topology):
                                       job.config.cluster.node_rank if job.placement is not None else None)
     # the working weights in their dtype (bf16 under precision.params = "bf16"; the fp32 masters are made
     # where the updates run: engine/techniques/updates/layer.py)
-    return restart, device, data, model.to(device.torch_device, dtype=param_dtype(cfg.precision))
+    model = model.to(device.torch_device, dtype=param_dtype(cfg.precision))
+    if cfg.model.compile:   # before any technique wraps a layer or hooks it: they act around the compiled call
+        for note in compile_layers(model):
+            if topo.is_first:
+                print(f"trainyard: model.compile: {note}", file=sys.stderr, flush=True)
+    return restart, device, data, model
 
 
 def meet(topo: Topology, device_name: str, generation: int = 0, node_rank: int | None = None

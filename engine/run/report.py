@@ -2,17 +2,23 @@
 streams, the stages, the layer table, and the events a step's figures raise (a rank over its capacity, a step
 skipped or rolled back by the clipping guard).
 
-    report = StepReport(tel, cfg, strategy, layer_rows)
-    report.step(step, loss, table, samples_per_s, layers, lr)     # rank 0; others return at once
+    report = StepReport(tel, cfg, strategy, layer_rows, topo)
+    report.throughput = Throughput(tokens_per_step, peak_flops)   # once known (the first step's batch)
+    report.step(step, loss, table, wall_s, layers, lr)     # rank 0; others return at once
+
+`wall_s`: the time between this step's record and the last one's, what samples_per_s, tokens_per_s and mfu
+divide by (the step as a user's loop would time it, the boundary's exchange and report included).
 
 Imports engine.runtime.control.
 """
 
 from __future__ import annotations
 
+import statistics
+
 import torch
 
-from engine.runtime.control import Peaks, rank_rows
+from engine.runtime.control import COLUMN, Peaks, rank_rows
 
 
 class StepReport:
@@ -20,18 +26,21 @@ class StepReport:
         self.tel, self.cfg, self.strategy, self.layer_rows, self.topo = tel, cfg, strategy, layer_rows, topo
         self.peaks = Peaks(topo.world_size)
         self.over_reported: set[int] = set()
+        self.throughput = Throughput()
 
-    def step(self, step: int, loss: float, table: torch.Tensor, samples_per_s: float, layers, lr: float) -> None:
+    def step(self, step: int, loss: float, table: torch.Tensor, wall_s: float, layers, lr: float) -> None:
         if not self.topo.is_first:
             return
+        wall_s = max(wall_s, 1e-9)
         ranks = rank_rows(table)
         self.peaks.note(ranks)
         self._over_capacity(step, ranks)
         me = ranks[0]
         updater = self.strategy.updater
         streams = self.strategy.stream_stats(me["step_ms"])
-        record = {"step": step, "loss": loss, "samples_per_s": samples_per_s,
-                  "step_ms": max(e["step_ms"] for e in ranks), "ranks": ranks,
+        record = {"step": step, "loss": loss, "samples_per_s": self.cfg.data.batch_size / wall_s,
+                  "step_ms": max(e["step_ms"] for e in ranks),
+                  **self.throughput.fields(wall_s, table[:, COLUMN["flops"]]), "ranks": ranks,
                   "time_split": {"compute_ms": round(me["fwd_ms"] + me["bwd_ms"] + me["optim_ms"], 4),
                                  "comm_ms": sum(s["busy_ms"] for s in streams), "wait_ms": me["wait_ms"]},
                   "streams": streams, "lr": lr, **updater.decision.fields(), **self.strategy.stage_rows(ranks)}
@@ -57,3 +66,32 @@ class StepReport:
                                capacity_bytes=entry["capacity_bytes"])
                 self.tel.note(f"[yellow]warning:[/] rank {r} went over its device capacity "
                               f"({entry['peak_bytes']} > {entry['capacity_bytes']} bytes)")
+
+
+class Throughput:
+    """A step's tokens_per_s and mfu from its wall time: `tokens_per_step` (the global batch's tokens; 0 where
+    samples are not sequences) and the device's `peak_flops` (None where unknown: no mfu)."""
+
+    def __init__(self, tokens_per_step: int = 0, peak_flops: float | None = None, devices: int = 1):
+        self.tokens_per_step, self.peak_flops, self.devices = tokens_per_step, peak_flops, devices
+        self.seen: list[dict] = []   # every step's fields, for the summary
+
+    def summary(self) -> dict:
+        """The run's median tokens_per_s and mfu, its first step left out (warm-up: allocations, compiles)."""
+        steady = self.seen[1:] or self.seen
+        out = {}
+        for key in ("tokens_per_s", "mfu"):
+            values = [f[key] for f in steady if key in f]
+            if values:
+                out[key] = float(f"{statistics.median(values):.6g}")
+        return out
+
+    def fields(self, wall_s: float, flops: torch.Tensor) -> dict:
+        """`flops`: every rank's counted FLOPs a step (0 until a rank has counted: no mfu yet)."""
+        out = {}
+        if self.tokens_per_step:
+            out["tokens_per_s"] = round(self.tokens_per_step / wall_s, 1)
+        if self.peak_flops and bool((flops > 0).all()):
+            out["mfu"] = float(f"{float(flops.sum()) / (wall_s * self.peak_flops * self.devices):.6g}")
+        self.seen.append(out)
+        return out

@@ -28,20 +28,25 @@ from engine.training.optim import lr_at
 from engine.training.precision import compute_in
 from engine.runtime import checkpoint as ckpt
 from engine.runtime.control import COLUMN, encode_commands, exchange, share_commands
-from engine.runtime.emulate import Emulated, reached
+from engine.runtime.emulate import Emulated
 from engine.processes.lifeline import launcher_gone
 from engine.runtime.events import forward
 from engine.runtime.lifecycle import RunControl, StopRequest, announce, device_fields, world_range
 from engine.runtime.profiler import LayerProfiler
 from engine.runtime.refusal import is_refusal, refuse, transient
 from engine.runtime.topology import Topology
+from engine.run.checkpointer import Checkpointer
+from engine.models.compile import compile_figures
+from engine.run.compiles import CompileReport
+from engine.run.fit import settle_auto
 from engine.run.layer_rows import LayerRows
 from engine.run.rank import Job, build_rank, place_on_host, restart_marked
-from engine.run.report import StepReport
+from engine.run.report import StepReport, Throughput
 from engine.strategies.interface import make_strategy
 from engine.techniques.memory import ActivationPolicy
 from engine.techniques.memory_report import plans_made, step_fields
 from engine.telemetry.outlets import Telemetry
+from engine.training.throughput import counted_flops, device_peak_flops, tokens_per_sample
 from engine.training.timing import Clock
 
 PAUSED_POLL_S = 0.1   # how often paused ranks meet at the boundary to hear "resume" or "stop"
@@ -123,17 +128,27 @@ class Worker(RunControl):
                                        in_flight=self.strategy.in_flight)
         self.resumed_from, self.resumed = None, None
         self.first_step = self._resume()
+        # `auto` where keep and all-device fit: decided before step 1, no trial (engine/run/fit.py)
+        self.fit_events = settle_auto(cfg, self.model, self.data, self.device, self.memory, self.strategy,
+                                      self.loss_fn, self.first_step)
         if self.first_step == 0:   # dropout streams differ per rank, reproducible from the seed
             torch.manual_seed(cfg.run.seed + 1000 * topo.rank)
         self.profiler = LayerProfiler(self.model, self.device.ledger, Clock(self.device.torch_device)) \
             if cfg.telemetry.layer_every else None
         self.tel = Telemetry.open(job, self._hello(), topo.is_first, self.first_step)
+        self.checkpoints = Checkpointer(cfg, topo, self.strategy, self.model, self.device, self.tel)
         self.wait_ms = 0.0
         self.step_now = None        # the step being trained, 1-based as the records count (where())
         self.checkpoint_s = None    # the last checkpoint's time: whether a final one fits a stop's grace
         self.lr = cfg.optim.lr   # the last step's learning rate (engine/training/optim.py lr_at)
         self.layer_rows = LayerRows(self.strategy, self.memory, self.topo)   # the console's layer table
         self.report = StepReport(self.tel, cfg, self.strategy, self.layer_rows, topo)
+        self.compiles = CompileReport(topo.world_size)   # `[model] compile`: its time, apart from the steps'
+        # what a step achieves: tokens_per_s from the first batch's shape, mfu where the device's peak is known
+        # (its FLOPs counted once, on the first step where no layer recomputes)
+        self.peak_flops, self.peak_source = device_peak_flops(self.device.name, cfg.precision.compute,
+                                                              cfg.device.peak_tflops)
+        self.flops = 0
 
     def _hello(self) -> dict:
         cfg = self.cfg
@@ -188,12 +203,14 @@ class Worker(RunControl):
         self.tel.update_state(step=self.first_step, steps=self.cfg.run.steps, paused=False)
         announce(self.tel, self.cfg, self.topo, self.device, self.model.names, self.first_step, self.restart,
                  self.resumed_from, resumed=self.resumed)
+        forward(self.tel, self.first_step, self.fit_events)
         step, loss, last = self.first_step, None, time.perf_counter()
         while True:
             self.step_now = step + 1
             trained = self._train(step) if not self.paused and step < self.cfg.run.steps else None
             step += trained is not None
             table, commands = self._exchange(trained)
+            self.checkpoints.boundary(table)   # publishes what every rank has written; a failed write stops all
             if trained:
                 refusal, events = plans_made(self.memory, table, self.topo.rank, self.cfg, step)
                 if refusal:
@@ -202,10 +219,12 @@ class Worker(RunControl):
                 loss = self.strategy.step_loss(table[:, COLUMN["loss"]])
                 layers = self.layer_rows.gather(trained.layers, table, trained.rows_due)
                 now = time.perf_counter()
-                self.report.step(step, loss, table, self.cfg.data.batch_size / max(now - last, 1e-9), layers, self.lr)
+                self.report.step(step, loss, table, now - last, layers, self.lr)
                 last = now
                 self._due(step)
                 forward(self.tel, step, self.strategy.events(step, table, self.run_dir))
+                if self.cfg.model.compile:
+                    forward(self.tel, step, self.compiles.events(step, table))
             for command in commands:
                 self.take(command, step)
             forward(self.tel, step, self.strategy.boundary(step, trained is not None, self.memory))
@@ -235,9 +254,18 @@ class Worker(RunControl):
         self.memory.before_step(step)
         self.emulated.at(step)
         out_before, wait_before = self.memory.swapped_out_bytes(), self.memory.link_wait_s()
+        if step == self.first_step:
+            tokens = tokens_per_sample(x)
+            self.report.throughput = Throughput(tokens * cfg.data.batch_size if tokens else 0, self.peak_flops,
+                                                self.topo.world_size)
+        count = self.peak_flops is not None and not self.flops and not self.memory.recomputes()
         t0 = time.perf_counter()
         with compute_in(cfg.precision, self.device.torch_device):   # bf16: under autocast
-            loss = strategy.train_step(x, y) or 0.0   # None: a pipeline stage before the last
+            if count:
+                loss, self.flops = counted_flops(lambda: strategy.train_step(x, y))
+            else:
+                loss = strategy.train_step(x, y)
+            loss = loss or 0.0   # None: a pipeline stage before the last
         step_ms = (time.perf_counter() - t0) * 1000
         plan = self.memory.after_step(step)
         fields = step_fields(self.memory, plan, self.memory.swapped_out_bytes() - out_before,
@@ -252,8 +280,9 @@ class Worker(RunControl):
         table = exchange(self.topo, {"stop": float(self.stop.requested), "command_bytes": len(payload),
                                      "loss": trained.loss if trained else 0.0,
                                      "step_ms": trained.step_ms if trained else 0.0, "wait_ms": self.wait_ms,
-                                     **self.strategy.timings, **fields,
-                                     **self.device.stats()})
+                                     "flops": self.flops,
+                                     **self.strategy.timings, **fields, **compile_figures(),
+                                     **self.device.stats(), **self.checkpoints.columns()})
         commands = share_commands(self.topo, payload, table)
         self.wait_ms = (time.perf_counter() - t_wait) * 1000
         return table, commands
@@ -300,36 +329,12 @@ class Worker(RunControl):
 
     # --- checkpoints, evaluation, the end ----------------------------------------
     def checkpoint(self, step: int) -> None:
-        """Every rank writes its files, rank 0 publishes the checkpoint. A write that fails on any rank (a full
-        disk) stops the run on every rank with CheckpointWriteError, the staged files removed and the previous
-        checkpoint untouched: the ranks agree on it first, so none waits at a barrier for one that gave up."""
-        t0 = time.perf_counter()
-        staged = ckpt.staging_dir(self.run_dir, step)
-        rng = {"torch": torch.get_rng_state()}
-        if self.device.kind == "cuda":
-            rng["cuda"] = torch.cuda.get_rng_state()
-        failed = None
-        try:
-            ckpt.write_rank_file(staged, self.topo.rank, *self.strategy.checkpoint_state(), rng)
-        except OSError as e:
-            failed = e
-        reached("checkpoint", step)   # emulate.kill_at: this rank's file written, the checkpoint not published
-        ckpt.agree_written(self.topo.side, self.topo.rank, self.run_dir, step, failed)
-        path, failed = None, None
-        if self.topo.is_first:
-            # Batches are a function of (step, seed), so the step is the whole data position.
-            meta = {"name": self.cfg.run.name, "world_size": self.topo.world_size,
-                    "data_position": {"step": step, "samples_seen": step * self.cfg.data.batch_size},
-                    "layout": self.strategy.layout(), "config": self.cfg.to_dict(),
-                    "tied": ckpt.tied_keys(self.model)}
-            try:
-                path = ckpt.finalize(self.run_dir, step, meta, keep=self.cfg.checkpoint.keep)
-            except OSError as e:
-                failed = e
-        ckpt.agree_written(self.topo.side, self.topo.rank, self.run_dir, step, failed)
-        self.checkpoint_s = time.perf_counter() - t0
-        if path is not None:   # write_ms: rank 0's, its start to the published folder (it waits for every rank's file)
-            self.tel.event("checkpoint", step, path=str(path), write_ms=round(self.checkpoint_s * 1000, 1))
+        """Every rank: the step waits for a snapshot of what it writes in host memory, and its writer thread
+        writes it; rank 0 publishes it once every rank's column of the exchange says its file is written
+        (engine/run/checkpointer.py). A write that fails on any rank (a full disk) stops the run on every rank
+        at the next boundary with CheckpointWriteError, the staged files removed and the previous checkpoint
+        untouched."""
+        self.checkpoints.take(step)
 
     def where(self) -> str:
         """Where this rank is, for an error's line: the step it trains, or its start."""
@@ -388,8 +393,10 @@ class Worker(RunControl):
     def _finish(self, step: int, loss: float | None) -> dict | None:
         self.memory.close()
         stopped_early = step < self.cfg.run.steps
-        if (step > self.first_step or stopped_early) and self._final_checkpoint_fits(step):
-            self.checkpoint(step)
+        drained = self.checkpoints.drain()   # a stop, a restart, a resize and the end wait for the write in flight
+        self.checkpoint_s = self.checkpoints.write_s() or self.checkpoint_s
+        if (step > self.first_step or stopped_early) and drained != step and self._final_checkpoint_fits(step):
+            self.checkpoints.take(step, background=False)
         self.strategy.gather_weights()
         if stopped_early and self.restarting():
             if self.topo.is_first:
@@ -400,6 +407,7 @@ class Worker(RunControl):
         if not self.topo.is_first:
             return None
         summary = self.end(step, stopped_early, loss, self.evaluate(), {
-            **self.report.peaks.summary(), "capacity_bytes": self.device.ledger.capacity_bytes,
+            **self.report.peaks.summary(), **self.report.throughput.summary(),
+            "capacity_bytes": self.device.ledger.capacity_bytes,
             "simulated": self.device.simulated, "restarts": self.restart})
         return {"type": "summary", **summary}

@@ -21,8 +21,9 @@ and its index against its files' headers (verify). Format 1 (one file layout per
 2026-11-26) is read for its weights (model_state: export, engine.train's final weights), and refused for a
 resume by check_format, which says what to do.
 
-Every rank writes its file into `step_000010.tmp/`; when all have (a barrier in the caller), rank 0 writes
-the manifest and renames the folder. A reader therefore sees a whole checkpoint or none, and a file that was
+Every rank writes its file into `step_000010.tmp/` (in the background, hashing as it writes: the step loop's
+engine/run/checkpointer.py); when all have (the ranks agree through the step boundary's exchange, or a
+parameter server's answers), rank 0 writes the manifest and renames the folder. A reader therefore sees a whole checkpoint or none, and a file that was
 truncated or altered later fails its checksum and is refused with its name: a rank file against the
 manifest's, the manifest against its own, a step against the folder's name and each rank file's header.
 """
@@ -39,8 +40,8 @@ from pathlib import Path
 
 import torch
 
-from engine.runtime.checkpoint_files import (CheckpointError, Reader, check_step, folder_step, index_of,
-                                             rank_file, rank_header, write_rank_file)
+from engine.runtime.checkpoint_files import (CheckpointError, Reader, check_step, checksum_file, folder_step,
+                                             index_of, rank_file, rank_header, write_rank_file)
 from engine.runtime.disk import disk_words
 
 __all__ = ["CheckpointError", "CheckpointWriteError", "Reader", "index_of", "rank_file", "write_rank_file"]
@@ -95,14 +96,17 @@ def manifest_checksum(manifest: dict) -> str:
 
 
 def finalize(run_dir: Path, step: int, meta: dict, keep: int) -> Path:
-    """Write the manifest over the staged files, publish the folder, prune old ones."""
+    """Write the manifest over the staged files, publish the folder, prune old ones. A file's checksum is the
+    one its writer took of the bytes it wrote (checksum_file), where that is there and its size is the file's;
+    otherwise the file is read."""
     staged = staging_dir(run_dir, step)
-    files = {p.name: {"sha256": _sha256(p), "bytes": p.stat().st_size}
-             for p in sorted(staged.iterdir()) if p.is_file() and not p.name.startswith(".")}
+    files = {p.name: _written(p) for p in sorted(staged.iterdir()) if p.is_file() and not p.name.startswith(".")}
     # the checksum is of what a reader parses: a tuple or an int key as JSON gives them back
     manifest = json.loads(json.dumps({"format": FORMAT_VERSION, "step": step, **meta, "files": files,
                                       "index": index_of(staged)}))
     manifest[MANIFEST_SHA] = manifest_checksum(manifest)
+    for name in files:
+        checksum_file(staged, name).unlink(missing_ok=True)
     tmp = staged / f".{MANIFEST}.partial"
     tmp.write_text(json.dumps(manifest, indent=2))
     os.replace(tmp, staged / MANIFEST)
@@ -111,23 +115,19 @@ def finalize(run_dir: Path, step: int, meta: dict, keep: int) -> Path:
         shutil.rmtree(final)
     os.replace(staged, final)
     _fsync_dir(final.parent)
-    prune(run_dir, keep)
+    prune(run_dir, keep, before=step)
     return final
 
 
-def agree_written(group, rank: int, run_dir: Path, step: int, failed: OSError | None) -> None:
-    """Every rank of `group`, after its part of checkpoint `step`: whether any rank's write failed (`failed`,
-    a full disk). If one did, every rank raises CheckpointWriteError together (none is left waiting at a
-    barrier for one that gave up), rank 0 removes the staged folder, and the previous checkpoint is untouched."""
-    import torch.distributed as dist
-    flag = torch.tensor([0.0 if failed is None else float(rank + 1)])
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    if flag.item() == 0:
-        return
-    if rank == 0:
-        shutil.rmtree(staging_dir(run_dir, step), ignore_errors=True)
-    why = f"{failed.strerror or failed}" if failed is not None else f"rank {int(flag.item()) - 1}'s write failed"
-    raise write_failed(run_dir, step, why)
+def _written(path: Path) -> dict:
+    size = path.stat().st_size
+    try:
+        said = json.loads(checksum_file(path.parent, path.name).read_text())
+        if said.get("bytes") == size and isinstance(said.get("sha256"), str):
+            return {"sha256": said["sha256"], "bytes": size}
+    except (OSError, ValueError, AttributeError):
+        pass
+    return {"sha256": _sha256(path), "bytes": size}
 
 
 def write_failed(run_dir: Path, step: int, why: str) -> CheckpointWriteError:
@@ -164,17 +164,20 @@ def latest_said(run_dir: Path) -> str:
     return f"latest checkpoint: {saved[-1]}" if saved else "no checkpoint was written"
 
 
-def prune(run_dir: Path, keep: int) -> None:
+def prune(run_dir: Path, keep: int, before: int | None = None) -> None:
+    """Keep the newest `keep` checkpoints; remove the staged folders of steps before `before` (all, if None):
+    a later step's may be being written (a background write, engine/runtime/checkpoint_writer.py)."""
     for old in list_checkpoints(run_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
-    remove_staged(run_dir)
+    remove_staged(run_dir, before)
 
 
-def remove_staged(run_dir: Path) -> None:
+def remove_staged(run_dir: Path, before: int | None = None) -> None:
     """Staged folders no rank is writing: those a checkpoint left when a rank stopped or failed before it was
-    published (the launcher's, at the run's start and end; the next checkpoint's)."""
+    published (the launcher's, at the run's start and end; the next checkpoint's: those of earlier steps)."""
     for stale in checkpoints_dir(run_dir).glob("step_*.tmp"):
-        shutil.rmtree(stale, ignore_errors=True)
+        if before is None or (folder_step(stale) is not None and folder_step(stale) < before):
+            shutil.rmtree(stale, ignore_errors=True)
 
 
 def resolve(path: Path) -> Path:

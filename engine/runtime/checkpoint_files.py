@@ -2,6 +2,7 @@
 tensor under its global name, and the reader that takes from them what a rank holds in any job shape, by name.
 
     write_rank_file(staged, rank, weights, optimizer, rng, extra)   # rank{rank}.safetensors, the step in its header
+    write_tensors(staged, rank, *rank_tensors(weights, optimizer, rng))   # the same, in two parts (a snapshot's)
     index_of(staged)                          # the manifest's index: which file holds each name
     with Reader(path, manifest) as reader:    # one tensor at a time
         reader.weight("layers.3.fc.weight")
@@ -48,15 +49,18 @@ _CODES = {dtype: code for code, dtype in _DTYPES.items()}
 
 
 def write_rank_file(directory: Path, rank: int, weights: dict, optimizer: dict, rng: dict,
-                    extra: dict | None = None, step: int | None = None) -> None:
+                    extra: dict | None = None, step: int | None = None) -> dict:
     """Rank `rank`'s part of a checkpoint: `weights` ({state_dict key: tensor}, the fp32 master where there is
     one), `optimizer` ({parameter name: {"exp_avg": tensor, "step": ...}}: named_state's form), `rng`
-    ({"torch": ..., "cuda": ...}) and a strategy's `extra` (JSON), as one safetensors file written under a
-    temporary name, fsynced and renamed. The tensors may be the live ones, on any device: each is copied to
-    the host as it is written, one at a time (safetensors' own writer wants them all on the host at once).
-    A tensor two names share (a tied weight) is written once, its other names in the header. The header
-    holds the checkpoint's `step` (default: the one `directory`'s name says, step_NNNNNN.tmp), which a reader
-    checks against the manifest's (check_step)."""
+    ({"torch": ..., "cuda": ...}) and a strategy's `extra` (JSON), as one safetensors file (write_tensors).
+    The tensors may be the live ones, on any device: each is copied to the host as it is written, one at a
+    time (safetensors' own writer wants them all on the host at once). Returns {"sha256", "bytes"}."""
+    return write_tensors(directory, rank, *rank_tensors(weights, optimizer, rng), extra=extra, step=step)
+
+
+def rank_tensors(weights: dict, optimizer: dict, rng: dict) -> tuple[dict, dict, dict]:
+    """What a rank file holds, by its names: ({name: tensor}, {alias: name}, {optimizer scalar: value}). A
+    tensor two names share (a tied weight) is held once, its other names aliases."""
     tensors, aliases, scalars, seen = {}, {}, {}, {}
 
     def put(name: str, value: torch.Tensor) -> None:
@@ -78,6 +82,24 @@ def write_rank_file(directory: Path, rank: int, weights: dict, optimizer: dict, 
                 scalars[f"{name}/{stat}"] = value
     for key, value in rng.items():
         put(RNG + key, value)
+    return tensors, aliases, scalars
+
+
+def checksum_file(directory: Path, name: str) -> Path:
+    """Where a rank file's writer leaves the sha256 of the bytes it wrote (finalize reads it, not the file)."""
+    return Path(directory) / f".{name}.sha256"
+
+
+CHUNK = 64 << 20   # bytes written (and hashed, on another thread) at a time
+
+
+def write_tensors(directory: Path, rank: int, tensors: dict, aliases: dict, scalars: dict,
+                  extra: dict | None = None, step: int | None = None) -> dict:
+    """rank_tensors' parts as rank{rank}.safetensors, written under a temporary name, fsynced and renamed. The
+    header holds the checkpoint's `step` (default: the one `directory`'s name says, step_NNNNNN.tmp), which a
+    reader checks against the manifest's (check_step). The sha256 is of the bytes as they are written (a
+    thread hashes each chunk while the next one is written: no read back), left beside the file in
+    checksum_file for finalize; returns {"sha256", "bytes"}."""
     table, offset = {}, 0
     for name, value in tensors.items():
         size = value.numel() * value.element_size()
@@ -91,19 +113,55 @@ def write_rank_file(directory: Path, rank: int, weights: dict, optimizer: dict, 
     directory.mkdir(parents=True, exist_ok=True)
     name = rank_file(rank)
     tmp = directory / f".{name}.partial"
+    digest = _Hashing()
     try:
         with open(tmp, "wb") as f:
-            f.write(len(head).to_bytes(8, "little") + head)
+            first = len(head).to_bytes(8, "little") + head
+            f.write(first)
+            digest.update(first)
             for value in tensors.values():
                 host = value.to("cpu").contiguous().reshape(-1)   # a device's tensor: this one's copy only
-                if host.numel():
-                    f.write(memoryview(host.view(torch.uint8).numpy()))
+                data = memoryview(host.view(torch.uint8).numpy()) if host.numel() else memoryview(b"")
+                for at in range(0, len(data), CHUNK):
+                    f.write(data[at:at + CHUNK])
+                    digest.update(data[at:at + CHUNK], keep=host)
             f.flush()
             os.fsync(f.fileno())
+        written = {"sha256": digest.hexdigest(), "bytes": 8 + len(head) + offset}
+        checksum_file(directory, name).write_text(json.dumps(written))
     except BaseException:
+        digest.close()
         tmp.unlink(missing_ok=True)   # a full disk (OSError), or anything else: no half-written file
+        checksum_file(directory, name).unlink(missing_ok=True)
         raise
     os.replace(tmp, directory / name)
+    return written
+
+
+class _Hashing:
+    """sha256 on a thread of its own, one chunk behind the writer (hashlib lets go of the GIL over a big
+    buffer): a file is hashed at the disk's speed, not at the sum of both."""
+
+    def __init__(self):
+        import hashlib
+        from concurrent.futures import ThreadPoolExecutor
+        self.h = hashlib.sha256()
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="trainyard-sha256")
+        self.pending = None
+
+    def update(self, data, keep=None) -> None:
+        if self.pending is not None:
+            self.pending.result()
+        self.pending = self.pool.submit(lambda: (self.h.update(data), keep))   # `keep`: the chunk's tensor alive
+
+    def hexdigest(self) -> str:
+        if self.pending is not None:
+            self.pending.result()
+        self.close()
+        return self.h.hexdigest()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
 
 
 def _table(file: Path) -> tuple[dict, dict, int]:

@@ -22,12 +22,15 @@ from engine.runtime.topology import Topology
 # A CUDA device's own figures (engine/runtime/devices.py CudaProbe): absent on the CPU, so sent as NaN and left out
 GPU_FIELDS = ("allocated_bytes", "reserved_bytes", "allocator_peak_bytes", "nvml_used_bytes", "nvml_total_bytes",
               "gpu_util_percent")
+# each rank's checkpoint writer (engine/run/checkpointer.py): the last step whose file it wrote, a failed write's
+# step + 1 and errno, and its last checkpoint's stall and write times; rank 0 publishes from them
+CHECKPOINT_FIELDS = ("ckpt_written", "ckpt_failed", "ckpt_errno", "ckpt_stall_ms", "ckpt_write_ms")
 FIELDS = ("stop", "command_bytes", "loss", "step_ms", "fwd_ms", "bwd_ms", "optim_ms", "compute_ms", "wait_ms", "gate_ms", "owned_bytes", "host_bytes", "host_busy_ms",
           "parameters_bytes", "gradients_bytes", "optimizer_state_bytes", "master_bytes", "activations_bytes",
           "inputs_bytes", "swapped_bytes", "used_bytes", "peak_bytes", "capacity_bytes", "over_capacity",
           "rss_bytes", "cpu_percent", "sent_bytes", "migration_bytes", "migration_ms", "swap_layers", "recompute_layers",
           "plan_made", "plan_estimate_bytes", "min_capacity_bytes", "swapped_out_bytes", "link_wait_ms", "host_link_bytes",
-          *GPU_FIELDS)
+          "flops", "compile_ms", "recompiles", *GPU_FIELDS, *CHECKPOINT_FIELDS)
 COLUMN = {name: i for i, name in enumerate(FIELDS)}
 
 
@@ -42,6 +45,8 @@ def row_values(values: dict) -> list[float]:
 def exchange(topo: Topology, values: dict) -> torch.Tensor:
     """All ranks' vectors, one row per rank (see row_values)."""
     mine = torch.tensor(row_values(values), dtype=torch.float64)
+    if topo.world_size == 1:   # no peer to hear from: no collective
+        return mine.unsqueeze(0)
     rows = [torch.empty_like(mine) for _ in range(topo.world_size)]
     dist.all_gather(rows, mine, group=topo.side)
     return torch.stack(rows)
@@ -55,6 +60,8 @@ def share_commands(topo: Topology, payload: bytes, table: torch.Tensor) -> list[
     nbytes = int(table[0, COLUMN["command_bytes"]])
     if nbytes == 0:
         return []
+    if topo.world_size == 1:
+        return json.loads(payload.decode())
     buffer = torch.empty(nbytes, dtype=torch.uint8)
     if topo.is_first:
         buffer.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
@@ -68,8 +75,10 @@ def rank_rows(table: torch.Tensor) -> list[dict]:
     for rank, row in enumerate(table.tolist()):
         entry = {"rank": rank}
         for name, value in zip(FIELDS, row):
-            if name in ("stop", "command_bytes", "plan_made", "plan_estimate_bytes", "min_capacity_bytes") \
-                    or value != value:   # NaN: a GPU figure this rank does not have
+            if name in ("stop", "command_bytes", "plan_made", "plan_estimate_bytes", "min_capacity_bytes", "flops") \
+                    or name in CHECKPOINT_FIELDS or value != value:   # NaN: a GPU figure this rank does not have
+                continue
+            if name in ("compile_ms", "recompiles") and not value:   # `[model] compile` only
                 continue
             if name == "over_capacity":
                 entry[name] = bool(value)
@@ -92,6 +101,7 @@ class Peaks:
     def __init__(self, world_size: int):
         self.ledger = [0] * world_size
         self.allocator: dict[int, int] = {}
+        self.compile: dict[int, tuple[float, int]] = {}   # rank -> (compile ms, recompiles): `[model] compile`
 
     def note(self, ranks: list[dict]) -> None:
         for entry in ranks:
@@ -99,9 +109,16 @@ class Peaks:
             self.ledger[r] = max(self.ledger[r], entry.get("peak_bytes", 0))
             if "allocator_peak_bytes" in entry:
                 self.allocator[r] = max(self.allocator.get(r, 0), entry["allocator_peak_bytes"])
+            if "compile_ms" in entry:   # cumulative, per process (engine/models/compile.py)
+                ms, n = self.compile.get(r, (0.0, 0))
+                self.compile[r] = (max(ms, entry["compile_ms"]), max(n, int(entry.get("recompiles", 0))))
 
     def summary(self) -> dict:
         out = {"peak_bytes_per_rank": list(self.ledger)}
         if self.allocator:   # CUDA ranks: what the GPU's allocator really held at most (0: a CPU rank)
             out["allocator_peak_bytes_per_rank"] = [self.allocator.get(r, 0) for r in range(len(self.ledger))]
+        if self.compile:   # the ranks compile side by side: the slowest one's is what the run waited
+            per_rank = [round(self.compile.get(r, (0.0, 0))[0] / 1000, 3) for r in range(len(self.ledger))]
+            out.update(compile_s=max(per_rank), compile_s_per_rank=per_rank,
+                       recompiles=sum(n for _, n in self.compile.values()))
         return out

@@ -17,6 +17,7 @@ unless `[device] memory` caps it.
 from __future__ import annotations
 
 import os
+import time
 
 import psutil
 import torch
@@ -25,6 +26,7 @@ from engine.runtime.ledger import CATEGORIES, MemoryLedger, tensor_bytes  # noqa
 from engine.runtime.refusal import Refused
 
 SIMULATED_CAPACITY_BYTES = 512 * 2**20   # device.memory = "auto" on the CPU: the simulated device's size
+OS_SAMPLE_S = 0.5   # the OS's and the driver's gauges (RSS, CPU, NVML) are read at most this often (stats())
 
 
 class LedgerDevice:
@@ -46,6 +48,8 @@ class LedgerDevice:
         self.rank_names: list[str] = []   # every rank's device name, by rank (gathered at start: worker.meet)
         self._proc = psutil.Process(os.getpid())
         self._proc.cpu_percent(None)  # the first call only starts the measurement
+        self._gauges: dict | None = None   # stats(): the OS's and the driver's figures, and when they were read
+        self._gauges_at = 0.0
 
     @property
     def name(self) -> str:
@@ -54,8 +58,15 @@ class LedgerDevice:
         return "cpu (simulated device: memory from the engine's ledger)"
 
     def stats(self) -> dict:
-        out = {"kind": self.kind, "simulated": self.simulated, **self.ledger.breakdown(),
-               "rss_bytes": self._proc.memory_info().rss, "cpu_percent": self._proc.cpu_percent(None)}
+        """The ledger's figures now, the GPU allocator's now, and the gauges the OS and the driver keep (RSS, CPU,
+        NVML's used memory and utilisation) as read at most OS_SAMPLE_S ago: reading those costs a system call
+        or a driver call each, and a short step would pay them every step."""
+        now = time.monotonic()
+        if self._gauges is None or now - self._gauges_at >= OS_SAMPLE_S:
+            self._gauges = {"rss_bytes": self._proc.memory_info().rss, "cpu_percent": self._proc.cpu_percent(None),
+                            **(self.probe.gauges() if self.probe is not None else {})}
+            self._gauges_at = now
+        out = {"kind": self.kind, "simulated": self.simulated, **self.ledger.breakdown(), **self._gauges}
         if self.probe is not None:
             out.update(self.probe.figures())
         return out
@@ -82,17 +93,19 @@ class CudaProbe:
         return int(torch.cuda.get_device_properties(self.index).total_memory)
 
     def figures(self) -> dict:
-        """GPU_FIELDS (engine/runtime/control.py): allocator now, reserved, peak; NVML used, total, utilisation."""
-        out = {"allocated_bytes": torch.cuda.memory_allocated(self.index),
-               "allocator_peak_bytes": torch.cuda.max_memory_allocated(self.index),
-               "reserved_bytes": torch.cuda.memory_reserved(self.index)}
-        if self._nvml is not None:
-            import pynvml
-            mem = pynvml.nvmlDeviceGetMemoryInfo(self._nvml)
-            util = pynvml.nvmlDeviceGetUtilizationRates(self._nvml)
-            out.update(nvml_used_bytes=int(mem.used), nvml_total_bytes=int(mem.total),
-                       gpu_util_percent=int(util.gpu))
-        return out
+        """GPU_FIELDS (engine/runtime/control.py) the allocator keeps: now, reserved, peak (read every step)."""
+        return {"allocated_bytes": torch.cuda.memory_allocated(self.index),
+                "allocator_peak_bytes": torch.cuda.max_memory_allocated(self.index),
+                "reserved_bytes": torch.cuda.memory_reserved(self.index)}
+
+    def gauges(self) -> dict:
+        """GPU_FIELDS NVML keeps: used, total, utilisation (driver calls: read at most every OS_SAMPLE_S)."""
+        if self._nvml is None:
+            return {}
+        import pynvml
+        mem = pynvml.nvmlDeviceGetMemoryInfo(self._nvml)
+        util = pynvml.nvmlDeviceGetUtilizationRates(self._nvml)
+        return {"nvml_used_bytes": int(mem.used), "nvml_total_bytes": int(mem.total), "gpu_util_percent": int(util.gpu)}
 
 
 class CudaDevice(LedgerDevice):

@@ -42,6 +42,7 @@ class MemoryLedger:
         self._lock = threading.RLock()   # RLock: a handle freed by the GC inside a locked section
         self._modules: list[torch.nn.Module] = []
         self._shared: list = []   # the tracked modules' SharedInputs (engine/models/layers.py), found as tracked
+        self._params: list = []   # the tracked modules' parameters, found as tracked
         self._optimizers: list[torch.optim.Optimizer] = []
         self._saved: dict[int, list] = {}   # storage pointer -> [bytes, references]
         self.extra: dict[str, int] = {}     # bytes a strategy holds outside parameters/.grad/state, by category
@@ -64,11 +65,12 @@ class MemoryLedger:
         self.all_keep = True     # every layer this rank runs keeps its activations (set by the memory policy)
         self._unit_bytes: dict = {}   # what decides a unit's saved bytes -> those bytes, counted by the hooks
         self._varies: set = set()     # keys whose units saved different bytes: always counted by tensor
+        self._last_unit: dict = {}    # key -> the last unit the hooks counted, until two in a row agree
 
     # --- what the engine holds -------------------------------------------------
     def track_module(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
         self._modules.append(module)
-        self._shared = shared_inputs(self._modules)
+        self._modules_changed()
         if optimizer is not None:
             self._optimizers.append(optimizer)
         self.refresh()
@@ -84,17 +86,22 @@ class MemoryLedger:
             self._modules[index] = module
         else:
             self._modules.append(module)
-        self._shared = shared_inputs(self._modules)
+        self._modules_changed()
         self.refresh()
+
+    def _modules_changed(self) -> None:
+        """The tracked modules' parameters and shared inputs, found once (walking a model's modules costs more
+        than counting its tensors; a tracked module's layers change only through retrack)."""
+        self._shared = shared_inputs(self._modules)
+        self._params = [p for module in self._modules for p in module.parameters()]
 
     def refresh(self) -> None:
         """Recount parameters, gradients and optimizer state (they change size lazily)."""
         params = grads = state = master = 0
-        for module in self._modules:
-            for p in module.parameters():
-                params += tensor_bytes(p)
-                if p.grad is not None:
-                    grads += tensor_bytes(p.grad)
+        for p in self._params:
+            params += tensor_bytes(p)
+            if p.grad is not None:
+                grads += tensor_bytes(p.grad)
         for opt in self._optimizers:
             for per_param in opt.state.values():
                 state += sum(tensor_bytes(v) for v in per_param.values() if torch.is_tensor(v))
@@ -148,7 +155,7 @@ class MemoryLedger:
             return
         # parameters, and the tensors the blocks share (masks, rotary tables: counted under "inputs", kept
         # across steps, so neither counted again nor swapped out when a block saves them)
-        self._param_ptrs = {p.untyped_storage().data_ptr() for m in self._modules for p in m.parameters()}
+        self._param_ptrs = {p.untyped_storage().data_ptr() for p in self._params}
         self._param_ptrs |= shared_input_ptrs(self._shared)
 
         def unpack(saved):
@@ -177,13 +184,20 @@ class MemoryLedger:
         return self.count_activations and self.all_keep and self.swapper is None
 
     def unit_counted(self, key, units: list[int]) -> None:
-        """What the hooks counted for each unit of a step keyed `key` (every layer keeping its activations)."""
+        """What the hooks counted for each unit of a step keyed `key` (every layer keeping its activations). A
+        unit's bytes are known once two units in a row agree (the run's first unit also saves what is made once,
+        the inputs the blocks share); a known unit seen to differ makes `key` counted by tensor for good."""
         if not self._units_apply() or not units:
             return
         known = self._unit_bytes.get(key)
-        if len(set(units)) > 1 or (known is not None and known != units[0]):
-            self._varies.add(key)
-        self._unit_bytes[key] = units[0]
+        if known is not None:
+            if any(u != known for u in units):
+                self._varies.add(key)
+            return
+        seen = ([self._last_unit[key]] if key in self._last_unit else []) + list(units)
+        if len(seen) >= 2 and seen[-2] == seen[-1] and all(u == seen[-1] for u in units[1:]):
+            self._unit_bytes[key] = seen[-1]
+        self._last_unit[key] = units[-1]
 
     @contextmanager
     def by_units(self, key, exact: bool = False):

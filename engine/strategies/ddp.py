@@ -31,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 from engine.training.data import micro_steps
 from engine.training.loss import cross_entropy, share_loss
 from engine.config import DdpConfig, OptimConfig, UpdateConfig
-from engine.runtime.devices import LedgerDevice
+from engine.runtime.devices import LedgerDevice, tensor_bytes
 from engine.runtime.refusal import Refused
 from engine.techniques.updates.updater import LayerUpdates
 from engine.runtime.meter import CommMeter, stream_entry
@@ -67,27 +67,60 @@ class DDPStrategy(Strategy):
         # of about one layer (1 MiB) let them start layer by layer; all on the device, DDP's default.
         update_cfg = update_cfg or UpdateConfig()
         bucket_mb = 25.0 if update_cfg.placement == "device" else 1.0
-        self.ddp = DistributedDataParallel(model, device_ids=ids, process_group=topo.compute,
-                                           gradient_as_bucket_view=True, bucket_cap_mb=bucket_mb,
-                                           find_unused_parameters=settings.find_unused_parameters)
+        # A world of one has nothing to all-reduce: no DDP wrapper (its buckets, the copy into them, its
+        # forward's buffer sync), each gradient final once autograd has accumulated it, as in a plain loop.
+        self.solo = topo.compute.size() == 1
         self.meter = CommMeter(clock)
-        self.ddp.register_comm_hook(topo.compute, self._metered_allreduce)
+        self._last_micro = True   # solo: this micro-step's gradients are the step's (the hooks dispatch them)
+        if self.solo:
+            self.ddp = model
+        else:
+            self.ddp = DistributedDataParallel(model, device_ids=ids, process_group=topo.compute,
+                                               gradient_as_bucket_view=True, bucket_cap_mb=bucket_mb,
+                                               find_unused_parameters=settings.find_unused_parameters)
+            self.ddp.register_comm_hook(topo.compute, self._metered_allreduce)
         # each layer's update, on the device or the host, dispatched as its bucket's all-reduce completes
         # with clipping, host updates speculate and device ones wait for the norm (they run inline either way)
         self.updater = LayerUpdates(model, params_by_layer(model), optim_cfg, device, update_cfg,
                                     speculate_device=False)
         self.optimizer = self.updater   # what the ledger counts: device-side optimizer state
-        for p in model.parameters():    # device updates run inline on the compute thread, during backward
-            p.register_post_accumulate_grad_hook(lambda _p: self.updater.run_device_ready())
+        # solo: a gradient is no view into a bucket, so a device update frees it as the plain loop's
+        # zero_grad(set_to_none=True) does; the ledger counts each gradient from its accumulation to its release
+        self._grad_bytes: dict[int, int] = {}   # solo: the gradients alive now that the ledger counts, by parameter
+        self._params = list(model.parameters())
+        if self.solo:
+            for u in self.updater.updates.values():
+                u.release_grads = self._grads_released
+        # device updates run inline on the compute thread, during backward, as their buckets' all-reduce lands
+        # (solo: as each gradient is accumulated, while some update runs on the host: _solo_hooks)
+        self._hooks: list = []
+        if not self.solo:
+            for p in model.parameters():
+                p.register_post_accumulate_grad_hook(lambda _p: self.updater.run_device_ready())
         self.timings = {"fwd_ms": 0.0, "bwd_ms": 0.0, "optim_ms": 0.0}
         # This rank's own compute ends with the last gradient autograd computes, the first layer's; after
         # that, backward() only waits for the all-reduce of the last buckets, which waits for the slowest
         # rank. compute_ms leaves that wait out, so a straggler stands out from the peers that wait for it.
+        # (solo: no peer to wait for, backward is all its own)
         self._grads_done = None
         first = next((layer for layer in getattr(model, "layers", [model]) if any(True for _ in layer.parameters())),
                      None)
-        for p in first.parameters() if first is not None else ():
+        for p in first.parameters() if first is not None and not self.solo else ():
             p.register_post_accumulate_grad_hook(self._gradient_done)
+
+    def _solo_hooks(self) -> bool:
+        """solo: a hook on every parameter (its gradient dispatches its layer's update as it is accumulated) while
+        some update runs on the host, whose overlap with the rest of backward is what the host placement is for;
+        with every update on the device they run after backward, as a plain loop's optimizer step does (a hook
+        per parameter cost the backward 6% at `trainyard bench step`'s host-bound size). True: hooked."""
+        want = any(u.side == "host" for u in self.updater.updates.values())
+        if want and not self._hooks:
+            self._hooks = [p.register_post_accumulate_grad_hook(self._solo_gradient) for p in self._params]
+        elif not want and self._hooks:
+            for handle in self._hooks:
+                handle.remove()
+            self._hooks = []
+        return want
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         try:
@@ -96,6 +129,18 @@ class DDPStrategy(Strategy):
             if "Expected to have finished reduction" not in str(e):
                 raise
             raise Refused(UNUSED_PARAMETERS) from None
+
+    def _solo_gradient(self, param) -> None:
+        if id(param) not in self._grad_bytes and param.grad is not None:   # a new gradient: on the ledger
+            self._grad_bytes[id(param)] = nbytes = tensor_bytes(param.grad)
+            self.device.ledger.add("gradients", nbytes)
+        if self._last_micro:   # final: its layer's update runs once the layer's last one is
+            self.updater.params_reduced((param,))
+            self.updater.run_device_ready()
+
+    def _grads_released(self, params) -> None:
+        for p in params:
+            self.device.ledger.add("gradients", -self._grad_bytes.pop(id(p), 0))
 
     def _gradient_done(self, _param) -> None:
         self._grads_done = self.times.clock.mark()
@@ -119,20 +164,32 @@ class DDPStrategy(Strategy):
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         x, y = x.to(self.device.torch_device), y.to(self.device.torch_device)
-        self.updater.begin_step()   # gradients were zeroed by the updates that used them
+        self.updater.begin_step()   # gradients were zeroed (solo: freed) by the updates that used them
+        hooked = self.solo and self._solo_hooks()
+        if self.solo:   # gradients kept from the last step (a skipped one's, a guarded update's) are counted
+            self._grad_bytes = {id(p): 0 for p in self._params if p.grad is not None}
         times = self.times
         self._grads_done = None
         t0 = times.mark()
         micro = micro_steps(x, y, self.accumulate)
         losses = []
-        with self.device.ledger.saved_activations():
+        # each micro-step's saved activations: counted tensor by tensor until a micro-step of this shape is
+        # known, then booked at once (no hook on every saved tensor) while every layer keeps them
+        with self.device.ledger.by_units(("micro-step", tuple(x.shape), len(micro))) as units:
             for k, (xk, yk) in enumerate(micro):   # the all-reduce only in the last micro-step's backward
-                with self.ddp.no_sync() if k < len(micro) - 1 else contextlib.nullcontext():
+                self._last_micro = k == len(micro) - 1
+                with self.ddp.no_sync() if not self._last_micro and not self.solo else contextlib.nullcontext():
                     ta = times.mark()
+                    units.forward_begin()
                     loss = share_loss(self.loss_fn, self._forward(xk), yk, self.global_counted, self.topo.world_size,
                                       len(micro))
+                    units.forward_end()
                     t1 = times.mark()
                     loss.backward()
+                    if self.solo and not hooked and self._last_micro:   # every gradient is alive at once now
+                        self.device.ledger.note_transient(sum(tensor_bytes(p.grad) for p in self._params
+                                                              if p.grad is not None and id(p) not in self._grad_bytes))
+                    units.backward_end()
                     times.add("fwd_ms", ta, t1)
                     times.add("bwd_ms", t1, times.mark())
                 losses.append(loss.detach())

@@ -40,6 +40,12 @@ class HeadlessProgress:
         acc = summary.get("test_accuracy")
         table.add_row("test accuracy", f"{acc:.4f}" if acc is not None else "n/a")
         table.add_row("wall time", f"{summary['wall_s']:.1f} s")
+        if "compile_s" in summary:   # `[model] compile`: part of the wall time, none of the step times
+            again = f", {summary['recompiles']} recompile(s)" if summary.get("recompiles") else ""
+            table.add_row("compile time", f"{summary['compile_s']:.1f} s (slowest rank){again}")
+        if summary.get("tokens_per_s"):   # the steps' median, the first left out
+            mfu = f" (MFU {summary['mfu']:.1%})" if summary.get("mfu") else ""
+            table.add_row("tokens/s", f"{summary['tokens_per_s']:,.0f}{mfu}")
         device = "simulated: CPU ledger" if summary.get("simulated") else "ledger"
         allocator = summary.get("allocator_peak_bytes_per_rank")
         for rank, peak in enumerate(summary["peak_bytes_per_rank"]):

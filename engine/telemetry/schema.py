@@ -133,6 +133,9 @@ STEP = {
     "properties": {**_COMMON, "type": {"const": "step"}, "step": {"type": "integer", "minimum": 1},
                    "loss": {"type": ["number", "null"]}, "samples_per_s": {"type": "number", "minimum": 0},
                    "step_ms": {"type": "number", "minimum": 0},
+                   # where samples are sequences of token ids: tokens a second over the wall time between step
+                   # records; mfu where the device's peak is known (engine/training/throughput.py)
+                   "tokens_per_s": {"type": "number", "minimum": 0}, "mfu": {"type": "number", "minimum": 0},
                    "ranks": {"type": "array", "minItems": 1, "items": RANK_ENTRY}, "per_rank": PER_RANK,
                    "time_split": TIME_SPLIT, "streams": {"type": "array", "items": STREAM},
                    "layers": {"type": "array", "items": LAYER}, "ps": PS,
@@ -149,7 +152,8 @@ STEP = {
 
 EVENT_KINDS = ["checkpoint", "restart", "resume", "eval", "memory_over_capacity", "stop", "command", "update_plan",
                "placement", "rebalance", "migration", "memory_plan", "policy", "sync_mode", "worker_lost",
-               "resize", "ps_profile", "step_skipped", "step_rolled_back", "nonfinite"]
+               "resize", "ps_profile", "step_skipped", "step_rolled_back", "nonfinite", "checkpoint_skipped",
+               "checkpoint_waited", "compile", "auto_fit", "plan_reverted"]
 EVENT = {
     "type": "object",
     "required": ["schema", "time", "type", "kind", "step"],
@@ -166,6 +170,10 @@ EVENT = {
         {"if": {"properties": {"kind": {"const": "update_plan"}}},
          "then": {"required": ["planner", "placement", "predicted_ms", "all_device_ms", "all_host_ms"]}},
         {"if": {"properties": {"kind": {"const": "placement"}}}, "then": {"required": ["layer", "placement"]}},
+        {"if": {"properties": {"kind": {"const": "auto_fit"}}},
+         "then": {"required": ["capacity_bytes", "memory", "placement"]}},
+        {"if": {"properties": {"kind": {"const": "plan_reverted"}}},
+         "then": {"required": ["reason", "plan_ms", "replaced_ms", "placement"]}},
         {"if": {"properties": {"kind": {"const": "policy"}}}, "then": {"required": ["layer", "policy"]}},
         {"if": {"properties": {"kind": {"const": "memory_plan"}}},
          "then": {"required": ["planner", "ranks", "policies", "capacity_bytes", "host_link_gbps"]}},
@@ -193,6 +201,10 @@ EVENT = {
                   "properties": {"grad_norm": {"type": "number", "minimum": 0},
                                  "clip": {"type": "number", "exclusiveMinimum": 0},
                                  "redone_layers": {"type": "integer", "minimum": 0}}}},
+        {"if": {"properties": {"kind": {"const": "compile"}}},
+         "then": {"required": ["compile_s", "compile_s_per_rank", "total_s", "recompiles"],
+                  "properties": {"compile_s": {"type": "number", "minimum": 0},
+                                 "recompiles": {"type": "integer", "minimum": 0}}}},
         {"if": {"properties": {"kind": {"const": "nonfinite"}}},
          "then": {"required": ["what", "value"], "properties": {"value": {"enum": ["nan", "inf", "-inf"]}}}},
         {"if": {"properties": {"kind": {"const": "command"}}},
@@ -212,7 +224,9 @@ SUMMARY = {
                    "peak_bytes_per_rank": {"type": "array", "items": _BYTES},
                    "allocator_peak_bytes_per_rank": {"type": "array", "items": _BYTES}, "capacity_bytes": _BYTES,
                    "simulated": {"type": "boolean"}, "restarts": {"type": "integer", "minimum": 0},
-                   "stopped_early": {"type": "boolean"}},
+                   "stopped_early": {"type": "boolean"},
+                   # the steps' medians, the first step left out (engine/run/report.py Throughput)
+                   "tokens_per_s": {"type": "number", "minimum": 0}, "mfu": {"type": "number", "minimum": 0}},
 }
 
 RECORD_SCHEMA = {

@@ -88,6 +88,9 @@ class Embed(nn.Module):
         self.runner.config._attn_implementation = NO_MASKS   # the copy's config: the masks would be thrown away
         self.runner_args, self.runner_kwargs = list(anatomy.runner_args), dict(anatomy.runner_kwargs)
 
+    compile_part = None   # `[model] compile` (engine/models/compile.py)
+    eager_why = "it runs the model's forward up to its first block and stops it there by an exception"
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         args, kwargs = runner_inputs(self, ids, None)
         try:
@@ -100,6 +103,9 @@ class Embed(nn.Module):
 class DecoderBlock(nn.Module):
     """One of the model's blocks (the module itself): a tensor in, the hidden state out, handed what the
     model's forward would hand it."""
+    # `[model] compile` compiles the model's own block, handed its inputs by this eager wrapper
+    # (engine/models/compile.py): the cache of shared inputs is no graph's business
+    compile_part = "block"
 
     def __init__(self, block: nn.Module, index: int, inputs, as_tuple: bool):
         super().__init__()
@@ -182,6 +188,9 @@ class Head(nn.Module):
                 if m is not base and not inside and next(m.parameters(), None) is not None:
                     memo.setdefault(id(m), _Absent(f"{anatomy.base_path}.{name}"))
         self.model = copy.deepcopy(model, memo)
+
+    compile_part = None   # `[model] compile` (engine/models/compile.py)
+    eager_why = "it runs the causal LM's whole forward around a stand-in for its base model"
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model(inputs_embeds=hidden, use_cache=False).logits

@@ -277,15 +277,17 @@ class Coordinator(PSServer, RunControl):
             PSServer.tick(self, time.monotonic())
 
     def checkpoint(self, step: int) -> None:
-        """Every server's file of its own layers, then the run's manifest (RunControl's checkpoint command too)."""
+        """Every server's file of its own layers, then the run's manifest (RunControl's checkpoint command too).
+        Synchronous: the coordinator serves no worker while it writes its own file (stall_ms is write_ms)."""
+        t0 = time.perf_counter()
         for server in range(1, self.setup.servers):
             self.setup.links[server].send(CKPT, iteration=step)
         failed = self.try_save(step)
         self._await(lambda: all((s, step) in self.acks for s in range(1, self.setup.servers)),
                     f"the servers' checkpoint files for step {step}")
-        self.publish(step, failed)
+        self.publish(step, failed, t0)
 
-    def publish(self, step: int, failed: int) -> None:
+    def publish(self, step: int, failed: int, t0: float) -> None:
         """Checkpoint `step` once every server has answered: published, or, when a server's write failed
         (`failed`: this one's errno, the others' in their ACKs), the staged files removed and the run
         stopped with CheckpointWriteError naming the previous checkpoint (exit status 2, no restart)."""
@@ -302,7 +304,9 @@ class Coordinator(PSServer, RunControl):
             server, errno = next((s, e) for s, e in sorted(errors.items()) if e)
             why = os.strerror(errno) if errno > 0 else "the write failed"
             raise ckpt.write_failed(run_dir, step, f"{why} (server rank {server})")
-        self.tel.event("checkpoint", step, path=str(path))
+        write_ms = round((time.perf_counter() - t0) * 1000, 1)
+        self.tel.event("checkpoint", step, path=str(path), stall_ms=write_ms, write_ms=write_ms,
+                       published_ms=write_ms, bytes=sum(f.stat().st_size for f in path.iterdir() if f.is_file()))
 
     def gather(self) -> None:
         """Every layer's weights, from the servers that own them, into this rank's model."""
@@ -330,13 +334,14 @@ class Coordinator(PSServer, RunControl):
         self.gathered = set(self.mine)
         for server in range(1, self.setup.servers):
             self.setup.links[server].send(FINISH, iteration=step, a=float(save))
+        t0 = time.perf_counter()
         failed = self.try_save(step) if save else 0
         self._await(lambda: all((s, step) in self.acks for s in range(1, self.setup.servers))
                     and self.gathered >= set(self.setup.params), "the servers' final checkpoint files and weights")
         for link in self.setup.links.values():
             link.flush()
         if save:
-            self.publish(step, failed)
+            self.publish(step, failed, t0)
         if self.stop_reason == "finished":
             self.stop_reason = "workers left"   # "finished" short of the steps: its workers left
         self.summary = self.end(step, stopped_early, self.last_loss, self.evaluate(), {

@@ -29,6 +29,7 @@ import traceback
 
 import torch
 
+from engine.models.compile import FIGURES, compile_figures
 from engine.runtime.control import row_values
 from engine.runtime.lifecycle import StopRequest
 from engine.runtime.topology import Topology
@@ -114,6 +115,7 @@ class PSWorker:
                 p.register_post_accumulate_grad_hook(self._grad_hook(j))
         self.iteration = setup.first_step
         self.profile: list[list[float]] = []
+        self._compiles = (0.0, 0.0)   # compile seconds at the ends of the last two iterations (_profile)
         self.pushed_at: dict[int, float] = {}   # layer -> when its last gradient left
         self.slack: dict[int, float] = {}       # layer -> ms from that push to needing the layer again
         self.stats: torch.Tensor | None = None  # the last iteration's figures, sent with the next pull
@@ -193,7 +195,8 @@ class PSWorker:
                 step_ms = (t_end - t_start) * 1000
                 self.iteration += 1
                 value = float(sum(losses))   # waits for the iteration's work: its marks are read without a synchronize
-                row = {"loss": value, "step_ms": step_ms, **times.end_step(), "wait_ms": wait_ms, **device.stats()}
+                row = {"loss": value, "step_ms": step_ms, **times.end_step(), "wait_ms": wait_ms, **device.stats(),
+                       **compile_figures()}
                 self.stats = torch.tensor(row_values(row), dtype=torch.float64)
                 self._profile()
                 self.slow_machine.stretch_rest((time.perf_counter() - t_start) * 1000 - wait_ms)
@@ -221,7 +224,11 @@ class PSWorker:
         done = self.iteration - self.setup.first_step
         if done > steps:
             return
-        if done > 1:
+        # `[model] compile`: a slack that holds a compile (in this iteration, or the last one's backward) is no
+        # sample, unless every one did
+        clean = FIGURES.seconds == self._compiles[0]
+        self._compiles = (self._compiles[1], FIGURES.seconds)
+        if done > 1 and (clean or (done == steps and not self.profile)):
             self.profile.append([self.slack.get(j, 0.0) for j in self.layers])
         if done == steps:
             mean = torch.tensor(self.profile, dtype=torch.float64).mean(dim=0)

@@ -60,6 +60,7 @@ import torch
 import torch.distributed as dist
 
 from engine.config import OptimConfig, PipelineConfig, UpdateConfig
+from engine.models.compile import FIGURES, eager_layers
 from engine.runtime.devices import tensor_bytes
 from engine.training.loss import counted, cross_entropy, share_loss
 from engine.strategies.ddp import params_by_layer
@@ -195,14 +196,19 @@ class PipelineStage(StageWire, StageCheckpoint, Strategy):
         move, self.pending = (Migration(self, self.pending) if self.pending else None), None
         self._move = move
         ranges = [(self.start, self.end)]
+        arrivals = eager_layers(())
         if move is not None:
             move.start()
             move.receive_state()   # first, and completed: see engine/strategies/pipeline/migration.py
             ranges.append(check_stages(self.model.names, move.new)[self.rank])
+            # `[model] compile`: a layer that arrives runs eager in its migration step, compiled from the next
+            arrivals = eager_layers([self.model.layers[i] for i in range(*ranges[1])
+                                     if not self.start <= i < self.end])
+        compiles = FIGURES.dynamo + FIGURES.seconds
         # saved tensors counted through autograd's hooks until a micro-batch of this layout and shape is known;
         # then each micro-batch at once (MemoryLedger.unit_bytes: the same peak)
         key = (self.start, self.end, tuple(x.shape), x.dtype)
-        with self.device.ledger.by_units(key, exact=move is not None) as units:
+        with self.device.ledger.by_units(key, exact=move is not None) as units, arrivals:
             for op, i in schedule_ops(self.schedule, self.stages, self.rank, m):
                 new_layout = move is not None and move.use_new(i)
                 if op == "F":
@@ -246,8 +252,10 @@ class PipelineStage(StageWire, StageCheckpoint, Strategy):
             self.device.ledger.retrack(self.ledger_module)
             self.layer_clock.take()   # the next check measures the new layout only
             self.migration, self._move = move, None
-        elif self._steps == 0:
-            self.layer_clock.take()   # the first step pays one-off costs (allocations, lazy imports): not a cost
+        elif self._steps == 0 or FIGURES.dynamo + FIGURES.seconds != compiles:
+            # the first step pays one-off costs (allocations, lazy imports), a step that compiled its compile
+            # (engine/models/compile.py): not a layer's cost
+            self.layer_clock.take()
         else:
             self.layer_clock.end_step()
         self._steps += 1

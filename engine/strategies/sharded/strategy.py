@@ -245,14 +245,18 @@ class ShardedStrategy(GradientReduce, Strategy):
         t0 = times.mark()
         micro = micro_steps(x, y, self.accumulate)
         losses = []
-        with self.device.ledger.saved_activations():
+        # booked a micro-step at a time once one of this shape is known, every layer keeping (ledger.by_units)
+        with self.device.ledger.by_units(("micro-step", tuple(x.shape), len(micro))) as units:
             for k, (xk, yk) in enumerate(micro):
                 self._accumulating = k < len(micro) - 1
                 ta = times.mark()
+                units.forward_begin()
                 loss = share_loss(self.loss_fn, self.model(xk), yk, self.global_counted, self.world,
                                   len(micro))   # the sum divides by the world
+                units.forward_end()
                 t1 = times.mark()
                 loss.backward()
+                units.backward_end()
                 times.add("fwd_ms", ta, t1)
                 times.add("bwd_ms", t1, times.mark())
                 losses.append(loss.detach())

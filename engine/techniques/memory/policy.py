@@ -87,6 +87,21 @@ class ActivationPolicy:
             forward = self._replaced[i] or type(layer).forward.__get__(layer)
             layer.forward = partial(self._forward, i, self.names[i], forward)
 
+    def settle_keep(self, note: str, estimate_bytes: int) -> None:
+        """`auto` before step 1, where keep was estimated to fit the capacity (engine/run/fit.py): every layer not
+        pinned keeps, with no measured step and no link (nothing swaps), as `memory.policy = "keep"` runs. Layers
+        that migrate in later are measured and planned as usual."""
+        owned = list(self.owned())
+        self.policy.update({n: "keep" for n in owned if n not in self.pinned})
+        self.provisional -= set(owned)
+        self.plan = Plan(policies={n: self.policy[n] for n in owned}, estimate_bytes=estimate_bytes,
+                         capacity_bytes=self.ledger.capacity_bytes, planner=self.cfg.planner, budget_ms=0.0,
+                         note=note)
+        self.plan_due = False
+        if self.link is not None and "swap" not in self.policy.values():   # no hook on every saved tensor
+            self.link.close()
+            self.link = self.swapper = self.ledger.swapper = None
+
     def _ensure_link(self, needed: bool) -> None:
         if needed and self.link is None:
             if not self.link_gbps:
@@ -173,6 +188,10 @@ class ActivationPolicy:
         return out
 
     # --- steps and plans ---------------------------------------------------------------------------
+    def recomputes(self) -> bool:
+        """Some layer this rank runs recomputes its forward in backward (a step that is not all useful work)."""
+        return any(self.policy[n] == "recompute" for n in self.owned())
+
     def set(self, layer: str, policy: str) -> None:
         """An operator's choice (`set-policy`): it stays (an auto plan works around it) from the next step."""
         if layer not in self.policy:

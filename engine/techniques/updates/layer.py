@@ -13,7 +13,7 @@ import time
 import torch
 
 from engine.config import OptimConfig
-from engine.training.optim import make_optimizer
+from engine.training.optim import make_optimizer, step
 from engine.runtime.devices import tensor_bytes
 from engine.training.timing import Clock
 
@@ -59,6 +59,11 @@ class LayerUpdate:
         self._snap: list[torch.Tensor] | None = None   # the weights it steps, then its state tensors
         self._snap_layout: list | None = None          # per optimizer parameter: its state's non-tensor values
         self.speculated = False                        # stepped this step, not settled yet
+        # a device update's gradients freed after it, not zeroed in place (the next backward then writes them
+        # afresh rather than adding to zeros: a read and a write of every gradient less, and their memory free
+        # until then); set by a strategy whose gradients are no views into its buffers (a world of one's ddp),
+        # called with the parameters whose gradients went (the ledger's count)
+        self.release_grads = None
 
     def move(self, side: str) -> None:
         """Carry the optimizer state and the fp32 master weights to `side`."""
@@ -122,19 +127,24 @@ class LayerUpdate:
             self._save()
         self._optimizer_step_device()
         if not self.guard:
-            self._zero_grads()
+            if self.release_grads is not None:   # nothing holds a view of them: freed, as zero_grad(set_to_none)
+                for p in self.params:
+                    p.grad = None
+                self.release_grads(self.params)
+            else:
+                self._zero_grads()
         self._device_marks = (t0, self.clock.mark())
 
     def _optimizer_step_device(self) -> None:
         if self.wide:   # widen each gradient for the step, narrow the master back into the working weights
             for p, m in zip(self.params, self.master):
                 m.grad = None if p.grad is None else p.grad.float()
-            self.optimizer.step()
+            step(self.optimizer)
             for p, m in zip(self.params, self.master):
                 m.grad = None
                 p.copy_(m)
         else:
-            self.optimizer.step()
+            step(self.optimizer)
 
     @property
     def device_ms(self) -> float:
@@ -183,7 +193,7 @@ class LayerUpdate:
         for had, m, came, wide in zip(self._had_grad, self.master, self.grads, self.grads32 or self.grads):
             # the step runs on fp32: bf16 gradients are widened on the host, after the link
             m.grad = None if not had else (wide.copy_(came) if self.wide else came)
-        self.optimizer.step()
+        step(self.optimizer)
 
     def _weights_up(self) -> None:
         """The host's master weights up into the working weights (narrowed on the host, so the link carries
@@ -337,6 +347,20 @@ class LayerUpdate:
 
     def state_bytes(self) -> int:
         return sum(tensor_bytes(v) for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v))
+
+    def stepped_state_bytes(self) -> int:
+        """The optimizer state this update keeps once it has stepped (AdamW: two fp32 moments a weight), from one
+        step of its own optimizer on meta tensors (no memory), by the ledger's rule; and a guarded update's
+        rollback copy on the device beside it (before step 1 there is no state to count: engine/run/fit.py)."""
+        weights = self.master if self.master is not None else self.params
+        meta = [torch.nn.Parameter(torch.empty_like(w, device="meta", dtype=torch.float32)) for w in weights]
+        for m in meta:
+            m.grad = torch.empty_like(m)
+        optimizer = make_optimizer(self.cfg, meta, kernel="foreach")
+        with torch.no_grad():
+            optimizer.step()
+        state = sum(tensor_bytes(v) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v))
+        return state + (sum(tensor_bytes(m) for m in meta) + state if self.device_copy else 0)
 
     def device_bytes(self) -> int:
         """What this update holds on the device while placed there: its optimizer state, beside bf16 working

@@ -2,6 +2,14 @@
 host and the device (a device step holds only what fits beside the host steps' peak), each layer's times and
 bytes are recorded, and the planner places each update from them. Part of LayerUpdates (updater.py).
 
+Plans that never lose (docs/hybrid.md):
+- the trial costs at most TRIAL_BUDGET_STEPS steps' time beyond its device steps: a host step that would take it
+  past that is not run, and the plan is made from what was measured;
+- the cost model is calibrated first: its device-side times are scaled so that the modelled step of the trial's
+  device placement is the measured one (the host's times are the host's own clock's);
+- a plan that moves updates off the trial's device placement is then timed for CHECK_STEPS steps, and goes back
+  to that placement (a `plan_reverted` event) when its steps are slower than the trial's device steps.
+
 Imports engine.techniques.updates.plan.
 """
 
@@ -10,7 +18,10 @@ from __future__ import annotations
 import dataclasses
 import statistics
 
-from engine.techniques.updates.plan import UpdateCost, Profile, fixed, plan_global, plan_local
+from engine.techniques.updates.plan import UpdateCost, Profile, fixed, plan_global, plan_local, simulate
+
+TRIAL_BUDGET_STEPS = 2   # what the trial may cost beyond its device steps, in device steps
+CHECK_STEPS = 3          # a new plan's steps timed against the steps it replaced (their median)
 
 
 class PlacementTrial:
@@ -46,11 +57,68 @@ class PlacementTrial:
                             "steady_peak": steady,
                             "updates": {u.name: (u.device_ms, u.host_ms, u.copy_ms, u.device_bytes(), u.side)
                                         for u in self.updates.values()}})
+        self._trial[-1]["first"] = self._steps_begun == 1   # the run's first step: warm-up, whatever the side
         self.trial_left -= 1
         if self.trial_left == 0:
-            self._make_plan()
+            self._plan_due = True   # made when this step's time is known (begin_step)
+
+    # --- the step's time: the trial's budget, a new plan's check ------------------------------------
+    def _step_ended(self) -> None:
+        """At the next begin_step: the wall time of the step that ended, from after its placement moved."""
+        if self._began is None:
+            return
+        ms, self._began = (self.now() - self._began) * 1000, None
+        if self._timed == "trial" and self._trial:
+            self._trial[-1]["step_ms"] = ms
+        elif self._timed == "plan" and self.replaced is not None:
+            self._checked.append(ms)
+            if len(self._checked) >= CHECK_STEPS:
+                self._check_plan()
+
+    def _device_step_ms(self) -> float | None:
+        """The trial's device steps, timed (the run's first step left out where another was timed): their median."""
+        timed = [t for t in self._trial if t["side"] == "device" and "step_ms" in t]
+        later = [t["step_ms"] for t in timed if not t["first"]] or [t["step_ms"] for t in timed]
+        return statistics.median(later) if later else None
+
+    def _trial_cost(self) -> tuple[float, float | None]:
+        """(ms the trial's timed steps took beyond as many device steps, the run's first step left out; the
+        device step's ms)."""
+        device_ms = self._device_step_ms()
+        if device_ms is None:
+            return 0.0, None
+        return sum(max(0.0, t["step_ms"] - device_ms) for t in self._trial
+                   if "step_ms" in t and not t["first"]), device_ms
+
+    def _trial_over_budget(self) -> bool:
+        """Before a host trial step: would it take the trial past TRIAL_BUDGET_STEPS device steps? (Its cost is
+        the last host step's: the first, warm-up included, where no other was timed.)"""
+        if self._trial_side() != "host":
+            return False
+        spent, device_ms = self._trial_cost()
+        hosts = [t["step_ms"] for t in self._trial if t["side"] == "host" and "step_ms" in t]
+        if device_ms is None or not hosts:
+            return False
+        return spent + max(0.0, hosts[-1] - device_ms) > TRIAL_BUDGET_STEPS * device_ms
+
+    def _check_plan(self) -> None:
+        """CHECK_STEPS steps of a new plan are timed: slower than the steps it replaced, it goes back to them."""
+        replaced, self.replaced = self.replaced, None
+        plan_ms, self._checked = statistics.median(self._checked), []
+        if plan_ms <= replaced["step_ms"]:
+            return
+        self.place(replaced["placement"])
+        self.plan = simulate(self.profile, [replaced["placement"][c.name] for c in self.profile.layers])
+        self.reverted = {"reason": "measured slower than the placement it replaced",
+                         "plan_ms": round(plan_ms, 3), "replaced_ms": round(replaced["step_ms"], 3),
+                         "placement": dict(replaced["placement"])}
 
     def _make_plan(self) -> None:
+        self._plan_due = False
+        self.trial_left = 0
+        if self._profiler is not None:
+            self._profiler.armed = False
+
         def median(values: list[float]) -> float:
             return statistics.median(values) if values else 0.0
         dev = [t for t in self._trial if t["side"] == "device"][1:] or [t for t in self._trial if t["side"] == "device"]
@@ -79,12 +147,24 @@ class PlacementTrial:
             costs[-1] = dataclasses.replace(last, fwd_ms=last.fwd_ms + carry_fwd, bwd_ms=last.bwd_ms + carry_bwd)
         peak = min(t["peak"] for t in host) if host else self.device.ledger.peak_bytes
         threads = self.executor.threads if self.executor is not None else 1   # the host's servers
-        self.profile = Profile(tuple(costs), peak_bytes=peak, capacity_bytes=self.device.ledger.capacity_bytes,
-                               host_threads=threads)
+        profile = Profile(tuple(costs), peak_bytes=peak, capacity_bytes=self.device.ledger.capacity_bytes,
+                          host_threads=threads)
+        # the placement the trial's device steps ran (every update that fitted), and their measured step
+        tried = {name: dev[-1]["updates"][name][4] for name in profile.names} if dev else {}
+        spent, measured = self._trial_cost()
+        self.profile, scale = calibrated(profile, tried, measured)
         planner = plan_global if self.cfg.planner == "global" else plan_local
         self.plan = planner(self.profile)
-        self.place({name: side for name, side in zip((c.name for c in costs), self.plan.placement)})
+        chosen = {name: side for name, side in zip(profile.names, self.plan.placement)}
+        self.place(chosen)
         self.new_plan = True
+        self.trial_figures = {
+            "trial_steps": len(self._trial), "trial_ms": round(sum(t.get("step_ms", 0.0) for t in self._trial), 3),
+            "trial_extra_ms": round(spent, 3), "budget_ms": round(TRIAL_BUDGET_STEPS * (measured or 0.0), 3),
+            "measured_device_ms": round(measured, 3) if measured is not None else None,
+            "calibration": round(scale, 4)}
+        if tried and measured is not None and chosen != tried:   # timed against the steps it replaces
+            self.replaced, self._checked = {"placement": tried, "step_ms": measured}, []
 
     @staticmethod
     def _device_times(dev: list[dict]) -> dict[str, float]:
@@ -101,3 +181,21 @@ class PlacementTrial:
     def predicted(self, placement: str | dict) -> object:
         """The cost model's timeline of another placement, from this run's profile (for reports)."""
         return fixed(self.profile, placement)
+
+
+def calibrated(profile: Profile, placement: dict[str, str], measured_ms: float | None) -> tuple[Profile, float]:
+    """`profile` with its device-side times (forward, backward, device updates) scaled so that the modelled step
+    of `placement` (the forward, then the model's makespan) is `measured_ms`, and the scale; the host's times
+    are left as its own clock measured them. Unchanged (scale 1) where nothing was measured."""
+    if not placement or not measured_ms:
+        return profile, 1.0
+    timeline = simulate(profile, [placement[c.name] for c in profile.layers])
+    # the device's side: the forward, then backward and device updates; host updates may outlast it (a tail)
+    device_side = sum(c.fwd_ms for c in profile.layers) + timeline.device_end_ms
+    host_tail = timeline.makespan_ms - timeline.device_end_ms
+    if device_side <= 0:
+        return profile, 1.0
+    scale = max(1e-3, (measured_ms - host_tail) / device_side)
+    layers = tuple(dataclasses.replace(c, fwd_ms=c.fwd_ms * scale, bwd_ms=c.bwd_ms * scale,
+                                       device_ms=c.device_ms * scale) for c in profile.layers)
+    return dataclasses.replace(profile, layers=layers), scale

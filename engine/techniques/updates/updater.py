@@ -95,10 +95,22 @@ class LayerUpdates(PlacementTrial, UpdateState):
         self.trial_left = cfg.profile_steps if cfg.placement == "auto" else 0
         self._trial: list[dict] = []
         self._grads_at_start = 0
-        self._profiler = LayerProfiler(model, device.ledger, Clock(device.torch_device)) if self.trial_left else None
+        self._profiler: LayerProfiler | None = None   # made for the first trial step (none where auto settled first)
+        self.now = time.perf_counter   # the step's wall clock (trial.py: the trial's budget, a plan's check)
+        self._began: float | None = None   # this step's start, where it is timed
+        self._timed: str | None = None     # what this step's time is for: "trial", "plan" (checked) or None
+        self._steps_begun = 0
+        self._plan_due = False        # the trial has ended: the plan is made once its last step is timed
+        self.replaced: dict | None = None   # a new plan's check: the placement it replaced and its measured step
+        self._checked: list[float] = []     # the new plan's timed steps
+        self.reverted: dict | None = None   # a plan that went back (plan_reverted), until reported
+        self.trial_figures: dict = {}       # the last trial's cost and the model's calibration, for the plan event
         self.plan = None              # the planner's Timeline once made (auto)
         self.new_plan = False         # set when a plan was just made; the step loop reports it (report.py)
         self.profile: Profile | None = None
+        # a host-placed layer's gate: its forward waits for its update to land (a device update has landed
+        # before the next forward begins: no hook on a layer that no host update touches)
+        self._gate_handles: dict[int, object] = {}
         if isinstance(cfg.placement, dict):
             unknown = sorted(set(cfg.placement) - set(model.names))
             if unknown:
@@ -107,8 +119,14 @@ class LayerUpdates(PlacementTrial, UpdateState):
             self.place({n: s for n, s in cfg.placement.items() if n in self.by_name})
         elif cfg.placement == "host":
             self.place(dict.fromkeys(self.by_name, "host"))
-        self._gate_handles = {index: model.layers[index].register_forward_pre_hook(self._gate(index))
-                              for index in self.updates}
+
+    def _gates(self) -> None:
+        """A gate on each host-placed layer, none on the others (after any change of placement or layers)."""
+        for index, u in self.updates.items():
+            if u.side == "host" and index not in self._gate_handles:
+                self._gate_handles[index] = self.model.layers[index].register_forward_pre_hook(self._gate(index))
+            elif u.side != "host" and index in self._gate_handles:
+                self._gate_handles.pop(index).remove()
 
     def _new_update(self, index: int, params: list[torch.nn.Parameter]) -> LayerUpdate:
         u = LayerUpdate(self.model.names[index], index, params, self.optim_cfg)
@@ -134,6 +152,7 @@ class LayerUpdates(PlacementTrial, UpdateState):
                 self.by_name[name].move(side)
         if any(u.side == "host" for u in self.updates.values()) and self.executor is None:
             self.executor = HostExecutor(self.cfg.host_threads or default_host_threads())
+        self._gates()
         self.device.ledger.refresh()
 
     def set_placement(self, layer: str, side: str) -> None:
@@ -142,7 +161,9 @@ class LayerUpdates(PlacementTrial, UpdateState):
             raise ValueError(f"unknown layer {layer!r}")
         if self.trial_left:   # the operator decides: the trial ends unplanned
             self.trial_left = 0
-            self._profiler.armed = False
+            if self._profiler is not None:
+                self._profiler.armed = False
+        self._plan_due, self.replaced = False, None   # and no plan made or checked goes over the operator's
         self.place({layer: side})
 
     # --- layers that change hands (pipeline migration) ------------------------------------------
@@ -156,7 +177,9 @@ class LayerUpdates(PlacementTrial, UpdateState):
         del self.by_name[u.name]
         for p in u.params:
             self.layer_of.pop(id(p), None)
-        self._gate_handles.pop(index).remove()
+        handle = self._gate_handles.pop(index, None)
+        if handle is not None:
+            handle.remove()
         self._missing.pop(index, None)
         return {"state": u.optimizer.state_dict(), "side": u.side,
                 "master": [m.detach().cpu() for m in u.master] if u.wide else None}
@@ -175,7 +198,6 @@ class LayerUpdates(PlacementTrial, UpdateState):
         self.updates[index] = u
         self.by_name[u.name] = u
         self.layer_of.update({id(p): u for p in params})
-        self._gate_handles[index] = self.model.layers[index].register_forward_pre_hook(self._gate(index))
         self._missing[index] = len(params)
         if side == "host":
             self.place({u.name: "host"})
@@ -203,9 +225,25 @@ class LayerUpdates(PlacementTrial, UpdateState):
         return sum(u.rollback_bytes() for u in self.updates.values() if u.side == "device")
 
     # --- a step ------------------------------------------------------------------------------
+    def settle_device(self) -> None:
+        """`auto` before step 1, where every update's state was estimated to fit beside keep's peak
+        (engine/run/fit.py): every update on the device, no trial, as `placement = "device"` runs."""
+        self.trial_left = 0
+        self.place(dict.fromkeys(self.by_name, "device"))
+
+    def device_state_bytes(self) -> int:
+        """The optimizer state (and rollback copies) every update of this rank would keep on the device once
+        stepped: what all-device adds to the device (engine/run/fit.py)."""
+        return sum(u.stepped_state_bytes() for u in self.updates.values())
+
     def begin_step(self) -> None:
         self._parts, self._held, self._decided = [], [], False
+        self._step_ended()   # the last step's time: the trial's budget, a new plan's check (trial.py)
+        if self._plan_due or (self.trial_left and self._trial_over_budget()):
+            self._make_plan()
         if self.trial_left:
+            if self._profiler is None:
+                self._profiler = LayerProfiler(self.model, self.device.ledger, Clock(self.device.torch_device))
             side = self._trial_side()
             self.place(dict.fromkeys(self.by_name, "host") if side == "host" else self._fitting_device_placement())
             self._profiler.arm()
@@ -227,6 +265,9 @@ class LayerUpdates(PlacementTrial, UpdateState):
         self._gate_s = 0.0
         self._device_ran = []
         self._link_bytes = 0
+        self._steps_begun += 1
+        self._timed = "trial" if self.trial_left else "plan" if self.replaced is not None else None
+        self._began = self.now() if self._timed else None   # after any move: a move is not the step's
 
     def params_reduced(self, params) -> None:
         """Called from any thread: these parameters' gradients are final for this step."""

@@ -1,0 +1,293 @@
+"""`trainyard bench step`: a user's model trained by trainyard against the plain PyTorch loop they would write,
+eager and compiled, side by side in turns.
+
+Every variant trains the same model (a Llama built from a config, or `--hf-config DIR`: any family), on the
+same random token file, batch, precision and optimizer (AdamW, fused), one worker, in a process of its own
+per turn, so one variant's state is alive at a time (six variants of a 1B model do not fit one GPU together)
+and each turn starts from the same seeded weights. Compile caches (inductor's, in the bench's folder) are
+kept between turns.
+
+    plain                 engine/bench/step_plain.py: the loop a user writes
+    plain-compiled        the same, each decoder block `block.compile()`d
+    trainyard             `trainyard run`, ddp, world 1, memory.policy "keep", update.placement "device"
+    trainyard-compiled    the same with `[model] compile = true` (where this trainyard has it)
+    trainyard-auto        memory.policy and update.placement "auto", device.memory "auto" (the device's own
+                          capacity; on the CPU the ledger's default)
+    trainyard-bf16w       bf16 working weights (precision.params "bf16"), fp32 masters: with bf16 compute only
+
+A trainyard variant is timed as its user sees it: the run's own step loop (engine/run/worker.py) with its
+default telemetry, the wall time between step records (the records' samples_per_s); the plain loop from one
+`loss.item()` to the next. A turn's figure is the median of the second half of its steps (the first half
+holds the warm-up: allocations, compiles, plans). A ratio is taken within each round (the same minutes of the
+machine) and judged over the rounds (engine/bench/verdict.py: median, spread, met/missed/undecided).
+
+Sizes: on a GPU the TinyLlama shape (hidden 2048, 16 blocks, 32 heads, 4 KV heads, vocab 32000, batch 4 x
+2048, bf16 autocast). On the CPU two sizes, fp32: `host` (hidden 64, 2 blocks, batch 8 x 64), where the
+host's per-operation cost dominates as it does on a GPU, and the goals are judged; and `compute` (hidden 256,
+4 blocks, vocab 8000, batch 8 x 256), compute-bound, reported. MFU: the FLOPs of one step, counted once by
+torch's FlopCounterMode on the plain loop's first step, over the device's peak (engine/training/throughput.py:
+a datasheet table, or measured once by a bf16 matmul, and said which); none on the CPU.
+
+    trainyard bench step [--json] [--rounds 3] [--steps 40] [--device cpu|cuda] [--size host|compute|gpu]
+                         [--hf-config DIR] [--variants a,b,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from engine.bench.verdict import judge, say
+
+SIZES = {   # LlamaConfig keywords, and the batch
+    "host": dict(config=dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=512), batch=8, seq_len=64, precision="fp32"),
+    "compute": dict(config=dict(hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=4,
+                                num_key_value_heads=2, vocab_size=8000), batch=8, seq_len=256, precision="fp32"),
+    "gpu": dict(config=dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, num_attention_heads=32,
+                            num_key_value_heads=4, vocab_size=32000), batch=4, seq_len=2048, precision="bf16"),
+}
+VARIANTS = ("plain", "plain-compiled", "trainyard", "trainyard-compiled", "trainyard-auto", "trainyard-bf16w")
+# the issue's goals ("As fast as the loop it replaces"): variant / baseline >= goal, per device
+GOALS = {"cpu": {("trainyard", "plain"): 0.97, ("trainyard-compiled", "plain-compiled"): 0.95,
+                 ("trainyard-auto", "trainyard"): 0.97},
+         "cuda": {("trainyard", "plain"): 0.98, ("trainyard-compiled", "plain-compiled"): 0.97,
+                  ("trainyard-auto", "trainyard"): 0.98}}
+TURN_TIMEOUT_S = 1800
+
+
+def write_inputs(folder: Path, size: dict, hf_config: str | None) -> tuple[Path, int]:
+    """The model's config folder (built from `size`, or the user's) and a random token file; (config, vocab)."""
+    if hf_config:
+        from transformers import AutoConfig
+        vocab = int(AutoConfig.from_pretrained(hf_config).vocab_size)
+        config = Path(hf_config)
+    else:
+        from transformers import LlamaConfig
+        config = folder / "model"
+        LlamaConfig(**size["config"], max_position_embeddings=max(2048, size["seq_len"] + 1),
+                    tie_word_embeddings=False).save_pretrained(config)
+        vocab = size["config"]["vocab_size"]
+    tokens = folder / "train.bin"
+    count = max(1_000_000, size["batch"] * (size["seq_len"] + 1) * 64)
+    np.random.default_rng(0).integers(0, min(vocab, 65535), count, dtype=np.uint16).tofile(tokens)
+    return config, vocab
+
+
+def has_compile() -> bool:
+    """Whether this trainyard takes `[model] compile`."""
+    from engine.config.settings import ModelConfig
+    return "compile" in ModelConfig.__dataclass_fields__
+
+
+def run_config(variant: str, folder: Path, config: Path, size: dict, device: str, steps: int, turn: int) -> Path:
+    """A trainyard variant's run config (TOML)."""
+    precision = size["precision"]
+    memory = {"policy": "auto"} if variant == "trainyard-auto" else {"policy": "keep"}
+    placement = "auto" if variant == "trainyard-auto" else "device"
+    lines = [
+        "[run]", f'name = "step-{variant}-{turn}"', f"steps = {steps}", "overwrite = true",
+        "[model]", 'name = "hf"', f'hf_config = "{config}"', *(["compile = true"] if variant == "trainyard-compiled" else []),
+        "[data]", 'name = "tokens"', f'train = "{folder / "train.bin"}"', f"seq_len = {size['seq_len']}",
+        f"batch_size = {size['batch']}",
+        "[optim]", 'name = "adamw"', "lr = 3e-4",
+        "[parallel]", 'strategy = "ddp"', "world_size = 1",
+        "[device]", f'kind = "{device}"',
+        "[precision]", f'compute = "{precision}"', *(['params = "bf16"'] if variant == "trainyard-bf16w" else []),
+        "[memory]", f'policy = "{memory["policy"]}"',
+        "[update]", f'placement = "{placement}"',
+    ]
+    path = folder / f"{variant}.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _env(folder: Path) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", TORCHINDUCTOR_CACHE_DIR=str(folder / "inductor"),
+               PYTHONUNBUFFERED="1")
+    return env
+
+
+def turn(variant: str, folder: Path, config: Path, size: dict, device: str, steps: int, number: int,
+         count_flops: bool) -> dict:
+    """One variant's turn: {"step_ms": median of the second half, "steps": every step's ms, "peak_bytes",
+    "flops" (plain, when counted), "compile_s" (trainyard-compiled, when the run says)}."""
+    env = _env(folder)
+    if variant.startswith("plain"):
+        cmd = [sys.executable, "-m", "engine.bench.step_plain", "--hf-config", str(config), "--tokens",
+               str(folder / "train.bin"), "--batch", str(size["batch"]), "--seq-len", str(size["seq_len"]),
+               "--steps", str(steps), "--device", device, "--precision", size["precision"],
+               *(["--compile"] if variant == "plain-compiled" else []), *(["--count-flops"] if count_flops else [])]
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=folder, timeout=TURN_TIMEOUT_S)
+        if done.returncode != 0:
+            raise RuntimeError(f"{variant} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+        out = json.loads(done.stdout.strip().splitlines()[-1])
+        ms = out["step_ms"]
+        return {"step_ms": statistics.median(ms[len(ms) // 2:]), "steps": ms, "peak_bytes": out["peak_bytes"],
+                "flops": out["flops"]}
+    cfg = run_config(variant, folder, config, size, device, steps, number)
+    log = folder / f"{variant}-{number}.jsonl"
+    cmd = [sys.executable, "-c", "from engine.cli import main; raise SystemExit(main())", "run", str(cfg),
+           "--headless", "--telemetry-log", str(log)]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=folder, timeout=TURN_TIMEOUT_S)
+    if done.returncode != 0:
+        raise RuntimeError(f"{variant} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    shutil.rmtree(folder / "runs" / f"step-{variant}-{number}", ignore_errors=True)
+    log.unlink()
+    step_records = [r for r in records if r.get("type") == "step"]
+    ms = [1000 * size["batch"] / r["samples_per_s"] for r in step_records]
+    summary = next((r for r in records if r.get("type") == "summary"), {})
+    peaks = summary.get("allocator_peak_bytes_per_rank") if device == "cuda" else None
+    rss = [row["rss_bytes"] for r in step_records for row in r.get("ranks", []) if "rss_bytes" in row]
+    return {"step_ms": statistics.median(ms[len(ms) // 2:]), "steps": ms,
+            "peak_bytes": (max(peaks) if peaks else max(rss) if rss else None),
+            "compile_s": summary.get("compile_s")}
+
+
+def peak_flops(device: str, precision: str) -> tuple[float | None, str]:
+    """The device's peak FLOP/s: the datasheet table, else measured once by a bf16 matmul; none on the CPU."""
+    if device != "cuda":
+        return None, "no peak on the CPU"
+    import torch
+    from engine.training.throughput import device_peak_flops
+    peak, source = device_peak_flops(torch.cuda.get_device_name(), precision)
+    if peak is not None:
+        return peak, source
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    t0, reps = time.perf_counter(), 20
+    for _ in range(reps):
+        a @ b
+    torch.cuda.synchronize()
+    return 2 * n ** 3 * reps / (time.perf_counter() - t0), f"measured: a {n}x{n} bf16 matmul"
+
+
+def measure(size_name: str, device: str, rounds: int, steps: int, variants: list[str], hf_config: str | None,
+            log=print) -> dict:
+    size = dict(SIZES[size_name])
+    folder = Path(tempfile.mkdtemp(prefix="trainyard-bench-step-"))
+    try:
+        config, _ = write_inputs(folder, size, hf_config)
+        per_round: dict[str, list[dict]] = {v: [] for v in variants}
+        flops = None
+        for r in range(rounds):
+            order = variants[r % len(variants):] + variants[:r % len(variants)]   # who goes first rotates
+            for v in order:
+                log(f"  round {r + 1}/{rounds}: {v}")
+                got = turn(v, folder, config, size, device, steps, r, count_flops=(v == "plain" and flops is None
+                                                                                   and device == "cuda"))
+                flops = got.get("flops") or flops
+                per_round[v].append(got)
+        peak, peak_source = peak_flops(device, size["precision"])
+        tokens = size["batch"] * size["seq_len"]
+        rows = {}
+        for v, turns in per_round.items():
+            ms = [t["step_ms"] for t in turns]
+            step_ms = statistics.median(ms)
+            row = {"step_ms": round(step_ms, 3), "rounds_ms": [round(x, 3) for x in ms],
+                   "tokens_per_s": round(tokens / step_ms * 1000, 1),
+                   "peak_bytes": max((t["peak_bytes"] or 0) for t in turns) or None}
+            if flops and peak:
+                row["mfu"] = round(flops / (step_ms / 1000) / peak, 4)
+            compile_s = [t["compile_s"] for t in turns if t.get("compile_s") is not None]
+            if compile_s:
+                row["compile_s"] = compile_s
+            for base in ("plain", "plain-compiled"):
+                if base in per_round and v != base:
+                    ratio = [b["step_ms"] / t["step_ms"] for t, b in zip(turns, per_round[base])]
+                    row[f"x_{base}"] = judge(ratio, at_least=0.0)["median"]
+                    row[f"x_{base}_spread"] = [round(min(ratio), 3), round(max(ratio), 3)]
+            rows[v] = row
+        judged = {}
+        for (v, base), goal in GOALS[device].items():
+            if v in per_round and base in per_round:
+                ratio = [b["step_ms"] / t["step_ms"] for t, b in zip(per_round[v], per_round[base])]
+                judged[f"{v} / {base}"] = judge(ratio, at_least=goal)
+        return {"size": size_name, "device": device, "model": {**size["config"]} if not hf_config else hf_config,
+                "batch": size["batch"], "seq_len": size["seq_len"], "precision": size["precision"],
+                "rounds": rounds, "steps": steps, "flops_per_step": flops, "peak_flops": peak,
+                "peak_source": peak_source, "variants": [{"variant": v, **rows[v]} for v in variants],
+                "judged": judged}
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="trainyard bench step")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--rounds", type=int, default=3, help="turns of every variant (ratios judged over them)")
+    parser.add_argument("--steps", type=int, default=40, help="steps a turn trains (its second half is timed)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda where there is one")
+    parser.add_argument("--size", choices=tuple(SIZES), action="append",
+                        help="default: gpu on a GPU; host and compute on the CPU")
+    parser.add_argument("--hf-config", default=None, help="a Hugging Face config folder: that model, any family")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="a comma-separated subset of " + ", ".join(VARIANTS))
+    args = parser.parse_args(argv)
+    if args.rounds < 1 or args.steps < 4:
+        parser.error("--rounds must be at least 1 and --steps at least 4")
+    import torch
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is visible")
+    sizes = args.size or (["gpu"] if device == "cuda" else ["host", "compute"])
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        parser.error(f"--variants: unknown {', '.join(unknown)}; the variants are {', '.join(VARIANTS)}")
+    left_out = {}
+    if not has_compile():
+        left_out.update({v: "this trainyard has no [model] compile" for v in variants if v == "trainyard-compiled"})
+    for name in sizes:
+        if SIZES[name]["precision"] != "bf16" and "trainyard-bf16w" in variants:
+            left_out["trainyard-bf16w"] = "bf16 working weights need bf16 compute; this size computes in fp32"
+    variants = [v for v in variants if v not in left_out]
+    log = (lambda *a: print(*a, file=sys.stderr, flush=True))
+    reports = [measure(name, device, args.rounds, args.steps, variants, args.hf_config, log) for name in sizes]
+    result = {"reports": reports, "left_out": left_out}
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+    console = Console()
+    for report in reports:
+        table = Table(title=f"step: {report['size']} size on {report['device']}, batch {report['batch']} x "
+                            f"{report['seq_len']}, {report['precision']}, {report['rounds']} rounds of "
+                            f"{report['steps']} steps (second half timed)")
+        for col in ("variant", "step ms (rounds)", "tokens/s", "MFU", "peak memory", "x plain", "x plain-compiled"):
+            table.add_column(col)
+        for row in report["variants"]:
+            from engine.config import format_size
+            table.add_row(row["variant"], f"{row['step_ms']:.2f} ({', '.join(f'{x:.2f}' for x in row['rounds_ms'])})",
+                          f"{row['tokens_per_s']:,.0f}", f"{row['mfu']:.1%}" if "mfu" in row else "—",
+                          format_size(row["peak_bytes"]) if row["peak_bytes"] else "—",
+                          _ratio(row, "plain"), _ratio(row, "plain-compiled"))
+        console.print(table)
+        console.print(f"peak FLOP/s: {report['peak_source']}")
+        for name, judged in report["judged"].items():
+            console.print(say(name, judged))
+    for v, why in left_out.items():
+        console.print(f"{v} left out: {why}")
+    return 0
+
+
+def _ratio(row: dict, base: str) -> str:
+    if f"x_{base}" not in row:
+        return "—"
+    lo, hi = row[f"x_{base}_spread"]
+    return f"{row[f'x_{base}']:.3f} ({lo:.3f}-{hi:.3f})"

@@ -1,0 +1,85 @@
+"""The plain PyTorch loop `trainyard bench step` compares trainyard with: what a user writes for a Hugging Face
+model, in a process of its own (one turn of engine/bench/step.py).
+
+    python -m engine.bench.step_plain --hf-config DIR --tokens FILE --batch 8 --seq-len 64 --steps 30 \
+        --device cpu --precision fp32 [--compile] [--count-flops]
+
+Per step: a random batch of batch x (seq_len + 1) ids from the token file, `model(input_ids=x).logits` (under
+`torch.autocast(bfloat16)` where --precision is bf16), fp32 cross-entropy, backward, `AdamW(fused=True).step()`,
+`zero_grad(set_to_none=True)`, `loss.item()`. `--compile`: each decoder block `block.compile()`d, as
+torchtitan's regional compilation. The weights are built from the config with torch.manual_seed(0), the same in
+every turn. Prints one JSON object: every step's wall time (ms, from one `loss.item()` to the next), the peak
+memory (the CUDA allocator's, or the process's peak RSS on the CPU) and, with --count-flops, the FLOPs of one
+step (torch's FlopCounterMode, on the first step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m engine.bench.step_plain")
+    parser.add_argument("--hf-config", required=True)
+    parser.add_argument("--tokens", required=True)
+    parser.add_argument("--batch", type=int, required=True)
+    parser.add_argument("--seq-len", type=int, required=True)
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--count-flops", action="store_true")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)   # trainyard's worker runs one thread: the same cores for both
+    from transformers import AutoConfig, AutoModelForCausalLM
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.hf_config)).to(args.device)
+    if args.compile:
+        for block in model.model.layers:
+            block.compile()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
+    data = torch.from_numpy(np.fromfile(args.tokens, dtype=np.uint16).astype(np.int64))
+    window = args.seq_len + 1
+    generator = torch.Generator().manual_seed(0)
+
+    def step() -> float:
+        starts = torch.randint(0, len(data) - window, (args.batch,), generator=generator)
+        xy = torch.stack([data[s:s + window] for s in starts.tolist()]).to(args.device)
+        x, y = xy[:, :-1], xy[:, 1:]
+        with torch.autocast(args.device, torch.bfloat16, enabled=args.precision == "bf16"):
+            logits = model(input_ids=x).logits
+        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    flops = None
+    times, last = [], time.perf_counter()
+    for k in range(args.steps):
+        if k == 0 and args.count_flops:
+            from engine.training.throughput import counted_flops
+            _, flops = counted_flops(step)
+        else:
+            step()
+        now = time.perf_counter()
+        times.append((now - last) * 1000)
+        last = now
+    if args.device == "cuda":
+        peak = torch.cuda.max_memory_allocated()
+    else:
+        m = re.search(r"VmHWM:\s+(\d+) kB", Path("/proc/self/status").read_text())
+        peak = int(m.group(1)) * 1024 if m else None
+    print(json.dumps({"step_ms": times, "peak_bytes": peak, "flops": flops}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

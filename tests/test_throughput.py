@@ -1,0 +1,41 @@
+"""What a step achieves (engine/training/throughput.py, engine/run/report.py Throughput): the FLOPs torch counts
+for a step, the device's peak by name or as stated, tokens where samples are sequences."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.run.report import Throughput
+from engine.training.throughput import counted_flops, device_peak_flops, tokens_per_sample
+
+
+def test_a_step_of_a_linear_layer_counts_its_forward_and_both_backward_matmuls():
+    layer = torch.nn.Linear(64, 32, bias=False)
+    x = torch.randn(8, 64, requires_grad=True)   # a layer after the first: its input's gradient is computed
+    _, flops = counted_flops(lambda: layer(x).sum().backward())
+    assert flops == 3 * 2 * 8 * 64 * 32   # forward, the input's gradient and the weight's: 2 FLOPs a multiply-add
+
+
+def test_the_peak_comes_from_a_stated_figure_the_datasheet_table_or_nowhere():
+    assert device_peak_flops("NVIDIA H100 80GB HBM3", "bf16") == (989.4e12, "datasheet: H100, dense bf16")
+    assert device_peak_flops("NVIDIA H100 PCIe", "bf16")[0] == 756e12   # the part a name says, before its family
+    assert device_peak_flops("NVIDIA L40S", "fp32")[0] == pytest.approx(91.6e12)
+    assert device_peak_flops("NVIDIA H200", "bf16", stated_tflops=500)[0] == 500e12
+    peak, why = device_peak_flops("cpu", "fp32")
+    assert peak is None and "device.peak_tflops" in why
+
+
+def test_tokens_are_counted_only_where_samples_are_token_ids():
+    assert tokens_per_sample(torch.zeros(4, 128, dtype=torch.long)) == 128
+    assert tokens_per_sample(torch.zeros(4, 64)) is None               # features
+    assert tokens_per_sample(torch.zeros(4, 1, 8, 8)) is None          # images
+
+
+def test_a_step_record_says_tokens_a_second_and_mfu_once_every_rank_has_counted():
+    t = Throughput(tokens_per_step=1000, peak_flops=1e9, devices=2)
+    assert t.fields(0.5, torch.tensor([0.0, 4e8])) == {"tokens_per_s": 2000.0}   # a rank has not counted yet
+    assert t.fields(0.5, torch.tensor([4e8, 4e8])) == {"tokens_per_s": 2000.0, "mfu": 0.8}
+    assert t.fields(1.0, torch.tensor([4e8, 4e8])) == {"tokens_per_s": 1000.0, "mfu": 0.4}
+    assert t.summary() == {"tokens_per_s": 1500.0, "mfu": 0.6}   # the steps after the first: their median
+    assert Throughput().fields(0.5, torch.tensor([1.0])) == {}     # not sequences, no peak: nothing to say

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from engine.run.report import Throughput
+from engine.runtime.control import COLUMN, FIELDS
 from engine.training.throughput import counted_flops, device_peak_flops, tokens_per_sample
 
 
@@ -33,9 +34,23 @@ def test_tokens_are_counted_only_where_samples_are_token_ids():
 
 
 def test_a_step_record_says_tokens_a_second_and_mfu_once_every_rank_has_counted():
+    def table(*flops):   # the boundary's table, every rank's counted FLOPs in its column
+        rows = torch.zeros(len(flops), len(FIELDS), dtype=torch.float64)
+        rows[:, COLUMN["flops"]] = torch.tensor(flops, dtype=torch.float64)
+        return rows
     t = Throughput(tokens_per_step=1000, peak_flops=1e9, devices=2)
-    assert t.fields(0.5, torch.tensor([0.0, 4e8])) == {"tokens_per_s": 2000.0}   # a rank has not counted yet
-    assert t.fields(0.5, torch.tensor([4e8, 4e8])) == {"tokens_per_s": 2000.0, "mfu": 0.8}
-    assert t.fields(1.0, torch.tensor([4e8, 4e8])) == {"tokens_per_s": 1000.0, "mfu": 0.4}
+    assert t.fields(0.5, table(0.0, 4e8)) == {"tokens_per_s": 2000.0}   # a rank has not counted yet
+    assert t.fields(0.5, table(4e8, 4e8)) == {"tokens_per_s": 2000.0, "mfu": 0.8}
+    assert t.fields(1.0, table(4e8, 4e8)) == {"tokens_per_s": 1000.0, "mfu": 0.4}
     assert t.summary() == {"tokens_per_s": 1500.0, "mfu": 0.6}   # the steps after the first: their median
-    assert Throughput().fields(0.5, torch.tensor([1.0])) == {}     # not sequences, no peak: nothing to say
+    assert Throughput().fields(0.5, table(1.0)) == {}     # not sequences, no peak: nothing to say
+
+
+def test_the_summary_holds_the_latest_steps_only():
+    """A day of steps: the summary's figures are the median of the latest SUMMARY_STEPS, in bounded memory."""
+    from engine.run.report import SUMMARY_STEPS
+    t = Throughput(tokens_per_step=1000)
+    rows = torch.zeros(1, len(FIELDS), dtype=torch.float64)
+    for wall_s in [1.0] * (SUMMARY_STEPS + 5) + [0.5] * (SUMMARY_STEPS // 2 + 1):
+        t.fields(wall_s, rows)
+    assert len(t.seen["tokens_per_s"]) == SUMMARY_STEPS and t.summary() == {"tokens_per_s": 2000.0}

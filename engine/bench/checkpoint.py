@@ -50,7 +50,7 @@ def hidden_for(params: float) -> int:
     return max(64, round((params / (DEPTH - 1)) ** 0.5 / 64) * 64)
 
 
-def _hwm(pid: int) -> int | None:
+def peak_rss(pid: int | str = "self") -> int | None:
     """A process's peak resident memory so far (VmHWM, bytes), or None once it is gone."""
     try:
         text = Path(f"/proc/{pid}/status").read_text()
@@ -82,7 +82,7 @@ class Peaks(threading.Thread):
                 except (OSError, ValueError):
                     pass
             for rank, pid in pids.items():
-                value = _hwm(pid)
+                value = peak_rss(pid)
                 if value is not None:
                     self.last[rank] = value
             text = ""

@@ -47,7 +47,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.bench.verdict import judge, say
+from engine.bench.verdict import judge_ratio, say
 
 SIZES = {   # LlamaConfig keywords, and the batch
     "host": dict(config=dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
@@ -66,8 +66,8 @@ GOALS = {"cpu": {("trainyard", "plain"): 0.97, ("trainyard-compiled", "plain-com
 TURN_TIMEOUT_S = 1800
 
 
-def write_inputs(folder: Path, size: dict, hf_config: str | None) -> tuple[Path, int]:
-    """The model's config folder (built from `size`, or the user's) and a random token file; (config, vocab)."""
+def write_inputs(folder: Path, size: dict, hf_config: str | None) -> Path:
+    """The model's config folder (built from `size`, or the user's), and a random token file of its vocabulary."""
     if hf_config:
         from transformers import AutoConfig
         vocab = int(AutoConfig.from_pretrained(hf_config).vocab_size)
@@ -81,13 +81,7 @@ def write_inputs(folder: Path, size: dict, hf_config: str | None) -> tuple[Path,
     tokens = folder / "train.bin"
     count = max(1_000_000, size["batch"] * (size["seq_len"] + 1) * 64)
     np.random.default_rng(0).integers(0, min(vocab, 65535), count, dtype=np.uint16).tofile(tokens)
-    return config, vocab
-
-
-def has_compile() -> bool:
-    """Whether this trainyard takes `[model] compile`."""
-    from engine.config.settings import ModelConfig
-    return "compile" in ModelConfig.__dataclass_fields__
+    return config
 
 
 def run_config(variant: str, folder: Path, config: Path, size: dict, device: str, steps: int, turn: int) -> Path:
@@ -155,6 +149,12 @@ def turn(variant: str, folder: Path, config: Path, size: dict, device: str, step
             "compile_s": summary.get("compile_s")}
 
 
+def speedup(per_round: dict[str, list[dict]], variant: str, base: str, at_least: float) -> dict:
+    """`variant`'s speed over `base`'s (base's step over variant's), round by round, judged (verdict.py)."""
+    return judge_ratio([t["step_ms"] for t in per_round[base]], [t["step_ms"] for t in per_round[variant]],
+                       at_least=at_least)
+
+
 def peak_flops(device: str, precision: str) -> tuple[float | None, str]:
     """The device's peak FLOP/s: the datasheet table, else measured once by a bf16 matmul; none on the CPU."""
     if device != "cuda":
@@ -182,7 +182,7 @@ def measure(size_name: str, device: str, rounds: int, steps: int, variants: list
     size = dict(SIZES[size_name])
     folder = Path(tempfile.mkdtemp(prefix="trainyard-bench-step-"))
     try:
-        config, _ = write_inputs(folder, size, hf_config)
+        config = write_inputs(folder, size, hf_config)
         per_round: dict[str, list[dict]] = {v: [] for v in variants}
         flops = None
         for r in range(rounds):
@@ -209,15 +209,11 @@ def measure(size_name: str, device: str, rounds: int, steps: int, variants: list
                 row["compile_s"] = compile_s
             for base in ("plain", "plain-compiled"):
                 if base in per_round and v != base:
-                    ratio = [b["step_ms"] / t["step_ms"] for t, b in zip(turns, per_round[base])]
-                    row[f"x_{base}"] = judge(ratio, at_least=0.0)["median"]
-                    row[f"x_{base}_spread"] = [round(min(ratio), 3), round(max(ratio), 3)]
+                    faster = speedup(per_round, v, base, at_least=0.0)
+                    row[f"x_{base}"], row[f"x_{base}_spread"] = faster["median"], faster["spread"]
             rows[v] = row
-        judged = {}
-        for (v, base), goal in GOALS[device].items():
-            if v in per_round and base in per_round:
-                ratio = [b["step_ms"] / t["step_ms"] for t, b in zip(per_round[v], per_round[base])]
-                judged[f"{v} / {base}"] = judge(ratio, at_least=goal)
+        judged = {f"{v} / {base}": speedup(per_round, v, base, at_least=goal)
+                  for (v, base), goal in GOALS[device].items() if v in per_round and base in per_round}
         return {"size": size_name, "device": device, "model": {**size["config"]} if not hf_config else hf_config,
                 "batch": size["batch"], "seq_len": size["seq_len"], "precision": size["precision"],
                 "rounds": rounds, "steps": steps, "flops_per_step": flops, "peak_flops": peak,
@@ -250,8 +246,6 @@ def main(argv: list[str]) -> int:
     if unknown:
         parser.error(f"--variants: unknown {', '.join(unknown)}; the variants are {', '.join(VARIANTS)}")
     left_out = {}
-    if not has_compile():
-        left_out.update({v: "this trainyard has no [model] compile" for v in variants if v == "trainyard-compiled"})
     for name in sizes:
         if SIZES[name]["precision"] != "bf16" and "trainyard-bf16w" in variants:
             left_out["trainyard-bf16w"] = "bf16 working weights need bf16 compute; this size computes in fp32"

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
+
+from engine.bench.checkpoint import peak_rss
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,11 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         now = time.perf_counter()
         times.append((now - last) * 1000)
         last = now
-    if args.device == "cuda":
-        peak = torch.cuda.max_memory_allocated()
-    else:
-        m = re.search(r"VmHWM:\s+(\d+) kB", Path("/proc/self/status").read_text())
-        peak = int(m.group(1)) * 1024 if m else None
+    peak = torch.cuda.max_memory_allocated() if args.device == "cuda" else peak_rss()
     print(json.dumps({"step_ms": times, "peak_bytes": peak, "flops": flops}))
     return 0
 

@@ -14,6 +14,7 @@ Imports engine.runtime.control.
 
 from __future__ import annotations
 
+import collections
 import statistics
 
 import torch
@@ -40,7 +41,7 @@ class StepReport:
         streams = self.strategy.stream_stats(me["step_ms"])
         record = {"step": step, "loss": loss, "samples_per_s": self.cfg.data.batch_size / wall_s,
                   "step_ms": max(e["step_ms"] for e in ranks),
-                  **self.throughput.fields(wall_s, table[:, COLUMN["flops"]]), "ranks": ranks,
+                  **self.throughput.fields(wall_s, table), "ranks": ranks,
                   "time_split": {"compute_ms": round(me["fwd_ms"] + me["bwd_ms"] + me["optim_ms"], 4),
                                  "comm_ms": sum(s["busy_ms"] for s in streams), "wait_ms": me["wait_ms"]},
                   "streams": streams, "lr": lr, **updater.decision.fields(), **self.strategy.stage_rows(ranks)}
@@ -68,30 +69,38 @@ class StepReport:
                               f"({entry['peak_bytes']} > {entry['capacity_bytes']} bytes)")
 
 
+SUMMARY_STEPS = 10_000   # the summary's tokens_per_s and mfu: the median of the latest steps, bounded
+
+
 class Throughput:
     """A step's tokens_per_s and mfu from its wall time: `tokens_per_step` (the global batch's tokens; 0 where
     samples are not sequences) and the device's `peak_flops` (None where unknown: no mfu)."""
 
     def __init__(self, tokens_per_step: int = 0, peak_flops: float | None = None, devices: int = 1):
         self.tokens_per_step, self.peak_flops, self.devices = tokens_per_step, peak_flops, devices
-        self.seen: list[dict] = []   # every step's fields, for the summary
+        # the summary's: each figure of the latest SUMMARY_STEPS steps after the first (a day's run holds as much)
+        self.seen = {key: collections.deque(maxlen=SUMMARY_STEPS) for key in ("tokens_per_s", "mfu")}
+        self._steps = 0
 
     def summary(self) -> dict:
-        """The run's median tokens_per_s and mfu, its first step left out (warm-up: allocations, compiles)."""
-        steady = self.seen[1:] or self.seen
-        out = {}
-        for key in ("tokens_per_s", "mfu"):
-            values = [f[key] for f in steady if key in f]
-            if values:
-                out[key] = float(f"{statistics.median(values):.6g}")
-        return out
+        """The median tokens_per_s and mfu of the run's latest SUMMARY_STEPS steps, its first step left out
+        (warm-up: allocations, compiles) where there were others."""
+        return {key: float(f"{statistics.median(values):.6g}") for key, values in self.seen.items() if values}
 
-    def fields(self, wall_s: float, flops: torch.Tensor) -> dict:
-        """`flops`: every rank's counted FLOPs a step (0 until a rank has counted: no mfu yet)."""
+    def fields(self, wall_s: float, table: torch.Tensor) -> dict:
+        """The step's figures; `table`: the boundary's (its `flops` column: every rank's counted FLOPs a step,
+        0 until a rank has counted, and then no mfu yet)."""
         out = {}
         if self.tokens_per_step:
             out["tokens_per_s"] = round(self.tokens_per_step / wall_s, 1)
-        if self.peak_flops and bool((flops > 0).all()):
-            out["mfu"] = float(f"{float(flops.sum()) / (wall_s * self.peak_flops * self.devices):.6g}")
-        self.seen.append(out)
+        if self.peak_flops:
+            flops = table[:, COLUMN["flops"]].tolist()
+            if all(f > 0 for f in flops):
+                out["mfu"] = float(f"{sum(flops) / (wall_s * self.peak_flops * self.devices):.6g}")
+        if self._steps == 1:   # the first step (warm-up) leaves the summary once another comes
+            for values in self.seen.values():
+                values.clear()
+        self._steps += 1
+        for key, value in out.items():
+            self.seen[key].append(value)
         return out

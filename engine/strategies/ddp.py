@@ -95,7 +95,7 @@ class DDPStrategy(Strategy):
         # (solo: as each gradient is accumulated, while some update runs on the host: _solo_hooks)
         self._hooks: list = []
         if not self.solo:
-            for p in model.parameters():
+            for p in self._params:
                 p.register_post_accumulate_grad_hook(lambda _p: self.updater.run_device_ready())
         self.timings = {"fwd_ms": 0.0, "bwd_ms": 0.0, "optim_ms": 0.0}
         # This rank's own compute ends with the last gradient autograd computes, the first layer's; after

@@ -225,7 +225,7 @@ SUMMARY = {
                    "allocator_peak_bytes_per_rank": {"type": "array", "items": _BYTES}, "capacity_bytes": _BYTES,
                    "simulated": {"type": "boolean"}, "restarts": {"type": "integer", "minimum": 0},
                    "stopped_early": {"type": "boolean"},
-                   # the steps' medians, the first step left out (engine/run/report.py Throughput)
+                   # the medians of the latest 10,000 steps, the first left out (engine/run/report.py Throughput)
                    "tokens_per_s": {"type": "number", "minimum": 0}, "mfu": {"type": "number", "minimum": 0}},
 }
 

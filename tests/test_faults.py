@@ -70,10 +70,10 @@ def run_killed(cli, name: str, moment: str, overrides: list[str], *settings: str
 @pytest.mark.parametrize("side, rank", [("source", 1), ("target", 0)])   # the layers move from stage 1 to 0
 def test_a_pipeline_worker_killed_mid_migration_restarts_in_its_checkpoints_layout(cli, side, rank):
     before, after = run_killed(cli, f"mig-{side}", "migration", MODEL_SETTINGS,
-                               # decided at step 4, killed migrating in step 5: the checkpoint of step 2 is
-                               # published (at step 3's boundary; a checkpoint is written in the background and
-                               # published once every rank's file is), step 4's not yet
-                               *SKEWED, "--set", "parallel.pipeline.rebalance_check_every=4", "--set",
+                               # checkpoints written in the step (a background one is published a boundary
+                               # or two later, racing the kill: test_a_rank_killed_mid_checkpoint covers that)
+                               *SKEWED, "--set", "checkpoint.background=false",
+                               "--set", "parallel.pipeline.rebalance_check_every=3", "--set",
                                f"emulate.kill_rank={rank}")
     assert [e for e in before if e.get("kind") == "rebalance"] and not [
         e for e in before if e.get("kind") == "migration"]   # decided, and killed before it completed
@@ -86,14 +86,14 @@ def test_a_pipeline_worker_killed_mid_migration_restarts_in_its_checkpoints_layo
 @pytest.mark.timeout(120)
 def test_an_owner_killed_mid_broadcast_restarts_from_its_checkpoint(cli):
     run_killed(cli, "bcast", "broadcast", ["parallel.strategy=sharded"], "--set", "emulate.kill_rank=1",
-               "--set", "emulate.kill_step=4")   # step 2's checkpoint is published at step 3's boundary
+               "--set", "emulate.kill_step=3", "--set", "checkpoint.background=false")   # written in the step
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_worker_killed_with_host_updates_queued_restarts_from_its_checkpoint(cli):
     run_killed(cli, "host", "host_update", ["update.placement=host"], "--set", "emulate.kill_rank=1",
-               "--set", "emulate.kill_step=4")   # step 2's checkpoint is published at step 3's boundary
+               "--set", "emulate.kill_step=3", "--set", "checkpoint.background=false")   # written in the step
 
 
 @pytest.mark.slow

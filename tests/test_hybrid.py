@@ -203,9 +203,11 @@ def test_auto_placement_plans_after_the_trial_and_saves_the_profile(cli):
     assert plan["predicted_ms"] <= min(plan["all_device_ms"], plan["all_host_ms"]) + 1e-9
     saved = json.loads((cli.tmp_path / "runs" / "auto" / "update_profile.json").read_text())
     assert [c["name"] for c in saved["layers_backward_order"]] == ["head", "fc1", "fc0"]
-    last = next(rec["layers"] for rec in reversed(records) if rec.get("type") == "step" and "layers" in rec)
-    back = [rec for rec in records if rec.get("kind") == "plan_reverted"]
-    assert {e["name"]: e["placement"] for e in last if "placement" in e} == (back[-1] if back else plan)["placement"]
+    last = next(rec for rec in reversed(records) if rec.get("type") == "step" and "layers" in rec)
+    # the placement in effect at that step: the plan's, or a revert's made by then (a revert after it is not seen)
+    back = [rec for rec in records if rec.get("kind") == "plan_reverted" and rec["step"] <= last["step"]]
+    assert {e["name"]: e["placement"] for e in last["layers"] if "placement" in e} == \
+        (back[-1] if back else plan)["placement"]
     got = model_state(list_checkpoints(cli.tmp_path / "runs" / "auto")[-1])
     want = single_process_reference([], 12)
     for name in want:

@@ -244,15 +244,18 @@ def test_an_infeasible_capacity_names_the_smallest_that_fits_and_pins_hold():
 
 
 # --- auto, on a run ------------------------------------------------------------------------------------
-def train(zoo: str, steps: int, memory: MemoryConfig, capacity: int, switch: dict | None = None):
+def train(zoo: str, steps: int, memory: MemoryConfig, capacity: int, switch: dict | None = None, start=None):
     """`steps` single-process steps under an ActivationPolicy; `switch` = {step: (layer, policy)}: live
-    set-policy at that step's boundary. Returns the weights, each step's ledger peak and the policy."""
+    set-policy at that step's boundary; `start(policy)` before the first step. Returns the weights, each
+    step's ledger peak and the policy."""
     cfg, data = setup(zoo, batch=32)
     model = build_model(cfg.model, data.meta, 0)
     device = LedgerDevice(capacity)
     opt = make_optimizer(OptimConfig(name="adamw", lr=0.01), model.parameters())
     device.ledger.track_module(model, opt)
     policies = ActivationPolicy(model, device, memory)
+    if start is not None:
+        start(policies)
     peaks, plans = [], []
     torch.manual_seed(11)
     for step in range(steps):
@@ -303,6 +306,29 @@ def test_a_capacity_below_every_plan_is_refused_with_the_smallest_that_fits():
     assert pol.last_error is not None and "smallest capacity that fits is" in str(pol.last_error)
     assert "measured with every layer recomputed" in str(pol.last_error)
     assert pol.last_error.min_capacity_bytes > 4096
+
+
+def test_a_model_refusal_of_a_step_run_all_recomputed_is_decided_by_that_steps_measured_peak(monkeypatch):
+    """Every layer already recomputed when the model refuses (as a migration planned ahead leaves them):
+    the step just measured is the floor, so it decides; before, the model's refusal stopped the run although
+    the measured step fitted (seen on a clean clone: the tour's 8 MiB, the model's floor 8.1 MiB)."""
+    import engine.techniques.memory.policy as policy_module
+
+    def refuse(*args, **kwargs):
+        raise PlanError("the model says no", 1 << 40)
+    monkeypatch.setattr(policy_module, "plan", refuse)
+
+    def all_recomputed(pol):
+        pol.policy.update(dict.fromkeys(pol.names, "recompute"))
+    _, peaks, plans, pol = train("mlp", 3, MemoryConfig(policy="auto", host_link_gbps=2.0), 1 << 30,
+                                 start=all_recomputed)
+    assert pol.last_error is None, pol.last_error
+    made = plans[1]
+    assert made is not None and set(made.policies.values()) == {"recompute"}
+    assert made.estimate_bytes == peaks[1] and "every layer recomputed measured" in made.note
+    # a measured peak over the capacity is still refused, naming it
+    _, peaks, _, pol = train("mlp", 3, MemoryConfig(policy="auto", host_link_gbps=2.0), 4096, start=all_recomputed)
+    assert "measured with every layer recomputed" in str(pol.last_error)
 
 
 def test_a_live_policy_change_keeps_training_equal_to_the_reference():

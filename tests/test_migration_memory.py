@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from engine.config import MemoryConfig
 from engine.models import LayerList
 from engine.runtime.devices import LedgerDevice
-from engine.techniques.memory import ActivationPolicy, ActivationCost, estimate
+from engine.techniques.memory import ActivationPolicy, ActivationCost, Floors, Room, estimate
+from engine.techniques.rebalance import decide
 from tests.conftest import ROOT, read_jsonl
 
 TOUR = str(ROOT / "demo" / "configs" / "tour.toml")
@@ -55,6 +56,55 @@ def test_the_plan_ahead_of_a_migration_fits_whenever_any_plan_can(data):
     else:
         assert set(chosen.values()) == {"recompute"}
     assert not policy.provisional & set(names)
+
+
+@settings(max_examples=150, deadline=None, database=None)
+@given(st.data())
+def test_a_stages_floor_is_the_cost_models_peak_with_every_free_layer_recomputed(data):
+    """Floors (what a rebalance asks of each stage) against cost.estimate, for every contiguous run of
+    random layers on random stages: equal to the model's peak with every layer recomputed but those an
+    operator kept, plus the layers' static bytes and the stage's own."""
+    n = data.draw(st.integers(1, 7))
+    names = [f"l{i}" for i in range(n)]
+    costs = {name: ActivationCost(name, act_bytes=data.draw(st.integers(0, 4000)), in_bytes=data.draw(st.integers(0, 500)),
+                                  fwd_ms=1.0, bwd_ms=2.0, shared_next=data.draw(st.integers(0, 300)))
+             for name in names}
+    static = {name: data.draw(st.integers(0, 5000)) for name in names}
+    kept = {name: "keep" for name in names if data.draw(st.booleans())}
+    rooms = [Room(capacity_bytes=data.draw(st.integers(0, 60000)), in_flight=data.draw(st.integers(1, 4)),
+                  extra_bytes=data.draw(st.integers(0, 3000)), costs=costs, static=static, pinned=kept)
+             for _ in range(3)]
+    floors = Floors(names, rooms)
+    for stage, room in enumerate(rooms):
+        for a in range(n):
+            for b in range(a + 1, n + 1):
+                held = [costs[name] for name in names[a:b]]
+                policies = {c.name: kept.get(c.name, "recompute") for c in held}
+                want = estimate(held, policies, room.extra_bytes + sum(static[x] for x in names[a:b]),
+                                room.in_flight, 1.0)
+                assert floors.floor(stage, a, b) == want, (stage, a, b)
+                assert floors.fits(stage, a, b) == (want <= room.capacity_bytes)
+
+
+def test_a_rebalance_never_picks_a_layout_a_stage_cannot_hold():
+    """The tour's failure on a clean clone: a slowed last block drew seven layers to stage 0, more than its
+    8 MiB held even recomputed, and the run was refused. With the stages' floors the check takes the best
+    layout both hold, and keeps the current one when none is."""
+    names = ["a", "b", "c", "d"]
+    ms = {"a": 1.0, "b": 1.0, "c": 1.0, "d": 9.0}
+    nbytes = dict.fromkeys(names, 0)
+    skewed = [["a"], ["b", "c", "d"]]
+    _, free, _ = decide([[n] for n in names], names, ms, nbytes, skewed, 0.0)
+    assert free.stages == (("a", "b", "c"), ("d",))
+    # stage 0 holds at most two layers of 1,000 static bytes
+    static = dict.fromkeys(names, 1000)
+    rooms = [Room(capacity_bytes=2000, in_flight=2, extra_bytes=0, static=static),
+             Room(capacity_bytes=10**9, in_flight=1, extra_bytes=0, static=static)]
+    _, held, _ = decide([[n] for n in names], names, ms, nbytes, skewed, 0.0, fits=Floors(names, rooms).fits)
+    assert held.stages == (("a", "b"), ("c", "d"))
+    rooms[0].capacity_bytes = 500   # not one layer fits stage 0: the layout stays
+    current, kept, _ = decide([[n] for n in names], names, ms, nbytes, skewed, 0.0, fits=Floors(names, rooms).fits)
+    assert kept.stages == current.stages == (("a",), ("b", "c", "d"))
 
 
 def test_a_layer_never_measured_is_recomputed_when_planned_ahead():

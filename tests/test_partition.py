@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.techniques.partition import _REL_EPS, Cluster, Layout, clusters_from, from_names, modelled, partition, uniform
+from engine.techniques.partition import _REL_EPS, Cluster, Layout, NoFit, clusters_from, from_names, modelled, partition, uniform
 from engine.techniques.stage_times import needs_rebalance, stage_times, threshold_in_ms
 
 
@@ -35,10 +35,13 @@ def compositions(n, k):
         yield tuple(b - a for a, b in zip(bounds, bounds[1:]))
 
 
-def brute(clusters, k, threshold):
-    """(optimum max stage time, chosen sizes) by enumerating every split."""
+def brute(clusters, k, threshold, fits=None):
+    """(optimum max stage time, chosen sizes) by enumerating every split (those `fits` passes, if given)."""
     splits = []
     for sizes in compositions(len(clusters), k):
+        starts = [sum(sizes[:s]) for s in range(k + 1)]
+        if fits is not None and not all(fits(s, starts[s], starts[s + 1]) for s in range(k)):
+            continue
         times, nbytes, start = [], 0, 0
         for s, size in enumerate(sizes):
             times.append(sum(c.time_ms for c in clusters[start:start + size]))
@@ -89,6 +92,27 @@ def test_partition_matches_brute_force(problem):
         assert len({layout.stage_of(n) for n in c.layers}) == 1
     # the time-optimum alone (threshold 0) is what brute force says
     assert partition(clusters, k).max_ms == pytest.approx(opt, rel=1e-9, abs=0)
+
+
+@settings(max_examples=150, deadline=None, database=None)
+@given(problems(), st.data())
+def test_a_split_only_takes_stages_that_fit_and_is_the_best_of_those(problem, data):
+    """`fits` as a rebalance asks it (each stage's memory): each cluster weighs something, each stage
+    holds at most its capacity. The split is brute force's best among the splits every stage fits; NoFit
+    when none does."""
+    clusters, k, threshold = problem
+    weight = data.draw(st.lists(st.integers(0, 4), min_size=len(clusters), max_size=len(clusters)))
+    capacity = data.draw(st.lists(st.integers(0, 12), min_size=k, max_size=k))
+
+    def fits(stage, i, j):
+        return sum(weight[i:j]) <= capacity[stage]
+    if not any(all(fits(s, sum(sz[:s]), sum(sz[:s + 1])) for s in range(k)) for sz in compositions(len(clusters), k)):
+        with pytest.raises(NoFit, match="fits every stage's memory"):
+            partition(clusters, k, threshold, fits=fits)
+        return
+    layout = partition(clusters, k, threshold, fits=fits)
+    opt, sizes, nbytes = brute(clusters, k, threshold, fits)
+    assert sizes_of(layout, clusters) == sizes and layout.boundary_bytes == nbytes
 
 
 def brute_modelled(clusters, k, rate, micro):

@@ -40,6 +40,10 @@ two exact steps (dynamic programming, no heuristics):
    lexicographically smallest tuple of stage sizes (counted in clusters), i.e.
    earlier stages are kept as short as possible.
 
+Both steps take only splits whose every stage passes `fits(stage, i, j)` when one is given (stage
+`stage` holding clusters i..j-1: a rebalance asks each stage's memory floor, Floors in
+engine/techniques/memory/room.py); NoFit when no split passes.
+
 With threshold_ms = 0 the result is a time-optimal split that, among
 time-optimal splits, ships the least data.  A positive threshold trades up to
 that many milliseconds of the slowest stage for cheaper boundaries.  (Floating
@@ -67,12 +71,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
-__all__ = ["Cluster", "Layout", "clusters_from", "partition", "modelled", "uniform", "from_names"]
+__all__ = ["Cluster", "Layout", "NoFit", "clusters_from", "partition", "modelled", "uniform", "from_names"]
 
 # Relative slack on T* + threshold so that rounding noise does not break ties.
 _REL_EPS = 1e-9
+
+
+class NoFit(ValueError):
+    """No split has every stage pass `fits`."""
 
 
 @dataclass(frozen=True)
@@ -247,8 +255,11 @@ def _limit(optimum: float, threshold_ms: float) -> float:
 # --------------------------------------------------------------------------- partitioners
 
 def partition(clusters: Sequence[Cluster], stages: int, threshold_ms: float = 0.0,
-              link_bytes_per_ms: float = math.inf, micro_batches: int = 1) -> Layout:
-    """Best split of `clusters` into `stages` contiguous stages (see the module docstring)."""
+              link_bytes_per_ms: float = math.inf, micro_batches: int = 1,
+              fits: Callable[[int, int, int], bool] | None = None) -> Layout:
+    """Best split of `clusters` into `stages` contiguous stages (see the module docstring). With `fits`,
+    only splits whose every stage s of clusters i..j-1 has fits(s, i, j) (its memory: a rebalance's
+    Floors); NoFit when none has."""
     n = len(clusters)
     _check_stages(n, stages)
     if isinstance(threshold_ms, bool) or not isinstance(threshold_ms, (int, float)) \
@@ -271,25 +282,27 @@ def partition(clusters: Sequence[Cluster], stages: int, threshold_ms: float = 0.
             b = inf
             for i in range(s - 1, j):
                 prev = best[s - 1][i]
-                if prev == inf:
+                if prev == inf or (fits is not None and not fits(s - 1, i, j)):
                     continue
                 v = prev if prev > seg[i][j] else seg[i][j]
                 if v < b:
                     b = v
             best[s][j] = b
+    if best[stages][n] == inf:
+        raise NoFit(f"no split of {n} clusters into {stages} stages fits every stage's memory")
     limit = _limit(best[stages][n], threshold_ms)
 
     # Step 2: over splits with every stage <= limit, the fewest boundary bytes B, and among those the
     # smallest slowest stage M: (bytes, max) is minimised exactly by taking the best suffix for each first
     # stage. Step 3: the splits with every stage <= M that send B bytes are exactly those ties (none sends
     # fewer, none is faster); the first of them in stage sizes wins.
-    _, slowest = _fewest_bytes(clusters, compute, seg, stages, limit, by_time=True)
-    sizes = _fewest_bytes(clusters, compute, seg, stages, min(limit, _limit(slowest, 0.0)), by_time=False)[1]
+    _, slowest = _fewest_bytes(clusters, compute, seg, stages, limit, True, fits)
+    sizes = _fewest_bytes(clusters, compute, seg, stages, min(limit, _limit(slowest, 0.0)), False, fits)[1]
     return _layout_from_sizes(clusters, sizes, link_bytes_per_ms, micro_batches)
 
 
 def _fewest_bytes(clusters: Sequence[Cluster], compute: list[list[float]], seg: list[list[float]], stages: int,
-                  limit: float, by_time: bool) -> tuple:
+                  limit: float, by_time: bool, fits: Callable[[int, int, int], bool] | None = None) -> tuple:
     """The smallest (boundary bytes, slowest stage) when `by_time`, else (boundary bytes, stage sizes), over
     the splits whose every stage costs <= limit. suffix[s][i] holds the best covering clusters i..n-1 with
     s stages; both keys grow with their suffix's, so fixing the first stage and taking the best suffix is
@@ -307,6 +320,8 @@ def _fewest_bytes(clusters: Sequence[Cluster], compute: list[list[float]], seg: 
                     break  # times are >= 0, so longer stages only compute longer
                 if seg[i][j] > limit:
                     continue  # this boundary costs too much to send; a later one may not
+                if fits is not None and not fits(stages - s, i, j):
+                    continue
                 rest = suffix[s - 1][j]
                 if rest is None:
                     continue

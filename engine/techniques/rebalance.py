@@ -32,7 +32,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from engine.techniques.partition import Layout, clusters_from, modelled, partition
+from engine.techniques.memory.room import Floors
+from engine.techniques.partition import Layout, NoFit, clusters_from, modelled, partition
 from engine.techniques.stage_times import stage_times, threshold_in_ms
 from engine.training.timing import Clock, LayerSpans, first_tensor
 
@@ -142,9 +143,17 @@ class Rebalancer:
     def due(self, step: int, requested: bool) -> bool:
         return requested or (self.mode == "auto" and step % self.check_every == 0)
 
-    def check(self, step: int, clock: LayerClock, stage_layers: list[list[str]], requested: bool) -> RebalanceDecision:
-        """Every rank, at the same boundary: the last stage decides from every stage's layer times."""
+    def check(self, step: int, clock: LayerClock, stage_layers: list[list[str]], requested: bool,
+              room=None) -> RebalanceDecision:
+        """Every rank, at the same boundary: the last stage decides from every stage's layer times. With
+        `room` (a callable giving this rank's memory Room, engine/techniques/memory/room.py: `memory.policy =
+        "auto"`), every rank's travels to the last stage too, and no layout a stage cannot hold is chosen."""
         n = len(self.names)
+        fits = None
+        if room is not None:
+            rooms: list = [None] * self.topo.world_size
+            dist.all_gather_object(rooms, room(), group=self.topo.side)
+            fits = Floors(self.names, rooms).fits
         ms, out_bytes = clock.take()
         mine = set(stage_layers[self.topo.rank])
         vec = torch.zeros(2 * n, dtype=torch.float64)
@@ -154,7 +163,7 @@ class Rebalancer:
         dist.reduce(vec, dst=self.last, op=dist.ReduceOp.SUM, group=self.topo.side)
         return self._share(step, "command" if requested else "auto", stage_layers, lambda: (
             {name: float(vec[i]) for i, name in enumerate(self.names)},
-            {name: int(vec[n + i]) for i, name in enumerate(self.names)}), self.threshold, self.micro_batches)
+            {name: int(vec[n + i]) for i, name in enumerate(self.names)}), self.threshold, self.micro_batches, fits)
 
     def initial(self, model, x: torch.Tensor, y: torch.Tensor, loss_fn,
                 stage_layers: list[list[str]]) -> RebalanceDecision:
@@ -163,7 +172,7 @@ class Rebalancer:
         return self._share(0, "balanced", stage_layers, lambda: profile_layers(model, x, y, loss_fn), 0.0, 1)
 
     def _share(self, step: int, reason: str, stage_layers, measure, threshold: float,
-               micro_batches: int) -> RebalanceDecision:
+               micro_batches: int, fits=None) -> RebalanceDecision:
         # the decision as one vector: [changed, stage of every layer, threshold, stage ms, predicted ms,
         # layer ms, layer output bytes]
         n, k = len(self.names), len(stage_layers)
@@ -171,7 +180,7 @@ class Rebalancer:
         if self.topo.rank == self.topo.world_size - 1:
             layer_ms, layer_bytes = measure()
             current, new, thr = decide(self.clusters, self.names, layer_ms, layer_bytes, stage_layers, threshold,
-                                       self.link_bytes_per_ms, micro_batches)
+                                       self.link_bytes_per_ms, micro_batches, fits)
             stage_of = {name: s for s, names in enumerate(new.stages) for name in names}
             answer[0] = float(new.stages != current.stages)
             answer[1:1 + n] = torch.tensor([stage_of[name] for name in self.names], dtype=torch.float64)
@@ -195,21 +204,32 @@ class Rebalancer:
 
 def decide(clusters: list[list[str]], names: list[str], layer_ms: dict[str, float], out_bytes: dict[str, int],
            stage_layers: list[list[str]], threshold: float, link_bytes_per_ms: float = math.inf,
-           micro_batches: int = 1) -> tuple[Layout, Layout, float]:
+           micro_batches: int = 1, fits=None) -> tuple[Layout, Layout, float]:
     """The current layout's modelled costs, the layout to run next and the threshold in ms.
 
     The threshold decides *when*: the current layout stays while its stages differ by no more than the
     threshold, or while it is within the threshold of the best. *Which* layout: partition()'s, the
     smallest modelled slowest stage (compute plus its boundary sends: bytes over the measured link rate),
-    where splits within TIES of the smallest are ties, won by the fewest boundary bytes, then the fastest."""
+    where splits within TIES of the smallest are ties, won by the fewest boundary bytes, then the fastest.
+    With `fits(stage, a, b)` (layers names[a:b] on that stage fit its memory: Floors.fits) only layouts
+    every stage fits are chosen; the current one stays when none is."""
     costs = clusters_from(names, clusters, layer_ms, out_bytes)
     now = stage_times(stage_layers, layer_ms)
     current = modelled(costs, stage_layers, link_bytes_per_ms, micro_batches)
     thr = threshold_in_ms(threshold, now)
     if max(now) - min(now) <= thr and thr > 0:
         return current, current, thr
-    optimum = partition(costs, len(stage_layers), 0.0, link_bytes_per_ms, micro_batches)
-    best = partition(costs, len(stage_layers), TIES * optimum.max_ms, link_bytes_per_ms, micro_batches)
+    if fits is not None:   # in clusters: cluster i starts at layer starts[i]
+        starts = [0]
+        for c in costs:
+            starts.append(starts[-1] + len(c.layers))
+        layer_fits = fits
+        fits = lambda stage, i, j: layer_fits(stage, starts[i], starts[j])  # noqa: E731
+    try:
+        optimum = partition(costs, len(stage_layers), 0.0, link_bytes_per_ms, micro_batches, fits)
+    except NoFit:
+        return current, current, thr
+    best = partition(costs, len(stage_layers), TIES * optimum.max_ms, link_bytes_per_ms, micro_batches, fits)
     if current.max_ms <= best.max_ms + thr:
         return current, current, thr
     return current, best, thr

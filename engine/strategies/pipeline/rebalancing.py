@@ -35,7 +35,7 @@ class Rebalancing:
         requested, self.requested = self.requested, False
         if not (trained or requested):
             return []
-        decision = self.stage.check(step, requested)
+        decision = self.stage.check(step, requested, memory)
         if decision is None:
             return []
         command = self.waiting if decision.reason == "command" else None

@@ -277,15 +277,17 @@ class PipelineStage(StageWire, StageCheckpoint, Strategy):
         return loss
 
     # --- rebalancing -----------------------------------------------------------------------------
-    def check(self, step: int, requested: bool = False):
+    def check(self, step: int, requested: bool = False, memory=None):
         """Every rank, at every step boundary. A check when one is due (or `requested`): the RebalanceDecision,
-        whose layout (if changed) the next step migrates to; otherwise None."""
+        whose layout (if changed) the next step migrates to; otherwise None. With `memory` (the activation
+        policy, `auto`), the check picks only layouts every stage can hold (engine/techniques/memory/room.py)."""
         decision = None
         requested, self._deferred = requested or self._deferred, False
         if requested and self.layer_clock.steps == 0:   # nothing timed since the last change: time this step first
             self._deferred = True
         elif self.pending is None and self.rebalancer.due(step, requested):
-            decision = self.rebalancer.check(step, self.layer_clock, self.stage_layers, requested)
+            room = (lambda: memory.room(self.layer_static_bytes())) if memory is not None and memory.auto else None
+            decision = self.rebalancer.check(step, self.layer_clock, self.stage_layers, requested, room)
             if decision.changed:
                 self.pending = decision.stages
         # time every TIME_EVERY-th step, and always the step before an automatic check

@@ -16,9 +16,11 @@ What lives here, one idea a module:
     measure.py   Measure: one measured step's per-layer times and input bytes, turned into ActivationCosts
     cost.py      ActivationCost and the cost model (estimate, activation_peak, extra_ms): pure functions
     planner.py   plan (ratio / reverse / exhaustive), Plan, PlanError: pure functions of ActivationCosts
+    room.py      Room, Floors: what each pipeline stage can hold, so a rebalance never picks a layout
+                 whose stage cannot fit its capacity even with every layer recomputed
 
 Imports within the package go one way: policy.py imports the others; stream_swap.py imports swap.py
-and link.py; swap.py imports link.py; measure.py and planner.py import cost.py; cost.py and link.py
+and link.py; swap.py imports link.py; measure.py, planner.py and room.py import cost.py; cost.py and link.py
 import nothing of the engine. The package may import torch, engine.config and engine.training.timing only: the
 model, the device and its ledger are handed in, so nothing here imports engine.runtime (the worker,
 the devices) or any strategy.
@@ -31,11 +33,12 @@ from engine.techniques.memory.link import (FETCH_TIMEOUT_S, CudaCopies, HostBuff
                                            measure_link_gbps)
 from engine.techniques.memory.planner import EXHAUSTIVE_MAX_LAYERS, PLANNERS, Plan, PlanError, order_by_ratio, plan
 from engine.techniques.memory.policy import ActivationPolicy
+from engine.techniques.memory.room import Floors, Room
 from engine.techniques.memory.stream_swap import StreamSwapper
 from engine.techniques.memory.swap import Swapper
 
 __all__ = ["EXHAUSTIVE_MAX_LAYERS", "FETCH_TIMEOUT_S", "PLANNERS", "POLICIES", "ActivationPolicy",
-           "CudaCopies", "HostBufferPool", "HostLink", "ActivationCost", "Plan", "PlanError", "StreamLink",
+           "CudaCopies", "Floors", "HostBufferPool", "HostLink", "ActivationCost", "Plan", "PlanError", "Room", "StreamLink",
            "StreamSwapper",
            "Swapper", "activation_peak", "estimate", "extra_ms", "measure_link_gbps", "order_by_ratio", "plan",
            "resident_bytes", "swap_ms", "swaps_pending"]

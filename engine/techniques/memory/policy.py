@@ -41,6 +41,7 @@ from engine.techniques.memory.cost import POLICIES, ActivationCost, estimate
 from engine.techniques.memory.link import HostLink, StreamLink, measure_link_gbps
 from engine.techniques.memory.measure import Measure
 from engine.techniques.memory.planner import Plan, PlanError, plan, round_up_mib
+from engine.techniques.memory.room import Room
 from engine.techniques.memory.stream_swap import StreamSwapper
 from engine.techniques.memory.swap import SwapEntry, Swapper
 
@@ -79,6 +80,7 @@ class ActivationPolicy:
         self._measure: Measure | None = None
         self._last_owned = list(self.owned())
         self._pass = (-1, None)   # (index of the last layer run, the last swap group of this forward pass)
+        self.loss_bytes = 0       # saved outside any layer per micro-batch (the loss), as last measured
         self.last_error: PlanError | None = None
         self._model_error: PlanError | None = None   # the model's refusal, while a measured floor is due
         # a layer's own forward (an instance attribute of a user's layer is kept and restored on close)
@@ -244,7 +246,8 @@ class ActivationPolicy:
         # what the stage holds besides its layers' saved activations: parameters, gradients, optimizer
         # state, and what is saved outside any layer (the loss), for every micro-batch in flight
         self.ledger.refresh()
-        base = self._static_bytes() + flight * self.ledger.activations_by_layer.get("", 0) // max(1, measure.passes())
+        self.loss_bytes = self.ledger.activations_by_layer.get("", 0) // max(1, measure.passes())
+        base = self._static_bytes() + flight * self.loss_bytes
         self.last_error = None
         replan = estimate(costs, current, base, flight, self.link_bytes_per_ms) >= self.ledger.capacity_bytes \
             or any(p == "recompute" and n not in self.pinned for n, p in current.items()) \
@@ -257,15 +260,14 @@ class ActivationPolicy:
                         link_bytes_per_ms=self.link_bytes_per_ms, planner=self.cfg.planner,
                         pinned={n: p for n, p in self.pinned.items() if n in owned})
         except PlanError as e:
+            # the model's floor is a model: measure a step with every free layer recomputed before
+            # refusing (on an H100 the model said 43.2 MiB where recompute trained at a 27.1 MiB peak)
+            self._model_error = e
             free = [n for n in owned if n not in self.pinned]
-            if any(self.policy[n] != "recompute" for n in free):
-                # the model's floor is a model: measure a step with every free layer recomputed before
-                # refusing (on an H100 the model said 43.2 MiB where recompute trained at a 27.1 MiB peak)
-                self._model_error = e
-                self.policy.update(dict.fromkeys(free, "recompute"))
-                self.plan_due = True
-                return None
-            self.last_error = e
+            if all(self.policy[n] == "recompute" for n in free):
+                return self._measured_floor(owned)   # this step was that one (after a migration planned ahead)
+            self.policy.update(dict.fromkeys(free, "recompute"))
+            self.plan_due = True
             return None
         self._ensure_link("swap" in made.policies.values())
         self.policy.update(made.policies)
@@ -273,6 +275,16 @@ class ActivationPolicy:
         self.plan = made
         self.ledger.reset_peak()
         return made
+
+    def room(self, layer_static: dict[str, int]) -> Room:
+        """What this stage tells a rebalance check (room.py): its capacity, micro-batches in flight, the
+        bytes it holds besides its layers (`layer_static`: each layer's weights, gradients and device
+        optimizer state), and the measured costs and pinned policies of its layers."""
+        self.ledger.refresh()
+        extra = max(0, self._static_bytes() - sum(layer_static.values())) + self.in_flight() * self.loss_bytes
+        return Room(capacity_bytes=self.ledger.capacity_bytes, in_flight=self.in_flight(), extra_bytes=extra,
+                    costs=self.own_costs(), static=dict(layer_static),
+                    pinned={n: p for n, p in self.pinned.items() if n in layer_static})
 
     def own_costs(self) -> dict[str, ActivationCost]:
         """The measured costs of the layers this rank runs (what a migration's target plans with)."""

@@ -1,6 +1,7 @@
 """The console's key actions: the commands it sends for the operator (pause, policy, placement, sync), and
-the rest (filter, sort, pages, help, leave, replay). Part of ConsoleApp (app.py), which holds the state, the
-panels and the link these act on.
+the rest (filter, sort, pages, help, leave, replay). ConsoleActions owns what was sent until its reply;
+ConsoleApp (app.py) holds the state, the panels and the link these act on, and hands each key's action to
+it (Textual looks a binding's `action_*` method up on the App).
 
 Imports console.screens and the widgets it drives.
 """
@@ -17,79 +18,140 @@ KEY_NAMES = {"slash": "/", "question_mark": "?", "plus": "+", "minus": "-"}
 
 
 class ConsoleActions:
-    """ConsoleApp's actions (a mixin: send_command, say, the state and the panels are the app's)."""
+    """What the keys of `app` (a ConsoleApp) do, and the commands they send, each said in the events panel
+    and a notification until its final reply."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+        self.pending: dict[str, str] = {}      # command id -> what was sent, until its final reply
+        self.stopping: str | None = None       # the id of the stop sent
+
+    # --- commands ----------------------------------------------------------------------
+
+    def say(self, text: str, severity: str = "information") -> None:
+        """A line in the events panel and a notification, for everything a command does."""
+        style = {"error": "bold red", "warning": "#ffb000"}.get(severity, "green" if "applied" in text else "")
+        self.app.event_log.add_text(text, style)
+        self.app.notify(text, severity=severity, timeout=4 if severity == "information" else 6)
+
+    def refusal(self, name: str, label: str) -> str | None:
+        """Why this console will not send `name` now, or None. Its keys are dimmed then (the app's
+        check_action, which the command palette asks too), and send_command asks again."""
+        app, state = self.app, self.app.state
+        return ("replay: commands are disabled" if isinstance(app.source, ReplaySource) else
+                "read-only: commands are disabled" if app.read_only else
+                f"{label}: not sent — not connected" if app.link_state != "connected" else
+                f"{label}: not available in mode {state.mode}" if name not in state.capabilities else None)
+
+    def send_command(self, name: str, *args: str) -> str | None:
+        """Send at once (the reply comes as a Feed message); None when refused here."""
+        label = " ".join((name, *args))
+        if refusal := self.refusal(name, label):
+            self.say(refusal, "warning")
+            return None
+        try:
+            cid = self.app.source.send(name, list(args))
+        except (ConnectionError, OSError, AttributeError):
+            self.say(f"{label}: not sent — not connected", "error")
+            return None
+        self.pending[cid] = label
+        self.say(f"{label}: pending")
+        return cid
+
+    def on_reply(self, msg: dict) -> None:
+        if msg.get("status") == "pending":
+            return
+        label = self.pending.pop(msg.get("id"), None) or msg.get("name", "command")
+        if msg.get("status") == "applied":
+            self.say(f"{label}: applied at step {msg.get('step')}")
+            if label in ("pause", "resume"):
+                self.app.state.paused = label == "pause"
+            if msg.get("id") == self.stopping:
+                self.app.exit("stop")
+        else:
+            self.say(f"{label}: rejected: {msg.get('reason', 'no reason given')}", "error")
+            if msg.get("id") == self.stopping:
+                self.stopping = None
+
+    def link_lost(self) -> None:
+        """No reply will come to what is pending; a stop sent has done what it could."""
+        for label in self.pending.values():
+            self.say(f"{label}: no reply — the connection was lost", "warning")
+        self.pending.clear()
+        if self.stopping:
+            self.app.exit("stop")
+
+    # --- the keys that send commands -------------------------------------------------------
 
     def selected_layer(self, what: str) -> str | None:
-        layer = self.table.selected_layer
+        layer = self.app.table.selected_layer
         if layer is None:
             self.say(f"{what}: no layer selected — pick one in the Layers panel", "warning")
         return layer
 
-    def action_pause(self) -> None:
-        self.send_command("resume" if self.state.paused else "pause")
+    def pause(self) -> None:
+        self.send_command("resume" if self.app.state.paused else "pause")
 
-    def action_command(self, name: str) -> None:
-        self.send_command(name)
-
-    def action_policy(self, policy: str) -> None:
+    def policy(self, policy: str) -> None:
         if layer := self.selected_layer(f"set-policy {policy}"):
             self.send_command("set-policy", layer, policy)
 
-    def action_placement(self) -> None:
+    def placement(self) -> None:
         if layer := self.selected_layer("set-placement"):
-            now = self.state.layer(layer).get("placement", "device")
+            now = self.app.state.layer(layer).get("placement", "device")
             self.send_command("set-placement", layer, "device" if now == "host" else "host")
 
-    def action_sync(self) -> None:
+    def sync(self) -> None:
         """A chooser of the sync modes, the current one marked; the choice goes out as set-sync."""
         def chosen(mode: str | None) -> None:
             if mode is not None:
                 self.send_command("set-sync", mode)
-        self.push_screen(SyncScreen(SYNC_MODES, self.state.sync_mode), chosen)
+        self.app.push_screen(SyncScreen(SYNC_MODES, self.app.state.sync_mode), chosen)
 
     # --- everything else -----------------------------------------------------------------
 
-    def action_filter(self) -> None:
+    def filter(self) -> None:
+        table = self.app.table
+
         def chosen(text: str | None) -> None:
             if text is not None:
-                self.table.set_filter(text)
-                self.action_sort(cycle=False)
-                self.page = "layers"
-        self.push_screen(FilterScreen(self.table.filter_text), chosen)
+                table.set_filter(text)
+                self.sort(cycle=False)
+                self.app.page = "layers"
+        self.app.push_screen(FilterScreen(table.filter_text), chosen)
 
-    def action_sort(self, cycle: bool = True) -> None:
-        table = self.table
+    def sort(self, cycle: bool = True) -> None:
+        table = self.app.table
         if cycle:
             table.cycle_sort()
         table.border_subtitle = table.caption()
 
-    def action_page(self, page: str) -> None:
-        self.page = page
-
-    def action_help(self) -> None:
+    def help(self) -> None:
         keys = [(KEY_NAMES.get(b.key, b.key), b.tooltip or b.description)
-                for b in (*self.BINDINGS, *LayerTable.BINDINGS)]   # the table's own: g, enter, z
+                for b in (*self.app.BINDINGS, *LayerTable.BINDINGS)]   # the table's own: g, enter, z
         keys += [(KEY_NAMES.get(b.key, b.key), b.tooltip) for b in FleetTable.BINDINGS if b.show]   # Devices table
-        self.push_screen(HelpScreen([*keys, ("ctrl+p", "command palette: every action by name")]))
+        self.app.push_screen(HelpScreen([*keys, ("ctrl+p", "command palette: every action by name")]))
 
-    def action_leave(self) -> None:
-        if isinstance(self.source, ReplaySource) or self.source is None:
-            self.exit(None)
+    def leave(self) -> None:
+        app = self.app
+        if isinstance(app.source, ReplaySource) or app.source is None:
+            app.exit(None)
             return
-        run = self.state.hello.get("run") or "the run"
-        can_stop = self.link_state == "connected" and not self.read_only
-        self.push_screen(QuitScreen(run, can_stop), self.leave_chosen)
+        run = app.state.hello.get("run") or "the run"
+        can_stop = app.link_state == "connected" and not app.read_only
+        app.push_screen(QuitScreen(run, can_stop), self.leave_chosen)
 
     def leave_chosen(self, choice: str | None) -> None:
         if choice == "detach":
-            self.exit("detach")
+            self.app.exit("detach")
         elif choice == "stop":   # the dialog said what stop does: no second question
             self.stopping = self.send_command("stop")
 
-    def action_replay(self, what: str) -> None:
+    def replay(self, what: str) -> None:
+        source = self.app.source
         if what == "toggle":
-            self.source.toggle()
+            source.toggle()
         elif what == "step":
-            self.source.step_once()
+            source.step_once()
         else:
-            self.notify(f"replay speed {self.source.change_speed(1 if what == 'faster' else -1):g}×", timeout=2)
+            self.app.notify(f"replay speed {source.change_speed(1 if what == 'faster' else -1):g}×", timeout=2)

@@ -55,7 +55,7 @@ ACTION_COMMANDS = {"pause": "pause", "policy": "set-policy", "placement": "set-p
 LAYER_KEYS = Binding.Group("Policy")   # k s c share one footer entry
 
 
-class ConsoleApp(ConsoleActions, App[str]):
+class ConsoleApp(App[str]):
     """Exits with "detach", "stop" (the run was stopped) or None (a replay, or no run picked)."""
 
     CSS_PATH = "app.tcss"
@@ -97,8 +97,7 @@ class ConsoleApp(ConsoleActions, App[str]):
         super().__init__()
         self.source, self.read_only, self.token = source, read_only or bool(source and source.read_only), token
         self.state = RunState()
-        self.pending: dict[str, str] = {}      # command id -> what was sent, until its final reply
-        self.stopping: str | None = None       # the id of the stop sent
+        self.actions = ConsoleActions(self)    # what the keys do, and the commands they sent
         self.replay_ready = False              # a replay has posted its preloaded records
         self._drawn: dict[str, tuple[int, float]] = {}   # panel -> (state version drawn, next slot)
         self._started = time.monotonic()
@@ -154,12 +153,12 @@ class ConsoleApp(ConsoleActions, App[str]):
     def on_feed(self, message: Feed) -> None:
         msg = message.msg
         if msg.get("type") == "reply":
-            self.on_reply(msg)
+            self.actions.on_reply(msg)
         else:
             self.state.apply(msg)
             if msg.get("type") == "hello":   # its capabilities decide which keys are lit
                 self.refresh_bindings()
-            if msg.get("type") == "bye" and self.stopping:
+            if msg.get("type") == "bye" and self.actions.stopping:
                 self.exit("stop")
 
     def watch_link_state(self) -> None:
@@ -174,11 +173,7 @@ class ConsoleApp(ConsoleActions, App[str]):
         else:
             self.banner = ""
         if link.state == "lost":
-            for label in self.pending.values():
-                self.say(f"{label}: no reply — the connection was lost", "warning")
-            self.pending.clear()
-            if self.stopping:
-                self.exit("stop")
+            self.actions.link_lost()
         elif link.state == "connected" and was == "lost":
             self.event_log.add_text("reconnected", "green")
         elif link.state == "replay":
@@ -268,52 +263,40 @@ class ConsoleApp(ConsoleActions, App[str]):
             return replay_label(src.paused, self.state.messages, src.total, src.speed, self.size.width >= 120)
         return link_label(self.link_state, self.read_only)
 
-    # --- commands ----------------------------------------------------------------------
+    # --- the keys: Textual finds each binding's action_* on the App; ConsoleActions does it ---
 
-    def say(self, text: str, severity: str = "information") -> None:
-        """A line in the events panel and a notification, for everything a command does."""
-        style = {"error": "bold red", "warning": "#ffb000"}.get(severity, "green" if "applied" in text else "")
-        self.event_log.add_text(text, style)
-        self.notify(text, severity=severity, timeout=4 if severity == "information" else 6)
+    def action_pause(self) -> None:
+        self.actions.pause()
 
-    def refusal(self, name: str, label: str) -> str | None:
-        """Why this console will not send `name` now, or None. Its keys are dimmed then (check_action,
-        which the command palette asks too), and send_command asks again."""
-        state = self.state
-        return ("replay: commands are disabled" if isinstance(self.source, ReplaySource) else
-                "read-only: commands are disabled" if self.read_only else
-                f"{label}: not sent — not connected" if self.link_state != "connected" else
-                f"{label}: not available in mode {state.mode}" if name not in state.capabilities else None)
+    def action_command(self, name: str) -> None:
+        self.actions.send_command(name)
 
-    def send_command(self, name: str, *args: str) -> str | None:
-        """Send at once (the reply comes as a Feed message); None when refused here."""
-        label = " ".join((name, *args))
-        if refusal := self.refusal(name, label):
-            self.say(refusal, "warning")
-            return None
-        try:
-            cid = self.source.send(name, list(args))
-        except (ConnectionError, OSError, AttributeError):
-            self.say(f"{label}: not sent — not connected", "error")
-            return None
-        self.pending[cid] = label
-        self.say(f"{label}: pending")
-        return cid
+    def action_policy(self, policy: str) -> None:
+        self.actions.policy(policy)
 
-    def on_reply(self, msg: dict) -> None:
-        if msg.get("status") == "pending":
-            return
-        label = self.pending.pop(msg.get("id"), None) or msg.get("name", "command")
-        if msg.get("status") == "applied":
-            self.say(f"{label}: applied at step {msg.get('step')}")
-            if label in ("pause", "resume"):
-                self.state.paused = label == "pause"
-            if msg.get("id") == self.stopping:
-                self.exit("stop")
-        else:
-            self.say(f"{label}: rejected: {msg.get('reason', 'no reason given')}", "error")
-            if msg.get("id") == self.stopping:
-                self.stopping = None
+    def action_placement(self) -> None:
+        self.actions.placement()
+
+    def action_sync(self) -> None:
+        self.actions.sync()
+
+    def action_filter(self) -> None:
+        self.actions.filter()
+
+    def action_sort(self, cycle: bool = True) -> None:
+        self.actions.sort(cycle)
+
+    def action_page(self, page: str) -> None:
+        self.page = page
+
+    def action_help(self) -> None:
+        self.actions.help()
+
+    def action_leave(self) -> None:
+        self.actions.leave()
+
+    def action_replay(self, what: str) -> None:
+        self.actions.replay(what)
 
     @on(FleetTable.RankChosen)
     def rank_chosen(self, event: FleetTable.RankChosen) -> None:
@@ -322,15 +305,15 @@ class ConsoleApp(ConsoleActions, App[str]):
 
     def check_action(self, action: str, parameters: tuple) -> bool | None:
         """True: the key works. None: shown dimmed, does nothing (a command this console will not send
-        now, see refusal). False: hidden: the replay keys outside a replay, and the command keys in one
-        (a replay takes no command, and with them its footer would be 160 columns wide)."""
+        now, see ConsoleActions.refusal). False: hidden: the replay keys outside a replay, and the command
+        keys in one (a replay takes no command, and with them its footer would be 160 columns wide)."""
         replay = isinstance(self.source, ReplaySource)
         if action == "replay":
             return replay
         command = parameters[0] if action == "command" and parameters else ACTION_COMMANDS.get(action)
         if command is None:
             return True
-        return False if replay else None if self.refusal(command, command) else True
+        return False if replay else None if self.actions.refusal(command, command) else True
 
     def get_system_commands(self, screen):
         """Every working key's action in the command palette (ctrl+p), named as in the footer."""

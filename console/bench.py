@@ -149,7 +149,7 @@ async def drive(measure_s: float, presses: int, ranks: int) -> dict:
         # an outlier appears: how long until the Devices panel flags it (the table, or a card's colour)
         rank, table = min(OUTLIER, ranks - 1), app.query_one(FleetTable)
         asked, seen = time.monotonic(), None
-        app.send_command("checkpoint")
+        app.actions.send_command("checkpoint")
         while seen is None and time.monotonic() < asked + 10:
             await pilot.pause(0.02)
             card = app.devices.cards.get(rank)

@@ -10,7 +10,7 @@ import time
 from engine.config import load_config
 from engine.processes import lifeline
 from engine.run.rank import Job
-from engine.run.worker import worker_main
+from engine.run.worker_entry import worker_main
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -314,7 +314,7 @@ def test_the_ideal_takes_the_best_rounds_probe_never_above_the_shaped_rate():
 
 
 def test_a_variant_under_its_ideal_is_called_a_fault_of_the_probe():
-    from engine.bench.broadcast import _summary
+    from engine.bench.broadcast_figures import figures
     phases = dict.fromkeys(("fwd_ms", "bwd_ms", "reduce_ms", "optim_ms", "broadcast_wait_ms", "gate_ms",
                             "reduce_span_ms", "broadcast_span_ms", "broadcast_issue_ms"), 1.0)
 
@@ -325,13 +325,13 @@ def test_a_variant_under_its_ideal_is_called_a_fault_of_the_probe():
     variants = ["ddp", "fsdp2-no-reshard", "fsdp2-reshard", "sharded-2-gated"]
     runs = {v: [row(ms)] for v, ms in zip(variants, (2000.0, 3000.0, 4000.0, 500.0))}
     # 1 byte/s over the link: ddp's ideal (100 bytes) is 100 s; the sharded variant's 100 s too: both under it
-    out = _summary(runs, variants, 2, {"ratio_to_ddp_at_most": 1.0}, with_bytes=False, hosts=2,
-                   link={"bytes_per_s": 1.0})
+    out = figures(runs, variants, 2, {"ratio_to_ddp_at_most": 1.0}, with_bytes=False, hosts=2,
+                  link={"bytes_per_s": 1.0})
     under = [r["variant"] for r in out["variants"] if r.get("under_ideal")]
     assert under == variants and "the probe under-measured the link" in out["probe_failed"]
     assert out["best_fsdp2"] == "fsdp2-no-reshard" and out["meets_goals"]["below_fsdp2"]
-    fine = _summary(runs, variants, 2, {"ratio_to_ddp_at_most": 1.0}, with_bytes=False, hosts=2,
-                    link={"bytes_per_s": 1e9})
+    fine = figures(runs, variants, 2, {"ratio_to_ddp_at_most": 1.0}, with_bytes=False, hosts=2,
+                   link={"bytes_per_s": 1e9})
     assert "probe_failed" not in fine and not any(r.get("under_ideal") for r in fine["variants"])
 
 

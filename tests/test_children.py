@@ -374,14 +374,14 @@ WORKER_RAISES = textwrap.dedent("""
     import sys
     from types import SimpleNamespace
     from engine.processes import lifeline
-    from engine.run import launch
+    from engine.run import worker_entry
     def worker_main(job):
         raise RuntimeError("a worker's own error")
-    launch.worker_main = worker_main
+    worker_entry.worker_main = worker_main
     job = SimpleNamespace(launcher=lifeline.identity(), config=SimpleNamespace(
         parallel=SimpleNamespace(shutdown_timeout_s=5), cluster=SimpleNamespace(nnodes=1)))
     try:
-        launch.run_worker(job)
+        worker_entry.run_worker(job)
     except SystemExit as e:
         print("exit", e.code)
 """)
@@ -391,12 +391,12 @@ WORKER_FINISHES = textwrap.dedent("""
     import signal
     from types import SimpleNamespace
     from engine.processes import lifeline
-    from engine.run import launch
-    launch.worker_main = lambda job: "done"
+    from engine.run import worker_entry
+    worker_entry.worker_main = lambda job: "done"
     job = SimpleNamespace(launcher=lifeline.identity(), config=SimpleNamespace(
         parallel=SimpleNamespace(shutdown_timeout_s=5), cluster=SimpleNamespace(nnodes=1)))
     signal.signal(signal.SIGTERM, lambda *a: None)   # the step loop's StopRequest, still installed
-    print(launch.run_worker(job), signal.getsignal(signal.SIGTERM) is signal.SIG_DFL)
+    print(worker_entry.run_worker(job), signal.getsignal(signal.SIGTERM) is signal.SIG_DFL)
 """)
 
 

@@ -306,7 +306,7 @@ def test_dimmed_keys_send_nothing_and_say_nothing(engines):
             assert not any(lit for key, lit in footer_keys(app).items() if key in COMMAND_KEYS)
             await pilot.press("p", "x", "s", "r", "m")
             await pilot.pause(0.5)
-            assert "commands are disabled" not in events_text(app) and not app.pending
+            assert "commands are disabled" not in events_text(app) and not app.actions.pending
             assert "read-only" in str(app.query_one("#link").render())
         app = ConsoleApp(SocketSource("ddp"))
         async with app.run_test(size=SIZE) as pilot:

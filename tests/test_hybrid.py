@@ -52,8 +52,8 @@ def train(topo, strategy: str = "ddp", optim: str = "sgd", placement="device", p
             state_bytes = device.ledger.bytes["optimizer_state"]
     runner.sync()
     out = {"state": {k: v.detach().clone() for k, v in model.state_dict().items()}, "placements": seen,
-           "device_state_bytes": state_bytes, "plan": runner.updater.plan, "peaks": peaks,
-           "profile": runner.updater.profile}
+           "device_state_bytes": state_bytes, "plan": runner.updater.trial.plan, "peaks": peaks,
+           "profile": runner.updater.trial.profile}
     runner.close()
     return out
 
@@ -166,12 +166,18 @@ def test_layer_update_moves_state_and_weights_exactly():
 @pytest.mark.timeout(120)
 def test_a_sharded_runs_layer_table_shows_every_layers_update_from_its_owner(cli):
     from tests.conftest import read_jsonl
+    from tests.test_figures import validate_log
     from tests.test_training import DEMO
     log = cli.tmp_path / "run.jsonl"
     r = cli.run("run", DEMO, "--headless", "--steps", "6", *cli.base_args("owners"), "--set", "parallel.strategy=sharded",
                 "--set", "parallel.world_size=2", "--set", "update.placement={fc1 = \"host\", head = \"host\"}",
                 "--set", "telemetry.layer_every=3", "--telemetry-log", str(log))
     assert r.returncode == 0, r.stderr
+    validate_log(log)   # the closed rank entry: host updates' figures and sharded's own, every one declared
+    ranks = [e for rec in read_jsonl(log) if rec.get("type") == "step" for e in rec["ranks"]]
+    assert all({"reduce_ms", "broadcast_wait_ms", "reduce_span_ms", "owned_bytes", "host_bytes"} <= set(e)
+               for e in ranks)
+    assert any(e["reduce_span_ms"] > 0 for e in ranks) and any(e["host_bytes"] > 0 for e in ranks)
     rows = [rec["layers"] for rec in read_jsonl(log) if rec.get("type") == "step" and "layers" in rec]
     assert rows
     for table in rows:

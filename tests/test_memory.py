@@ -608,7 +608,7 @@ def test_where_everything_fits_auto_keeps_and_updates_on_the_device_with_no_tria
         updater.end_backward()
         made.append((memory.after_step(step), plan_events(updater, step + 1, cfg.run_dir)))
         assert set(memory.policies().values()) == {"keep"} and set(updater.placement().values()) == {"device"}
-    assert updater._trial == [] and made == [(None, [])] * 4   # no trial step, no measured step, no plan
+    assert updater.trial.steps == [] and made == [(None, [])] * 4   # no trial step, no measured step, no plan
     assert memory.link is None and device.ledger.swapper is None   # nothing swaps: no hook on every saved tensor
     updater.close()
     memory.close()
@@ -621,7 +621,7 @@ def test_where_only_the_optimizer_state_does_not_fit_the_activations_keep_and_th
     device.ledger.capacity_bytes = (estimate.need(with_state=False) + estimate.need()) // 2
     [said] = settle_auto(cfg, model, data, device, memory, strategy, cross_entropy)
     assert (said.fields["memory"], said.fields["placement"]) == ("keep", "trial")
-    assert set(memory.policies().values()) == {"keep"} and updater.trial_left == cfg.update.profile_steps
+    assert set(memory.policies().values()) == {"keep"} and updater.trial.left == cfg.update.profile_steps
     device.ledger.capacity_bytes = estimate.need(with_state=False) - 1   # keep itself does not fit: measured
     memory2 = ActivationPolicy(model, device, cfg.memory)
     memory.close()

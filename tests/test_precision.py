@@ -23,6 +23,7 @@ from engine.training.optim import lr_at, make_optimizer, set_lr
 from engine.training.precision import DTYPES, compute_in, dtype_code, param_dtype
 from engine.training.loss import cross_entropy
 from tests.conftest import read_jsonl
+from tests.test_figures import validate_log
 from tests.test_training import DEMO
 
 STEPS = 20
@@ -180,7 +181,7 @@ def run_records(cli, name: str, sets: list[str], steps: int, timeout: int = 230)
     r = cli.run("run", DEMO, "--headless", "--steps", str(steps), *cli.base_args(name), "--set", "run.eval_every=0",
                 *(a for s in sets for a in ("--set", s)), "--telemetry-log", str(log), timeout=timeout)
     assert r.returncode == 0, r.stderr
-    return read_jsonl(log)
+    return validate_log(log)   # every rank entry closed over the declared figures (bf16's masters among them)
 
 
 @pytest.mark.timeout(240)
@@ -200,10 +201,13 @@ def test_every_strategy_with_bf16_weights_equals_one_process_with_bf16_weights(c
     assert noise > 1e-4
     assert got[0] == pytest.approx(bf16[0], abs=1e-6)
     assert gap <= TOLERANCE(noise), (gap, noise)
+    ranks = [r for rec in records if rec["type"] == "step" for r in rec.get("ranks", [])]
     if case.startswith("pipeline"):   # it really migrated, swapped and recomputed
         assert any(rec.get("kind") == "migration" for rec in records)
-        ranks = [r for rec in records if rec["type"] == "step" for r in rec.get("ranks", [])]
         assert any(r.get("swap_layers") for r in ranks) and any(r.get("recompute_layers") for r in ranks)
+        assert all("recv_wait_ms" in r for r in ranks) and any(r["migration_bytes"] for r in ranks)
+    if case.startswith("sharded"):   # its own figures reach the log
+        assert all({"reduce_ms", "broadcast_wait_ms", "reduce_span_ms", "gate_ms"} <= set(r) for r in ranks)
 
 
 def test_bf16_weights_halve_the_parameters_and_the_mlp_activations_exactly():

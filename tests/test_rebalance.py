@@ -249,6 +249,9 @@ def test_auto_rebalancing_moves_layers_live_and_training_equals_one_process(cli)
     assert _stages_of(steps[1]) == [["fc0"], ["act0", "fc1", "act1", "fc2", "act2", "head"]]
     assert steps[moved[0]["step"]]["migrating"] and _stages_of(steps[moved[0]["step"]]) == moved[0]["stages"]
     assert _stages_of(steps[30]) == moved[-1]["stages"] and "threshold_ms" in steps[30]
+    # each stage's waits for its neighbours reach the log: stage 0 waits for stage 1's slow backward
+    ranks = [e for rec in steps.values() for e in rec["ranks"]]
+    assert all("recv_wait_ms" in e for e in ranks) and any(e["recv_wait_ms"] > 0 for e in ranks)
     # the layer table: every stage's rows gathered on rank 0, each layer once, on its stage of that step
     rows = [rec for rec in steps.values() if rec.get("layers")]
     assert rows and all(e["stage"] == s for rec in rows for e in rec["layers"]

@@ -2,7 +2,7 @@
 
 The plan (owners, slices, streams) is checked as pure functions; training is checked
 against torch DDP in a pool of worker processes that stays up for the whole grid
-(tests/pool.py), and through the CLI for checkpoints and the restart path.
+(engine/processes/procpool.py), and through the CLI for checkpoints and the restart path.
 """
 
 from __future__ import annotations

@@ -435,7 +435,7 @@ def scripted_run(step_ms, profile_steps=2, chosen=None, monkeypatch=None):
     updater = LayerUpdates(model, params_by_layer(model), cfg.optim, device,
                            UpdateConfig(placement="auto", profile_steps=profile_steps, host_threads=1))
     device.ledger.track_module(model, updater)
-    clock = updater.now = ScriptedClock(step_ms)
+    clock = updater.trial.now = ScriptedClock(step_ms)
     events, placements = [], []
     for step in range(len(step_ms)):
         updater.begin_step()
@@ -467,9 +467,9 @@ def test_the_trial_costs_at_most_two_steps_beyond_its_device_steps():
     # a host step far slower than the device step: the trial stops after one of each, the plan says its cost
     updater, events, _ = scripted_run([400, 10, 400, 10, 10, 10], profile_steps=6)
     [made] = [e for e in events if e.kind == "update_plan"]
-    assert len(updater._trial) == 2 and made.fields["trial_steps"] == 2
+    assert len(updater.trial.steps) == 2 and made.fields["trial_steps"] == 2
     assert made.fields["trial_extra_ms"] <= made.fields["budget_ms"] == 20
     # host steps close to the device step: the whole trial runs, within the budget
     updater, events, _ = scripted_run([12, 10, 12, 10, 12, 10, 10, 10], profile_steps=6)
     [made] = [e for e in events if e.kind == "update_plan"]
-    assert len(updater._trial) == 6 and made.fields["trial_extra_ms"] <= made.fields["budget_ms"]
+    assert len(updater.trial.steps) == 6 and made.fields["trial_extra_ms"] <= made.fields["budget_ms"]

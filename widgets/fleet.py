@@ -18,10 +18,8 @@ from __future__ import annotations
 import re
 from statistics import median
 
-# a CUDA rank's own figures (the torch allocator's, then NVML's; engine/runtime/control.py sends them): a CPU
-# rank has none of them, absent rather than zero
-GPU_FIELDS = ("allocated_bytes", "reserved_bytes", "allocator_peak_bytes",
-              "nvml_used_bytes", "nvml_total_bytes", "gpu_util_percent")
+from engine.protocol import GPU_FIELDS   # a CUDA rank's own figures: absent on a CPU rank
+
 SORT_KEYS = ("rank", "memory", "step", "compute", "wait")   # `o` cycles them in this order
 MEMORY_FRACTION = 0.90     # a rank above this share of its memory is an outlier
 SLOW_RATIO = 1.3           # a figure above this multiple of its peers' median is an outlier ...

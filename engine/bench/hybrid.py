@@ -104,7 +104,7 @@ def profile_job(topo, hidden: int, depth: int, batch: int, trial: int, kind: str
     step = _stepper(runner, precision)
     for _ in range(trial):
         step(x, y)
-    profile = runner.updater.profile
+    profile = runner.updater.trial.profile
     runner.close()
     return {"layers": [dataclasses.asdict(c) for c in profile.layers], "peak_bytes": profile.peak_bytes,
             "host_threads": profile.host_threads}

@@ -3,7 +3,8 @@
 - launch.py: the launcher (torch's elastic agent: restarts, rendezvous, several hosts) and the run's end (exit
   status, refusals); checks.py: what it refuses before any worker starts; claim.py: the run folder's locks,
   one live run to a folder.
-- worker.py: a worker process's entry (`worker_main`) and the data-parallel and pipeline step loop.
+- worker.py: the data-parallel and pipeline step loop (Worker);
+  worker_entry.py: what the agent starts in each worker process (worker_main, watching the launcher).
 - rank.py: what every rank sets up alike (Job, host placement, pid file, device, data, model).
 - handover.py: a user's model and data handed to the workers as copies of their own (never the caller's
   memory), and the run's final weights loaded back into the caller's model.

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from engine.runtime import checkpoint as ckpt
-from engine.runtime.checkpoint_writer import HostSnapshot, Writer
+from engine.runtime.checkpoint_writer import HostSnapshot, Writer, published, run_meta
 from engine.runtime.control import COLUMN
 
 
@@ -104,11 +104,7 @@ class Checkpointer:
         self.strategy.sync()   # host updates and overlapped broadcasts landed (checkpoint_state syncs too)
         part = self.snapshot.take(*self.strategy.checkpoint_state(), rng)
         if self.topo.is_first:
-            # Batches are a function of (step, seed), so the step is the whole data position.
-            meta = {"name": self.cfg.run.name, "world_size": self.topo.world_size,
-                    "data_position": {"step": step, "samples_seen": step * self.cfg.data.batch_size},
-                    "layout": self.strategy.layout(), "config": self.cfg.to_dict(),
-                    "tied": ckpt.tied_keys(self.model)}
+            meta = run_meta(self.cfg, self.topo.world_size, step, self.strategy.layout(), self.model)
             with self._lock:
                 self.unpublished[step] = [meta, t_snap]
         self.taken = step
@@ -174,9 +170,6 @@ class Checkpointer:
             with self._lock:
                 meta, _, figures = self.unpublished.pop(step)
             stall = published_s * 1000 if figures["stall_ms"] is None else figures["stall_ms"]
-            size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
-            self.tel.event("checkpoint", step, path=str(path), stall_ms=round(stall, 1),
-                           write_ms=round(figures["write_ms"], 1), published_ms=round(published_s * 1000, 1),
-                           bytes=size)
+            self.tel.event("checkpoint", step, **published(path, stall, figures["write_ms"], published_s * 1000))
         if self.writer.failed is None and self.writer.error is not None:
             print(f"trainyard: the checkpoint writer failed: {self.writer.error!r}", file=sys.stderr, flush=True)

@@ -12,7 +12,7 @@ a folder per launch, in it one per restart attempt, in that one per local rank w
 error.json. The folders left empty are removed when the launch ends, and a fresh start (no --resume)
 removes the host's earlier ones. Nothing goes to the system temp dir: torch's default is a
 `torchelastic_*` folder there per run, and a worker's error pickled into a `pytorch-errorfile-*`
-(run_worker), neither ever removed.
+(run_worker, engine/run/worker_entry.py), neither ever removed.
 
 Several hosts (`[cluster] nnodes > 1`, docs/cluster.md): one launcher per host, all meeting
 at host 0's c10d rendezvous (`cluster.rdzv_endpoint`). Host R runs global ranks
@@ -42,7 +42,6 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from engine.runtime import checkpoint as ckpt
 from engine.runtime import compat
-from engine.runtime import emulate
 from engine.processes import forkserver
 from engine.run import PRELOAD
 from engine.processes.children import torch_cache_out_of_temp
@@ -53,7 +52,7 @@ from engine.run.checks import RunSetupError, check_machine, check_model
 from engine.run.claim import Claim, remove_leftovers
 from engine.processes import lifeline
 from engine.run.rank import Job, agent_dir, restart_marker
-from engine.run.worker import worker_main
+from engine.run.worker_entry import run_worker
 
 
 class RunRefused(RunSetupError):
@@ -310,46 +309,6 @@ def start_method() -> str:
     """How the agent starts a worker: forked from the fork server where it runs (engine/processes/forkserver.py:
     no GPU visible), else spawned afresh."""
     return "forkserver" if forkserver.usable() else "spawn"
-
-
-def run_worker(job: Job) -> dict | None:
-    """worker_main, watching the launcher (engine/processes/lifeline.py); where it raises, the worker exits with
-    status 1 once the error is in the agent's error.json (what the launcher reports, as before). An error raised
-    on out of here would also be pickled by torch.multiprocessing into a pytorch-errorfile-*.pickle in the
-    system temp dir, which nothing removes."""
-    # one host: the run stops with its launcher (a final checkpoint where it fits); several: this host is lost
-    lifeline.hold(job.launcher, job.config.parallel.shutdown_timeout_s, f"rank {os.environ.get('RANK', '?')}",
-                  stop=job.config.cluster.nnodes == 1)
-    os.environ[emulate.LAUNCHER_PID] = str(job.launcher[0])   # emulate.kill_how = "launcher"
-    try:
-        result = worker_main(job)
-    except Exception as e:
-        _record_error(e)
-        sys.exit(1)
-    lifeline.finished()   # the agent may keep a finished worker waiting: a stop must still end it
-    return result
-
-
-def _record_error(error: BaseException) -> None:
-    """torch's error file for the agent (TORCHELASTIC_ERROR_FILE), written whole or not at all: torch writes it
-    in place, and a full disk left it empty, which the agent then failed to parse (a JSONDecodeError traceback
-    instead of the worker's error)."""
-    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
-        return
-    partial = f"{path}.partial"
-    os.environ["TORCHELASTIC_ERROR_FILE"] = partial
-    try:
-        ErrorHandler().record_exception(error)
-        if os.path.getsize(partial):
-            os.replace(partial, path)
-    except OSError:
-        pass
-    finally:
-        os.environ["TORCHELASTIC_ERROR_FILE"] = path
-        with suppress(OSError):
-            os.unlink(partial)
 
 
 def _remove_empty_folders(agent: Path) -> None:

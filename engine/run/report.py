@@ -9,7 +9,7 @@ skipped or rolled back by the clipping guard).
 `wall_s`: the time between this step's record and the last one's, what samples_per_s, tokens_per_s and mfu
 divide by (the step as a user's loop would time it, the boundary's exchange and report included).
 
-Imports engine.runtime.control.
+Imports engine.runtime.control and engine.runtime.lifecycle (step_record: the fields every step record has).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import statistics
 import torch
 
 from engine.runtime.control import COLUMN, Peaks, rank_rows
+from engine.runtime.lifecycle import step_record
 
 
 class StepReport:
@@ -39,12 +40,12 @@ class StepReport:
         me = ranks[0]
         updater = self.strategy.updater
         streams = self.strategy.stream_stats(me["step_ms"])
-        record = {"step": step, "loss": loss, "samples_per_s": self.cfg.data.batch_size / wall_s,
-                  "step_ms": max(e["step_ms"] for e in ranks),
-                  **self.throughput.fields(wall_s, table), "ranks": ranks,
-                  "time_split": {"compute_ms": round(me["fwd_ms"] + me["bwd_ms"] + me["optim_ms"], 4),
-                                 "comm_ms": sum(s["busy_ms"] for s in streams), "wait_ms": me["wait_ms"]},
-                  "streams": streams, "lr": lr, **updater.decision.fields(), **self.strategy.stage_rows(ranks)}
+        record = step_record(step, loss, lr, ranks, samples_per_s=self.cfg.data.batch_size / wall_s,
+                             step_ms=max(e["step_ms"] for e in ranks),
+                             compute_ms=round(me["fwd_ms"] + me["bwd_ms"] + me["optim_ms"], 4),
+                             comm_ms=sum(s["busy_ms"] for s in streams), wait_ms=me["wait_ms"], streams=streams,
+                             throughput=self.throughput.fields(wall_s, table), **updater.decision.fields(),
+                             **self.strategy.stage_rows(ranks))
         layers = self.layer_rows.report(layers)
         if layers is not None:
             record["layers"] = layers

@@ -1,8 +1,8 @@
-"""One training worker: process setup, resume, the step loop, checkpoints, telemetry.
+"""One training worker's step loop: resume, the steps, checkpoints, telemetry, the end.
 
-The launcher (engine/run/launch.py) starts `world_size` of these through torch's
-elastic agent; `torchrun --nproc-per-node N -m engine.worker CONFIG.toml` starts
-them the same way on any number of hosts.
+The launcher (engine/run/launch.py) starts `world_size` worker processes through torch's
+elastic agent (engine/run/worker_entry.py worker_main makes each one's Worker);
+`torchrun --nproc-per-node N -m engine.worker CONFIG.toml` starts them the same way on any number of hosts.
 
 Every step ends at a boundary where the ranks exchange one small vector on the
 side group: loss, timings, ledger figures and a stop flag. So every rank agrees on
@@ -12,11 +12,8 @@ names (engine/strategies/base.py), and forwards the events each technique makes 
 
 from __future__ import annotations
 
-import os
 import sys
 import time
-import traceback
-from contextlib import suppress
 from dataclasses import dataclass
 
 import torch
@@ -31,16 +28,15 @@ from engine.runtime.control import COLUMN, encode_commands, exchange, share_comm
 from engine.runtime.emulate import Emulated
 from engine.processes.lifeline import launcher_gone
 from engine.runtime.events import forward
-from engine.runtime.lifecycle import RunControl, StopRequest, announce, device_fields, world_range
+from engine.runtime.lifecycle import RunControl, StopRequest, announce, hello
 from engine.runtime.profiler import LayerProfiler
-from engine.runtime.refusal import is_refusal, refuse, transient
 from engine.runtime.topology import Topology
 from engine.run.checkpointer import Checkpointer
 from engine.models.compile import compile_figures
 from engine.run.compiles import CompileReport
 from engine.run.fit import settle_auto
 from engine.run.layer_rows import LayerRows
-from engine.run.rank import Job, build_rank, place_on_host, restart_marked
+from engine.run.rank import Job, build_rank, restart_marked
 from engine.run.report import StepReport, Throughput
 from engine.strategies.interface import make_strategy
 from engine.techniques.memory import ActivationPolicy
@@ -57,50 +53,6 @@ RESTART_WAIT_S = 10.0
 # disk's (a GPU machine's checkpoints were measured at 0.5 GB/s)
 FIRST_CHECKPOINT_S = 0.5
 FIRST_CHECKPOINT_BPS = 250e6
-
-
-def worker_main(job: Job) -> dict | None:
-    torch.set_num_threads(1)   # one thread per worker: on a few cores the pools would thrash
-    cfg = job.config
-    place_on_host(job)
-    param_server = cfg.parallel.strategy == "param_server"
-    if param_server and int(os.environ["RANK"]) >= cfg.parallel.param_server.servers:
-        from engine.strategies.param_server import supervise
-        return supervise(job, build_rank)   # a parameter-server worker: its death does not end the run
-    stop = StopRequest(grace_s=cfg.parallel.shutdown_timeout_s)
-    topo = Topology.from_env(cfg.parallel.backend, cfg.device.kind, cfg.parallel.collective_timeout_s)
-    worker = None
-    try:
-        if param_server:
-            from engine.strategies.param_server import run_server
-            return run_server(job, topo, stop, build_rank)
-        worker = Worker(job, topo, stop)
-        return worker.run()
-    except Exception as e:
-        lost = transient(e)
-        # our launcher is there to tell (not torchrun's) and this is no stop: a restart would fail the same way
-        final = lost is None and job.refusal_path is not None and not stop.requested
-        if worker is not None:   # consoles hear why, and the socket and registry entry go away
-            with suppress(Exception):   # a log that could not be written must not hide the error
-                worker.tel.close(f"run {'refused' if final and is_refusal(e) else 'failed'} ({type(e).__name__}: {e})")
-        if final:   # the launcher ends the run: exit 2 for a refusal, 1 for a failure
-            where = worker.where() if worker is not None else "" if param_server else "while starting"
-            if not is_refusal(e) and not getattr(type(e), "says_all", False):   # its traceback, once
-                print(f"trainyard: rank {topo.rank} failed ({where}); not restarted, the same error would "
-                      f"recur:\n{traceback.format_exc()}", file=sys.stderr, end="", flush=True)
-            refuse(job.refusal_path, job.launcher[0], topo.rank, e, lambda: stop.requested, where)
-        if stop.requested:   # being shut down and a peer already left: nothing more to save
-            print(f"trainyard: rank {topo.rank} stopped ({type(e).__name__} after a peer left)",
-                  file=sys.stderr, flush=True)
-            os._exit(1)
-        raise
-    finally:
-        if stop.requested:
-            sys.stdout.flush()
-            # The elastic agent is shutting the group down and will not collect a return
-            # value; leave now rather than wait for its SIGKILL.
-            os._exit(0)
-        topo.shutdown()
 
 
 @dataclass
@@ -151,15 +103,9 @@ class Worker(RunControl):
         self.flops = 0
 
     def _hello(self) -> dict:
-        cfg = self.cfg
-        return {"run": cfg.run.name, "mode": cfg.parallel.strategy, "world_size": self.topo.world_size,
-                **world_range(cfg), "hosts": self.topo.hosts(), "backend": self.topo.backend,
-                **device_fields(self.device),
-                "layers": list(self.model.names), "layout": self.strategy.layout(),
-                "updated_layers": [n for n, layer in zip(self.model.names, self.model.layers)
-                                   if any(True for _ in layer.parameters())],
-                "capabilities": list(self.strategy.commands) + ["set-policy"], "steps": cfg.run.steps,
-                "config": cfg.to_dict()}
+        updated = [n for n, layer in zip(self.model.names, self.model.layers) if any(True for _ in layer.parameters())]
+        return hello(self.cfg, self.topo, self.device, self.model.names, self.strategy.layout(), updated,
+                     list(self.strategy.commands) + ["set-policy"])
 
     def _resume(self) -> int:
         """Load the checkpoint this run resumes from (any strategy's, any world size's: by name); returns its

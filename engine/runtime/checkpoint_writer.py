@@ -5,9 +5,13 @@ every rank's file is written) publishes the checkpoint.
     snapshot = HostSnapshot()
     part = snapshot.take(weights, optimizer, rng)       # host copies, every copy landed; buffers reused
     writer.write(staged, rank, part, step, t0)          # this rank's file, in the background
+    meta = run_meta(cfg, world_size, step, layout, model)   # the manifest's fields of the run
     writer.publish(run_dir, step, meta, keep, t0)       # rank 0: manifest, rename, keep N
     writer.wait()                                       # at most one write in flight: a later one waits
     writer.written, writer.failed, writer.take_published()
+    tel.event("checkpoint", step, **published(path, stall_ms, write_ms, published_ms))   # rank 0, once published
+
+run_meta and published serve the parameter server's coordinator too, which writes its checkpoints in step.
 
 The writer makes no collective call: the step loop learns that every rank's file is written through the
 exchange it makes at every boundary (engine/run/checkpointer.py). Imports torch and the checkpoint's modules.
@@ -27,6 +31,21 @@ import torch
 from engine.runtime import checkpoint as ckpt
 from engine.runtime.checkpoint_files import rank_tensors, write_tensors
 from engine.runtime.emulate import reached
+
+
+def run_meta(cfg, world_size: int, step: int, layout: dict, model) -> dict:
+    """The run's fields of the manifest of checkpoint `step` (finalize adds its files' and the index), whichever
+    loop writes it. Batches are a function of (step, seed), so the step is the whole data position."""
+    return {"name": cfg.run.name, "world_size": world_size,
+            "data_position": {"step": step, "samples_seen": step * cfg.data.batch_size},
+            "layout": layout, "config": cfg.to_dict(), "tied": ckpt.tied_keys(model)}
+
+
+def published(path: Path, stall_ms: float, write_ms: float, published_ms: float) -> dict:
+    """The checkpoint event's fields of the checkpoint published at `path` (docs/telemetry.md)."""
+    return {"path": str(path), "stall_ms": round(stall_ms, 1), "write_ms": round(write_ms, 1),
+            "published_ms": round(published_ms, 1),
+            "bytes": sum(f.stat().st_size for f in path.iterdir() if f.is_file())}
 
 
 @dataclass

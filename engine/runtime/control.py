@@ -3,11 +3,11 @@
     table = exchange(topo, {"loss": 2.3, "stop": 0.0, ...}, command_bytes=len(payload))
     commands = share_commands(topo, payload, table)      # the same list on every rank
 
-One all-gather of a small float vector per step carries loss, timings, ledger
-figures (and a GPU's allocator and NVML figures), the stop flag and the length of
-rank 0's command payload; only when that
-length is non-zero does a broadcast of the payload follow. Both run on the side
-group, so every rank sees the same commands at the same step and applies them there.
+One all-gather of a small float vector per step carries every figure engine/telemetry/figures.py
+declares to be exchanged (loss, timings, ledger figures, a GPU's allocator and NVML figures, a strategy's
+own), the stop flag and the length of rank 0's command payload; only when that length is non-zero does a
+broadcast of the payload follow. Both run on the side group, so every rank sees the same commands at the
+same step and applies them there. A figure reported but not declared stops the run (UndeclaredFigure).
 """
 
 from __future__ import annotations
@@ -18,28 +18,32 @@ import torch
 import torch.distributed as dist
 
 from engine.runtime.topology import Topology
+from engine.telemetry.figures import (CHECKPOINT_FIELDS, EXCHANGED, FIGURES, GPU_FIELDS,  # noqa: F401
+                                      INTEGER_UNITS, LOG, undeclared)
 
-# A CUDA device's own figures (engine/runtime/devices.py CudaProbe): absent on the CPU, so sent as NaN and left out
-GPU_FIELDS = ("allocated_bytes", "reserved_bytes", "allocator_peak_bytes", "nvml_used_bytes", "nvml_total_bytes",
-              "gpu_util_percent")
-# each rank's checkpoint writer (engine/run/checkpointer.py): the last step whose file it wrote, a failed write's
-# step + 1 and errno, and its last checkpoint's stall and write times; rank 0 publishes from them
-CHECKPOINT_FIELDS = ("ckpt_written", "ckpt_failed", "ckpt_errno", "ckpt_stall_ms", "ckpt_write_ms")
-FIELDS = ("stop", "command_bytes", "loss", "step_ms", "fwd_ms", "bwd_ms", "optim_ms", "compute_ms", "wait_ms", "gate_ms", "owned_bytes", "host_bytes", "host_busy_ms",
-          "parameters_bytes", "gradients_bytes", "optimizer_state_bytes", "master_bytes", "activations_bytes",
-          "inputs_bytes", "swapped_bytes", "used_bytes", "peak_bytes", "capacity_bytes", "over_capacity",
-          "rss_bytes", "cpu_percent", "sent_bytes", "migration_bytes", "migration_ms", "swap_layers", "recompute_layers",
-          "plan_made", "plan_estimate_bytes", "min_capacity_bytes", "swapped_out_bytes", "link_wait_ms", "host_link_bytes",
-          "flops", "compile_ms", "recompiles", *GPU_FIELDS, *CHECKPOINT_FIELDS)
+# the columns, declared by the figures' contributors (engine/telemetry/figures.py; CHECKPOINT_FIELDS and
+# GPU_FIELDS come from there too)
+FIELDS = EXCHANGED
 COLUMN = {name: i for i, name in enumerate(FIELDS)}
 
 
+class UndeclaredFigure(ValueError):
+    """A figure reported to the exchange that engine/telemetry/figures.py does not declare."""
+
+
 _ABSENT = float("nan")
+_DEFAULT = [_ABSENT if FIGURES[name].optional == "absent" else 0.0 for name in FIELDS]
 
 
 def row_values(values: dict) -> list[float]:
-    """`values` as one row of FIELDS: a missing field is 0, a missing GPU figure NaN (left out of rank_rows)."""
-    return [float(values.get(k, _ABSENT if k in GPU_FIELDS else 0.0)) for k in FIELDS]
+    """`values` as one row of FIELDS: a missing figure is 0, or NaN where it may be absent (a GPU's: left out of
+    rank_rows). A name not declared raises UndeclaredFigure: a figure silently dropped never reaches the log."""
+    unknown = undeclared(values)
+    if unknown:
+        raise UndeclaredFigure(f"figure(s) {', '.join(map(repr, unknown))} reported to the step boundary's "
+                               f"exchange but not declared: declare each with its contributor in "
+                               f"engine/telemetry/figures.py")
+    return [float(values.get(k, d)) for k, d in zip(FIELDS, _DEFAULT)]
 
 
 def exchange(topo: Topology, values: dict) -> torch.Tensor:
@@ -70,22 +74,15 @@ def share_commands(topo: Topology, payload: bytes, table: torch.Tensor) -> list[
 
 
 def rank_rows(table: torch.Tensor) -> list[dict]:
-    """The table as one dict per rank (bytes as ints, the capacity flag as a bool)."""
+    """The table as one dict per rank: each logged figure as its declaration says (bytes and counts as ints,
+    flags as bools, ms to 4 decimals); one absent (NaN: a GPU's on a CPU rank), or absent while 0, left out."""
     rows = []
     for rank, row in enumerate(table.tolist()):
         entry = {"rank": rank}
-        for name, value in zip(FIELDS, row):
-            if name in ("stop", "command_bytes", "plan_made", "plan_estimate_bytes", "min_capacity_bytes", "flops") \
-                    or name in CHECKPOINT_FIELDS or value != value:   # NaN: a GPU figure this rank does not have
+        for (name, write, zero_absent), value in zip(_WRITERS, row):
+            if write is None or value != value or (zero_absent and not value):
                 continue
-            if name in ("compile_ms", "recompiles") and not value:   # `[model] compile` only
-                continue
-            if name == "over_capacity":
-                entry[name] = bool(value)
-            elif name.endswith(("_bytes", "_layers")):
-                entry[name] = int(value)
-            else:
-                entry[name] = round(value, 4) if name.endswith("_ms") else value
+            entry[name] = write(value)
         # the rank's own work (forward + backward, on the device's clock, less its waits for peers): a straggler
         # shows here, while its peers' wall step times equal its own (they wait for it). A strategy whose
         # backward holds a wait for peers (ddp's all-reduce) reports its own; the others' is fwd + bwd - gate.
@@ -93,6 +90,19 @@ def rank_rows(table: torch.Tensor) -> list[dict]:
             entry["compute_ms"] = round(max(entry["fwd_ms"] + entry["bwd_ms"] - entry["gate_ms"], 0.0), 4)
         rows.append(entry)
     return rows
+
+
+def _writer(unit: str):
+    if unit == "flag":
+        return bool
+    if unit in INTEGER_UNITS:
+        return int
+    return (lambda v: round(v, 4)) if unit == "ms" else float
+
+
+# per column: (name, how its value is written or None where no record has it, whether a 0 means absent)
+_WRITERS = [(name, _writer(FIGURES[name].unit) if LOG in FIGURES[name].shows else None,
+             FIGURES[name].optional == "zero") for name in FIELDS]
 
 
 class Peaks:

@@ -131,7 +131,7 @@ class Fault:
 
 
 FAULT: Fault | None = None   # this process's, once installed
-LAUNCHER_PID = "TRAINYARD_LAUNCHER_PID"   # set by the launcher's worker entry (engine/run/launch.py run_worker)
+LAUNCHER_PID = "TRAINYARD_LAUNCHER_PID"   # set by the launcher's worker entry (engine/run/worker_entry.py run_worker)
 
 
 def reached(moment: str, step: int | None = None) -> None:

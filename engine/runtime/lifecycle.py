@@ -1,9 +1,12 @@
-"""What every run does alike at its start, at the operator's commands and at its end, whichever loop drives it:
+"""What every run does alike at its start, in its step records, at the operator's commands and at its end,
+whichever loop drives it:
 the data-parallel and pipeline step loop (engine/run/worker.py) and the parameter server's coordinator
 (engine/strategies/param_server/coordinator.py).
 
     stop = StopRequest()                        # SIGINT/SIGTERM -> a flag the loop reads at its boundary
+    tel = Telemetry.open(job, hello(cfg, topo, device, names, layout, updated, capabilities), ...)
     announce(tel, cfg, topo, device, names, first_step, restart, resumed_from)   # rank 0: run_start
+    tel.step(step_record(step, loss, lr, ranks, samples_per_s=..., step_ms=..., ...))   # rank 0, every step
     class Loop(RunControl): ...                 # take(command, step) for every command; end(...) once
 
 Imports torch (nothing else of the engine's own).
@@ -52,6 +55,26 @@ def world_range(cfg) -> dict:
     """What hello says of a run over a range of hosts (`--nnodes MIN:MAX`): `max_world_size`, the world at MAX
     hosts (`parallel.world_size`), which the consoles show beside the world the run has now; nothing else."""
     return {"max_world_size": cfg.parallel.world_size} if len(cfg.cluster.host_counts) > 1 else {}
+
+
+def hello(cfg, topo, device, names, layout: dict, updated_layers: list[str], capabilities: list[str]) -> dict:
+    """What the hub says to every console that connects (docs/protocol.md, hello), whichever loop runs:
+    `updated_layers`, the layers with an optimizer update of their own; `capabilities`, the commands taken."""
+    return {"run": cfg.run.name, "mode": cfg.parallel.strategy, "world_size": topo.world_size,
+            **world_range(cfg), "hosts": topo.hosts(), "backend": topo.backend, **device_fields(device),
+            "layers": list(names), "layout": layout, "updated_layers": updated_layers,
+            "capabilities": capabilities, "steps": cfg.run.steps, "config": cfg.to_dict()}
+
+
+def step_record(step: int, loss: float | None, lr: float, ranks: list[dict], *, samples_per_s: float,
+                step_ms: float, compute_ms: float, comm_ms: float, wait_ms: float, streams: list[dict],
+                throughput: dict | None = None, **more) -> dict:
+    """A step record (docs/telemetry.md, step), whichever loop writes it: what every one has, rank 0's time split
+    among them, then `throughput` (tokens_per_s, mfu where known) and `more`, a mode's own (a pipeline's
+    stages, the update's decision, a parameter server's `ps`)."""
+    return {"step": step, "loss": loss, "samples_per_s": samples_per_s, "step_ms": step_ms, **(throughput or {}),
+            "ranks": ranks, "time_split": {"compute_ms": compute_ms, "comm_ms": comm_ms, "wait_ms": wait_ms},
+            "streams": streams, "lr": lr, **more}
 
 
 def announce(tel, cfg, topo, device, names, first_step: int, restart: int, resumed_from,

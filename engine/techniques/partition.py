@@ -1,14 +1,13 @@
 """Split a model's layers into pipeline stages.
 
-A model is an ordered list of named layers grouped into *clusters*
-(`LayerList.names` / `LayerList.clusters`, see engine/models/layers.py).  A
-pipeline with k stages gives each stage a contiguous, non-empty run of
-clusters; stage 0 runs first.  A cluster is never split across stages.
+A model is an ordered list of named layers grouped into *clusters* (`LayerList.names` /
+`LayerList.clusters`, see engine/models/layers.py).  A pipeline with k stages gives each stage a
+contiguous, non-empty run of clusters; stage 0 runs first.  A cluster is never split across stages.
 
 Declaring blocks
 ----------------
-Every loose layer of a LayerList is a cluster of its own.  To keep several
-layers together (a residual branch-and-merge block, say), wrap them in a Block:
+Every loose layer of a LayerList is a cluster of its own.  To keep several layers together (a
+residual branch-and-merge block, say), wrap them in a Block:
 
     LayerList([("fc0", nn.Linear(64, 32)), ("act0", nn.ReLU()),
                Block("res", [("split", Split()), ("left", Left()), ("merge", Merge())]),
@@ -19,49 +18,40 @@ and no function here will ever put a stage boundary inside "res".
 
 Objective
 ---------
-`partition(clusters, k, threshold_ms, link_bytes_per_ms, micro_batches)` works in
-two exact steps (dynamic programming, no heuristics):
+`partition(clusters, k, threshold_ms, link_bytes_per_ms, micro_batches)` works in two exact steps
+(dynamic programming, no heuristics):
 
-1. Find the optimum T*: the smallest possible "largest stage cost" over all
-   splits into k contiguous non-empty stages.  A stage's cost is its modelled
-   time in a step: the sum of the `time_ms` (forward + backward) of its
-   clusters, plus what it spends sending over its boundaries, each micro-batch's
-   activations forward and its input's gradient back:
-   micro_batches * (bytes in + bytes out) / link_bytes_per_ms.  The pipeline's
-   modelled step time is (micro_batches + k - 1) / micro_batches times the
-   largest stage cost (1F1B's bubble), so minimising the largest stage cost
-   minimises the modelled step time.  With no link rate given
-   (link_bytes_per_ms = inf) a stage's cost is its compute time alone.
-2. Among all splits whose every stage time is <= T* + threshold_ms, choose the
-   one whose boundaries carry the fewest activation bytes: the sum of
-   `out_bytes` of the last cluster of every stage but the last (the final
-   cluster's output never crosses a stage boundary).  Among those, the one
-   with the smallest slowest stage; remaining ties go to the
-   lexicographically smallest tuple of stage sizes (counted in clusters), i.e.
-   earlier stages are kept as short as possible.
+1. Find the optimum T*: the smallest possible "largest stage cost" over all splits into k contiguous
+   non-empty stages.  A stage's cost is its modelled time in a step: the sum of the `time_ms` (forward +
+   backward) of its clusters, plus what it spends sending over its boundaries, each micro-batch's
+   activations forward and its input's gradient back: micro_batches * (bytes in + bytes out) /
+   link_bytes_per_ms.  The pipeline's modelled step time is (micro_batches + k - 1) / micro_batches times
+   the largest stage cost (1F1B's bubble), so minimising the largest stage cost minimises the modelled
+   step time.  With no link rate given (link_bytes_per_ms = inf) a stage's cost is its compute time alone.
+2. Among all splits whose every stage time is <= T* + threshold_ms, choose the one whose boundaries carry
+   the fewest activation bytes: the sum of `out_bytes` of the last cluster of every stage but the last
+   (the final cluster's output never crosses a stage boundary).  Among those, the one with the smallest
+   slowest stage; remaining ties go to the lexicographically smallest tuple of stage sizes (counted in
+   clusters), i.e. earlier stages are kept as short as possible.
 
 Both steps take only splits whose every stage passes `fits(stage, i, j)` when one is given (stage
 `stage` holding clusters i..j-1: a rebalance asks each stage's memory floor, Floors in
 engine/techniques/memory/room.py); NoFit when no split passes.
 
-With threshold_ms = 0 the result is a time-optimal split that, among
-time-optimal splits, ships the least data.  A positive threshold trades up to
-that many milliseconds of the slowest stage for cheaper boundaries.  (Floating
-point: the limit T* + threshold_ms is widened by a relative 1e-9 so that splits
+With threshold_ms = 0 the result is a time-optimal split that, among time-optimal splits, ships the
+least data.  A positive threshold trades up to that many milliseconds of the slowest stage for cheaper
+boundaries.  (Floating point: the limit T* + threshold_ms is widened by a relative 1e-9 so that splits
 whose time equals the optimum up to rounding count as ties.)
 
 Thresholds
 ----------
-`threshold_in_ms(value, stage_ms)` turns a user-given threshold into
-milliseconds:
+`threshold_in_ms(value, stage_ms)` turns a user-given threshold into milliseconds:
 - value > 1            -> value milliseconds;
-- 0 < value <= 1       -> that fraction of the mean stage time
-                          (so 0.1 is "10% of a mean stage", and 1.0 means one whole
-                          mean stage time, NOT 1 ms; write e.g. 1.001 for about 1 ms);
+- 0 < value <= 1       -> that fraction of the mean stage time (so 0.1 is "10% of a mean stage", and 1.0
+                          means one whole mean stage time, NOT 1 ms; write e.g. 1.001 for about 1 ms);
 - value == 0           -> 0 ms.
-Negative, NaN or infinite values are rejected.  The same number serves
-`needs_rebalance(stage_ms, threshold_ms)`, which is true when
-max(stage_ms) - min(stage_ms) > threshold_ms.
+Negative, NaN or infinite values are rejected.  The same number serves `needs_rebalance(stage_ms,
+threshold_ms)`, which is true when max(stage_ms) - min(stage_ms) > threshold_ms.
 
 Everything here is pure Python (stdlib only) and deterministic. The measured side (stage_times,
 needs_rebalance, threshold_in_ms) is stage_times.py.

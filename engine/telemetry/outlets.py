@@ -33,6 +33,18 @@ FULL_ROWS_AFTER = frozenset({"policy", "placement", "memory_plan", "update_plan"
                              "memory_over_capacity"})
 
 
+def rebalance_refusal(taken: bool, in_flight: str | None) -> str | None:
+    """Why a pipeline's `rebalance` command is refused, or None: the run does not take it (rebalancing is off),
+    or one is in flight (`in_flight`: since when; "" where the asker knows only that). The hub asks first
+    (a decided layout waits for its migration); the stage at the boundary, for a command it has not yet
+    answered (engine/strategies/pipeline/rebalancing.py)."""
+    if not taken:
+        return 'rebalancing is off in this run (parallel.pipeline.rebalance = "off")'
+    if in_flight is not None:
+        return "a rebalance is already in flight" + (f" ({in_flight})" if in_flight else "")
+    return None
+
+
 class RankRows:
     """Which step records carry every rank's full row: the first, every `every` steps, and the first after
     an event that changes what the rows say (FULL_ROWS_AFTER). The others get `per_rank` columns.
@@ -136,12 +148,10 @@ class RankZeroTelemetry(Telemetry):
         reason = None
         if name in ("set-policy", "set-placement") and args[0] not in self.layers:
             reason = f"unknown layer {args[0]!r}"
-        elif name == "rebalance" and self.mode == "pipeline" and name not in self.capabilities:
-            reason = 'rebalancing is off in this run (parallel.pipeline.rebalance = "off")'
+        elif name == "rebalance" and self.mode == "pipeline":
+            reason = rebalance_refusal(name in self.capabilities, self.rebalancing)
         elif name not in self.capabilities:
             reason = f"{name} is not available in mode {self.mode}"
-        elif name == "rebalance" and getattr(self, "rebalancing", None):
-            reason = f"a rebalance is already in flight ({self.rebalancing})"
         elif name == "set-placement" and args[0] not in self.updated_layers:
             reason = f"layer {args[0]!r} has no parameters: it has no optimizer update to place"
         if reason:

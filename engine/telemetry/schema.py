@@ -1,34 +1,22 @@
 """The telemetry log's records as JSON Schema (draft 2020-12); docs/telemetry.md describes them.
 
 Tests validate every record a run writes against RECORD_SCHEMA, so the documentation,
-the schema and the writer cannot drift apart.
+the schema and the writer cannot drift apart. A step record's rank entry comes from the figures'
+declarations (engine/telemetry/figures.py), closed: a key no one declared fails.
 """
 
+from engine.telemetry.figures import FIGURES, LOGGED, json_type
 from engine.telemetry.protocol import (MEMORY_COLUMNS, OPTIONAL_MEMORY_COLUMNS, OPTIONAL_RANK_COLUMNS,
                                        PS_LAYER_COLUMNS, PS_WORKER_COLUMNS, RANK_COLUMNS, SYNC_MODES)
 
 _BYTES = {"type": "integer", "minimum": 0}
 
+# closed: every key of a rank entry is a figure engine/telemetry/figures.py declares, of its unit's type
 RANK_ENTRY = {
     "type": "object",
-    "required": ["rank", "loss", "step_ms", "fwd_ms", "bwd_ms", "optim_ms", "wait_ms", "parameters_bytes", "gradients_bytes", "optimizer_state_bytes",
-                 "activations_bytes", "swapped_bytes", "used_bytes", "peak_bytes", "capacity_bytes",
-                 "over_capacity", "rss_bytes", "cpu_percent"],
-    "properties": {
-        "rank": {"type": "integer", "minimum": 0}, "loss": {"type": ["number", "null"]},
-        **{k: {"type": "number", "minimum": 0} for k in ("step_ms", "fwd_ms", "bwd_ms", "optim_ms", "wait_ms",
-                                                         "link_wait_ms", "compute_ms")},
-        "stale_steps": {"type": "integer", "minimum": 0},
-        **{k: _BYTES for k in ("parameters_bytes", "gradients_bytes", "optimizer_state_bytes", "master_bytes",
-                               "host_link_bytes", "activations_bytes", "inputs_bytes", "swapped_bytes", "used_bytes", "peak_bytes",
-                               "capacity_bytes", "rss_bytes", "swapped_out_bytes", "sent_bytes")},
-        **{k: {"type": "integer", "minimum": 0} for k in ("swap_layers", "recompute_layers")},
-        "over_capacity": {"type": "boolean"}, "cpu_percent": {"type": "number", "minimum": 0},
-        # a CUDA rank's own figures (absent on the CPU): the allocator's, and NVML's where the driver has it
-        **{k: _BYTES for k in ("allocated_bytes", "reserved_bytes", "allocator_peak_bytes", "nvml_used_bytes",
-                               "nvml_total_bytes")},
-        "gpu_util_percent": {"type": "number", "minimum": 0, "maximum": 100},
-    },
+    "required": [name for name in LOGGED if FIGURES[name].required],
+    "additionalProperties": False,
+    "properties": {name: json_type(FIGURES[name]) for name in LOGGED},
 }
 
 TIME_SPLIT = {

@@ -22,9 +22,10 @@ import torch
 from rich.markup import escape
 
 from engine.runtime import checkpoint as ckpt
+from engine.runtime.checkpoint_writer import published
 from engine.training.loss import test_accuracy
 from engine.runtime.control import FIELDS, Peaks, rank_rows, row_values
-from engine.runtime.lifecycle import RunControl, announce
+from engine.runtime.lifecycle import RunControl, announce, step_record
 from engine.strategies.param_server.links import (
     ACK, CKPT, CONTROL, FINISH, GATHER, PAUSED, SERVER_STATS, STOP, WEIGHTS, Message, mode_code, unflatten_into)
 from engine.training.optim import lr_at
@@ -183,15 +184,16 @@ class Coordinator(PSServer, RunControl):
         dt = max(now - self.t_report, 1e-9)
         self.t_report = now
         figures = self._figures(cfg.data.batch_size * len(losses) / dt, dt * 1000 / len(losses))
+        ps = figures.pop("ps")
         for record_step, (loss, n) in enumerate(losses, self.reported + 1):
             lr = lr_at(cfg.optim, record_step - 1, cfg.run.steps)
-            self.tel.step({"step": record_step, "loss": loss, "lr": lr, **figures,
-                           "ps": {**figures["ps"], "loss_workers": n}})
+            self.tel.step(step_record(record_step, loss, lr, **figures, ps={**ps, "loss_workers": n}))
         self.reported += len(losses)
         self.losses.forget_before(self.reported)
 
     def _figures(self, samples_per_s: float, step_ms: float) -> dict:
-        """What a step record says besides its step and loss: every rank's row, the workers and the layers now."""
+        """What a step record says besides its step, loss and lr (step_record's arguments): every rank's row,
+        the workers and the layers now."""
         cfg = self.setup.cfg
         table = self._table()
         ranks = rank_rows(table)
@@ -207,8 +209,7 @@ class Coordinator(PSServer, RunControl):
         alive = [w for w in workers if w["alive"]]
         mean = (lambda key: sum(w[key] for w in alive) / len(alive)) if alive else (lambda key: 0.0)
         return {"samples_per_s": samples_per_s, "step_ms": step_ms, "ranks": ranks,
-                "time_split": {"compute_ms": round(mean("compute_ms"), 4), "comm_ms": 0.0,
-                               "wait_ms": round(mean("wait_ms"), 4)},
+                "compute_ms": round(mean("compute_ms"), 4), "comm_ms": 0.0, "wait_ms": round(mean("wait_ms"), 4),
                 "streams": [], "ps": {"mode": self.sync_mode, "profiling": self.profiling,
                                       "staleness_bound": cfg.parallel.param_server.staleness_bound,
                                       "workers_live": len(self.live), "workers_lost": sorted(self.lost),
@@ -304,9 +305,8 @@ class Coordinator(PSServer, RunControl):
             server, errno = next((s, e) for s, e in sorted(errors.items()) if e)
             why = os.strerror(errno) if errno > 0 else "the write failed"
             raise ckpt.write_failed(run_dir, step, f"{why} (server rank {server})")
-        write_ms = round((time.perf_counter() - t0) * 1000, 1)
-        self.tel.event("checkpoint", step, path=str(path), stall_ms=write_ms, write_ms=write_ms,
-                       published_ms=write_ms, bytes=sum(f.stat().st_size for f in path.iterdir() if f.is_file()))
+        write_ms = (time.perf_counter() - t0) * 1000   # synchronous: the stall is the write and its publication
+        self.tel.event("checkpoint", step, **published(path, write_ms, write_ms, write_ms))
 
     def gather(self) -> None:
         """Every layer's weights, from the servers that own them, into this rank's model."""

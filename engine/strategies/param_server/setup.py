@@ -17,9 +17,13 @@ import torch
 from engine.training.data import batch_for, global_count
 from engine.training.loss import cross_entropy
 from engine.runtime import checkpoint as ckpt
-from engine.runtime.lifecycle import device_fields
+from engine.runtime import lifecycle
+from engine.runtime.checkpoint_writer import run_meta
 from engine.strategies.ddp import params_by_layer
 from engine.strategies.param_server.links import make_links
+
+
+COMMANDS = ("pause", "resume", "stop", "checkpoint", "set-sync")   # the operator's, in this mode (the hello's)
 
 
 class ParamServerError(RuntimeError):
@@ -121,16 +125,10 @@ class Setup:
                 "slow_workers": dict(p.slow_workers)}
 
     def manifest(self, step: int) -> dict:
-        cfg = self.cfg
-        return {"name": cfg.run.name, "world_size": self.topo.world_size,
-                "data_position": {"step": step, "samples_seen": step * cfg.data.batch_size},
-                "layout": self.layout(), "config": cfg.to_dict(), "tied": ckpt.tied_keys(self.model)}
+        return run_meta(self.cfg, self.topo.world_size, step, self.layout(), self.model)
 
     def hello(self) -> dict:
-        cfg = self.cfg
-        return {"run": cfg.run.name, "mode": "param_server", "world_size": self.topo.world_size,
-                "hosts": self.topo.hosts(), "backend": self.topo.backend, **device_fields(self.device),
-                "layers": list(self.model.names), "layout": self.layout(),
-                "updated_layers": [self.model.names[j] for j in sorted(self.params)],
-                "capabilities": ["pause", "resume", "stop", "checkpoint", "set-sync"], "steps": cfg.run.steps,
-                "config": cfg.to_dict()}
+        """The run's hello (engine/runtime/lifecycle.py), its world range included; a tied weight's layers
+        after its first holder have no update of their own (layer_params)."""
+        return lifecycle.hello(self.cfg, self.topo, self.device, self.model.names, self.layout(),
+                               [self.model.names[j] for j in sorted(self.params)], list(COMMANDS))

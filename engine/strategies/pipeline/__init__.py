@@ -7,7 +7,8 @@
 - migration.py: the live move of layers between stages during a step; tied.py: a weight tied across stages.
 
 Imports engine.strategies.base and ddp (the layer grouping), engine.techniques (partition, rebalance, hybrid),
-engine.runtime's ground, engine.models, engine.config. Never engine.run.
+engine.runtime's ground, engine.telemetry.outlets (a rebalance's refusal, in the hub's words), engine.models,
+engine.config. Never engine.run.
 """
 
 from engine.strategies.pipeline.schedule import (

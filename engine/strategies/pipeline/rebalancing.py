@@ -6,7 +6,8 @@ boundary, the memory planned ahead of a migration, and the migration's report, e
     events = rebalancing.boundary(step, trained, memory)   # every rank, after the commands
     events = rebalancing.migrated(step, table)      # every rank, after the exchange of a step that migrated
 
-Imports torch.distributed, engine.runtime.control and engine.runtime.events.
+Imports torch.distributed, engine.runtime.control, engine.runtime.events and engine.telemetry.outlets (the
+refusal's words, which the hub gives too).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch.distributed as dist
 
 from engine.runtime.control import COLUMN
 from engine.runtime.events import Event
+from engine.telemetry.outlets import rebalance_refusal
 
 
 class Rebalancing:
@@ -26,7 +28,7 @@ class Rebalancing:
 
     def command(self, command: dict) -> list[Event]:
         if self.requested or self.waiting or self.stage.pending is not None:
-            return [Event(reply=(command, "rejected", {"reason": "a rebalance is already in flight"}))]
+            return [Event(reply=(command, "rejected", {"reason": rebalance_refusal(True, "")}))]
         self.requested, self.waiting = True, command
         return []
 

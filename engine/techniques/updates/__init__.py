@@ -2,8 +2,9 @@
 profiled times and memory so host updates overlap backward.
 
 - updater.py: LayerUpdates, what a strategy steps: every layer's update dispatched as its gradients are final,
-  the clipping guard over every rank (engine/techniques/step_guard.py); trial.py: the trial steps and the plan
-  made from them; state.py: what a checkpoint holds of the updates.
+  the clipping guard over every rank (engine/techniques/step_guard.py); trial.py: PlacementTrial, its
+  `trial`: the trial steps and the plan made from them; state.py: UpdateCheckpoint, its `checkpoint`: what a
+  checkpoint holds of the updates.
 - layer.py: one layer's update: its optimizer, its fp32 masters, its side (device or host), speculation;
   host.py: the threads that run host updates.
 - cost.py + plan.py + search.py: the cost model, the exact planner and the searches (pure functions).

@@ -17,9 +17,10 @@ from engine.runtime.events import Event
 
 
 def plan_events(updater, step: int, run_dir: Path) -> list[Event]:
-    events = _made(updater, step, run_dir) if updater.new_plan else []
-    if updater.reverted is not None:
-        back, updater.reverted = updater.reverted, None
+    trial = updater.trial
+    events = _made(updater, step, run_dir) if trial.new_plan else []
+    if trial.reverted is not None:
+        back, trial.reverted = trial.reverted, None
         on_host = sum(side == "host" for side in back["placement"].values())
         events.append(Event("plan_reverted", back, note=(
             f"update plan went back: its steps took {back['plan_ms']:.1f} ms, the placement it replaced "
@@ -28,10 +29,10 @@ def plan_events(updater, step: int, run_dir: Path) -> list[Event]:
 
 
 def _made(updater, step: int, run_dir: Path) -> list[Event]:
-    planner = updater.cfg.planner
-    updater.new_plan = False
-    plan, profile = updater.plan, updater.profile
-    others = {side: round(updater.predicted(side).makespan_ms, 3) for side in ("device", "host")}
+    planner, trial = updater.cfg.planner, updater.trial
+    trial.new_plan = False
+    plan, profile = trial.plan, trial.profile
+    others = {side: round(trial.predicted(side).makespan_ms, 3) for side in ("device", "host")}
     saved = run_dir / "update_profile.json"
     text = json.dumps({
         "step": step, "planner": planner, "capacity_bytes": profile.capacity_bytes,
@@ -39,15 +40,15 @@ def _made(updater, step: int, run_dir: Path) -> list[Event]:
         "plan_optimal": plan.optimal, "layers_backward_order": [dataclasses.asdict(c) for c in profile.layers],
         "placement": updater.placement(), "predicted_makespan_ms": round(plan.makespan_ms, 3),
         "predicted_all_device_ms": others["device"], "predicted_all_host_ms": others["host"],
-        **updater.trial_figures}, indent=2)
+        **trial.figures}, indent=2)
     on_host = sorted(n for n, side in updater.placement().items() if side == "host")
     return [Event("update_plan", dict(planner=planner, placement=updater.placement(),
                                       predicted_ms=round(plan.makespan_ms, 3), all_device_ms=others["device"],
                                       all_host_ms=others["host"], host_threads=profile.host_threads,
-                                      optimal=plan.optimal, profile=str(saved), **updater.trial_figures),
+                                      optimal=plan.optimal, profile=str(saved), **trial.figures),
                   note=f"update plan ({planner}): {len(on_host)} of {len(updater.by_name)} layers on the host; "
                        f"modelled step {plan.makespan_ms:.1f} ms (all device {others['device']:.1f}, "
-                       f"all host {others['host']:.1f}){_trial_said(updater.trial_figures)}; profile in {saved}",
+                       f"all host {others['host']:.1f}){_trial_said(trial.figures)}; profile in {saved}",
                   file=(saved, text))]
 
 

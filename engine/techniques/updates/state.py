@@ -1,5 +1,5 @@
 """What a checkpoint holds of LayerUpdates (updater.py): each layer's optimizer state, and the weights as the
-updates keep them (the fp32 masters under bf16 working weights); and their restore.
+updates keep them (the fp32 masters under bf16 working weights); and their restore (UpdateCheckpoint).
 
 Imports torch.
 """
@@ -31,18 +31,21 @@ def load_named_state(optimizer: torch.optim.Optimizer, params: list, names: dict
     optimizer.load_state_dict(own)
 
 
-class UpdateState:
-    """LayerUpdates' checkpoint side (a mixin: the updates and wait_host are LayerUpdates')."""
+class UpdateCheckpoint:
+    """What a checkpoint reads of LayerUpdates' updates and what a restore writes into them, by global name
+    (`names`: id of a parameter -> the model's own name). `updates` is LayerUpdates' own (index ->
+    LayerUpdate); LayerUpdates lets every host update land before each of these."""
+
+    def __init__(self, updates: dict):
+        self.updates = updates
 
     def state_by_name(self, names: dict[int, str], copy: bool = True) -> dict[str, dict]:
         """The optimizer state of every parameter updated here, under its global name (named_state)."""
-        self.wait_host()
         return {k: v for u in self.updates.values()
                 for k, v in named_state(u.optimizer, u.params, names, copy).items()}
 
     def load_state_by_name(self, state: dict[str, dict], names: dict[int, str]) -> None:
         """Every layer updated here takes its parameters' entries of `state` (any strategy's, any job shape's)."""
-        self.wait_host()
         for u in self.updates.values():
             load_named_state(u.optimizer, u.params, names, state)
 
@@ -50,14 +53,12 @@ class UpdateState:
         """Every layer updated here takes its parameters' weights, `read(name)` (a checkpoint's, by global name;
         the fp32 masters where the run kept them), into its masters and working weights: one layer's in
         flight at a time."""
-        self.wait_host()
         for u in self.updates.values():
             u.load_weights([read(names[id(p)]) for p in u.params])
 
     def master_of(self) -> dict[int, torch.Tensor]:
         """id of each parameter updated here -> the weight its update keeps (the fp32 master where there
         is one): what a checkpoint stores."""
-        self.wait_host()
         return {id(p): w for u in self.updates.values() for p, w in zip(u.params, u.weights())}
 
     def weights_state(self, module: torch.nn.Module, copy: bool = True) -> dict[str, torch.Tensor]:

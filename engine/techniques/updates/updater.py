@@ -8,36 +8,30 @@
     decision = updater.validate(group)        # clipping and skipping: the global norm decides (step_guard.py)
     updater.wait_host()                       # every host update of the step has landed
 
-Every layer that has parameters gets its own optimizer (the same class and settings
-for every layer, so the math is that of one optimizer over the whole model). A
-layer's update runs on one side at a time:
+Every layer that has parameters gets its own optimizer (the same class and settings for every layer, so the
+math is that of one optimizer over the whole model). A layer's update runs on one side at a time:
 
-- **device**: inline on the compute thread, as soon as the layer's gradients are final
-  (the strategy says when: DDP when the all-reduce of their bucket completes, sharded
-  when the owner has summed them);
-- **host**: on the host executor, a thread of its own with fp32 master copies of the
-  layer's weights and its optimizer state in host memory: the gradients are copied
-  down, the host optimizer steps, the weights are copied back up. It runs while the
-  backward of earlier layers goes on. A forward pre-hook on the layer waits for it
-  before the next forward uses the weights (the gate).
+- **device**: inline on the compute thread, as soon as the layer's gradients are final (the strategy says
+  when: DDP when the all-reduce of their bucket completes, sharded when the owner has summed them);
+- **host**: on the host executor, a thread of its own with fp32 master copies of the layer's weights and its
+  optimizer state in host memory: the gradients are copied down, the host optimizer steps, the weights are
+  copied back up. It runs while the backward of earlier layers goes on. A forward pre-hook on the layer waits
+  for it before the next forward uses the weights (the gate).
 
-Both sides run the same optimizer on the same fp32 values, so the parameters are the
-same whichever side updated them. With a step guard on (`optim.clip_grad_norm`, `skip_nonfinite`), each layer's
-part of the global gradient norm is taken as it is dispatched, and `clip_mode` says what the updates do until
-the norm is known: `speculate` runs host updates (and, with `speculate_device`, device ones) at once, each
-keeping a copy of what it changes (on its own side: the device's copy in the ledger, the host's in host
-memory), and `validate` undoes or redoes them and releases the others; `wait` holds them all until
-`end_backward` has decided. After a clipped or skipped step the next ones wait, until SPECULATE_AFTER steps
-in a row have stood (docs/training.md). Moving a layer (the plan, or `set-placement`) moves
-its optimizer state with it; the ledger counts only device-side state.
+Both sides run the same optimizer on the same fp32 values, so the parameters are the same whichever side
+updated them. With a step guard on (`optim.clip_grad_norm`, `skip_nonfinite`), each layer's part of the global
+gradient norm is taken as it is dispatched, and `clip_mode` says what the updates do until the norm is known:
+`speculate` runs host updates (and, with `speculate_device`, device ones) at once, each keeping a copy of what
+it changes (on its own side: the device's copy in the ledger, the host's in host memory), and `validate` undoes
+or redoes them and releases the others; `wait` holds them all until `end_backward` has decided. After a
+clipped or skipped step the next ones wait, until SPECULATE_AFTER steps in a row have stood
+(docs/training.md). Moving a layer (the plan, or `set-placement`) moves its optimizer state with it; the
+ledger counts only device-side state.
 
-On the CPU the "device" is the worker's compute thread and the "host" is the
-executor thread, which runs on another core; the copies are memory copies. Nothing
-assumes a speed ratio: `placement = "auto"` measures both sides for
-`update.profile_steps` trial steps (host steps first, then alternating: a device step holds
-on the device only the updates whose state fits the capacity beside the measured peak, the rest
-modelled) and plans from what it measured (engine/techniques/updates/plan.py). One layer's update on
-either side, and the host executor's threads: engine/techniques/updates/layer.py.
+On the CPU the "device" is the worker's compute thread and the "host" the executor thread, on another core;
+the copies are memory copies. Nothing assumes a speed ratio: `placement = "auto"` measures both sides for
+`update.profile_steps` trial steps and plans from what it measured (`self.trial`, trial.py). One layer's
+update on either side: layer.py; the host executor's threads: host.py; a checkpoint's side: state.py.
 """
 
 from __future__ import annotations
@@ -52,20 +46,17 @@ from engine.config import OptimConfig, UpdateConfig
 from engine.training.optim import set_lr
 from engine.runtime import emulate
 from engine.runtime.devices import LedgerDevice
-from engine.runtime.profiler import LayerProfiler
 from engine.techniques.updates.host import HostExecutor, default_host_threads
 from engine.techniques.updates.layer import LayerUpdate
 from engine.techniques.step_guard import GuardDecision, StepGuard
-from engine.techniques.updates.plan import Profile
-from engine.techniques.updates.state import UpdateState
+from engine.techniques.updates.state import UpdateCheckpoint
 from engine.techniques.updates.trial import PlacementTrial
-from engine.training.timing import Clock
 
 SIDES = ("device", "host")
 SPECULATE_AFTER = 10   # clip_mode "speculate": steps that must stand in a row before updates speculate again
 
 
-class LayerUpdates(PlacementTrial, UpdateState):
+class LayerUpdates:
     def __init__(self, model, params_by_layer: dict[int, list[torch.nn.Parameter]], optim_cfg: OptimConfig,
                  device: LedgerDevice, cfg: UpdateConfig, clip_mode: str | None = None, speculate_device: bool = True):
         self.model, self.device, self.cfg, self.optim_cfg = model, device, cfg, optim_cfg
@@ -92,22 +83,8 @@ class LayerUpdates(PlacementTrial, UpdateState):
         self._gate_s = 0.0
         self._device_ran: list[LayerUpdate] = []   # this step's device updates
         self._link_bytes = 0   # this step's host updates' bytes over the host link
-        self.trial_left = cfg.profile_steps if cfg.placement == "auto" else 0
-        self._trial: list[dict] = []
-        self._grads_at_start = 0
-        self._profiler: LayerProfiler | None = None   # made for the first trial step (none where auto settled first)
-        self.now = time.perf_counter   # the step's wall clock (trial.py: the trial's budget, a plan's check)
-        self._began: float | None = None   # this step's start, where it is timed
-        self._timed: str | None = None     # what this step's time is for: "trial", "plan" (checked) or None
-        self._steps_begun = 0
-        self._plan_due = False        # the trial has ended: the plan is made once its last step is timed
-        self.replaced: dict | None = None   # a new plan's check: the placement it replaced and its measured step
-        self._checked: list[float] = []     # the new plan's timed steps
-        self.reverted: dict | None = None   # a plan that went back (plan_reverted), until reported
-        self.trial_figures: dict = {}       # the last trial's cost and the model's calibration, for the plan event
-        self.plan = None              # the planner's Timeline once made (auto)
-        self.new_plan = False         # set when a plan was just made; the step loop reports it (report.py)
-        self.profile: Profile | None = None
+        self.trial = PlacementTrial(model, device, cfg, self.updates)   # auto: the trial, the plan and its check
+        self.checkpoint = UpdateCheckpoint(self.updates)   # what a checkpoint reads and restores
         # a host-placed layer's gate: its forward waits for its update to land (a device update has landed
         # before the next forward begins: no hook on a layer that no host update touches)
         self._gate_handles: dict[int, object] = {}
@@ -159,11 +136,7 @@ class LayerUpdates(PlacementTrial, UpdateState):
         """An operator's `set-placement`: this layer stays there (a later plan does not move it)."""
         if layer not in self.model.names:
             raise ValueError(f"unknown layer {layer!r}")
-        if self.trial_left:   # the operator decides: the trial ends unplanned
-            self.trial_left = 0
-            if self._profiler is not None:
-                self._profiler.armed = False
-        self._plan_due, self.replaced = False, None   # and no plan made or checked goes over the operator's
+        self.trial.stop()   # the operator decides: no trial, plan or plan's check goes over it
         self.place({layer: side})
 
     # --- layers that change hands (pipeline migration) ------------------------------------------
@@ -206,11 +179,7 @@ class LayerUpdates(PlacementTrial, UpdateState):
     @property
     def state(self) -> dict:
         """Per-parameter optimizer state of the device-placed layers (what the ledger counts)."""
-        out = {}
-        for u in self.updates.values():
-            if u.side == "device":
-                out.update(u.optimizer.state)
-        return out
+        return {p: s for u in self.updates.values() if u.side == "device" for p, s in u.optimizer.state.items()}
 
     def host_bytes(self) -> int:
         return sum(u.host_bytes() for u in self.updates.values())
@@ -224,11 +193,32 @@ class LayerUpdates(PlacementTrial, UpdateState):
         optimizer state)."""
         return sum(u.rollback_bytes() for u in self.updates.values() if u.side == "device")
 
+    # --- what a checkpoint holds (state.py), read and restored once every host update has landed -----
+    def state_by_name(self, names: dict[int, str], copy: bool = True) -> dict[str, dict]:
+        self.wait_host()
+        return self.checkpoint.state_by_name(names, copy)
+
+    def load_state_by_name(self, state: dict[str, dict], names: dict[int, str]) -> None:
+        self.wait_host()
+        self.checkpoint.load_state_by_name(state, names)
+
+    def load_weights_by_name(self, read, names: dict[int, str]) -> None:
+        self.wait_host()
+        self.checkpoint.load_weights_by_name(read, names)
+
+    def master_of(self) -> dict[int, torch.Tensor]:
+        self.wait_host()
+        return self.checkpoint.master_of()
+
+    def weights_state(self, module: torch.nn.Module, copy: bool = True) -> dict[str, torch.Tensor]:
+        self.wait_host()
+        return self.checkpoint.weights_state(module, copy)
+
     # --- a step ------------------------------------------------------------------------------
     def settle_device(self) -> None:
         """`auto` before step 1, where every update's state was estimated to fit beside keep's peak
         (engine/run/fit.py): every update on the device, no trial, as `placement = "device"` runs."""
-        self.trial_left = 0
+        self.trial.left = 0
         self.place(dict.fromkeys(self.by_name, "device"))
 
     def device_state_bytes(self) -> int:
@@ -238,18 +228,11 @@ class LayerUpdates(PlacementTrial, UpdateState):
 
     def begin_step(self) -> None:
         self._parts, self._held, self._decided = [], [], False
-        self._step_ended()   # the last step's time: the trial's budget, a new plan's check (trial.py)
-        if self._plan_due or (self.trial_left and self._trial_over_budget()):
-            self._make_plan()
-        if self.trial_left:
-            if self._profiler is None:
-                self._profiler = LayerProfiler(self.model, self.device.ledger, Clock(self.device.torch_device))
-            side = self._trial_side()
-            self.place(dict.fromkeys(self.by_name, "host") if side == "host" else self._fitting_device_placement())
-            self._profiler.arm()
-            self.device.ledger.refresh()
-            self.device.ledger.reset_peak()
-            self._grads_at_start = self.device.ledger.bytes["gradients"]
+        # auto: a trial step's side, a plan just made, or the placement a checked plan goes back to
+        moved = self.trial.begin_step(self.executor.threads if self.executor is not None else 1)
+        if moved is not None:
+            self.place(moved)
+        self.trial.measure()   # a trial step: profiled from here
         if self.guard.on and self.guard.mode == "speculate":
             # speculation pays off when the step stands; after a step that clipped (or skipped), the next ones
             # are likely to clip too (a loss spike, early training at clip 1.0, a norm hovering at the threshold),
@@ -261,13 +244,8 @@ class LayerUpdates(PlacementTrial, UpdateState):
         for u in self.updates.values():   # after any placement of this step: a host update speculates
             u.guard = self._speculates(u)
         self._missing = {i: len(u.params) for i, u in self.updates.items()}
-        self._dispatched = set()
-        self._gate_s = 0.0
-        self._device_ran = []
-        self._link_bytes = 0
-        self._steps_begun += 1
-        self._timed = "trial" if self.trial_left else "plan" if self.replaced is not None else None
-        self._began = self.now() if self._timed else None   # after any move: a move is not the step's
+        self._dispatched, self._gate_s, self._device_ran, self._link_bytes = set(), 0.0, [], 0
+        self.trial.start_clock()
 
     def params_reduced(self, params) -> None:
         """Called from any thread: these parameters' gradients are final for this step."""
@@ -319,14 +297,15 @@ class LayerUpdates(PlacementTrial, UpdateState):
         """Compute thread, after backward: dispatch layers not dispatched yet (all layers, in backward
         order, when the strategy reports nothing itself) and run the device ones. clip_mode "wait": the
         step guard decides first, over `group` (step_guard.py), and the held updates go with its decision."""
-        rows = self._profiler.finish() if self.trial_left else None
+        rows = self.trial.layer_rows()
         for index in sorted(self.updates, reverse=True):
             self._dispatch(self.updates[index])
         if self.guard.on and self.mode == "wait":
             self._release(self._decide(group))
         self.run_device_ready()
-        if self.trial_left:
-            self._record_trial(rows)
+        if self.trial.left:
+            self.wait_host()   # the step's host updates have landed: their times are the trial's
+            self.trial.record(rows)
 
     def _decide(self, group) -> GuardDecision:
         self._decided = True

@@ -1,0 +1,107 @@
+"""What torch's elastic agent starts in each worker process of a run (engine/run/launch.py): worker_main, the
+process's entry (a parameter server's rank, or the step loop's Worker in engine/run/worker.py), watching the
+launcher, with an error it raises recorded whole for the agent; what does not end it ends the process.
+
+Imports engine.run.worker, engine.run.rank, engine.runtime and engine.processes.lifeline.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from contextlib import suppress
+
+import torch
+
+from engine.processes import lifeline
+from engine.run.rank import Job, build_rank, place_on_host
+from engine.run.worker import Worker
+from engine.runtime import emulate
+from engine.runtime.lifecycle import StopRequest
+from engine.runtime.refusal import is_refusal, refuse, transient
+from engine.runtime.topology import Topology
+
+
+def run_worker(job: Job) -> dict | None:
+    """worker_main, watching the launcher (engine/processes/lifeline.py); where it raises, the worker exits with
+    status 1 once the error is in the agent's error.json (what the launcher reports, as before). An error raised
+    on out of here would also be pickled by torch.multiprocessing into a pytorch-errorfile-*.pickle in the
+    system temp dir, which nothing removes."""
+    # one host: the run stops with its launcher (a final checkpoint where it fits); several: this host is lost
+    lifeline.hold(job.launcher, job.config.parallel.shutdown_timeout_s, f"rank {os.environ.get('RANK', '?')}",
+                  stop=job.config.cluster.nnodes == 1)
+    os.environ[emulate.LAUNCHER_PID] = str(job.launcher[0])   # emulate.kill_how = "launcher"
+    try:
+        result = worker_main(job)
+    except Exception as e:
+        _record_error(e)
+        sys.exit(1)
+    lifeline.finished()   # the agent may keep a finished worker waiting: a stop must still end it
+    return result
+
+
+def _record_error(error: BaseException) -> None:
+    """torch's error file for the agent (TORCHELASTIC_ERROR_FILE), written whole or not at all: torch writes it
+    in place, and a full disk left it empty, which the agent then failed to parse (a JSONDecodeError traceback
+    instead of the worker's error)."""
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    partial = f"{path}.partial"
+    os.environ["TORCHELASTIC_ERROR_FILE"] = partial
+    try:
+        ErrorHandler().record_exception(error)
+        if os.path.getsize(partial):
+            os.replace(partial, path)
+    except OSError:
+        pass
+    finally:
+        os.environ["TORCHELASTIC_ERROR_FILE"] = path
+        with suppress(OSError):
+            os.unlink(partial)
+
+
+def worker_main(job: Job) -> dict | None:
+    torch.set_num_threads(1)   # one thread per worker: on a few cores the pools would thrash
+    cfg = job.config
+    place_on_host(job)
+    param_server = cfg.parallel.strategy == "param_server"
+    if param_server and int(os.environ["RANK"]) >= cfg.parallel.param_server.servers:
+        from engine.strategies.param_server import supervise
+        return supervise(job, build_rank)   # a parameter-server worker: its death does not end the run
+    stop = StopRequest(grace_s=cfg.parallel.shutdown_timeout_s)
+    topo = Topology.from_env(cfg.parallel.backend, cfg.device.kind, cfg.parallel.collective_timeout_s)
+    worker = None
+    try:
+        if param_server:
+            from engine.strategies.param_server import run_server
+            return run_server(job, topo, stop, build_rank)
+        worker = Worker(job, topo, stop)
+        return worker.run()
+    except Exception as e:
+        lost = transient(e)
+        # our launcher is there to tell (not torchrun's) and this is no stop: a restart would fail the same way
+        final = lost is None and job.refusal_path is not None and not stop.requested
+        if worker is not None:   # consoles hear why, and the socket and registry entry go away
+            with suppress(Exception):   # a log that could not be written must not hide the error
+                worker.tel.close(f"run {'refused' if final and is_refusal(e) else 'failed'} ({type(e).__name__}: {e})")
+        if final:   # the launcher ends the run: exit 2 for a refusal, 1 for a failure
+            where = worker.where() if worker is not None else "" if param_server else "while starting"
+            if not is_refusal(e) and not getattr(type(e), "says_all", False):   # its traceback, once
+                print(f"trainyard: rank {topo.rank} failed ({where}); not restarted, the same error would "
+                      f"recur:\n{traceback.format_exc()}", file=sys.stderr, end="", flush=True)
+            refuse(job.refusal_path, job.launcher[0], topo.rank, e, lambda: stop.requested, where)
+        if stop.requested:   # being shut down and a peer already left: nothing more to save
+            print(f"trainyard: rank {topo.rank} stopped ({type(e).__name__} after a peer left)",
+                  file=sys.stderr, flush=True)
+            os._exit(1)
+        raise
+    finally:
+        if stop.requested:
+            sys.stdout.flush()
+            # The elastic agent is shutting the group down and will not collect a return
+            # value; leave now rather than wait for its SIGKILL.
+            os._exit(0)
+        topo.shutdown()

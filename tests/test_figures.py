@@ -1,0 +1,111 @@
+"""Every per-rank figure is declared once (engine/telemetry/figures.py), and the exchange's columns, a rank
+entry's figures, its closed schema and docs/telemetry.md's table follow from that; a figure reported but not
+declared stops the exchange. The live logs of every strategy are validated in their own tests (validate_log)."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import jsonschema
+import pytest
+import torch
+
+from engine import protocol
+from engine.runtime.control import COLUMN, FIELDS, GPU_FIELDS, UndeclaredFigure, rank_rows, row_values
+from engine.telemetry import figures
+from engine.telemetry.figures import FIGURES, LOGGED
+from engine.telemetry.log import read_raw
+from engine.telemetry.schema import RANK_ENTRY, RECORD_SCHEMA
+from tests.conftest import ROOT, read_jsonl
+
+
+def validate_log(path) -> list[dict]:
+    """Every record of the log at `path`, as written and with each step's rows filled in, against the schema."""
+    validator = jsonschema.Draft202012Validator(RECORD_SCHEMA)
+    records = read_jsonl(path)
+    for record in read_raw(path) + records:
+        validator.validate(record)
+    return records
+
+
+def test_every_figure_is_declared_once_with_a_known_unit_combine_and_place():
+    assert len(FIGURES) == sum(len(group) for group in figures.CONTRIBUTORS.values())
+    for f in FIGURES.values():
+        assert f.unit in figures.UNITS and f.combine in figures.COMBINES and f.optional in figures.OPTIONAL, f
+        assert set(f.shows) <= {figures.LOG, figures.DEVICES, figures.FLEET, figures.STAGES, figures.STREAMS}, f
+        assert not f.shows or figures.LOG in f.shows, f   # a panel reads a figure from the log's rank entries
+        assert f.exchanged or figures.LOG in f.shows, f
+    assert FIELDS == tuple(f.name for f in FIGURES.values() if f.exchanged)
+    assert COLUMN == {name: i for i, name in enumerate(FIELDS)}
+
+
+def test_the_console_reads_the_gpu_figures_and_the_declarations_from_the_protocol():
+    assert protocol.GPU_FIELDS == GPU_FIELDS == ("allocated_bytes", "reserved_bytes", "allocator_peak_bytes",
+                                                 "nvml_used_bytes", "nvml_total_bytes", "gpu_util_percent")
+    assert protocol.FIGURES is FIGURES and protocol.LOGGED == LOGGED
+
+
+def test_a_strategys_phases_are_declared():
+    from engine.strategies.sharded.strategy import PHASES
+    assert set(PHASES) <= set(FIELDS)
+
+
+def test_a_figure_reported_but_not_declared_stops_the_exchange_naming_it():
+    with pytest.raises(UndeclaredFigure, match="'bogus_ms'.*engine/telemetry/figures.py"):
+        row_values({"loss": 1.0, "bogus_ms": 2.0})
+    with pytest.raises(UndeclaredFigure, match="'role'"):   # declared, but written after the exchange
+        row_values({"role": 1.0})
+    row = row_values({"loss": 1.0, "kind": "cpu", "simulated": True})   # the device's words: not figures
+    assert row[COLUMN["loss"]] == 1.0 and len(row) == len(FIELDS)
+    assert all(math.isnan(row[COLUMN[k]]) for k in GPU_FIELDS)
+
+
+def test_a_rank_entry_writes_each_figure_as_declared_and_hides_the_exchanges_own():
+    cpu = {"loss": 2.5, "step_ms": 10.123456, "fwd_ms": 3.0, "bwd_ms": 5.0, "gate_ms": 1.0, "stop": 1.0,
+           "command_bytes": 40, "plan_made": 1.0, "flops": 1e9, "ckpt_written": 3, "used_bytes": 1000.0,
+           "over_capacity": 1.0, "swap_layers": 2.0, "reduce_ms": 0.5, "recv_wait_ms": 0.25, "compile_ms": 0.0}
+    gpu = {**cpu, **dict.fromkeys(GPU_FIELDS, 7.0), "compile_ms": 12.0, "recompiles": 1.0}
+    a, b = rank_rows(torch.tensor([row_values(cpu), row_values(gpu)], dtype=torch.float64))
+    assert (a["rank"], a["loss"], a["step_ms"], a["used_bytes"]) == (0, 2.5, 10.1235, 1000)
+    assert a["over_capacity"] is True
+    assert type(a["used_bytes"]) is int and type(a["swap_layers"]) is int and a["compute_ms"] == 7.0
+    assert (a["reduce_ms"], a["recv_wait_ms"]) == (0.5, 0.25)
+    assert not {"stop", "command_bytes", "plan_made", "flops", "ckpt_written", "compile_ms", "recompiles",
+                *GPU_FIELDS} & set(a)
+    assert b["rank"] == 1 and {k: b[k] for k in GPU_FIELDS} == {**dict.fromkeys(GPU_FIELDS[:5], 7),
+                                                               "gpu_util_percent": 7.0}
+    assert (b["compile_ms"], b["recompiles"]) == (12.0, 1)
+    assert set(a) <= set(LOGGED) and set(b) <= set(LOGGED)
+    for entry in (a, b):
+        jsonschema.validate(entry, RANK_ENTRY)
+
+
+def test_the_rank_entry_is_closed_and_types_each_figure_by_its_unit():
+    entry = rank_rows(torch.tensor([row_values({})], dtype=torch.float64))[0]
+    jsonschema.validate({**entry, "role": "worker", "alive": True, "stale_steps": 2}, RANK_ENTRY)
+    for bad in ({"bogus_ms": 1.0}, {"owned_bytes": 1.5}, {"over_capacity": 1}, {"role": "boss"},
+                {"gpu_util_percent": 101.0}, {"reduce_ms": -1.0}):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate({**entry, **bad}, RANK_ENTRY)
+    assert set(RANK_ENTRY["properties"]) == set(LOGGED) and RANK_ENTRY["additionalProperties"] is False
+
+
+def rank_table_names() -> set[str]:
+    """The figures docs/telemetry.md's table of rank entries names in its first column."""
+    text = (ROOT / "docs" / "telemetry.md").read_text()
+    table = text.split("`ranks` holds one entry per rank:", 1)[1].split("\n\n", 2)[1]
+    return {name for line in table.splitlines()[2:] for name in re.findall(r"`([a-z_]+)`", line.split("|")[1])}
+
+
+def test_the_docs_table_names_every_logged_figure_and_nothing_else():
+    names = rank_table_names()
+    assert sorted(set(LOGGED) - names) == [], "declared but missing from docs/telemetry.md's rank table"
+    assert sorted(names - set(LOGGED)) == [], "in docs/telemetry.md's rank table but not declared"
+
+
+def test_the_cuda_fixture_feed_follows_the_closed_rank_entry():
+    """tests/fixtures/gpu_feed.jsonl: the console's CUDA replay, every rank with the GPU's own figures."""
+    records = validate_log(ROOT / "tests" / "fixtures" / "gpu_feed.jsonl")
+    ranks = [e for rec in records if rec["type"] == "step" for e in rec["ranks"]]
+    assert ranks and all(set(GPU_FIELDS) <= set(e) for e in ranks)

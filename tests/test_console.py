@@ -397,9 +397,14 @@ def test_help_and_quit_stay_on_an_80_column_footer(mode):
         app = offline(mode)   # every command key of the mode on show
         async with app.run_test(size=(80, 24)) as pilot:
             footer = app.query_one(Footer)
-            await until(pilot, lambda: footer.query("FooterKey"), what="the footer's keys")
+
+            def laid_out() -> dict:   # the footer recomposes its keys when the bindings change: read them laid out
+                keys = {key.key: key.region for key in footer.query("FooterKey")}
+                return keys if {"question_mark", "q", "p"} <= set(keys) and all(r.width for r in keys.values()) else {}
+            await until(pilot, laid_out, what="the footer's keys, laid out")
             await pilot.pause(0.1)
-            keys = {key.key: key.region for key in footer.query("FooterKey")}
+            await until(pilot, laid_out, what="the footer's keys, laid out")
+            keys = laid_out()
             for key in ("question_mark", "q"):
                 assert key in keys and keys[key].right <= 80, (key, keys)
             assert keys["p"].right <= 80   # and the first command keys after them

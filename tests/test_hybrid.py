@@ -134,7 +134,7 @@ def test_a_live_placement_change_keeps_parameters_identical(pool):
 def test_placement_table_naming_an_unknown_layer_is_refused():
     cfg = Config()
     model = build_model(cfg.model, {"input_dim": 4, "num_classes": 2}, 0)
-    from engine.strategies.ddp import params_by_layer
+    from engine.models.layers import params_by_layer
     from engine.techniques.updates.updater import LayerUpdates
     with pytest.raises(ValueError, match=r"update.placement names unknown layer 'fc9'; layers are fc0, "):
         LayerUpdates(model, params_by_layer(model), cfg.optim, LedgerDevice(1 << 20),

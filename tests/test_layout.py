@@ -93,7 +93,7 @@ FLOORS = [
      "engine.telemetry.figures",                       # every per-rank figure, declared once: the protocol's
      "engine.telemetry.records",                       # a record's compact forms and the log's parts: the same
      "engine.runtime.disk"),                           # a leaf: what every writer says of a full disk
-    ("engine.config",),
+    ("engine.config", "engine.strategies.specs"),  # specs: each strategy described, torch-free, for the config
     ("engine.training.precision", "engine.training.timing", "engine.training.loss", "engine.training.optim", "engine.training.data",
      "engine.training.throughput", "engine.models"),
     ("engine.telemetry",),

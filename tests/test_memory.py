@@ -533,7 +533,7 @@ def _fit_rank(model, cfg, capacity: int):
     """One rank's updates, ledger and memory policy as the worker makes them, single-process, with a stand-in
     for the strategy's few answers the estimate reads."""
     from types import SimpleNamespace
-    from engine.strategies.ddp import params_by_layer
+    from engine.models.layers import params_by_layer
     from engine.techniques.updates.updater import LayerUpdates
     device = LedgerDevice(capacity)
     updater = LayerUpdates(model, params_by_layer(model), cfg.optim, device, cfg.update)

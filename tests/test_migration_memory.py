@@ -13,7 +13,7 @@ from engine.config import MemoryConfig
 from engine.models import LayerList
 from engine.runtime.devices import LedgerDevice
 from engine.techniques.memory import ActivationPolicy, ActivationCost, Floors, Room, estimate
-from engine.techniques.rebalance import decide
+from engine.strategies.pipeline.rebalance import decide
 from tests.conftest import ROOT, read_jsonl
 
 TOUR = str(ROOT / "demo" / "configs" / "tour.toml")
@@ -121,10 +121,14 @@ def test_the_tours_migrations_never_go_over_its_capacity(cli):
     the slowed layer from step 21, decided at 30 or later; a threshold of 5% so that decision never hangs on
     timing noise): every rank's ledger stays within the capacity at every step, through both
     migrations. (Planned after the move instead, rank 0 peaked at 10,047,520 bytes in the first migration
-    step, as the tour's 9.6 MiB at step 101.)"""
+    step, as the tour's 9.6 MiB at step 101.) The slowed layer is stage 0's block0.mlp, so the second move
+    sends layers to the last stage, which holds one micro-batch in flight: the tour's block3.mlp drew seven
+    layers to stage 0, more than it holds even recomputed, and a check keeps a layout no stage can hold
+    (test_a_rebalance_never_picks_a_layout_a_stage_cannot_hold), so whether that second move came hung on timing."""
     log = cli.tmp_path / "tour.jsonl"
     r = cli.run("run", TOUR, "--headless", "--steps", "52", *cli.base_args("tour"), "--set", "run.eval_every=0",
                 "--set", "parallel.pipeline.rebalance_check_every=10", "--set", "emulate.slow_from_step=21",
+                "--set", "emulate.slow_layer=block0.mlp",
                 "--set", "emulate.slow_layer_ms=40", "--set", "parallel.pipeline.imbalance_threshold=0.05",
                 "--set", "telemetry.rank_every=1", "--set", "checkpoint.every=0", "--telemetry-log", str(log),
                 timeout=390)
@@ -145,7 +149,8 @@ def test_the_tours_migrations_never_go_over_its_capacity(cli):
 def test_rebalances_from_the_console_never_go_over_the_capacity(cli):
     """The console's `r` (the same `rebalance` command `trainyard ctl` sends) at steps of the operator's
     choosing, with rebalancing otherwise off: the tour's 8 MiB capacity holds at every step, through every
-    migration the commands start (the skewed start first, then the layer slowed from step 12)."""
+    migration the commands start (the skewed start first, then stage 0's block0.mlp slowed from step 12: its
+    layers go to the last stage, which can hold them; see the test above)."""
     from engine.telemetry import protocol
     from tests.conftest import wait_for
     from tests.test_control import ctl, current_step
@@ -153,6 +158,7 @@ def test_rebalances_from_the_console_never_go_over_the_capacity(cli):
     proc = cli.start("run", TOUR, "--headless", "--steps", "100000", *cli.base_args("steer-tour"),
                      "--set", "run.eval_every=0", "--set", "parallel.pipeline.rebalance=manual",
                      "--set", "emulate.slow_from_step=12", "--set", "emulate.slow_layer_ms=40",
+                     "--set", "emulate.slow_layer=block0.mlp",
                      "--set", "parallel.pipeline.imbalance_threshold=0.05", "--set", "telemetry.rank_every=1",
                      "--set", "checkpoint.every=0", "--telemetry-log", str(log))
     wait_for(lambda: any(r["name"] == "steer-tour" for r in protocol.list_runs()), 60, "the run on the socket")

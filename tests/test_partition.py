@@ -1,4 +1,4 @@
-"""engine/techniques/partition.py: exact stage partitioning, checked against brute force."""
+"""engine/strategies/pipeline/partition.py: exact stage partitioning, checked against brute force."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.techniques.partition import _REL_EPS, Cluster, Layout, NoFit, clusters_from, from_names, modelled, partition, uniform
-from engine.techniques.stage_times import needs_rebalance, stage_times, threshold_in_ms
+from engine.strategies.pipeline.partition import _REL_EPS, Cluster, Layout, NoFit, clusters_from, from_names, modelled, partition, uniform
+from engine.strategies.pipeline.stage_times import needs_rebalance, stage_times, threshold_in_ms
 
 
 def make(times, nbytes=None, blocks=None):

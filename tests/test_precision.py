@@ -216,7 +216,7 @@ def test_bf16_weights_halve_the_parameters_and_the_mlp_activations_exactly():
     their own (`master`), never as parameters."""
     from engine.runtime.devices import MemoryLedger
     from engine.techniques.updates.updater import LayerUpdates
-    from engine.strategies.ddp import params_by_layer
+    from engine.models.layers import params_by_layer
     from engine.config import UpdateConfig
     from engine.runtime.devices import LedgerDevice
     counted = {}

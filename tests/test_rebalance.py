@@ -15,7 +15,7 @@ from engine.runtime.devices import LedgerDevice
 from engine.models import build_model
 from engine.strategies.pipeline import PipelineStage
 from engine.processes.procpool import DistPool
-from engine.techniques.rebalance import LayerClock, decide
+from engine.strategies.pipeline.rebalance import LayerClock, decide
 from tests.conftest import train_one_process
 from tests.test_pipeline import META, _optim, _pipe
 from tests.test_pipeline import _batches as pipeline_batches
@@ -155,7 +155,7 @@ def test_splits_within_the_clocks_noise_are_ties_won_by_the_fewest_boundary_byte
     """The bench's case: a trunk, then a wide layer ("up", 8x the bytes out). Cut before it or after it:
     modelled 1.8% apart (within TIES), the cut that ships the narrow activation wins; 23% apart, the
     faster one does."""
-    from engine.techniques.rebalance import TIES
+    from engine.strategies.pipeline.rebalance import TIES
     names = ["trunk", "act", "up", "rest", "head"]
     clusters = [[n] for n in names]
     nbytes = {"trunk": 400, "act": 100, "up": 800, "rest": 100, "head": 10}
@@ -415,7 +415,7 @@ def test_a_balanced_start_is_one_layout_on_every_rank_and_trains_like_one_proces
 
 def test_the_bench_finds_the_best_static_split_by_brute_force():
     from engine.bench.pipeline_model import best_static, bench_model, even_layout, skewed_layout
-    from engine.techniques.partition import Cluster, partition
+    from engine.strategies.pipeline.partition import Cluster, partition
     names = bench_model().names
     assert [len(s) for s in even_layout(names)] == [10, 10, 10, 9]
     assert [len(s) for s in skewed_layout(names)] == [1, 1, 1, 36]
@@ -542,7 +542,7 @@ def resumed_then_balanced_job(topo, root: str) -> dict:
     checkpoint (restore_layers): steps 11-20 are one process's."""
     import torch.distributed as dist
     from engine.runtime import checkpoint as ckpt
-    from engine.techniques.rebalance import RebalanceDecision
+    from engine.strategies.pipeline.rebalance import RebalanceDecision
     batches = _batches()
     stage = PipelineStage(build_model(MODEL, META, seed=0), [NAMES[:2], NAMES[2:]], topo, LedgerDevice(1 << 30),
                           _optim("adamw"), _pipe(4, "1f1b"))

@@ -133,7 +133,7 @@ def test_the_activation_plan_reads_the_devices_times():
 
 def test_the_pipelines_layer_clock_reads_the_devices_times():
     """The rebalance plans with these: on a GPU, each layer's kernels' time, not the time to queue them."""
-    from engine.techniques.rebalance import LayerClock
+    from engine.strategies.pipeline.rebalance import LayerClock
     gpu = FakeGPU()
     model = model_on(gpu)
     clock = LayerClock(model.names, Clock(events=gpu.event))
@@ -208,7 +208,7 @@ def test_one_per_layer_timer_marks_for_the_profiler_the_layer_clock_and_the_acti
     """The console's layer table, the rebalance and the memory plan read per-layer times from one mechanism
     (LayerSpans): the same layers on the same device give each the same forward times."""
     from engine.techniques.memory.measure import Measure
-    from engine.techniques.rebalance import LayerClock
+    from engine.strategies.pipeline.rebalance import LayerClock
     from engine.training.timing import LayerSpans
     gpu = FakeGPU()
     model = model_on(gpu)
@@ -383,12 +383,12 @@ def pipeline_job(topo, steps: int) -> list[dict]:
     device.ledger.track_module(stage.ledger_module, stage.optimizer)
     for u in stage.updater.updates.values():
         u.optimizer.register_step_pre_hook(lambda opt, args, kwargs: setattr(gpu, "now", gpu.now + UPDATE_MS * gpu.scale))
-    recv = stage._recv
+    recv = stage.wire.recv
 
     def waiting(*args, **kwargs):   # the neighbour is late: the device's clock moves on meanwhile
         gpu.now += WAIT_MS
         return recv(*args, **kwargs)
-    stage._recv = waiting
+    stage.wire.recv = waiting
     try:
         return run_steps(gpu, stage, steps)
     finally:

@@ -292,7 +292,7 @@ def test_the_rollback_copy_is_counted_where_it_lives(placement, mode):
     state; a host one's in the host's bytes; waiting keeps none."""
     from engine.config import Config, UpdateConfig
     from engine.runtime.devices import LedgerDevice, tensor_bytes
-    from engine.strategies.ddp import params_by_layer
+    from engine.models.layers import params_by_layer
     from engine.techniques.updates.updater import LayerUpdates
     cfg = Config()
     cfg.optim.name, cfg.optim.clip_grad_norm, cfg.optim.clip_mode = "adamw", 1e3, mode

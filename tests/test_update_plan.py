@@ -421,7 +421,7 @@ def scripted_run(step_ms, profile_steps=2, chosen=None, monkeypatch=None):
     from engine.config import Config, UpdateConfig
     from engine.models import build_model
     from engine.runtime.devices import LedgerDevice
-    from engine.strategies.ddp import params_by_layer
+    from engine.models.layers import params_by_layer
     from engine.techniques.updates import trial
     from engine.techniques.updates.report import plan_events
     from engine.techniques.updates.updater import LayerUpdates

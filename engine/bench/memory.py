@@ -65,7 +65,7 @@ class _MasterUpdates:
     the ledger counts (optimizer state and masters)."""
 
     def __init__(self, model, cfg):
-        from engine.strategies.ddp import params_by_layer
+        from engine.models.layers import params_by_layer
         from engine.techniques.updates.layer import LayerUpdate
         self.params = list(model.parameters())
         self.updates = [LayerUpdate(model.names[i], i, ps, cfg) for i, ps in params_by_layer(model).items() if ps]

@@ -14,7 +14,8 @@
 - reference.py: docs/config.md from the declarations; `python -m engine.config`.
 
 A bad value raises ConfigError naming the key path, the value and what is allowed; the CLI turns
-that into exit status 2. Imports nothing from the rest of engine: everything else may import it.
+that into exit status 2. Imports nothing from the rest of engine but the strategies' torch-free descriptions
+(engine/strategies/specs/, on this floor): everything else may import it.
 """
 
 from engine.config.load import config_from_dict, load_config, read_toml

@@ -1,11 +1,14 @@
 """The global batch and the training loop, checked before any worker starts (CROSS_CHECKS rules of
 engine/config/check.py): the batch splits over ranks, micro-batches and micro-steps (`data.accumulate`); the
-schedule ends at or below its peak; clipping only where one global norm exists. Imports only
-engine.config.settings."""
+schedule ends at or below its peak; clipping only where one global norm exists. How each strategy splits the
+batch and what it refuses is its spec's (engine/strategies/specs/: split, per_rank, refuses). Imports
+engine.config.settings and declare, and that registry."""
 
 from __future__ import annotations
 
+from engine.config.declare import show
 from engine.config.settings import Config
+from engine.strategies.specs import STRATEGIES
 
 
 def near_multiples(n: int, k: int) -> str:
@@ -15,25 +18,12 @@ def near_multiples(n: int, k: int) -> str:
 
 def batch_splits_over_ranks(cfg: Config) -> str | None:
     """Data parallel: `data.batch_size` is divisible by `parallel.world_size` (every rank gets the same
-    share); pipeline: by `parallel.pipeline.micro_batches`, and a partition list has `world_size` stages."""
-    batch, world = cfg.data.batch_size, cfg.parallel.world_size
-    p, pipe = cfg.parallel, cfg.parallel.pipeline
-    n = cfg.data.accumulate
-    if p.strategy == "pipeline":
-        if n > 1:
-            return (f"data.accumulate = {n}: not available with parallel.strategy = \"pipeline\", which "
-                    f"accumulates over parallel.pipeline.micro_batches = {pipe.micro_batches} (set data.accumulate = 1)")
-        if batch % pipe.micro_batches:
-            return (f"data.batch_size = {batch}: must be divisible by parallel.pipeline.micro_batches = "
-                    f"{pipe.micro_batches} (e.g. {near_multiples(batch, pipe.micro_batches)})")
-        if isinstance(pipe.partition, list) and len(pipe.partition) != world:
-            return (f"parallel.pipeline.partition lists {len(pipe.partition)} stages but parallel.world_size = {world} "
-                    f"(one stage per worker)")
-        return None
-    if p.strategy == "param_server":
-        ranks, words = p.param_server.workers, f"parallel.param_server.workers = {p.param_server.workers}"
-    else:
-        ranks, words = world, f"parallel.world_size = {world}"
+    share); pipeline: by `parallel.pipeline.micro_batches`."""
+    batch, n, spec = cfg.data.batch_size, cfg.data.accumulate, STRATEGIES[cfg.parallel.strategy]
+    ranks, words = spec.split(cfg)
+    if not spec.per_rank and n > 1:   # its parts are micro-batches in flight: it accumulates over them
+        return (f"data.accumulate = {n}: not available with parallel.strategy = {show(spec.name)}, which "
+                f"accumulates over {words} (set data.accumulate = 1)")
     if n == 1 and batch % ranks:
         return f"data.batch_size = {batch}: must be divisible by {words} (e.g. {near_multiples(batch, ranks)})"
     if batch % (ranks * n):
@@ -48,8 +38,8 @@ def schedule_ends_low(cfg: Config) -> str | None:
     o = cfg.optim
     if o.lr_schedule != "constant" and o.min_lr > o.lr:
         return f"optim.min_lr = {o.min_lr:g}: must be at most optim.lr = {o.lr:g}"
-    if cfg.parallel.strategy == "param_server" and o.clip_grad_norm > 0:
+    spec = STRATEGIES[cfg.parallel.strategy]
+    if "optim.clip_grad_norm" in spec.refuses and o.clip_grad_norm > 0:
         return (f"optim.clip_grad_norm = {o.clip_grad_norm:g}: not available with parallel.strategy = "
-                f"\"param_server\" yet (its servers update each layer as its window closes, before the whole "
-                f"model's gradient norm is known); set it to 0")
+                f"{show(spec.name)} yet ({spec.refuses['optim.clip_grad_norm']}); set it to 0")
     return None

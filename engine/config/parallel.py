@@ -10,7 +10,9 @@ restarts), and one table per strategy with its own keys, handed to that strategy
 
 A strategy's key written flat in `[parallel]` (the layout before 2026-11-26: `parallel.streams`) is still
 accepted: check.py moves it into its table (MOVED) and the command says the new name in one line.
-Imports declare.py only.
+The strategies' names and their lines of docs come from their registry (engine/strategies/specs/: STRATEGIES,
+torch-free); a strategy's table is declared here, its field named as the strategy. Imports declare.py and that
+registry.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.config.declare import setting, table
+from engine.strategies.specs import STRATEGIES
 
 
 @dataclass
@@ -128,15 +131,9 @@ class ParallelConfig:
     """How the workers share the training, and how they survive failures. Each strategy's own keys are in its
     table below (`[parallel.sharded]`, ...)."""
 
-    strategy: str = setting("ddp", "Parallel strategy. `ddp`: torch DistributedDataParallel, the baseline "
-                                   "([parallel.ddp]). `sharded`: every parameter has one owner rank that alone "
-                                   "keeps its optimizer state and broadcasts its update in slices over several "
-                                   "streams ([parallel.sharded], docs/sharded.md). `pipeline`: one stage of "
-                                   "consecutive layers per worker, micro-batches in flight ([parallel.pipeline], "
-                                   "docs/pipeline.md). `param_server`: server ranks own the layers, worker ranks "
-                                   "push each layer's gradient and pull its weights, synchronised per layer "
-                                   "([parallel.param_server], docs/param_server.md).",
-                            choices=("ddp", "sharded", "pipeline", "param_server"))
+    strategy: str = setting("ddp", "Parallel strategy. " + " ".join(
+        f"`{s.name}`: {s.about} ([parallel.{s.name}]{', ' + s.docs if s.docs else ''})." for s in STRATEGIES.values()),
+        choices=tuple(STRATEGIES))   # engine/strategies/specs/: each one's description, torch-free
     world_size: int = setting(2, "Worker processes on this machine.", min=1, max=256)
     backend: str = setting("auto", "Collective backend: `auto` picks nccl when every worker has its own "
                                    "CUDA GPU, otherwise gloo on the CPU.", choices=("auto", "gloo", "nccl"))

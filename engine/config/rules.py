@@ -2,20 +2,41 @@
 its docstring goes to docs/config.md. They run after every key passed its own check (check.py), first
 problem reported.
 
-Imports engine.config.declare, settings, batch and files.
+A strategy's own rules are its spec's (engine/strategies/specs/): `checks` and `checks_after_batch`, run where
+STRATEGY_CHECKS and AFTER_BATCH stand; `refuses` and `moments`, which the rule owning the key phrases.
+Imports engine.config.declare, settings, batch and files, and that registry.
 """
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import math
 import re
-from dataclasses import replace
 
 from engine.config.batch import batch_splits_over_ranks, near_multiples, schedule_ends_low
 from engine.config.declare import show
 from engine.config.files import files_exist
 from engine.config.settings import Config
+from engine.strategies.specs import STRATEGIES, StrategySpec
+
+
+def only_under(spec: StrategySpec, check):
+    """A strategy's own check (its spec's `checks`) as a rule: it applies where parallel.strategy is that one."""
+    @functools.wraps(check)
+    def rule(cfg: Config) -> str | None:
+        return check(cfg) if cfg.parallel.strategy == spec.name else None
+    return rule
+
+
+STRATEGY_CHECKS = [only_under(spec, check) for spec in STRATEGIES.values() for check in spec.checks]
+AFTER_BATCH = [only_under(spec, check) for spec in STRATEGIES.values() for check in spec.checks_after_batch]
+
+
+def either(names) -> str:
+    """'"ddp", "sharded" or "pipeline"': names as a message offers them."""
+    shown = [show(name) for name in names]
+    return " or ".join([", ".join(shown[:-1]), shown[-1]]) if len(shown) > 1 else shown[0]
 
 
 def model_matches_data(cfg: Config) -> str | None:
@@ -45,29 +66,6 @@ def branchy_has_square_images(cfg: Config) -> str | None:
     if cfg.data.name == "synthetic" and root * root != n:
         return (f'data.features = {n}: must be a perfect square when model.name = "branchy" '
                 f"(e.g. {root * root} or {(root + 1) ** 2})")
-    return None
-
-
-def param_server_ranks(cfg: Config) -> str | None:
-    """param_server: `parallel.param_server.servers + workers = parallel.world_size`; `slow_workers` names
-    worker ranks only; `memory.policy = "keep"` and `update.placement = "device"` (the servers update;
-    the workers keep their activations)."""
-    p, ps = cfg.parallel, cfg.parallel.param_server
-    if p.strategy != "param_server":
-        return None
-    if ps.servers + ps.workers != p.world_size:
-        return (f"parallel.param_server.servers = {ps.servers} + parallel.param_server.workers = {ps.workers} must "
-                f"equal parallel.world_size = {p.world_size} (set world_size = {ps.servers + ps.workers})")
-    for rank in ps.slow_workers:
-        if not ps.servers <= int(rank) < p.world_size:
-            return (f"parallel.param_server.slow_workers.{rank}: rank {rank} is not a worker; worker ranks are "
-                    f"{ps.servers} to {p.world_size - 1}")
-    if cfg.memory.policy != "keep":
-        return (f'memory.policy = {show(cfg.memory.policy)}: not available with parallel.strategy = '
-                f'"param_server" (use "keep")')
-    if cfg.update.placement != "device":
-        return (f'update.placement = {show(cfg.update.placement)}: not available with parallel.strategy = '
-                f'"param_server" (its servers run the updates; use "device")')
     return None
 
 
@@ -138,21 +136,15 @@ def every_host_count_holds(cfg: Config) -> str | None:
                 f"(`--nnodes MIN:MAX`)")
     if len(c.host_counts) == 1:
         return None
-    if p.strategy == "pipeline" and isinstance(p.pipeline.partition, list):
-        return (f"parallel.pipeline.partition lists {len(p.pipeline.partition)} stages: with a range of hosts "
-                f"(cluster.min_nnodes = {c.min_nnodes} to nnodes = {c.nnodes}) the stage count follows the "
-                f"world; use partition = \"uniform\" or \"balanced\"")
+    spec = STRATEGIES[p.strategy]
+    refused = spec.in_host_range(cfg) if spec.in_host_range else None   # a pipeline's partition list, ...
+    if refused:
+        return refused
     per_host = p.world_size // c.nnodes
     for hosts in c.host_counts:
         world = hosts * per_host
-        ps = p.param_server
-        if p.strategy == "param_server" and world <= ps.servers:
-            return (f"with {hosts} of {c.nnodes} hosts (parallel.world_size {world}) the parameter server's "
-                    f"{ps.servers} servers leave no worker: set cluster.min_nnodes above "
-                    f"{ps.servers // per_host} or fewer servers")
-        at = replace(cfg, parallel=replace(p, world_size=world,
-                                           param_server=replace(ps, workers=world - ps.servers)))
-        for rule in (param_server_ranks, batch_splits_over_ranks, slow_rank_is_whole, kill_has_its_moment):
+        at = spec.at_world(cfg, world)
+        for rule in (*STRATEGY_CHECKS, batch_splits_over_ranks, *AFTER_BATCH, slow_rank_is_whole, kill_has_its_moment):
             problem = rule(at)
             if problem:
                 return f"with {hosts} of {c.nnodes} hosts (parallel.world_size {world}): {problem}"
@@ -165,9 +157,10 @@ def slow_layer_is_whole(cfg: Config) -> str | None:
     e = cfg.emulate
     if not e.slow_layer:
         return None
-    if cfg.parallel.strategy == "param_server":
+    spec = STRATEGIES[cfg.parallel.strategy]
+    if "emulate.slow_layer" in spec.refuses:
         return (f"emulate.slow_layer = {show(e.slow_layer)}: not available with parallel.strategy = "
-                f"\"param_server\" (emulate a slow worker with parallel.param_server.slow_workers)")
+                f"{show(spec.name)} ({spec.refuses['emulate.slow_layer']})")
     return _sleeps(f"emulate.slow_layer = {show(e.slow_layer)}", "slow_layer_ms", e.slow_layer_ms,
                    "each of its forwards sleeps")
 
@@ -177,10 +170,11 @@ def slow_rank_is_whole(cfg: Config) -> str | None:
     e, world = cfg.emulate, cfg.parallel.world_size
     if e.slow_rank < 0:
         return None
-    if cfg.parallel.strategy not in ("ddp", "sharded"):
-        return (f"emulate.slow_rank = {e.slow_rank}: only with parallel.strategy = \"ddp\" or \"sharded\" "
-                f"(a pipeline's slow stage is emulate.slow_layer; a parameter server's slow workers are "
-                f"parallel.param_server.slow_workers)")
+    if "emulate.slow_rank" in STRATEGIES[cfg.parallel.strategy].refuses:
+        refusing = [spec for spec in STRATEGIES.values() if "emulate.slow_rank" in spec.refuses]
+        takers = either(spec.name for spec in STRATEGIES.values() if spec not in refusing)
+        why = "; ".join(spec.refuses["emulate.slow_rank"] for spec in refusing)
+        return f"emulate.slow_rank = {e.slow_rank}: only with parallel.strategy = {takers} ({why})"
     if e.slow_rank >= world:
         return (f"emulate.slow_rank = {e.slow_rank}: no such rank; parallel.world_size = {world} has ranks 0 to "
                 f"{world - 1}")
@@ -198,32 +192,22 @@ def kill_has_its_moment(cfg: Config) -> str | None:
     (`update.placement = "host"`, `"auto"` or a table naming `"host"`), `window` a parameter server
     (`kill_rank` one of its servers) with `parallel.param_server.sync = "soft"` or `"bsp"`."""
     e, p = cfg.emulate, cfg.parallel
-    pipe, ps = p.pipeline, p.param_server
     if e.kill_rank < 0:
         return None
     if e.kill_rank >= p.world_size:
         return (f"emulate.kill_rank = {e.kill_rank}: no such rank; parallel.world_size = {p.world_size} has ranks "
                 f"0 to {p.world_size - 1}")
-    at = f"emulate.kill_at = {show(e.kill_at)}"
-    if e.kill_at == "migration" and (p.strategy != "pipeline" or pipe.rebalance == "off"):
-        return (f'{at}: needs parallel.strategy = "pipeline" with parallel.pipeline.rebalance = "auto" or "manual", '
-                f'where layers migrate (got parallel.strategy = {show(p.strategy)}, parallel.pipeline.rebalance = '
-                f'{show(pipe.rebalance)})')
-    if e.kill_at in ("step", "checkpoint") and p.strategy == "param_server":
-        return f'{at}: needs the step loop of parallel.strategy = "ddp", "sharded" or "pipeline" (got "param_server")'
-    if e.kill_at == "broadcast" and p.strategy != "sharded":
-        return f'{at}: needs parallel.strategy = "sharded", whose broadcast it is (got {show(p.strategy)})'
+    at, spec = f"emulate.kill_at = {show(e.kill_at)}", STRATEGIES[p.strategy]
+    owners = [other for other in STRATEGIES.values() if e.kill_at in other.moments]
+    if owners:   # a strategy's own moment (a pipeline's migration, sharded's broadcast, a server's window)
+        return owners[0].moments[e.kill_at](cfg)
+    if e.kill_at in ("step", "checkpoint") and spec.loops:
+        stepping = either(other.name for other in STRATEGIES.values() if not other.loops)
+        return f"{at}: needs the step loop of parallel.strategy = {stepping} (got {show(spec.name)})"
     placement = cfg.update.placement
     on_host = "host" in placement.values() if isinstance(placement, dict) else placement in ("host", "auto")
     if e.kill_at == "host_update" and not on_host:
         return f'{at}: needs update.placement = "host", "auto" or a table naming "host" (got {show(placement)})'
-    if e.kill_at == "window":
-        if p.strategy != "param_server" or ps.sync not in ("soft", "bsp"):
-            return (f'{at}: needs parallel.strategy = "param_server" with parallel.param_server.sync = "soft" or '
-                    f'"bsp" (got parallel.strategy = {show(p.strategy)}, parallel.param_server.sync = {show(ps.sync)})')
-        if e.kill_rank >= ps.servers:
-            servers = "rank 0" if ps.servers == 1 else f"ranks 0 to {ps.servers - 1}"
-            return f"{at}: emulate.kill_rank = {e.kill_rank} is a worker; the windows are the servers' ({servers})"
     return None
 
 
@@ -242,6 +226,6 @@ def precision_makes_sense(cfg: Config) -> str | None:
 
 
 CROSS_CHECKS = [schedule_ends_low, hosts_split_workers, listen_is_loopback, slices_cover_streams, model_matches_data, files_exist,
-                branchy_has_square_images, param_server_ranks, batch_splits_over_ranks, heads_split_width,
+                branchy_has_square_images, *STRATEGY_CHECKS, batch_splits_over_ranks, *AFTER_BATCH, heads_split_width,
                 slow_layer_is_whole, slow_rank_is_whole, kill_has_its_moment, precision_makes_sense,
                 every_host_count_holds]

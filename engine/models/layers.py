@@ -80,6 +80,20 @@ def tied_parameters(model: "LayerList") -> list[list[tuple[str, str]]]:
     return [names for names in holders.values() if len({layer for layer, _ in names}) > 1]
 
 
+def params_by_layer(model: "LayerList", only=None) -> dict[int, list]:
+    """Each layer's parameters (a parameter shared by layers belongs to the first), optionally only
+    those in `only` (a set of ids: the parameters this rank updates)."""
+    seen, out = set(), {}
+    for index, layer in enumerate(model.layers):
+        mine = []
+        for p in layer.parameters():
+            if id(p) not in seen and (only is None or id(p) in only):
+                seen.add(id(p))
+                mine.append(p)
+        out[index] = mine
+    return out
+
+
 class SharedInputs(nn.Module):
     """Tensors several layers take besides the hidden state, computed from the input's shape alone and shared
     by every layer that takes them (a Hugging Face decoder's attention masks and rotary tables:

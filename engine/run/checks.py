@@ -6,8 +6,9 @@ the model's vocabulary.
     check_machine(job); check_model(job)       # engine/run/launch.py: prepare_run_dir
     check_token_ids(job)                       # called by check_model: token ids within the model's vocabulary
 
-Imports engine.config, engine.runtime (compat, devices, refusal), engine.strategies.pipeline (the configured
-stages), and late: engine.training.data, engine.models.
+Imports engine.config, engine.runtime (compat, devices, refusal), the strategies' registry (engine.strategies.specs:
+who holds what; a pipeline's stages through the function its spec names), and late: engine.training.data,
+engine.models.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from engine.runtime import compat
 from engine.runtime.devices import choose_device, cuda_count, tensor_bytes
 from engine.runtime.refusal import Refused
 from engine.run.claim import RunSetupError
-from engine.strategies.pipeline import configured_stages
+from engine.strategies.specs import STRATEGIES, resolve
 
 __all__ = ["RunSetupError", "check_machine", "check_model", "check_token_ids"]
 
@@ -154,24 +155,26 @@ def _check_capacity(job, capacity: int, binding: str) -> None:
         with torch.device("meta"):   # sizes only, no memory
             model = build_model(cfg.model, data.meta, cfg.run.seed)
     layer_bytes = [sum(tensor_bytes(p) for p in layer.parameters()) for layer in model.layers]
-    if cfg.parallel.strategy == "pipeline":
+    spec = STRATEGIES[cfg.parallel.strategy]
+    if spec.stages:   # each rank holds a stage of the model
+        stages_of = resolve(spec.stages)
         # the fewest stages hold the most: with a range of hosts, the smallest count's world
         c = cfg.cluster
         fewest = c.host_counts[0] * (cfg.parallel.world_size // c.nnodes)
         try:
             if fewest < cfg.parallel.world_size:   # the most stages must split the model too
-                configured_stages(model, cfg.parallel.pipeline.partition, cfg.parallel.world_size)
-            stages = configured_stages(model, cfg.parallel.pipeline.partition, fewest)
+                stages_of(cfg, model, cfg.parallel.world_size)
+            stages = stages_of(cfg, model, fewest)
         except ValueError as e:
-            raise RunSetupError(f"parallel.pipeline: {e}") from None
+            raise RunSetupError(f"parallel.{spec.name}: {e}") from None
         index = {name: i for i, name in enumerate(model.names)}
         # a stage naming unknown layers is the worker's to refuse, with the layers it has
         held = max(sum(layer_bytes[index[n]] for n in stage if n in index) for stage in stages)
-        who = ("the largest pipeline stage holds" if fewest == cfg.parallel.world_size else
-               f"with {c.min_nnodes} of {c.nnodes} hosts ({fewest} stages) the largest pipeline stage holds")
+        who = (f"the largest {spec.name} stage holds" if fewest == cfg.parallel.world_size else
+               f"with {c.min_nnodes} of {c.nnodes} hosts ({fewest} stages) the largest {spec.name} stage holds")
     else:
         held = sum(layer_bytes)
-        who = "every rank holds" if cfg.parallel.strategy != "param_server" else "every worker holds"
+        who = f"{spec.holder} holds"
     need = 2 * held   # parameters and their gradients
     if need > capacity:
         raise RunSetupError(

@@ -18,8 +18,9 @@ device before step 1: no swap start, no measured step, no trial. Where only the 
 activations keep from step 1 and the update trial runs. Otherwise the trials run as before. An `auto_fit` event
 says which, with the figures.
 
-Imports engine.training (data, precision), engine.models.layers, engine.runtime (devices, events); the memory
-policy, the updates and the strategy are handed in.
+Imports engine.training (data, precision), engine.models.layers, engine.runtime (devices, events) and the strategies'
+registry (engine.strategies.specs: a pipeline's micro-batches); the memory policy, the updates and the strategy are
+handed in.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from engine.config import format_size
 from engine.models.layers import SharedInputs
 from engine.runtime.devices import tensor_bytes
 from engine.runtime.events import Event
+from engine.strategies.specs import STRATEGIES
 from engine.training.data import batch_for
 from engine.training.precision import compute_in
 
@@ -76,7 +78,8 @@ def estimate_fit(cfg, model, x: torch.Tensor, y: torch.Tensor, device, strategy,
     raises (a model that reads its values in forward cannot run without them)."""
     owned = set(strategy.owned_layers())
     flight = max(1, strategy.in_flight())
-    micro = cfg.parallel.pipeline.micro_batches if cfg.parallel.strategy == "pipeline" else 1
+    spec = STRATEGIES[cfg.parallel.strategy]
+    micro = 1 if spec.per_rank else spec.split(cfg)[0]   # a pipeline's micro-batches
     size = max(1, x.shape[0] // max(1, micro))
     by_layer, loss_bytes, inputs = saved_bytes(model, x[:size], y[:size], loss_fn, cfg.precision,
                                                device.torch_device)

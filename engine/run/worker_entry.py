@@ -2,7 +2,8 @@
 process's entry (a parameter server's rank, or the step loop's Worker in engine/run/worker.py), watching the
 launcher, with an error it raises recorded whole for the agent; what does not end it ends the process.
 
-Imports engine.run.worker, engine.run.rank, engine.runtime and engine.processes.lifeline.
+Imports engine.run.worker, engine.run.rank, engine.runtime, engine.processes.lifeline and the strategies'
+registry (engine.strategies.specs: a strategy with loops of its own).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from engine.runtime import emulate
 from engine.runtime.lifecycle import StopRequest
 from engine.runtime.refusal import is_refusal, refuse, transient
 from engine.runtime.topology import Topology
+from engine.strategies.specs import STRATEGIES, resolve
 
 
 def run_worker(job: Job) -> dict | None:
@@ -67,17 +69,15 @@ def worker_main(job: Job) -> dict | None:
     torch.set_num_threads(1)   # one thread per worker: on a few cores the pools would thrash
     cfg = job.config
     place_on_host(job)
-    param_server = cfg.parallel.strategy == "param_server"
-    if param_server and int(os.environ["RANK"]) >= cfg.parallel.param_server.servers:
-        from engine.strategies.param_server import supervise
-        return supervise(job, build_rank)   # a parameter-server worker: its death does not end the run
+    spec = STRATEGIES[cfg.parallel.strategy]
+    if spec.apart and int(os.environ["RANK"]) >= spec.apart_from(cfg):
+        return resolve(spec.apart)(job, build_rank)   # a parameter-server worker: its death does not end the run
     stop = StopRequest(grace_s=cfg.parallel.shutdown_timeout_s)
     topo = Topology.from_env(cfg.parallel.backend, cfg.device.kind, cfg.parallel.collective_timeout_s)
     worker = None
     try:
-        if param_server:
-            from engine.strategies.param_server import run_server
-            return run_server(job, topo, stop, build_rank)
+        if spec.loops:   # loops of its own instead of the step loop (a parameter server's servers)
+            return resolve(spec.loops)(job, topo, stop, build_rank)
         worker = Worker(job, topo, stop)
         return worker.run()
     except Exception as e:
@@ -88,7 +88,7 @@ def worker_main(job: Job) -> dict | None:
             with suppress(Exception):   # a log that could not be written must not hide the error
                 worker.tel.close(f"run {'refused' if final and is_refusal(e) else 'failed'} ({type(e).__name__}: {e})")
         if final:   # the launcher ends the run: exit 2 for a refusal, 1 for a failure
-            where = worker.where() if worker is not None else "" if param_server else "while starting"
+            where = worker.where() if worker is not None else "" if spec.loops else "while starting"
             if not is_refusal(e) and not getattr(type(e), "says_all", False):   # its traceback, once
                 print(f"trainyard: rank {topo.rank} failed ({where}); not restarted, the same error would "
                       f"recur:\n{traceback.format_exc()}", file=sys.stderr, end="", flush=True)

@@ -16,10 +16,11 @@ name: engine/runtime/checkpoint.py, format 2).
 
 A fifth strategy: subclass Strategy in a module (or folder) of its own under engine/strategies/, implement
 train_step and weights, override what it does otherwise (its commands and events, what the console
-sees), give it a settings table in engine/config/parallel.py ([parallel.NAME], handed to it whole) and its name
-in `parallel.strategy`'s choices, and add it to make_strategy (interface.py). The step loop does not change.
+sees), give it a settings table in engine/config/parallel.py ([parallel.NAME], handed to it whole), and
+describe it in engine/strategies/specs/ (its StrategySpec: split, checks, commands, builder), which makes it
+a `parallel.strategy` choice and what make_strategy builds. The step loop does not change.
 
-Imports engine.runtime.events and engine.techniques.updates.report.
+Imports engine.runtime.events, engine.techniques.updates.report and engine.strategies.specs (COMMANDS).
 """
 
 from __future__ import annotations
@@ -29,9 +30,8 @@ from pathlib import Path
 import torch
 
 from engine.runtime.events import Event
+from engine.strategies.specs import COMMANDS   # what an operator can do in every mode
 from engine.techniques.updates.report import plan_events
-
-COMMANDS = ("pause", "resume", "stop", "checkpoint", "set-placement")   # what an operator can do in every mode
 
 
 class Strategy:

@@ -31,6 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 from engine.training.data import micro_steps
 from engine.training.loss import cross_entropy, share_loss
 from engine.config import DdpConfig, OptimConfig, UpdateConfig
+from engine.models.layers import params_by_layer
 from engine.runtime.devices import LedgerDevice, tensor_bytes
 from engine.runtime.refusal import Refused
 from engine.techniques.updates.updater import LayerUpdates
@@ -219,15 +220,8 @@ class DDPStrategy(Strategy):
         return super().checkpoint_state() if self.topo.is_first else ({}, {})
 
 
-def params_by_layer(model, only=None) -> dict[int, list]:
-    """Each layer's parameters (a parameter shared by layers belongs to the first), optionally only
-    those in `only` (a set of ids: the parameters this rank updates)."""
-    seen, out = set(), {}
-    for index, layer in enumerate(model.layers):
-        mine = []
-        for p in layer.parameters():
-            if id(p) not in seen and (only is None or id(p) in only):
-                seen.add(id(p))
-                mine.append(p)
-        out[index] = mine
-    return out
+def build(cfg, model, topo, device, loss_fn) -> DDPStrategy:
+    """`parallel.strategy = "ddp"` from a Config (its spec's builder: engine/strategies/specs/ddp.py)."""
+    from engine.training.precision import reduce_dtype
+    return DDPStrategy(model, cfg.optim, topo, device, cfg.parallel.ddp, update_cfg=cfg.update, loss_fn=loss_fn,
+                       reduce_dtype=reduce_dtype(cfg.precision), accumulate=cfg.data.accumulate)

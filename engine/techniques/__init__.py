@@ -5,11 +5,11 @@ communication.
   masters, host updates speculating ahead of the clipping decision), planned from a measured trial.
 - memory/: technique 4's per-layer activation policy (keep / swap to host / recompute), the host
   link and the planners; memory_report.py: its figures for the exchange, its plans as events, its refusal.
-- partition.py, stage_times.py, rebalance.py: technique 4's pipeline balance: the exact split, the measured
-  stage times and the threshold, the timing and the decision (the
-  live move itself is the pipeline's: engine/strategies/pipeline/).
 - ps_sync.py: technique 5's sync rules (soft windows, bsp, asp, ssp, staleness scaling).
 - step_guard.py: the global gradient norm: clip or skip, every rank alike.
+
+Technique 4's pipeline balance (the exact split, the stage times, the decision) is the pipeline's own:
+engine/strategies/pipeline/.
 
 Imports: engine.config, engine.training.optim, engine.training.timing and engine.runtime (the ground). Never a strategy or
 engine.run (tests/test_layout.py).

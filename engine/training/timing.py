@@ -129,7 +129,7 @@ class LayerSpans:
     """The one per-layer timer: each layer's forward and backward spans on a Clock (the device's), marked as
     the work is queued and read once it has run. Three readers mark through one: the layer profiler (the
     console's layer table, the update trial: engine/runtime/profiler.py), a pipeline stage's layer clock
-    (the rebalance: engine/techniques/rebalance.py) and the activation plan's measuring step
+    (the rebalance: engine/strategies/pipeline/rebalance.py) and the activation plan's measuring step
     (engine/techniques/memory/measure.py).
 
         spans = LayerSpans(clock)

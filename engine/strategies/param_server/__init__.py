@@ -30,7 +30,7 @@ the operator's commands and ends the run as the step loop does, engine/runtime/l
 step records' loss), worker.py (a worker rank: PSWorker, SlowMachine, supervise). Within it links <- setup <-
 server <- coordinator and links, setup <- worker: a server and a worker never import each other. It may import
 engine.runtime (the ground: topology, checkpoint, control, lifecycle), engine.techniques.ps_sync (the sync
-rules), engine.strategies.ddp (the layer grouping), engine.training.loss, engine.training.optim, engine.training.data and
+rules), engine.models (params_by_layer, the layer grouping), engine.training.loss, engine.training.optim, engine.training.data and
 engine.telemetry.outlets; nothing imports it back but engine.run.worker_entry (worker_main: run_server, supervise)
 and tests.
 """

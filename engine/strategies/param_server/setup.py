@@ -19,7 +19,7 @@ from engine.training.loss import cross_entropy
 from engine.runtime import checkpoint as ckpt
 from engine.runtime import lifecycle
 from engine.runtime.checkpoint_writer import run_meta
-from engine.strategies.ddp import params_by_layer
+from engine.models.layers import params_by_layer
 from engine.strategies.param_server.links import make_links
 
 

@@ -4,12 +4,12 @@ configured), the micro-batch size, and the order of forwards and backwards a sta
     ranges = check_stages(model.names, [["fc0", "act0"], ["fc1", "head"]], world_size=2, clusters=model.clusters)
     ops = schedule_ops("1f1b", stages=4, rank=1, micro_batches=8)    # [("F", 0), ("F", 1), ("F", 2), ("B", 0), ...]
 
-Imports engine.techniques.partition.
+Imports engine.strategies.pipeline.partition.
 """
 
 from __future__ import annotations
 
-from engine.techniques.partition import Cluster, uniform
+from engine.strategies.pipeline.partition import Cluster, uniform
 
 SCHEDULES = ("gpipe", "1f1b")
 

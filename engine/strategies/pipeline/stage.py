@@ -8,7 +8,7 @@
     decision = stage.check(step, requested=False)      # every rank, at each step boundary: rebalance?
     events = stage.boundary(step, trained, memory)     # the same, as the step loop asks it (rebalancing.py)
 
-Rebalancing (engine/techniques/rebalance.py): every stage times its layers; at a check the last
+Rebalancing (engine/strategies/pipeline/rebalance.py): every stage times its layers; at a check the last
 stage decides a new layout, and the layers migrate during the next step without
 stopping it (engine/strategies/pipeline/migration.py: the layout switches at a micro-batch, weights and
 optimizer state move at the step's start, partial gradients at its end).
@@ -63,7 +63,7 @@ from engine.config import OptimConfig, PipelineConfig, UpdateConfig
 from engine.models.compile import FIGURES, eager_layers
 from engine.runtime.devices import tensor_bytes
 from engine.training.loss import counted, cross_entropy, share_loss
-from engine.strategies.ddp import params_by_layer
+from engine.models.layers import params_by_layer
 from engine.techniques.updates.updater import LayerUpdates
 from engine.runtime.events import Event
 from engine.strategies.base import Strategy
@@ -71,8 +71,8 @@ from engine.strategies.pipeline.migration import Migration
 from engine.strategies.pipeline.rebalancing import Rebalancing
 from engine.strategies.pipeline.schedule import SCHEDULES, check_stages, schedule_ops, split_micro, uniform_stages
 from engine.training.optim import make_optimizer
-from engine.techniques.stage_times import threshold_in_ms
-from engine.techniques.rebalance import LayerClock, Rebalancer, measure_link_rate
+from engine.strategies.pipeline.stage_times import threshold_in_ms
+from engine.strategies.pipeline.rebalance import LayerClock, Rebalancer, measure_link_rate
 from engine.strategies.pipeline.tied import StageTies
 from engine.strategies.pipeline.checkpoint import StageCheckpoint
 from engine.strategies.pipeline.wire import BWD_TAG, FWD_TAG, StageWire
@@ -81,7 +81,7 @@ from engine.training.timing import Clock, StepTimes
 TIME_EVERY = 4   # a stage times its layers on every 4th step (and before each automatic check)
 
 
-class PipelineStage(StageWire, StageCheckpoint, Strategy):
+class PipelineStage(Strategy):
     name = "pipeline"
     global_batch = True   # every rank takes the whole global batch: stage 0 its inputs, the last its labels
     staged = True
@@ -117,7 +117,8 @@ class PipelineStage(StageWire, StageCheckpoint, Strategy):
         self.loss_rank = self.stages - 1   # the rank whose loss is the step's
         self.optimizer = self.updater
         self.timings = {"fwd_ms": 0.0, "bwd_ms": 0.0, "optim_ms": 0.0}
-        self._sent_bytes = 0   # payload bytes sent to the neighbours in the step (activations, gradients)
+        self.wire = StageWire(group, self.rank, device.torch_device)   # the messages to the neighbours
+        self.ckpt = StageCheckpoint(self)   # what a checkpoint holds of this stage, the layout it resumes in
         self.times = StepTimes(device_clock or Clock(device.torch_device), ("fwd_ms", "bwd_ms", "optim_ms"))
         self.layer_clock = LayerClock(model.names, self.times.clock)   # the layer times the rebalance plans with
         self.layer_clock.armed = rebalance != "off"
@@ -132,7 +133,6 @@ class PipelineStage(StageWire, StageCheckpoint, Strategy):
             (("rebalance",) if rebalance != "off" else ())
         self.pending: list[list[str]] | None = None   # the layout the next step migrates to
         self.migration: Migration | None = None      # the last step's migration, until reported
-        self._move: Migration | None = None
         self.rebalancing = Rebalancing(self)   # the operator's command and the check, as the step loop asks
 
     def _set_layout(self, stage_layers: list[list[str]]) -> None:
@@ -157,10 +157,11 @@ class PipelineStage(StageWire, StageCheckpoint, Strategy):
             return self.micro_batches
         return min(self.stages - self.rank, self.micro_batches)
 
-    def _adopt(self, stage_layers: list[list[str]]) -> list[int]:
+    def adopt(self, stage_layers: list[list[str]]) -> list[int]:
         """Take a layout between steps (resume, the balanced start): nothing is in flight, the weights are
         every rank's own copy, and optimizer state starts fresh for layers this rank did not update (after a
-        resume, the balanced start takes theirs from the checkpoint: restore_layers). Returns those layers."""
+        resume, the balanced start takes theirs from the checkpoint: StageCheckpoint.restore_layers). Returns
+        those layers."""
         old = set(range(self.start, self.end))
         self._set_layout(stage_layers)
         new = set(range(self.start, self.end))
@@ -181,20 +182,19 @@ class PipelineStage(StageWire, StageCheckpoint, Strategy):
             self.balance_first = False
             decision = self.rebalancer.initial(self.model, x[:size], y[:size], self.loss_fn, self.stage_layers)
             if decision.changed:
-                self.restore_layers(self._adopt(decision.stages))
-            self.resumed = None
+                self.ckpt.restore_layers(self.adopt(decision.stages))
+            self.ckpt.resumed = None
         dev = self.device.torch_device
         m, counted_y = self.micro_batches, counted(y, self.loss_fn) if self.is_last else 0
         inputs: dict[int, torch.Tensor] = {}
         outputs: dict[int, torch.Tensor] = {}
         losses: list[torch.Tensor] = []
-        self._pending, self._shapes, self._sent_bytes = [], {}, 0
         times = self.times
         times.begin_step()
-        self._recv_s = 0.0
         self.updater.begin_step()
         move, self.pending = (Migration(self, self.pending) if self.pending else None), None
-        self._move = move
+        wire = self.wire
+        wire.begin_step(move)
         ranges = [(self.start, self.end)]
         arrivals = eager_layers(())
         if move is not None:
@@ -213,7 +213,7 @@ class PipelineStage(StageWire, StageCheckpoint, Strategy):
                 new_layout = move is not None and move.use_new(i)
                 if op == "F":
                     # each op is marked from its input's arrival (after any receive) to its send queued
-                    received = None if self.is_first else self._recv(self.prev, FWD_TAG, new_layout)
+                    received = None if self.is_first else wire.recv(self.prev, FWD_TAG, new_layout)
                     t0 = times.mark()
                     if self.is_first:
                         # its own copy, as on a GPU: a view would keep (and swap) the whole batch's storage
@@ -230,20 +230,20 @@ class PipelineStage(StageWire, StageCheckpoint, Strategy):
                         losses.append(loss.detach())
                         outputs[i] = loss
                     else:
-                        self._send(out, self.next, FWD_TAG, new_layout)
+                        wire.send(out, self.next, FWD_TAG, new_layout)
                         outputs[i] = out
                     inputs[i] = inp
                     units.forward_end()
                     times.add("fwd_ms", t0, times.mark())
                 else:
                     out, inp = outputs.pop(i), inputs.pop(i)
-                    grad = None if self.is_last else self._recv(self.next, BWD_TAG, new_layout)
+                    grad = None if self.is_last else wire.recv(self.next, BWD_TAG, new_layout)
                     t0 = times.mark()
                     if out.requires_grad:   # a stage of layers without parameters on stage 0 has no graph
                         self.layer_clock.backward(out, grad)
                     if not self.is_first:
-                        self._send(inp.grad if inp.grad is not None else torch.zeros_like(inp), self.prev, BWD_TAG,
-                                   new_layout)
+                        wire.send(inp.grad if inp.grad is not None else torch.zeros_like(inp), self.prev, BWD_TAG,
+                                  new_layout)
                     units.backward_end()
                     times.add("bwd_ms", t0, times.mark())
         if move is not None:
@@ -251,7 +251,7 @@ class PipelineStage(StageWire, StageCheckpoint, Strategy):
             self._set_layout(move.new)
             self.device.ledger.retrack(self.ledger_module)
             self.layer_clock.take()   # the next check measures the new layout only
-            self.migration, self._move = move, None
+            self.migration, wire.moving = move, None
         elif self._steps == 0 or FIGURES.dynamo + FIGURES.seconds != compiles:
             # the first step pays one-off costs (allocations, lazy imports), a step that compiled its compile
             # (engine/models/compile.py): not a layer's cost
@@ -259,18 +259,16 @@ class PipelineStage(StageWire, StageCheckpoint, Strategy):
         else:
             self.layer_clock.end_step()
         self._steps += 1
-        self._sent_bytes += self.ties.sum_grads(self.layer_stages(), self._pending)
+        wire.sent_bytes += self.ties.sum_grads(self.layer_stages(), wire.pending)
         t0 = times.mark()
         self.updater.end_backward(self.group)   # the norm over every stage decides (clip_mode "wait"), or
         self.updater.validate(self.group)       # validates the updates that ran ("speculate": redone if clipped)
         times.add("optim_ms", t0, times.mark())
-        self._sent_bytes += self.ties.return_weights(self.layer_stages(), self.updater, self._pending)
-        for work, _ in self._pending:
-            work.wait()
-        self._pending = []
+        wire.sent_bytes += self.ties.return_weights(self.layer_stages(), self.updater, wire.pending)
+        wire.finish()
         loss = float(torch.stack(losses).sum()) if self.is_last else None   # waits for the last stage's work
         # fwd/bwd: this stage's own compute; waiting for neighbours is recv_wait_ms (idle in the stages panel)
-        self.timings = {**times.end_step(), "recv_wait_ms": self._recv_s * 1000, "sent_bytes": self._sent_bytes,
+        self.timings = {**times.end_step(), "recv_wait_ms": wire.recv_s * 1000, "sent_bytes": wire.sent_bytes,
                         "migration_bytes": move.sent_bytes if move else 0,
                         "migration_ms": move.duration_ms if move else 0.0}
         self.device.ledger.refresh()
@@ -361,6 +359,16 @@ class PipelineStage(StageWire, StageCheckpoint, Strategy):
         threshold_ms = threshold_in_ms(self.rebalancer.threshold, busy)
         return {"stages": rows, "imbalance_ms": round(max(busy) - min(busy), 4),
                 "threshold_ms": round(threshold_ms, 4), "migrating": self.migration is not None}
+
+    def weights(self, copy: bool = True) -> dict[str, torch.Tensor]:
+        return self.ckpt.weights(copy)
+
+    def load(self, reader) -> None:
+        """The layout its run had reached, where it fits (StageCheckpoint.resume_layout); then every weight by
+        name (every stage holds the whole model's copy) and this stage's optimizer state, as the base loads."""
+        self.ckpt.resume_layout(reader)
+        super().load(reader)
+        self.ckpt.keep_for_balance(reader)
 
     def gather_weights(self) -> None:
         """Every rank gets every stage's current weights (for an evaluation on rank 0). All ranks call it."""

@@ -1,7 +1,8 @@
 """A pipeline stage's messages to its neighbours (technique 4): activations forward (tag 0) and their gradients
 backward (tag 1), each the first of its kind in a step preceded by a header (HEADER_LEN int64s: ndim, the
 shape, the dtype's code), non-blocking sends kept alive until the step's end, blocking receives that say who
-went silent. Part of PipelineStage (stage.py: the module's docstring says why this ordering cannot deadlock).
+went silent. PipelineStage's collaborator (stage.py: the module's docstring says why this ordering cannot
+deadlock).
 
 Imports engine.training.precision (dtype codes).
 """
@@ -20,47 +21,70 @@ FWD_TAG, BWD_TAG = 0, 1
 
 
 class StageWire:
-    """PipelineStage's point-to-point messages (a mixin: the group, the device and the step's bookkeeping are the
-    stage's)."""
+    """A stage's link to its neighbours on `group`: it owns the step's sends in flight (each with the tensor it
+    reads, kept alive until `finish`), the shapes told so far, the payload bytes sent and the time waited.
 
-    def _send(self, tensor: torch.Tensor, dst: int, tag: int, layout: int = 0) -> None:
-        dev = self.device.torch_device   # gloo sends CPU tensors, nccl device tensors: the stage's own device
+        wire.begin_step(move)                    # before the step's first message (move: a migration, or None)
+        wire.send(out, next_rank, FWD_TAG, new_layout); grad = wire.recv(next_rank, BWD_TAG, new_layout)
+        wire.finish()                            # the step's end: every send in flight waited on
+    """
+
+    def __init__(self, group, rank: int, torch_device: torch.device):
+        self.group, self.rank = group, rank
+        self.torch_device = torch_device   # gloo sends CPU tensors, nccl device tensors: the stage's own device
+        self.pending: list = []   # (work, tensor) of the step's sends, and the ties' (tied.py), until `finish`
+        self.shapes: dict = {}    # (direction, tag, layout) -> what its first message said
+        self.sent_bytes = 0       # payload bytes sent to the neighbours in the step (activations, gradients)
+        self.recv_s = 0.0         # the step's seconds blocked in a receive
+        self.moving = None        # the step's migration: a receive that fails names its layers
+
+    def begin_step(self, moving=None) -> None:
+        self.pending, self.shapes, self.sent_bytes, self.recv_s, self.moving = [], {}, 0, 0.0, moving
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: int, layout: int = 0) -> None:
+        dev = self.torch_device
         # in its own dtype: bf16 activations and gradients under `precision.compute = "bf16"`, half the bytes
         tensor = tensor.detach().to(dev).contiguous()
         if tensor.dim() > HEADER_LEN - 2:
             raise ValueError(f"pipeline messages carry at most {HEADER_LEN - 2} dimensions, got {tensor.dim()}")
         sends = [tensor]
-        self._sent_bytes += tensor.numel() * tensor.element_size()   # the boundary's payload, in its dtype
-        if ("to", tag, layout) not in self._shapes:   # the first message of its kind this step: shape and dtype
-            self._shapes[("to", tag, layout)] = tuple(tensor.shape)
+        self.sent_bytes += tensor.numel() * tensor.element_size()   # the boundary's payload, in its dtype
+        if ("to", tag, layout) not in self.shapes:   # the first message of its kind this step: shape and dtype
+            self.shapes[("to", tag, layout)] = tuple(tensor.shape)
             header = torch.zeros(HEADER_LEN, dtype=torch.int64, device=dev)
             header[0] = tensor.dim()
             header[1:1 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
             header[-1] = dtype_code(tensor.dtype)
             sends.insert(0, header)
         for t in sends:   # keep the tensor alive until its send is waited on
-            self._pending.append((dist.isend(t, dst, group=self.group, tag=tag), t))
+            self.pending.append((dist.isend(t, dst, group=self.group, tag=tag), t))
 
-    def _recv(self, src: int, tag: int, layout: int = 0) -> torch.Tensor:
+    def recv(self, src: int, tag: int, layout: int = 0) -> torch.Tensor:
         t0 = time.perf_counter()
-        dev = self.device.torch_device
+        dev = self.torch_device
         try:
-            kind = self._shapes.get(("from", tag, layout))
+            kind = self.shapes.get(("from", tag, layout))
             if kind is None:
                 header = torch.empty(HEADER_LEN, dtype=torch.int64, device=dev)
                 dist.recv(header, src, group=self.group, tag=tag)
-                kind = self._shapes[("from", tag, layout)] = (
+                kind = self.shapes[("from", tag, layout)] = (
                     tuple(int(d) for d in header[1:1 + int(header[0])].tolist()), DTYPES[int(header[-1])])
             shape, dtype = kind
             out = torch.empty(shape, dtype=dtype, device=dev)
             dist.recv(out, src, group=self.group, tag=tag)
         except Exception as e:   # a neighbour died or went silent: say who and what, within the timeout
             what = "activations" if tag == FWD_TAG else "gradients"
-            during = (f" while layers migrate ({', '.join(n for n, _, _ in self._move.moves)})"
-                      if self._move is not None else "")
+            during = (f" while layers migrate ({', '.join(n for n, _, _ in self.moving.moves)})"
+                      if self.moving is not None else "")
             raise RuntimeError(f"pipeline stage {self.rank}: receiving {what} from stage "
                                f"{dist.get_group_rank(self.group, src)} failed{during}: {type(e).__name__}: {e}") from e
         # waiting for a neighbour, the stage's idle time: host time, as the host blocks in the receive (gloo;
         # with NCCL the host does not, and the stream's wait falls before the op's first mark, in no op's time)
-        self._recv_s += time.perf_counter() - t0
+        self.recv_s += time.perf_counter() - t0
         return out
+
+    def finish(self) -> None:
+        """Every send of the step waited on; their tensors may go."""
+        for work, _ in self.pending:
+            work.wait()
+        self.pending = []

@@ -50,11 +50,20 @@ waits for every broadcast before it returns.
 Here: plan.py (owners, slices, streams: pure functions), streams.py (the two-level exchange across hosts),
 reduce.py (each bucket's gradients to its owner, through the relays), strategy.py (ShardedStrategy: the step,
 the broadcast and its gates, checkpoints). It may import engine.config, engine.training.loss, engine.runtime (the
-ground: devices, topology, checkpoint, the comm meter), engine.techniques.updates and engine.strategies (base:
-the contract; ddp: the layer grouping); nothing imports it back but the strategy factory, benches and tests.
+ground: devices, topology, checkpoint, the comm meter), engine.models (the layer grouping),
+engine.techniques.updates and engine.strategies.base (the contract); nothing imports it back but the strategy
+factory, benches and tests. `build` makes it from a Config (its spec's builder).
 """
 
 from engine.strategies.sharded.plan import Slice, assign_owners, cut, plan_slices
 from engine.strategies.sharded.strategy import ShardedStrategy
 
-__all__ = ["ShardedStrategy", "Slice", "assign_owners", "cut", "plan_slices"]
+__all__ = ["ShardedStrategy", "Slice", "assign_owners", "build", "cut", "plan_slices"]
+
+
+def build(cfg, model, topo, device, loss_fn) -> ShardedStrategy:
+    """`parallel.strategy = "sharded"` from a Config (its spec's builder: engine/strategies/specs/sharded.py)."""
+    from engine.training.precision import reduce_dtype
+    return ShardedStrategy(model, cfg.optim, topo, device, cfg.parallel.sharded, seed=cfg.run.seed,
+                           update_cfg=cfg.update, loss_fn=loss_fn, reduce_dtype=reduce_dtype(cfg.precision),
+                           accumulate=cfg.data.accumulate)

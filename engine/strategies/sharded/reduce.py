@@ -1,22 +1,99 @@
 """The sharded strategy's backward: each bucket of an owner's consecutive slices goes to its owner once
 backward has made its gradients (across hosts through the owner's relay on this host, which adds this host's
-parts first), and the owner adds what it receives, in sender order. Part of ShardedStrategy (strategy.py).
+parts first), and the owner adds what it receives, in sender order. ShardedStrategy's collaborator
+(strategy.py): it owns the buckets and their state.
 
-Imports torch.distributed.
+    reduce = GradientReduce(plan, params, owners, offsets, grad_flat, topo, tiers, times, reduce_dtype)
+    reduce.begin_step()         # before the step's forward: counts reset, the others' parts awaited
+    reduce.accumulating = True  # a micro-step before the last: gradients stay here
+    reduce.finish()             # after backward: every bucket sent, this rank's shard summed
+
+Imports torch.distributed and the sharded plan (buckets).
 """
 
 from __future__ import annotations
 
+import bisect
+import queue
+import threading
+
 import torch
 import torch.distributed as dist
 
+from engine.strategies.sharded.plan import reduce_buckets
+
 
 class GradientReduce:
-    """ShardedStrategy's gradient path (a mixin: the buckets, buffers, groups and tiers are the strategy's)."""
+    """The gradient path: the buckets, the gradients each still waits for, the buffers the others' parts land
+    in, the sends and receives in flight and the relay thread are its own; the flat gradient buffers, the
+    groups, the tiers and the step's clock are the strategy's."""
+
+    def __init__(self, plan, params: list, owners: list[int], offsets: list[int], grad_flat: list[torch.Tensor],
+                 topo, tiers, times, reduce_dtype: torch.dtype):
+        self.grad_flat, self.topo, self.tiers, self.times = grad_flat, topo, tiers, times
+        self.world, self.rank = topo.world_size, topo.rank
+        self.reduce_dtype = reduce_dtype   # bf16 gradients travel as bf16 and are summed in this dtype
+        self.accumulating = False   # a micro-step before the last: gradients go to their owners after the last
+        self.buckets = reduce_buckets(plan, self.world, params[0].element_size() if params else 4)
+        starts = [[b.start for b in self.buckets if b.owner == o] for o in range(self.world)]
+        ids = [[i for i, b in enumerate(self.buckets) if b.owner == o] for o in range(self.world)]
+        buckets_of = []   # each parameter's buckets: its gradient completes its part of each
+        for p, owner, off in zip(params, owners, offsets):
+            first = max(bisect.bisect_right(starts[owner], off) - 1, 0)
+            last = bisect.bisect_left(starts[owner], off + p.numel())
+            buckets_of.append([ids[owner][j] for j in range(first, last) if self.buckets[ids[owner][j]].stop > off])
+        self._expected = [0] * len(self.buckets)
+        for found in buckets_of:
+            for i in found:
+                self._expected[i] += 1
+        self._remaining = list(self._expected)
+        self._sent: set[int] = set()
+        self._sends: list = []
+        self._recvs: dict[int, list] = {}
+        relayed_owners = set(tiers.relayed(self.world)) if tiers else set()
+        self.relayed = [i for i, b in enumerate(self.buckets) if b.owner in relayed_owners]
+        self.t0 = None   # this step's first send: the reduce's span runs from it to the last sum
+        # a relay sums and sends on a thread of its own, each bucket as soon as its parts are in, while
+        # backward goes on with earlier layers
+        self._relay_queue: queue.Queue = queue.Queue()
+        self._relay_done = threading.Event()
+        self._relay_left, self._relay_error = 0, None
+        self._relay_thread = None
+        if self.relayed:
+            self._relay_thread = threading.Thread(target=self._relay_loop, daemon=True, name="sharded-relay")
+            self._relay_thread.start()
+        # bucket -> {sender: buffer}: this rank's own buckets, then those it relays
+        relayed = set(self.relayed)
+        dtype, dev = grad_flat[0].dtype, grad_flat[0].device
+        self.incoming = {i: {q: torch.empty(b.numel, dtype=dtype, device=dev) for q in self._senders(b.owner)}
+                         for i, b in enumerate(self.buckets) if b.owner == self.rank or i in relayed}
+        for p, found in zip(params, buckets_of):
+            p.register_post_accumulate_grad_hook(self._grad_ready(found))
+
+    def begin_step(self) -> None:
+        """Before the step's forward: every bucket waits for all its gradients again, and the others' parts of
+        this rank's buckets (and those it relays) are awaited."""
+        self._remaining, self._sent, self.t0 = list(self._expected), set(), None
+        self._relay_left, self._relay_error = len(self.relayed), None
+        self._relay_done.clear()
+        self._recvs = {o: [dist.irecv(buffer, src=q, group=self.topo.compute, tag=o) for q, buffer in bufs.items()]
+                       for o, bufs in self.incoming.items()}
+
+    def finish(self) -> None:
+        """After backward: the buckets whose gradients never all came go now; then this rank's shard is summed."""
+        for i in reversed(range(len(self.buckets))):
+            if i not in self._sent:
+                self._reduce(i)
+        self._sum_onto_owner()
+
+    def close(self) -> None:
+        if self._relay_thread is not None:
+            self._relay_queue.put(None)
+            self._relay_thread.join(timeout=5)
 
     def _grad_ready(self, buckets: list[int]):
         def hook(param) -> None:
-            if self._accumulating:   # a micro-step before the last: the gradient stays here
+            if self.accumulating:   # a micro-step before the last: the gradient stays here
                 return
             for i in buckets:
                 self._remaining[i] -= 1
@@ -35,8 +112,8 @@ class GradientReduce:
 
     def _reduce(self, i: int) -> None:
         """Bucket `i`'s gradients are complete here: to its owner (or its relay), tagged with the bucket."""
-        if self._reduce_t0 is None:
-            self._reduce_t0 = self.times.mark()
+        if self.t0 is None:
+            self.t0 = self.times.mark()
         self._sent.add(i)
         s = self.buckets[i]
         buffer = self.grad_flat[s.owner][s.start:s.stop]

@@ -11,9 +11,6 @@ scripted GPU's)."""
 
 from __future__ import annotations
 
-import bisect
-import queue
-import threading
 import time
 
 import torch
@@ -24,12 +21,12 @@ from engine.config import OptimConfig, ShardedConfig, UpdateConfig
 from engine.training.loss import cross_entropy, share_loss
 from engine.training.data import micro_steps
 from engine.strategies.base import Strategy
-from engine.strategies.ddp import params_by_layer
+from engine.models.layers import params_by_layer
 from engine.runtime.devices import LedgerDevice, tensor_bytes
 from engine.runtime.meter import CommMeter, stream_entry
 from engine.techniques.updates.updater import LayerUpdates
 from engine.runtime.topology import Topology
-from engine.strategies.sharded.plan import assign_owners, plan_slices, reduce_buckets
+from engine.strategies.sharded.plan import assign_owners, plan_slices
 from engine.strategies.sharded.reduce import GradientReduce
 from engine.strategies.sharded.streams import Tiers
 from engine.training.timing import Clock, StepTimes
@@ -41,7 +38,7 @@ PHASES = ("fwd_ms", "bwd_ms", "reduce_ms", "optim_ms", "gate_ms", "broadcast_wai
 
 # --- the strategy -----------------------------------------------------------------------
 
-class ShardedStrategy(GradientReduce, Strategy):
+class ShardedStrategy(Strategy):
     name = "sharded"
     owning = True   # each parameter's update runs on its owner (layer_owners)
 
@@ -59,8 +56,6 @@ class ShardedStrategy(GradientReduce, Strategy):
         self.global_counted: int | None = None   # the step's counted targets over the global batch (engine/training/loss.py)
         self.overlap_forward = settings.overlap_forward
         self.accumulate = accumulate   # micro-steps per update: gradients go to their owners after the last
-        self._accumulating = False
-        self.reduce_dtype = reduce_dtype   # bf16 gradients travel as bf16 and are summed in this dtype
         self.world, self.rank = topo.world_size, topo.rank
         clock = device_clock or Clock(device.torch_device)
         self.times = StepTimes(clock, PHASES)
@@ -128,42 +123,10 @@ class ShardedStrategy(GradientReduce, Strategy):
         self.tiers = None
         if settings.hierarchical and 1 < k < self.world and self.world % k == 0:
             self.tiers = Tiers(self.rank, k, *topo.host_stream_groups(streams), timeout_s=topo.timeout_s)
-        self.buckets = reduce_buckets(self.plan, self.world, order[0].element_size() if order else 4)
-        starts = [[b.start for b in self.buckets if b.owner == o] for o in range(self.world)]
-        ids = [[i for i, b in enumerate(self.buckets) if b.owner == o] for o in range(self.world)]
-        buckets_of = []   # each parameter's buckets: its gradient completes its part of each
-        for p, owner, off in zip(order, self.owners, offsets):
-            first = max(bisect.bisect_right(starts[owner], off) - 1, 0)
-            last = bisect.bisect_left(starts[owner], off + p.numel())
-            buckets_of.append([ids[owner][j] for j in range(first, last) if self.buckets[ids[owner][j]].stop > off])
-        self._expected = [0] * len(self.buckets)
-        for found in buckets_of:
-            for i in found:
-                self._expected[i] += 1
-        self._remaining = list(self._expected)
-        self._sent: set[int] = set()
-        self._sends: list = []
-        self._recvs: dict[int, list] = {}
-        relayed_owners = set(self.tiers.relayed(self.world)) if self.tiers else set()
-        self.relayed = [i for i, b in enumerate(self.buckets) if b.owner in relayed_owners]
-        self._reduce_t0 = None   # this step's first send: the reduce's span runs from it to the last sum
-        # a relay sums and sends on a thread of its own, each bucket as soon as its parts are in, while
-        # backward goes on with earlier layers
-        self._relay_queue: queue.Queue = queue.Queue()
-        self._relay_done = threading.Event()
-        self._relay_left, self._relay_error = 0, None
-        self._relay_thread = None
-        if self.relayed:
-            self._relay_thread = threading.Thread(target=self._relay_loop, daemon=True, name="sharded-relay")
-            self._relay_thread.start()
-        # bucket -> {sender: buffer}: this rank's own buckets, then those it relays
-        relayed = set(self.relayed)
-        self.incoming = {i: {q: torch.empty(b.numel, dtype=dtype, device=dev) for q in self._senders(b.owner)}
-                         for i, b in enumerate(self.buckets) if b.owner == self.rank or i in relayed}
-        device.ledger.extra["gradients"] = sum(tensor_bytes(b) for bufs in self.incoming.values()
+        self.reduce = GradientReduce(self.plan, order, self.owners, offsets, self.grad_flat, topo, self.tiers,
+                                     self.times, reduce_dtype)
+        device.ledger.extra["gradients"] = sum(tensor_bytes(b) for bufs in self.reduce.incoming.values()
                                                for b in bufs.values())
-        for p, found in zip(order, buckets_of):
-            p.register_post_accumulate_grad_hook(self._grad_ready(found))
         self._works: list = []                  # slice index -> work of the broadcast in flight
         self._pending: dict[int, list[int]] = {}
         for index, layer in enumerate(model.layers):
@@ -235,11 +198,7 @@ class ShardedStrategy(GradientReduce, Strategy):
             if owner != self.rank:   # this rank's own shard: each update zeroed its gradients already
                 buffer.zero_()
         self.updater.begin_step()
-        self._remaining, self._sent, self._reduce_t0 = list(self._expected), set(), None
-        self._relay_left, self._relay_error = len(self.relayed), None
-        self._relay_done.clear()
-        self._recvs = {o: [dist.irecv(buffer, src=q, group=self.topo.compute, tag=o) for q, buffer in bufs.items()]
-                       for o, bufs in self.incoming.items()}
+        self.reduce.begin_step()
         times = self.times
         times.begin_step()   # gates passed outside a step (an evaluation) are not this step's
         t0 = times.mark()
@@ -248,7 +207,7 @@ class ShardedStrategy(GradientReduce, Strategy):
         # booked a micro-step at a time once one of this shape is known, every layer keeping (ledger.by_units)
         with self.device.ledger.by_units(("micro-step", tuple(x.shape), len(micro))) as units:
             for k, (xk, yk) in enumerate(micro):
-                self._accumulating = k < len(micro) - 1
+                self.reduce.accumulating = k < len(micro) - 1
                 ta = times.mark()
                 units.forward_begin()
                 loss = share_loss(self.loss_fn, self.model(xk), yk, self.global_counted, self.world,
@@ -260,18 +219,15 @@ class ShardedStrategy(GradientReduce, Strategy):
                 times.add("fwd_ms", ta, t1)
                 times.add("bwd_ms", t1, times.mark())
                 losses.append(loss.detach())
-        self._accumulating = False
+        self.reduce.accumulating = False
         t2 = times.mark()
         if self._works:   # a layer the forward never ran: its slices land before the update
             self.sync()
         broadcast_span = self._broadcast_span()   # the last step's broadcast: every slice of it has landed
-        for i in reversed(range(len(self.buckets))):   # buckets whose gradients never all came
-            if i not in self._sent:
-                self._reduce(i)
-        self._sum_onto_owner()
+        self.reduce.finish()   # the buckets whose gradients never all came, then this rank's shard summed
         t3 = times.mark()
-        if self._reduce_t0 is not None:
-            times.add("reduce_span_ms", self._reduce_t0, t3)
+        if self.reduce.t0 is not None:
+            times.add("reduce_span_ms", self.reduce.t0, t3)
         self.updater.end_backward(self.topo.compute)   # the norm over every owner's shard decides; then device
         # updates inline, host ones on the executor meanwhile
         host_wait = self.updater.wait_host()   # a slice goes out only once all of it is updated
@@ -329,9 +285,7 @@ class ShardedStrategy(GradientReduce, Strategy):
         self.sync()
         self.updater.close()
         self.topo.release(self.groups)
-        if self._relay_thread is not None:
-            self._relay_queue.put(None)
-            self._relay_thread.join(timeout=5)
+        self.reduce.close()
         if self.tiers is not None:
             self.tiers.close()
             self.topo.release(self.tiers.within + self.tiers.across)

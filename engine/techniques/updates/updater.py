@@ -1,6 +1,6 @@
 """Technique 3: LayerUpdates, every strategy's optimizer: each layer's update on the device or on the host.
 
-    updater = LayerUpdates(model, params_by_layer, optim_cfg, device, update_cfg)
+    updater = LayerUpdates(model, params_by_layer(model), optim_cfg, device, update_cfg)   # engine/models/
     updater.begin_step()                      # before forward
     updater.params_reduced(params)            # any thread: these gradients are final
     updater.run_device_ready()                # compute thread: device updates whose gradients are final

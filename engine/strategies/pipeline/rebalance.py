@@ -16,7 +16,7 @@ Detection: at a check (every `check_every` steps in `auto` mode, or on the opera
 `rebalance`), every stage's per-layer means over the steps since the last check
 travel to the last stage on the side group (one reduce). The last stage sums them
 into stage times; when max - min exceeds the threshold (or the operator asked), it
-splits the clusters exactly (engine/techniques/partition.py) and keeps the new layout only when
+splits the clusters exactly (engine/strategies/pipeline/partition.py) and keeps the new layout only when
 its slowest stage beats the current slowest stage by more than the threshold, so
 noise below the threshold never moves a layer back and forth. The decision travels
 back to every stage (one broadcast), and the layers migrate during the next step
@@ -33,8 +33,8 @@ import torch
 import torch.distributed as dist
 
 from engine.techniques.memory.room import Floors
-from engine.techniques.partition import Layout, NoFit, clusters_from, modelled, partition
-from engine.techniques.stage_times import stage_times, threshold_in_ms
+from engine.strategies.pipeline.partition import Layout, NoFit, clusters_from, modelled, partition
+from engine.strategies.pipeline.stage_times import stage_times, threshold_in_ms
 from engine.training.timing import Clock, LayerSpans, first_tensor
 
 MODES = ("auto", "manual", "off")

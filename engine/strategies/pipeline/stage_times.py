@@ -4,7 +4,7 @@
     needs_rebalance(stage_ms, 4.0)         # max - min over 4 ms?
     threshold_in_ms(0.2, stage_ms)         # a fraction of the mean stage time, or ms (> 1)
 
-Imports engine.techniques.partition (Layout).
+Imports engine.strategies.pipeline.partition (Layout).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from typing import Mapping, Sequence
 
-from engine.techniques.partition import Layout
+from engine.strategies.pipeline.partition import Layout
 
 
 def stage_times(layout_or_stages: Layout | Sequence[Sequence[str]],

@@ -18,9 +18,9 @@ def _remove_folder() -> None:
     if os.getpid() != _server or alive(_launcher):   # a forked worker inherits this handler: not its to run
         return
     from engine.processes.forkserver import PREFIX
-    from engine.telemetry.protocol import runtime_dir
-    try:
-        shutil.rmtree(runtime_dir() / f"{PREFIX}{_launcher[0]}", ignore_errors=True)
+    from engine.telemetry.protocol import runtime_path
+    try:   # runtime_path: a runtime folder its owner already removed (a test's) is not made again
+        shutil.rmtree(runtime_path() / f"{PREFIX}{_launcher[0]}", ignore_errors=True)
     except OSError:
         pass
 

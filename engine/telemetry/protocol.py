@@ -159,14 +159,19 @@ class RuntimeDirError(PermissionError):
     """The folder of live runs is not ours alone: nothing may be served or found there."""
 
 
-def runtime_dir() -> Path:
-    """A per-user folder (0700) holding each live run's socket and registry file."""
+def runtime_path() -> Path:
+    """Where runtime_dir() is, without making it (what a process removing its own part of it asks: making the
+    folder again there left it behind, empty, after its owner had removed it)."""
     if os.environ.get("TRAINYARD_RUNTIME_DIR"):
-        path = Path(os.environ["TRAINYARD_RUNTIME_DIR"])
-    elif os.environ.get("XDG_RUNTIME_DIR"):
-        path = Path(os.environ["XDG_RUNTIME_DIR"]) / "trainyard"
-    else:
-        path = Path("/tmp") / f"trainyard-{os.getuid()}"
+        return Path(os.environ["TRAINYARD_RUNTIME_DIR"])
+    if os.environ.get("XDG_RUNTIME_DIR"):
+        return Path(os.environ["XDG_RUNTIME_DIR"]) / "trainyard"
+    return Path("/tmp") / f"trainyard-{os.getuid()}"
+
+
+def runtime_dir() -> Path:
+    """A per-user folder (0700) holding each live run's socket and registry file, made where it is missing."""
+    path = runtime_path()
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     info = path.stat()
     if info.st_uid != os.getuid() or stat.S_IMODE(info.st_mode) & 0o077:

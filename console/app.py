@@ -9,7 +9,8 @@ A thread worker reads the socket (or plays the log back) and posts Feed and Link
 (console/client.py); they only update a RunState, and the panels are redrawn from it ten
 times a second. Wide terminals show every panel; narrow ones show a page at a time (1 2 3).
 A parameter-server run adds the sync figures to the layers and devices, its sync mode to the
-header, and `m` to change that mode (set-sync).
+header, and `m` to change that mode (set-sync). The streams and stages panels also show the rank
+figures the run's hello declares for them (sharded's reduce and broadcast waits, a stage's receive wait).
 
 The line under the header says which keys do something in this run (state.keys_line). A key whose
 command the run does not take (its hello's capabilities), or that this console may not send now
@@ -35,6 +36,7 @@ from console.actions import KEY_NAMES, ConsoleActions
 from console.client import Feed, Link, ReplaySource, SocketSource
 from console.screens import DeviceCardScreen, RunPicker
 from console.state import RunState, headline, keys_line, link_label, replay_label
+from engine import protocol
 from widgets.curves import Curves
 from widgets.device_table import FleetTable
 from widgets.devices import DevicesPanel
@@ -210,11 +212,14 @@ class ConsoleApp(App[str]):
             self.devices.update_ranks(step.get("ranks"), bool(hello.get("simulated", True)), state.ps,
                                       names=state.device_names, hosts=hello.get("hosts"))
         self.panels.set_class(self.devices.tabular, "-fleet")   # the table gets half the width (app.tcss)
-        if self.due(self.streams, state.version, now):
-            self.streams.update_streams(step.get("streams"), state.mode, state.take_stream_steps())
+        if self.due(self.streams, state.version, now):   # with the figures the run declares each panel shows
+            self.streams.update_streams(step.get("streams"), state.mode, state.take_stream_steps(),
+                                        state.panel_figures(protocol.STREAMS))
         if self.due(self.stages, state.version, now):
-            self.stages.update_stages(step.get("stages"), state.mode, step.get("imbalance_ms"),
-                                      step.get("threshold_ms"), bool(step.get("migrating")))
+            stages = step.get("stages") or []   # each stage's figures are its rank's
+            figures = [state.panel_figures(protocol.STAGES, s["rank"]) if "rank" in s else [] for s in stages]
+            self.stages.update_stages(stages, state.mode, step.get("imbalance_ms"), step.get("threshold_ms"),
+                                      bool(step.get("migrating")), figures)
         if self.due(self.table, state.layers_version, now):
             self.table.update_layers(state.layers, state.ps)
         points, events, notes = state.take()

@@ -142,7 +142,7 @@ def replay_messages(records: list[dict]) -> list[dict]:
                    "run": record.get("name"), "mode": record.get("mode") or record.get("strategy"),
                    "world_size": record.get("world_size"), "backend": record.get("backend"),
                    "device": record.get("device"), "simulated": record.get("simulated", True),
-                   **{key: record[key] for key in ("devices", "device_note", "hosts", "max_world_size")
+                   **{key: record[key] for key in ("devices", "device_note", "hosts", "max_world_size", "figures")
                       if key in record},
                    "layers": record.get("layers", []), "capabilities": [],   # a replay takes no commands
                    **({"layout": record["layout"]} if "layout" in record else {}),

@@ -8,6 +8,10 @@ and the line under it that says which keys do something in this run.
     keys_line(state, read_only=False, replay=False)   # `pipeline: r rebalance · k/s/c ... · q quit`
     state.sync_mode                           # parameter server: soft, bsp, asp or ssp
     state.device_names                        # each rank's device (hello's `devices`), or None
+    state.panel_figures(protocol.STREAMS)     # [("reduce", "ms", 0.52), ...]: what the run declares a panel shows
+
+Which figures a panel shows, in which unit and words, the run's hello says (`figures`: each figure's
+declaration); a hello from before it did gets the declarations of its mode from engine.protocol.
 
 Applying a message only stores it; the screen reads the latest state on its own timer,
 so 20 steps a second cost 20 dict updates, not 20 redraws.
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from functools import lru_cache
 
 from rich.text import Text
 
@@ -29,6 +34,7 @@ COMMAND_KEYS = (("r", "rebalance", "rebalance"), ("k/s/c", "set-policy", "activa
                 ("u", "set-placement", "update device/host"), ("m", "set-sync", "sync mode soft/bsp/asp/ssp"),
                 ("p", "pause", "pause"), ("x", "checkpoint", "checkpoint"))
 REPLAY_KEYS = (("space", "play/pause"), ("n", "step"), ("+/-", "speed"))
+declared = lru_cache(maxsize=8)(protocol.declared)   # a mode's declarations, made once, not at every redraw
 
 
 class RunState:
@@ -82,6 +88,28 @@ class RunState:
         """Each rank's device by rank, e.g. "NVIDIA H100 80GB HBM3" (None in logs from before hello had them)."""
         names = self.hello.get("devices")
         return names if isinstance(names, list) else None
+
+    @property
+    def figures(self) -> list[dict]:
+        """The declarations of the figures this run's rank entries carry: the hello's `figures`, or for a hello
+        from before it had them (an older run, a replayed log), those engine.protocol declares for its mode."""
+        figures = self.hello.get("figures")
+        return figures if isinstance(figures, list) else declared(self.mode)
+
+    def panel_figures(self, panel: str, rank: int | None = None) -> list[tuple[str, str, float]]:
+        """(label, unit, value) of each figure the run declares `panel` shows, in declared order, from the
+        latest step's rank rows (`rank`: that rank's alone), the rows' values read as one as the declaration's
+        `combine` says. A figure no row has (absent in this mode, or not measured yet) is left out."""
+        rows = [row for row in (self.last_step or {}).get("ranks") or []
+                if isinstance(row, dict) and (rank is None or row.get("rank") == rank)]
+        shown = []
+        for figure in self.figures:
+            if not isinstance(figure, dict) or panel not in (figure.get("shows") or ()) or "name" not in figure:
+                continue
+            value = protocol.combine(figure.get("combine", "max"), [row.get(figure["name"]) for row in rows])
+            if value is not None:
+                shown.append((str(figure.get("label") or figure["name"]), str(figure.get("unit") or ""), value))
+        return shown
 
     def layer(self, name: str) -> dict:
         return next((row for row in self.layers or [] if row.get("name") == name), {})
@@ -213,8 +241,7 @@ def headline(state: RunState, wide: bool, live: bool) -> Text:
              (f"{state.mode}×{hello.get('world_size', '?')}"
               + (f" of {hello['max_world_size']}" if hello.get("max_world_size") else ""), "bold"),
              *([(precision, "bold #a29bfe")] if (precision := state.precision) != "fp32" else []),
-             *([(f"sync {state.sync_mode}", "bold cyan")] if state.mode == "param_server" and state.sync_mode
-               else []),
+             *([(f"sync {state.sync_mode}", "bold cyan")] if state.sync_mode else []),   # a mode that has one
              (f"step {state.step if state.step is not None else '—'}"
               + (f"/{state.steps}" if state.steps else ""), "")]
     if state.paused:

@@ -12,14 +12,16 @@
 
 The tree reads like the architecture (README.md, Layout), each package's docstring saying what lives
 there and what it may import:
-    config/      settings, checks, loading; [parallel] with a table per strategy (imports nothing else of engine)
+    config/      settings, checks, loading; [parallel] with a table per strategy (imports nothing else of engine
+                 but the strategies' torch-free specs)
     models/      what is trained: the zoo, a user's LayerList, Hugging Face decoders
     training/    data, loss, optim, precision, timing: the leaves every strategy trains with
     runtime/     the ground: topology, devices and the ledger, control, lifecycle, events, comm meter,
                  checkpoint, profiler, refusal
     techniques/  planners and per-layer mechanisms: updates/ (device or host), memory/ (keep, swap,
                  recompute), partition and rebalance, parameter-server sync rules
-    strategies/  base.Strategy (the contract the step loop calls), ddp.py, sharded/, pipeline/, param_server/
+    strategies/  base.Strategy (the contract the step loop calls), specs/ (the registry), and a package per
+                 strategy, each with its torch-free spec.py: ddp/, sharded/, pipeline/, param_server/
     run/         above the strategies: launch, checks, rank setup, the step loop (worker.py), handover
     processes/   fork server, process pools, emulated clusters, children (the commands use them too)
     telemetry/   protocol (also `engine.protocol`, for consoles), hub, log, schema, progress bar

@@ -22,6 +22,7 @@ from engine.runtime import checkpoint_files
 from engine.runtime.checkpoint_files import RankFile, checksum_file
 from engine.runtime.checkpoint_writer import HostSnapshot, Writer
 from engine.runtime.control import FIELDS, row_values
+from engine.runtime.run_core import RunCore
 from tests.conftest import Told
 from tests.test_param_server import ps_args
 from tests.test_training import DEMO
@@ -96,7 +97,8 @@ def _one_rank(tmp_path, background=True) -> tuple[Checkpointer, torch.Tensor]:
     cfg = SimpleNamespace(run_dir=tmp_path, run=SimpleNamespace(name="one"), data=SimpleNamespace(batch_size=2),
                           checkpoint=SimpleNamespace(keep=3, background=background), to_dict=lambda: {})
     topo = SimpleNamespace(rank=0, world_size=1, is_first=True, side=None)
-    return Checkpointer(cfg, topo, strategy, torch.nn.Linear(1, 1), SimpleNamespace(kind="cpu"), Told()), weight
+    core = RunCore(SimpleNamespace(config=cfg), topo, Told(), driver=None)
+    return Checkpointer(cfg, topo, strategy, torch.nn.Linear(1, 1), SimpleNamespace(kind="cpu"), core), weight
 
 
 def _table(checkpoints: Checkpointer) -> torch.Tensor:

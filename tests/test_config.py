@@ -15,6 +15,9 @@ from hypothesis import given, settings, strategies as st
 
 from engine.config import (Config, ConfigError, config_from_dict, load_config,
                            markdown_reference, save_config)
+from engine.config.declare import show
+from engine.config.rules import either
+from engine.strategies.specs import STRATEGIES
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -208,8 +211,12 @@ def test_full_file_loads_every_key(tmp_path):
     assert cfg.parallel.sharded.streams == 3 and cfg.parallel.pipeline.schedule == "gpipe"
     assert cfg.parallel.param_server.slow_workers == {"3": 2.0} and cfg.renamed == ()
     defaults = dict(leaves(Config()))
-    unchanged = [path for path, value in leaves(cfg) if value == defaults[path]]
+    unchanged = [path for path, value in leaves(cfg) if value == defaults[path] and not path.startswith(UNWRITTEN)]
     assert unchanged == []  # the file moves every key off its default
+
+
+# the tables of strategies registered after the file was written (its own tests move its keys)
+UNWRITTEN = tuple(f"parallel.{name}." for name in STRATEGIES if f"[parallel.{name}]" not in FULL_TOML)
 
 
 def leaves(obj, path: str = ""):
@@ -341,7 +348,7 @@ def test_out_of_range(data, expected):
 
 def test_choices_with_and_without_suggestion():
     assert error_of({"parallel": {"strategy": "zero"}}) == \
-        'parallel.strategy = "zero": must be one of "ddp", "sharded", "pipeline", "param_server"'
+        'parallel.strategy = "zero": must be one of ' + ", ".join(show(name) for name in STRATEGIES)
     assert error_of({"optim": {"name": "adamm"}}) == \
         'optim.name = "adamm": must be one of "sgd", "adamw" (did you mean "adamw"?)'
     assert error_of({"device": {"kind": "CUDA"}}).endswith('(did you mean "cuda"?)')
@@ -389,6 +396,10 @@ def test_unknown_key_from_override_and_file(tmp_path):
         load_config(write(tmp_path, "[optimm]\nlr = 0.1\n"))
 
 
+# the strategies that take a slow rank, as the message offers them ("ddp" or "sharded")
+TAKE_SLOW_RANK = either(name for name, spec in STRATEGIES.items() if "emulate.slow_rank" not in spec.refuses)
+
+
 @pytest.mark.parametrize("data, expected", [
     ({"data": {"batch_size": 50}, "parallel": {"world_size": 4}},
      "data.batch_size = 50: must be divisible by parallel.world_size = 4 (e.g. 48 or 52)"),
@@ -413,7 +424,7 @@ def test_unknown_key_from_override_and_file(tmp_path):
     ({"emulate": {"slow_rank": 2, "slow_rank_ms": 5.0}},
      "emulate.slow_rank = 2: no such rank; parallel.world_size = 2 has ranks 0 to 1"),
     ({"emulate": {"slow_rank": 1, "slow_rank_ms": 5.0}, "parallel": {"strategy": "pipeline"}},
-     'emulate.slow_rank = 1: only with parallel.strategy = "ddp" or "sharded" (a pipeline\'s slow stage is '
+     f'emulate.slow_rank = 1: only with parallel.strategy = {TAKE_SLOW_RANK} (a pipeline\'s slow stage is '
      "emulate.slow_layer; a parameter server's slow workers are parallel.param_server.slow_workers)"),
 ])
 def test_cross_field_rules(data, expected):

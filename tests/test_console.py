@@ -22,10 +22,12 @@ from console.client import ReplaySource, SocketSource, replay_messages
 from console.screens import HelpScreen, QuitScreen, RunPicker, SyncScreen
 from console.state import RunState, headline, keys_line
 from engine.telemetry.hub import Hub
+from engine import protocol
 from engine.protocol import COMMANDS
 from tests.conftest import read_jsonl
 from widgets.events import EventLog
 from widgets.layers import LayerTable
+from widgets.stages import StagesPanel
 
 FIXTURES = Path(__file__).parent / "fixtures"
 DDP_FEED, PIPELINE_FEED = FIXTURES / "ddp_feed.jsonl", FIXTURES / "pipeline_feed.jsonl"
@@ -214,6 +216,9 @@ def test_the_sync_mode_follows_hello_events_and_steps():
                  "events": [{"type": "event", "kind": "sync_mode", "step": 13, "mode": "ssp", "time": 1.0}]})
     assert state.sync_mode == "asp"
     assert "sync" not in headline(RunState(), wide=True, live=False).plain   # other modes say nothing
+    other = RunState()   # the header asks whether a sync mode is known, not which strategy runs
+    other.apply({**hello, "run": "other", "mode": "elastic", "layout": {"sync": "ssp"}})
+    assert "sync ssp" in headline(other, wide=True, live=False).plain
 
 
 def test_a_gpu_runs_devices_and_device_note_reach_the_state_once_a_run():
@@ -542,3 +547,70 @@ def test_the_header_says_tokens_a_second_and_mfu_where_samples_are_sequences():
     assert "52.3k tok/s" in narrow
     state.apply({"type": "step", "step": 4, "loss": 2.0, "samples_per_s": 10.0})   # images: samples a second
     assert "10 samples/s" in headline(state, wide=True, live=False).plain
+
+
+def feed_with(tmp_path: Path, feed: Path, in_rows: dict, **run_start) -> Path:
+    """`feed` rewritten into tmp_path: its run_start updated with `run_start` (a `strategy`, the hello's
+    `figures`), and every full rank row given `in_rows` (name -> rank 0's value; rank r's is r + 1 times it)."""
+    records = read_jsonl(feed)
+    records[0].update(run_start)
+    for record in records:
+        for row in record.get("ranks") or []:
+            row.update({name: value * (row["rank"] + 1) for name, value in in_rows.items()})
+    path = tmp_path / feed.name
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    return path
+
+
+def test_the_panels_figures_come_from_the_hellos_declarations_or_the_modes():
+    rows = [{"rank": 0, "reduce_ms": 0.5, "broadcast_wait_ms": 2.0, "wire_ms": 1.0},
+            {"rank": 1, "reduce_ms": 1.25, "broadcast_wait_ms": None, "wire_ms": 3.0}]
+    state = RunState()
+    state.apply({"type": "hello", "run": "old", "mode": "sharded", "world_size": 2})   # from before `figures`
+    state.apply({"type": "step", "step": 1, "loss": 1.0, "ranks": rows})
+    assert state.figures == protocol.declared("sharded")
+    assert state.panel_figures(protocol.STREAMS) == [("reduce", "ms", 1.25), ("broadcast wait", "ms", 2.0)]
+    assert state.panel_figures(protocol.STREAMS, rank=0) == [("reduce", "ms", 0.5), ("broadcast wait", "ms", 2.0)]
+    assert state.panel_figures(protocol.STAGES) == []
+    # a run whose hello declares a figure this console never knew, and leaves reduce_ms off the panel
+    wire = {"name": "wire_ms", "unit": "ms", "combine": "sum", "shows": ["log", "streams"], "optional": "absent",
+            "label": "wire"}
+    figures = [wire if d["name"] == "reduce_ms" else d for d in protocol.declared("sharded")]
+    state.apply({"type": "hello", "run": "new", "mode": "sharded", "world_size": 2, "figures": figures})
+    state.apply({"type": "step", "step": 1, "loss": 1.0, "ranks": rows})
+    assert state.panel_figures(protocol.STREAMS) == [("wire", "ms", 4.0), ("broadcast wait", "ms", 2.0)]
+
+
+@pytest.mark.timeout(60)
+def test_the_streams_panel_shows_what_a_live_runs_hello_declares_it_shows(engines, tmp_path):
+    wire = {"name": "wire_bytes", "unit": "bytes", "combine": "sum", "shows": ["log", "streams"], "optional": "",
+            "label": "on the wire"}
+    feed = feed_with(tmp_path, DDP_FEED, {"reduce_ms": 0.75, "broadcast_wait_ms": 1.5, "wire_bytes": 1024},
+                     strategy="sharded", figures=[*protocol.declared("sharded"), wire])
+    engines("sharded-figures", feed)
+
+    async def scenario():
+        app = ConsoleApp(SocketSource("sharded-figures", read_only=True))
+        async with app.run_test(size=SIZE) as pilot:
+            await attached(pilot, app)
+            await until(pilot, lambda: "on the wire" in str(app.query_one("#streams-figures").content),
+                        what="the streams panel's figures")
+            line = str(app.query_one("#streams-figures").content)   # the slowest rank's, the ranks' bytes summed
+            assert line == "reduce 1.50 ms · broadcast wait 3.00 ms · on the wire 3.0 KiB"
+    run(scenario())
+
+
+@pytest.mark.timeout(60)
+def test_each_stage_shows_its_ranks_receive_wait_from_a_log_before_hellos_declared_figures(tmp_path):
+    feed = feed_with(tmp_path, PIPELINE_FEED, {"recv_wait_ms": 0.25})   # a replay: the mode's declarations
+
+    async def scenario():
+        app = ConsoleApp(ReplaySource(feed, paused=True, preload=26))
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, lambda: app.replay_ready, what="the preload")
+            app.refresh_panels(force=True)
+            await pilot.pause(0.2)
+            header, labels, *lines = app.query_one(StagesPanel).render().plain.splitlines()
+            assert labels.strip() == "· recv wait"   # over what each line's last value is
+            assert [line.rsplit(" · ", 1)[1] for line in lines] == ["0.25 ms", "0.50 ms", "0.75 ms", "1.00 ms"]
+    run(scenario())

@@ -312,7 +312,8 @@ def test_a_stops_final_checkpoint_is_written_only_where_it_fits_the_time_left(mo
     monkeypatch.setattr(dist, "all_reduce", lambda tensor, op=None, group=None: None)
     stop = StopRequest(grace_s=5.0)
     stop.at = time.monotonic() - (5.0 - left_s)
-    worker = SimpleNamespace(stop=stop, stop_reason="signal 15", checkpoint_s=checkpoint_s, tel=Told(),
+    worker = SimpleNamespace(stop=stop, core=SimpleNamespace(stop_reason="signal 15"), checkpoint_s=checkpoint_s,
+                             tel=Told(),
                              model=torch.nn.Linear(100, 100), topo=SimpleNamespace(side=None, is_first=True),
                              run_dir=tmp_path, cfg=SimpleNamespace(parallel=SimpleNamespace(shutdown_timeout_s=5)))
     assert Worker._final_checkpoint_fits(worker, 12) is fits
@@ -324,7 +325,7 @@ def test_a_stops_final_checkpoint_is_written_only_where_it_fits_the_time_left(mo
     err = capsys.readouterr().err
     assert "the final checkpoint of step 12 was skipped: it needs about" in err
     assert "no checkpoint was written" in err and worker.tel.notes
-    worker.stop_reason = "command"   # a stop by `trainyard ctl RUN stop`: always checkpointed
+    worker.core.stop_reason = "command"   # a stop by `trainyard ctl RUN stop`: always checkpointed
     assert Worker._final_checkpoint_fits(worker, 12)
 
 

@@ -14,11 +14,13 @@ import pytest
 import torch
 
 from engine.config import EmulateConfig, load_config
+from engine.config.rules import either
 from engine.training.data import batch_for, load_dataset
 from engine.models import build_model
 from engine.runtime import emulate
 from engine.runtime.checkpoint import list_checkpoints, model_state
 from engine.runtime.emulate import Fault
+from engine.strategies.specs import STRATEGIES
 from tests.conftest import pid_alive, read_jsonl, train_one_process, wait_for
 from tests.test_config import error_of
 from tests.test_param_server import ps_args, run_pids
@@ -145,14 +147,17 @@ def test_only_the_named_rank_dies_at_its_moment_from_its_step_in_the_first_attem
     assert len(kills) == 2
 
 
+# the strategies that run the step loop, as the message offers them ("ddp", "sharded" or "pipeline")
+STEPPING = either(name for name, spec in STRATEGIES.items() if not spec.loops)
+
+
 @pytest.mark.parametrize("data, expected", [
     ({"emulate": {"kill_rank": 1, "kill_at": "migrate"}},
      'emulate.kill_at = "migrate": must be one of "migration", "broadcast", "host_update", "window", "step", '
      '"checkpoint" (did you mean "migration"?)'),
     ({"emulate": {"kill_rank": 0, "kill_at": "step"},
       "parallel": {"strategy": "param_server", "world_size": 3, "param_server": {"servers": 1, "workers": 2}}},
-     'emulate.kill_at = "step": needs the step loop of parallel.strategy = "ddp", "sharded" or "pipeline" '
-     '(got "param_server")'),
+     f'emulate.kill_at = "step": needs the step loop of parallel.strategy = {STEPPING} (got "param_server")'),
     ({"emulate": {"kill_rank": 2, "kill_at": "broadcast"}, "parallel": {"strategy": "sharded"}},
      "emulate.kill_rank = 2: no such rank; parallel.world_size = 2 has ranks 0 to 1"),
     ({"emulate": {"kill_rank": 1}},

@@ -1,17 +1,22 @@
 """Every per-rank figure is declared once (engine/telemetry/figures.py), and the exchange's columns, a rank
-entry's figures, its closed schema and docs/telemetry.md's table follow from that; a figure reported but not
-declared stops the exchange. The live logs of every strategy are validated in their own tests (validate_log)."""
+entry's figures, its closed schema, docs/telemetry.md's table and the hello's `figures` (what a console's panels
+show) follow from that; a figure reported but not declared stops the exchange. The live logs of every strategy
+are validated in their own tests (validate_log)."""
 
 from __future__ import annotations
 
+import json
 import math
 import re
+from types import SimpleNamespace
 
 import jsonschema
 import pytest
 import torch
 
 from engine import protocol
+from engine.config import config_from_dict
+from engine.runtime.lifecycle import hello
 from engine.runtime.control import COLUMN, FIELDS, GPU_FIELDS, UndeclaredFigure, rank_rows, row_values
 from engine.telemetry import figures
 from engine.telemetry.figures import FIGURES, LOGGED
@@ -44,6 +49,46 @@ def test_the_console_reads_the_gpu_figures_and_the_declarations_from_the_protoco
     assert protocol.GPU_FIELDS == GPU_FIELDS == ("allocated_bytes", "reserved_bytes", "allocator_peak_bytes",
                                                  "nvml_used_bytes", "nvml_total_bytes", "gpu_util_percent")
     assert protocol.FIGURES is FIGURES and protocol.LOGGED == LOGGED
+
+
+def test_a_strategys_declarations_are_the_common_groups_and_its_own_as_json():
+    from engine.strategies.specs import STRATEGIES
+    assert set(STRATEGIES) <= set(figures.CONTRIBUTORS)   # a strategy's group is under the strategy's name
+    common = [f.name for group in figures.COMMON for f in figures.CONTRIBUTORS[group] if figures.LOG in f.shows]
+    for name in STRATEGIES:
+        declared = protocol.declared(name)
+        assert json.loads(json.dumps(declared)) == declared
+        own = [f.name for f in figures.CONTRIBUTORS[name] if figures.LOG in f.shows]
+        assert [d["name"] for d in declared] == common + own   # the exchange's own (stop, flops) in no record
+    assert [d["name"] for d in protocol.declared("a plugin's")] == common   # a strategy with no group of its own
+
+    def shown(strategy, panel):
+        return [d["name"] for d in protocol.declared(strategy) if panel in d["shows"]]
+    assert shown("sharded", protocol.STREAMS) == ["reduce_ms", "reduce_span_ms", "broadcast_wait_ms",
+                                                  "broadcast_span_ms"]
+    assert shown("pipeline", protocol.STAGES) == ["recv_wait_ms"]
+    assert not any(shown(name, panel) for name in ("ddp", "param_server") for panel in ("streams", "stages"))
+    assert next(d for d in protocol.declared("pipeline") if d["name"] == "recv_wait_ms") == {
+        "name": "recv_wait_ms", "unit": "ms", "combine": "max", "shows": ["log", "stages"], "optional": "absent",
+        "label": "recv wait"}
+
+
+def test_the_hello_carries_its_strategys_declarations():
+    for strategy in ("sharded", "pipeline"):
+        cfg = config_from_dict({"parallel": {"strategy": strategy, "world_size": 2}})
+        said = hello(cfg, SimpleNamespace(world_size=2, backend="gloo", hosts=lambda: [0, 0]),
+                     SimpleNamespace(name="cpu", simulated=True, rank_names=None, note=""), ["fc0"], {}, [], [])
+        assert said["figures"] == protocol.declared(strategy)
+        json.dumps(said)
+
+
+def test_combine_reads_the_ranks_values_as_one_as_declared():
+    assert protocol.combine("max", [0.5, None, 1.25]) == 1.25   # a non-finite figure is null: left out
+    assert (protocol.combine("min", [3, 1]), protocol.combine("sum", [3, 1]), protocol.combine("mean", [3, 1]),
+            protocol.combine("first", [None, 3, 1])) == (1, 4, 2.0, 3)
+    assert protocol.combine("max", [False, True]) is True
+    assert protocol.combine("none", ["worker", "server"]) is None and protocol.combine("max", []) is None
+    assert protocol.combine("max", [None, "x"]) is None
 
 
 def test_a_strategys_phases_are_declared():

@@ -5,6 +5,8 @@ may import."""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 ENGINE = Path(__file__).resolve().parent.parent / "engine"
@@ -87,13 +89,15 @@ def test_every_package_says_what_lives_there_and_what_it_may_import():
 
 
 # The floors, lowest first (README, Layout): a module imports its own package and the floors below it, never one
-# above. A name is its package, or its module where a package's modules sit on different floors.
+# above. A name is its package, or its module where a package's modules sit on different floors; a `*` stands
+# for one part of a name (engine.strategies.*.spec: every strategy's spec.py, on the config's floor).
 FLOORS = [
     ("engine.telemetry.protocol", "engine.protocol",   # engine.protocol: the consoles' door to it
      "engine.telemetry.figures",                       # every per-rank figure, declared once: the protocol's
      "engine.telemetry.records",                       # a record's compact forms and the log's parts: the same
      "engine.runtime.disk"),                           # a leaf: what every writer says of a full disk
-    ("engine.config", "engine.strategies.specs"),  # specs: each strategy described, torch-free, for the config
+    ("engine.config", "engine.strategies.specs",   # specs: the registry of every strategy, torch-free, for the
+     "engine.strategies.*.spec"),                  # config; each strategy's spec.py: its settings and checks
     ("engine.training.precision", "engine.training.timing", "engine.training.loss", "engine.training.optim", "engine.training.data",
      "engine.training.throughput", "engine.models"),
     ("engine.telemetry",),
@@ -112,13 +116,23 @@ def product_modules() -> dict[str, Path]:
     return {module_name(p): p for package in PACKAGES for p in (ENGINE.parent / package).rglob("*.py")}
 
 
+def within(module: str, name: str) -> bool:
+    """`module` is `name` or inside it; a `*` in `name` matches any one part of `module`."""
+    parts, pattern = module.split("."), name.split(".")
+    return len(parts) >= len(pattern) and all(p in ("*", m) for p, m in zip(pattern, parts))
+
+
 def floor_of(module: str) -> int | None:
+    """The floor of the longest name that holds `module`."""
     best, found = -1, None
     for level, names in enumerate(FLOORS):
         for name in names:
-            if (module == name or module.startswith(name + ".")) and len(name) > best:
+            if within(module, name) and len(name) > best:
                 best, found = len(name), level
     return found
+
+
+CONFIG_FLOOR = floor_of("engine.config")
 
 
 def test_every_module_has_a_floor():
@@ -146,6 +160,12 @@ def test_the_layout_test_sees_an_arrow_up():
     assert floor_of("engine.strategies.ddp") > floor_of("engine.techniques.updates.updater")
     assert floor_of("engine.telemetry.hub") < floor_of("engine.runtime.control")
     assert floor_of("console.bench") < floor_of("engine.bench") and floor_of("console.app") > floor_of("widgets.stages")
+    # a strategy's spec.py sits on the config's floor, the rest of its package above: its spec importing its own
+    # strategy is an arrow up, and only a part named `spec` is placed there
+    assert floor_of("engine.strategies.sharded.spec") == floor_of("engine.strategies.ddp.spec") == CONFIG_FLOOR
+    assert floor_of("engine.strategies.sharded.strategy") == floor_of("engine.strategies.sharded") > CONFIG_FLOOR
+    assert floor_of("engine.strategies.sharded.specs") == floor_of("engine.strategies.sharded.spec_plan") > CONFIG_FLOOR
+    assert floor_of("engine.strategies.specs.registry") == CONFIG_FLOOR < floor_of("engine.strategies.interface")
     assert "console.bench" in {node.value for node in ast.walk(ast.parse((ENGINE / "bench" / "__init__.py").read_text()))
                                if isinstance(node, ast.Constant)}   # seen as engine.bench's arrow to the console
 
@@ -167,3 +187,38 @@ def test_the_console_and_widgets_import_nothing_of_the_engine_but_its_protocol()
                 broken += [f"{path.relative_to(ENGINE.parent)} imports {n}" for n in names
                            if n.startswith("engine") and n not in allowed]
     assert broken == []
+
+
+def torch_imports(path: Path) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+        found += [n for n in names if n == "torch" or n.startswith("torch.")]
+    return found
+
+
+def test_nothing_on_the_configs_floor_or_below_imports_torch():
+    """The config, the registry and every strategy's spec.py (its settings and checks) are read by the launcher, the
+    consoles' checks and `python -m engine.config` without torch: not even a late import."""
+    low = {name: path for name, path in product_modules().items() if floor_of(name) <= CONFIG_FLOOR}
+    assert {"engine.strategies.specs.registry", "engine.strategies.ddp.spec", "engine.config.check"} <= set(low)
+    assert [f"{name} imports {', '.join(found)}" for name, path in low.items() if (found := torch_imports(path))] == []
+    assert torch_imports(ENGINE / "strategies" / "ddp" / "strategy.py")   # the check is not vacuous
+
+
+def test_reading_the_registry_loads_nothing_above_the_configs_floor():
+    """Importing a strategy's spec.py runs its package's __init__ (and engine.strategies'), which sit above the
+    config's floor: they load nothing when imported but their spec.py (a torch-heavy export loads when first asked
+    for). So the config and every spec load in a fresh interpreter with no module above their floor but those
+    packages, and no torch."""
+    code = ("import sys, engine.config, engine.strategies.specs as s; engine.config.config_from_dict({}); "
+            "[spec.settings for spec in s.STRATEGIES.values()]; print(' '.join(sys.modules))")
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60,
+                            cwd=ENGINE.parent).stdout.split()
+    assert "torch" not in loaded
+    ours = [m for m in loaded if floor_of(m) is not None and (m.startswith("engine.") or m == "engine")]
+    on_the_floor = [m for m in ours if floor_of(m) <= CONFIG_FLOOR]
+    assert {"engine.strategies.specs.registry", "engine.strategies.pipeline.spec"} <= set(on_the_floor)
+    ways_in = {".".join(m.split(".")[:i]) for m in on_the_floor for i in range(1, m.count(".") + 1)}
+    assert [m for m in ours if floor_of(m) > CONFIG_FLOOR and m not in ways_in] == []

@@ -14,6 +14,7 @@ from engine.config import Config, MemoryConfig, OptimConfig, PipelineConfig, loa
 from engine.training.data import batch_for, load_dataset
 from engine.training.loss import cross_entropy
 from engine.runtime.devices import LedgerDevice
+from engine.runtime.topology import Groups
 from engine.techniques.memory import (EXHAUSTIVE_MAX_LAYERS, ActivationPolicy, ActivationCost, PlanError, estimate,
                            order_by_ratio, plan, swap_ms)
 from engine.models import build_model
@@ -538,8 +539,8 @@ def _fit_rank(model, cfg, capacity: int):
     device = LedgerDevice(capacity)
     updater = LayerUpdates(model, params_by_layer(model), cfg.optim, device, cfg.update)
     device.ledger.track_module(model, updater)
-    strategy = SimpleNamespace(owned_layers=lambda: list(model.names), global_batch=False, in_flight=lambda: 1,
-                               tracked_module=lambda: model, updater=updater)
+    strategy = SimpleNamespace(owned_layers=lambda: list(model.names), parallel_groups=Groups.data_parallel,
+                               in_flight=lambda: 1, tracked_module=lambda: model, updater=updater)
     return device, updater, strategy, ActivationPolicy(model, device, cfg.memory)
 
 

@@ -325,16 +325,17 @@ def test_the_hub_refuses_a_rebalance_when_off_or_while_one_is_in_flight(tmp_path
     from engine.run.rank import Job
     job = Job(config=config_from_dict({"telemetry": {"hub": False}}), telemetry_log=tmp_path / "t.jsonl",
               headless=False)
-    base = {"mode": "pipeline", "layers": NAMES, "capabilities": ["pause", "stop"]}
+    base = {"mode": "pipeline", "layers": NAMES, "capabilities": ["pause", "stop"],
+            "declined": {"rebalance": 'rebalancing is off in this run (parallel.pipeline.rebalance = "off")'}}
     off = RankZeroTelemetry(job, base, 0)
     assert off._validate("rebalance", []) == 'rebalancing is off in this run (parallel.pipeline.rebalance = "off")'
-    on = RankZeroTelemetry(job, {**base, "capabilities": ["pause", "stop", "rebalance"]}, 0)
+    on = RankZeroTelemetry(job, {**base, "capabilities": ["pause", "stop", "rebalance"], "declined": {}}, 0)
     assert on._validate("rebalance", []) is None
     on.event("rebalance", 10, reason="command")   # a decided layout is in flight until its migration's record
     assert on._validate("rebalance", []) == "a rebalance is already in flight (decided at step 10)"
     on.event("migration", 11)
     assert on._validate("rebalance", []) is None
-    ddp = RankZeroTelemetry(job, {**base, "mode": "ddp"}, 0)
+    ddp = RankZeroTelemetry(job, {**base, "mode": "ddp", "declined": {}}, 0)
     assert ddp._validate("rebalance", []) == "rebalance is not available in mode ddp"
 
 

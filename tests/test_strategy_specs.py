@@ -1,10 +1,11 @@
-"""The strategies' registry (engine/strategies/specs/) agrees with what it describes: every strategy has its
-table, its code is where its strings say, it says the commands its strategy takes, and the config reads it
-without torch."""
+"""The strategies' registry (engine/strategies/specs/) agrees with what it describes: every strategy is one
+package (its spec.py, its code), has its table, its code is where its strings say, it says the commands its
+strategy takes, and the config reads it without torch."""
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import subprocess
 import sys
 
@@ -13,9 +14,23 @@ from engine.strategies.specs import COMMANDS, STRATEGIES, resolve
 
 
 def test_every_strategy_has_its_table_and_is_a_choice():
-    tables = [f.name for f in dataclasses.fields(ParallelConfig) if f.metadata["kind"] == "table"]
+    tables = {f.name: f.default_factory for f in dataclasses.fields(ParallelConfig) if f.metadata["kind"] == "table"}
     choices = next(f for f in dataclasses.fields(ParallelConfig) if f.name == "strategy").metadata["choices"]
-    assert tables == list(STRATEGIES) == list(choices)
+    assert list(tables) == list(STRATEGIES) == list(choices)
+    assert tables == {name: spec.settings for name, spec in STRATEGIES.items()}
+    cfg = config_from_dict({})
+    assert all(isinstance(getattr(cfg.parallel, name), spec.settings) for name, spec in STRATEGIES.items())
+
+
+def test_every_strategy_is_one_package():
+    """Its spec and settings in its package's spec.py, its code (builder or loops) in the same package, which
+    exports them: engine/strategies/NAME/."""
+    for spec in STRATEGIES.values():
+        package = f"engine.strategies.{spec.name}"
+        assert any(value is spec for value in vars(importlib.import_module(f"{package}.spec")).values()), spec.name
+        assert spec.settings.__module__ == f"{package}.spec", spec.name
+        for path in (spec.builder, spec.loops, spec.apart, spec.stages):
+            assert not path or path.startswith(f"{package}:"), f"{spec.name}: {path}"
 
 
 def test_every_string_names_code_that_exists():
@@ -26,20 +41,31 @@ def test_every_string_names_code_that_exists():
         assert not spec.apart or spec.apart_from is not None
 
 
-def test_the_commands_are_the_strategies_own():
-    from engine.strategies.ddp import DDPStrategy
-    from engine.strategies.param_server.setup import COMMANDS as PS_COMMANDS
-    from engine.strategies.sharded import ShardedStrategy
-    cfg = config_from_dict({})
-    assert STRATEGIES["ddp"].commands(cfg) == DDPStrategy.commands == COMMANDS
-    assert STRATEGIES["sharded"].commands(cfg) == ShardedStrategy.commands == COMMANDS
-    assert STRATEGIES["param_server"].commands(cfg) == PS_COMMANDS
-    pipe = {"parallel": {"strategy": "pipeline", "pipeline": {"rebalance": "off"}}}
-    assert STRATEGIES["pipeline"].commands(config_from_dict(pipe)) == COMMANDS
-    pipe["parallel"]["pipeline"]["rebalance"] = "manual"
-    assert STRATEGIES["pipeline"].commands(config_from_dict(pipe)) == COMMANDS + ("rebalance",)
+def test_the_hellos_commands_are_the_strategys_spec_and_the_loops_own():
+    """The spec is where a strategy's commands come from: the hello's capabilities are its, then the loop's own
+    (the step loop's set-policy), and a command its config turns off is declined with why (the hub's answer)."""
+    from types import SimpleNamespace
+    from engine.runtime.lifecycle import hello
+    topo = SimpleNamespace(world_size=2, hosts=lambda: [0, 0], backend="gloo")
+    device = SimpleNamespace(name="cpu", simulated=True, rank_names=None, note="")
+
+    def said(overrides: dict, loop=()) -> dict:
+        return hello(config_from_dict({"parallel": overrides}), topo, device, ["fc0"], {}, ["fc0"], loop)
+
+    assert said({})["capabilities"] == list(COMMANDS) and said({})["declined"] == {}
+    assert said({"strategy": "sharded"}, ["set-policy"])["capabilities"] == list(COMMANDS) + ["set-policy"]
+    assert said({"strategy": "param_server", "world_size": 2})["capabilities"] == [
+        "pause", "resume", "stop", "checkpoint", "set-sync"]
+    off = said({"strategy": "pipeline", "pipeline": {"rebalance": "off"}}, ["set-policy"])
+    assert off["capabilities"] == list(COMMANDS) + ["set-policy"]
+    assert off["declined"] == {"rebalance": 'rebalancing is off in this run (parallel.pipeline.rebalance = "off")'}
+    on = said({"strategy": "pipeline", "pipeline": {"rebalance": "manual"}}, ["set-policy"])
+    assert on["capabilities"] == list(COMMANDS) + ["rebalance", "set-policy"] and on["declined"] == {}
 
 
 def test_the_config_reads_the_registry_without_torch():
-    code = "import sys, engine.config, engine.strategies.specs; assert 'torch' not in sys.modules"
+    """And each strategy's package imports its torch half only when first asked for it."""
+    code = ("import sys, importlib, engine.config, engine.strategies.specs as s; engine.config.config_from_dict({}); "
+            "[importlib.import_module(f'engine.strategies.{name}') for name in s.STRATEGIES]; "
+            "assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

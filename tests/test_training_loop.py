@@ -192,7 +192,7 @@ def run_and_compare(cli, name: str, run: list[str], model: list[str] = (), loop:
 @pytest.mark.parametrize("placement,mode,world", [("device", "speculate", 2), ("host", "speculate", 2),
                                                   pytest.param("host", "wait", 2, marks=pytest.mark.slow),
                                                   # a world of one: no DDP wrapper, each gradient final as
-                                                  # autograd accumulates it (strategies/ddp.py `solo`)
+                                                  # autograd accumulates it (strategies/ddp/strategy.py `solo`)
                                                   ("host", "speculate", 1)])
 def test_ddp_equals_one_process_through_clips_a_skip_and_accumulation(cli, placement, mode, world):
     steps = run_and_compare(cli, f"ddp-{placement}-{mode}-{world}",

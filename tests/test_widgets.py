@@ -255,10 +255,19 @@ def test_streams_one_lane_per_stream():
         assert [lane.stream for lane in lanes] == [0, 1, 2]
         assert all(len(lane.history) == 60 for lane in lanes)
         text = screen_text(pilot)
-        assert "stream 2" in text and "50%" in text
+        assert "stream 2" in text and "50%" in text and "reduce" not in text
+        # the figures the run declares this panel shows, over the lanes
+        panel.update_streams([{"stream": 0, "bytes": 10, "busy_fraction": 0.5, "in_flight": 0}], "sharded",
+                             figures=[("reduce", "ms", 0.5), ("broadcast wait", "ms", 1.25),
+                                      ("on the wire", "bytes", 1536)])
+        await pilot.pause()
+        lines = screen_text(pilot).splitlines()
+        assert lines[1].startswith("reduce 0.50 ms · broadcast wait 1.25 ms · on the wire 1.5 KiB")
+        assert lines[2].startswith("stream 0")
         panel.update_streams(None, "ddp")
         await pilot.pause()
-        assert "no communication streams in mode ddp" in screen_text(pilot)
+        text = screen_text(pilot)
+        assert "no communication streams in mode ddp" in text and "reduce" not in text
 
     mounted(StreamsPanel(), test)
 
@@ -273,6 +282,15 @@ def test_stages_bars_and_imbalance():
         text = screen_text(pilot)
         assert "stage 0" in text and "stage 1" in text and "⟳ rebalancing" in text
         assert "imbalance 3.00 ms > threshold 1.00 ms" in text and "ms/step  2 micro-batches/step" in text
+        assert "recv wait" not in text and panel.size.height == 3
+        # the figures the run declares this panel shows, each stage's from its rank, under their labels
+        panel.update_stages(stages, "pipeline", imbalance_ms=3.0, threshold_ms=1.0, migrating=True,
+                            figures=[[("recv wait", "ms", 0.25), ("sent", "bytes", 2048)], [("recv wait", "ms", 1.5)]])
+        await pilot.pause()
+        header, labels, first, second = screen_text(pilot).splitlines()[:4]
+        assert labels.rstrip().endswith("· recv wait · sent") and panel.size.height == 4
+        assert first.rstrip().endswith("1.0/2.0/1.0 ms · 0.25 ms · 2.0 KiB")
+        assert second.rstrip().endswith("2.0/4.0/0.0 ms · 1.50 ms") and "stage 1" in second
 
     mounted(StagesPanel(), test)
 

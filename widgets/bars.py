@@ -1,6 +1,8 @@
-"""Memory in a line of text: byte counts and stacked bars, for the cards, the Devices table and the stages.
+"""Memory in a line of text: byte counts and stacked bars, for the cards, the Devices table and the stages;
+and any declared figure in its unit, for the streams and stages panels.
 
     human_bytes(1536)                                   # '1.5 KiB'
+    figure_text(0.523, "ms")                            # '0.52 ms' (a figure's unit: engine.protocol.FIGURES)
     bytes_of(6.7 * 2**30, 79.6 * 2**30)                 # '6.7 / 79.6 GiB'
     segment_bar([(used, "#4c8dff")], capacity, 10, peak)   # a 10-cell Rich Text bar
 """
@@ -24,6 +26,22 @@ def human_bytes(n: float | None) -> str:
     if unit == "B":
         return f"{int(value)} B"
     return f"{value:.0f} {unit}" if abs(value) >= 100 else f"{value:.1f} {unit}"
+
+
+def figure_text(value: float | bool, unit: str) -> str:
+    """A figure's value in its declared unit, in a few characters: ms to 2 decimals, bytes as human_bytes,
+    a flag as yes / no, a count whole; a unit this console does not know as the bare number."""
+    if unit == "ms":
+        return f"{value:.2f} ms"
+    if unit == "bytes":
+        return human_bytes(value)
+    if unit in ("percent", "core_percent"):
+        return f"{value:.0f}%"
+    if unit == "flag" or isinstance(value, bool):
+        return "yes" if value else "no"
+    if unit in ("count", "rank", "step", "errno"):
+        return f"{value:,.0f}"
+    return f"{value:.4g}"
 
 
 def bytes_of(part: float | None, whole: float | None) -> str:

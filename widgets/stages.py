@@ -1,8 +1,10 @@
 """Pipeline stages: each stage's layers, and its forward / backward / idle time scaled to the slowest.
 
 Feed it the pipeline's per-stage figures: `update_stages(stages, mode, imbalance_ms,
-threshold_ms, migrating)`. One widget that renders its rows itself: a pipeline has at most
-a few dozen stages, and a single render is cheaper than a widget per bar. A stage's layers
+threshold_ms, migrating, figures)`; `figures`, by stage, the (label, unit, value) of each figure the run
+declares this panel shows, from the stage's rank (console/state.py RunState.panel_figures: the pipeline's
+`recv_wait_ms`), each value after the stage's times, under its label on a line of its own. One widget that
+renders its rows itself: a pipeline has at most a few dozen stages, and a single render is cheaper than a widget per bar. A stage's layers
 are summarised (`embed, blocks.0-11 (73)`: layer_span), and when the panel is shorter than
 its stages, its last line says how many more there are.
 """
@@ -15,6 +17,7 @@ from rich.text import Text
 from textual.app import RenderResult
 from textual.widget import Widget
 
+from .bars import figure_text
 from .devices import segment_bar
 
 PARTS = [("fwd_ms", "fwd", "#4c8dff"), ("bwd_ms", "bwd", "#b07cff"), ("idle_ms", "idle", "grey42")]
@@ -70,20 +73,26 @@ class StagesPanel(Widget):
         self.imbalance_ms: float | None = None
         self.threshold_ms: float | None = None
         self.migrating = False
+        self.extra: list[list[tuple]] = []   # by stage: (label, unit, value) of its declared figures
         self.add_class("-empty")
 
     def update_stages(self, stages: list[dict] | None, mode: str, imbalance_ms: float | None = None,
-                      threshold_ms: float | None = None, migrating: bool = False) -> None:
-        state = (list(stages or []), mode, imbalance_ms, threshold_ms, migrating)
-        if state == (self.stages, self.mode, self.imbalance_ms, self.threshold_ms, self.migrating):
+                      threshold_ms: float | None = None, migrating: bool = False,
+                      figures: list[list[tuple]] | None = None) -> None:
+        state = (list(stages or []), mode, imbalance_ms, threshold_ms, migrating, list(figures or []))
+        if state == (self.stages, self.mode, self.imbalance_ms, self.threshold_ms, self.migrating, self.extra):
             return
-        relayout = len(state[0]) != len(self.stages)
-        self.stages, self.mode, self.imbalance_ms, self.threshold_ms, self.migrating = state
+        lines = (len(self.stages), bool(self.labels()))   # a line more or fewer: lay out again
+        self.stages, self.mode, self.imbalance_ms, self.threshold_ms, self.migrating, self.extra = state
         self.set_class(not self.stages, "-empty")
-        self.refresh(layout=relayout)
+        self.refresh(layout=lines != (len(self.stages), bool(self.labels())))
 
     def get_content_height(self, container, viewport, width: int) -> int:
-        return len(self.stages) + 1 if self.stages else 1
+        return len(self.stages) + 1 + bool(self.labels()) if self.stages else 1
+
+    def labels(self) -> list[str]:
+        """The labels of the stages' figures besides their times, in the lines' order."""
+        return list(dict.fromkeys(label for more in self.extra for label, _, _ in more))
 
     def header(self, width: int) -> Text:
         imbalance = self.imbalance_ms
@@ -109,9 +118,13 @@ class StagesPanel(Widget):
         if not self.stages:
             return Text(f"no pipeline stages in mode {self.mode}")
         width, height = self.size.width, self.size.height
-        lines = [self.header(width), *self.stage_lines(width)]
-        if 1 < height < len(lines):   # shorter than its stages: the last line says which are left out
-            hidden = self.stages[height - 2:]
+        top = [self.header(width)]
+        if labels := self.labels():   # `· recv wait`, over the values after the times (right-aligned, as they are)
+            top.append(Text(" · " + " · ".join(labels), "dim"))
+            top[1].align("right", width)
+        lines = [*top, *self.stage_lines(width)]
+        if len(top) < height < len(lines):   # shorter than its stages: the last line says which are left out
+            hidden = self.stages[height - len(top) - 1:]
             first, last = hidden[0].get("stage", "?"), hidden[-1].get("stage", "?")
             lines = [*lines[:height - 1], Text(f"… {len(hidden)} more: stages {first}-{last}", "dim italic")]
         for line in lines:
@@ -123,7 +136,8 @@ class StagesPanel(Widget):
         width; the layer summaries take what the bars leave, or go when that is too little."""
         longest = max(sum(s.get(f) or 0 for f, _, _ in PARTS) for s in self.stages) or 1.0
         label_w = max(len(f"stage {s.get('stage', '?')}") for s in self.stages) + 1
-        figures = [self.figures(s) for s in self.stages]
+        extra = self.extra + [[]] * (len(self.stages) - len(self.extra))
+        figures = [self.figures(s, more) for s, more in zip(self.stages, extra)]
         figures_w = max(f.cell_len for f in figures)
         spans = [(layer_span(s["layers"]), len(s["layers"])) if s.get("layers") else ("", 0) for s in self.stages]
         span_w = min(max(len(span) + len(f" ({n})") if n else 0 for span, n in spans),
@@ -140,12 +154,15 @@ class StagesPanel(Widget):
         return lines
 
     @staticmethod
-    def figures(stage: dict) -> Text:
-        """`  25.4/50.8/9.2 ms`: fwd / bwd / idle."""
+    def figures(stage: dict, more: list[tuple] = ()) -> Text:
+        """`  25.4/50.8/9.2 ms`: fwd / bwd / idle; then the value of each of `more`, (label, unit, value), as
+        ` · 3.10 ms` (the header's legend names them)."""
         text = Text.assemble(
             "  ", (f"{stage.get('fwd_ms') or 0:.1f}", "#4c8dff"), "/",
             (f"{stage.get('bwd_ms') or 0:.1f}", "#b07cff"), "/",
             (f"{stage.get('idle_ms') or 0:.1f}", "grey62"), " ms")
+        for _, unit, value in more:
+            text.append(" · ", "dim").append(figure_text(value, unit), "grey62")
         return text
 
     @staticmethod

@@ -1,8 +1,11 @@
-"""Communication streams: one lane per stream with its recent traffic as a sparkline.
+"""Communication streams: one lane per stream with its recent traffic as a sparkline, under a line of the
+figures the run declares this panel shows (sharded: its reduce's and broadcast's waits and spans).
 
 Feed it each step message's `streams` (docs/telemetry.md): `update_streams(msg.get("streams"), mode)`, or,
 drawing less often than steps come, the latest step's and every step's since the last draw:
-`update_streams(latest, mode, steps)`, so that each lane's sparkline has one bar per step.
+`update_streams(latest, mode, steps)`, so that each lane's sparkline has one bar per step. `figures`:
+the latest step's (label, unit, value) of each such figure, its ranks read as one (console/state.py
+RunState.panel_figures), e.g. `[("reduce", "ms", 0.52), ("broadcast wait", "ms", 1.3)]`.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal, VerticalScroll
 from textual.widgets import Sparkline, Static
 
+from .bars import figure_text
 from .devices import human_bytes
 
 HISTORY = 60   # steps of traffic kept per stream
@@ -69,34 +73,41 @@ class StreamsPanel(VerticalScroll):
     StreamsPanel { height: auto; }
     StreamsPanel > #streams-empty { width: 1fr; content-align: center middle; color: $text-muted; }
     StreamsPanel > #streams-caption { color: $text-muted; height: 1; }
+    StreamsPanel > #streams-figures { height: auto; }
     """
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
         self.lanes: dict[int, StreamLane] = {}
         self.mode = ""
-        self.early: tuple | None = None   # (latest, mode, steps) that came before on_mount
+        self.early: tuple | None = None   # (latest, mode, steps, figures) that came before on_mount
+        self.figures: list[tuple] = []
         self.ready = False
 
     def compose(self) -> ComposeResult:
         yield Static("no communication streams yet", id="streams-empty")
         yield Static(f"bytes/step (last {HISTORY}) · busy % · ⇄ in flight", id="streams-caption")
+        yield Static("", id="streams-figures")
 
     def on_mount(self) -> None:
         self.query_one("#streams-caption").display = False
+        self.query_one("#streams-figures").display = False
         self.ready = True
         if self.early is not None:
             self.update_streams(*self.early)
 
-    def update_streams(self, streams: list[dict] | None, mode: str, steps: list[list[dict]] | None = None) -> None:
+    def update_streams(self, streams: list[dict] | None, mode: str, steps: list[list[dict]] | None = None,
+                       figures: list[tuple] | None = None) -> None:
         """`streams`: the latest step's entries; `steps`: every step's entries since the last call, oldest
-        first, the latest's included (None: the latest step alone)."""
+        first, the latest's included (None: the latest step alone); `figures`: (label, unit, value) of the
+        latest step's figures this panel shows (none: no line)."""
         if steps is None:
             steps = [streams or []]
         if not self.ready:   # keep every step until the lanes exist
             earlier = self.early[2] if self.early is not None else []
-            self.early = (streams, mode, [*earlier, *steps][-HISTORY:])
+            self.early = (streams, mode, [*earlier, *steps][-HISTORY:], figures)
             return
+        self.show_figures(list(figures or []))
         empty, caption = self.query_one("#streams-empty", Static), self.query_one("#streams-caption")
         if mode != self.mode:
             self.mode = mode
@@ -121,3 +132,13 @@ class StreamsPanel(VerticalScroll):
                     self.lanes[entry["stream"]].add_step(entry)
         for entry in streams:
             self.lanes[entry["stream"]].show(entry)
+
+    def show_figures(self, figures: list[tuple]) -> None:
+        """`reduce 0.52 ms · broadcast wait 1.30 ms`: a line above the lanes, drawn only when it changed."""
+        if figures == self.figures:
+            return
+        self.figures = figures
+        line = self.query_one("#streams-figures", Static)
+        line.display = bool(figures)
+        line.update(Text(" · ", "dim").join(Text.assemble((f"{label} ", "dim"), (figure_text(value, unit), "bold"))
+                                            for label, unit, value in figures))

@@ -55,8 +55,9 @@ def _table_reference(path: str, cls: type) -> list[str]:
 _INTRO = """\
 # Configuration reference
 
-<!-- Generated from engine/config/settings.py by `python -m engine.config --markdown > docs/config.md`;
-     edit the declarations there, not this file (tests/test_config.py checks they agree). -->
+<!-- Generated from engine/config/settings.py (a strategy's table: its engine/strategies/NAME/spec.py) by
+     `python -m engine.config --markdown > docs/config.md`; edit the declarations there, not this file
+     (tests/test_config.py checks they agree). -->
 
 A run is described by a TOML file with one table per section below. Every key is
 optional and falls back to its default, so a config holds only what differs:

@@ -2,9 +2,10 @@
 its docstring goes to docs/config.md. They run after every key passed its own check (check.py), first
 problem reported.
 
-A strategy's own rules are its spec's (engine/strategies/specs/): `checks` and `checks_after_batch`, run where
-STRATEGY_CHECKS and AFTER_BATCH stand; `refuses` and `moments`, which the rule owning the key phrases.
-Imports engine.config.declare, settings, batch and files, and that registry.
+A strategy's own rules are its spec's (engine/strategies/NAME/spec.py, in the registry engine/strategies/specs/):
+`table_checks`, `checks` and `checks_after_batch`, run where TABLE_CHECKS, STRATEGY_CHECKS and AFTER_BATCH stand;
+`refuses` and `moments`, which the rule owning the key phrases. Imports engine.config.declare, settings, batch and
+files, and that registry.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ def only_under(spec: StrategySpec, check):
     return rule
 
 
+TABLE_CHECKS = [check for spec in STRATEGIES.values() for check in spec.table_checks]   # whichever is chosen
 STRATEGY_CHECKS = [only_under(spec, check) for spec in STRATEGIES.values() for check in spec.checks]
 AFTER_BATCH = [only_under(spec, check) for spec in STRATEGIES.values() for check in spec.checks_after_batch]
 
@@ -94,15 +96,6 @@ def listen_is_loopback(cfg: Config) -> str | None:
     if not loopback:
         return (f"telemetry.listen = {show(listen)}: only loopback addresses (127.0.0.1, [::1], localhost) "
                 f"are allowed; reach a remote run through an SSH tunnel")
-    return None
-
-
-def slices_cover_streams(cfg: Config) -> str | None:
-    """`parallel.sharded.slices` must be at least `streams`: every stream carries at least one slice."""
-    p = cfg.parallel.sharded
-    if p.slices < p.streams:
-        return (f"parallel.sharded.slices = {p.slices} is smaller than parallel.sharded.streams = {p.streams}: "
-                f"every stream needs at least one slice (set slices >= {p.streams} or streams <= {p.slices})")
     return None
 
 
@@ -225,7 +218,7 @@ def precision_makes_sense(cfg: Config) -> str | None:
     return None
 
 
-CROSS_CHECKS = [schedule_ends_low, hosts_split_workers, listen_is_loopback, slices_cover_streams, model_matches_data, files_exist,
+CROSS_CHECKS = [schedule_ends_low, hosts_split_workers, listen_is_loopback, *TABLE_CHECKS, model_matches_data, files_exist,
                 branchy_has_square_images, *STRATEGY_CHECKS, batch_splits_over_ranks, *AFTER_BATCH, heads_split_width,
                 slow_layer_is_whole, slow_rank_is_whole, kill_has_its_moment, precision_makes_sense,
                 every_host_count_holds]

@@ -1,6 +1,6 @@
 """The step loop's checkpoints (engine/run/worker.py), off the step path.
 
-    checkpoints = Checkpointer(cfg, topo, strategy, model, device, tel)
+    checkpoints = Checkpointer(cfg, topo, strategy, model, device, core)   # the run core: what rank 0 says
     exchange(topo, {..., **checkpoints.columns()})    # what this rank's writer has done, at every boundary
     checkpoints.boundary(table)                       # rank 0 publishes what every rank wrote; a failure stops all
     checkpoints.take(step)                            # the step waits for a host snapshot, a thread writes it
@@ -29,13 +29,14 @@ import torch
 import torch.distributed as dist
 
 from engine.runtime import checkpoint as ckpt
-from engine.runtime.checkpoint_writer import HostSnapshot, Writer, published, run_meta
+from engine.runtime.checkpoint_writer import HostSnapshot, Writer, run_meta
 from engine.runtime.control import COLUMN
 
 
 class Checkpointer:
-    def __init__(self, cfg, topo, strategy, model, device, tel):
-        self.cfg, self.topo, self.strategy, self.model, self.device, self.tel = cfg, topo, strategy, model, device, tel
+    def __init__(self, cfg, topo, strategy, model, device, core):
+        self.cfg, self.topo, self.strategy, self.model, self.device = cfg, topo, strategy, model, device
+        self.core, self.tel = core, core.tel
         self.run_dir = cfg.run_dir
         self._columns = [COLUMN[name] for name in ("ckpt_written", "ckpt_failed", "ckpt_errno", "ckpt_stall_ms",
                                                    "ckpt_write_ms")]
@@ -170,6 +171,6 @@ class Checkpointer:
             with self._lock:
                 meta, _, figures = self.unpublished.pop(step)
             stall = published_s * 1000 if figures["stall_ms"] is None else figures["stall_ms"]
-            self.tel.event("checkpoint", step, **published(path, stall, figures["write_ms"], published_s * 1000))
+            self.core.checkpointed(step, path, stall, figures["write_ms"], published_s * 1000)
         if self.writer.failed is None and self.writer.error is not None:
             print(f"trainyard: the checkpoint writer failed: {self.writer.error!r}", file=sys.stderr, flush=True)

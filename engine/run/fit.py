@@ -69,7 +69,8 @@ class FitEstimate:
 
 def rank_batch(cfg, data, strategy, first_step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """The rank's share of the first step's batch, as the step loop takes it (engine/run/worker.py)."""
-    share = (0, 1) if strategy.global_batch else _rank_share()
+    rank, world = _rank_world()
+    share = strategy.parallel_groups(rank, world).share(rank)
     return batch_for(data, first_step, cfg.data.batch_size, cfg.run.seed, *share)
 
 
@@ -94,8 +95,8 @@ def estimate_fit(cfg, model, x: torch.Tensor, y: torch.Tensor, device, strategy,
                        inputs=inputs, activations=activations)
 
 
-def _rank_share() -> tuple[int, int]:
-    """(rank, world size) of the compute group: this rank's share of the global batch, as the step loop takes it."""
+def _rank_world() -> tuple[int, int]:
+    """(rank, world size) of the compute group, whose groups say the share of the global batch this rank takes."""
     import torch.distributed as dist
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 

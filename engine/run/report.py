@@ -2,12 +2,14 @@
 streams, the stages, the layer table, and the events a step's figures raise (a rank over its capacity, a step
 skipped or rolled back by the clipping guard).
 
-    report = StepReport(tel, cfg, strategy, layer_rows, topo)
+    report = StepReport(core, cfg, strategy, layer_rows, topo)   # core: the run's (engine/runtime/run_core.py)
     report.throughput = Throughput(tokens_per_step, peak_flops)   # once known (the first step's batch)
     report.step(step, loss, table, wall_s, layers, lr)     # rank 0; others return at once
 
 `wall_s`: the time between this step's record and the last one's, what samples_per_s, tokens_per_s and mfu
 divide by (the step as a user's loop would time it, the boundary's exchange and report included).
+
+The run core keeps the peaks and says a rank over its capacity, for every driver's records alike.
 
 Imports engine.runtime.control and engine.runtime.lifecycle (step_record: the fields every step record has).
 """
@@ -19,15 +21,14 @@ import statistics
 
 import torch
 
-from engine.runtime.control import COLUMN, Peaks, rank_rows
+from engine.runtime.control import COLUMN, rank_rows
 from engine.runtime.lifecycle import step_record
 
 
 class StepReport:
-    def __init__(self, tel, cfg, strategy, layer_rows, topo):
-        self.tel, self.cfg, self.strategy, self.layer_rows, self.topo = tel, cfg, strategy, layer_rows, topo
-        self.peaks = Peaks(topo.world_size)
-        self.over_reported: set[int] = set()
+    def __init__(self, core, cfg, strategy, layer_rows, topo):
+        self.core, self.tel, self.cfg, self.strategy = core, core.tel, cfg, strategy
+        self.layer_rows, self.topo = layer_rows, topo
         self.throughput = Throughput()
 
     def step(self, step: int, loss: float, table: torch.Tensor, wall_s: float, layers, lr: float) -> None:
@@ -35,8 +36,6 @@ class StepReport:
             return
         wall_s = max(wall_s, 1e-9)
         ranks = rank_rows(table)
-        self.peaks.note(ranks)
-        self._over_capacity(step, ranks)
         me = ranks[0]
         updater = self.strategy.updater
         streams = self.strategy.stream_stats(me["step_ms"])
@@ -51,23 +50,13 @@ class StepReport:
             record["layers"] = layers
             self.tel.update_state(layers=layers)
         self.tel.update_state(step=step)
-        self.tel.step(record)
+        self.core.record(record)
         decision = updater.decision   # a rollback is rare: the steps after it wait
         if decision.skipped:
             self.tel.event("step_skipped", step, grad_norm=record["grad_norm"], redone_layers=decision.redone_layers)
         elif decision.redone_layers:
             self.tel.event("step_rolled_back", step, grad_norm=decision.grad_norm, clip=self.cfg.optim.clip_grad_norm,
                            redone_layers=decision.redone_layers)
-
-    def _over_capacity(self, step: int, ranks: list[dict]) -> None:
-        for entry in ranks:
-            r = entry["rank"]
-            if entry["over_capacity"] and r not in self.over_reported:
-                self.over_reported.add(r)
-                self.tel.event("memory_over_capacity", step, rank=r, peak_bytes=entry["peak_bytes"],
-                               capacity_bytes=entry["capacity_bytes"])
-                self.tel.note(f"[yellow]warning:[/] rank {r} went over its device capacity "
-                              f"({entry['peak_bytes']} > {entry['capacity_bytes']} bytes)")
 
 
 SUMMARY_STEPS = 10_000   # the summary's tokens_per_s and mfu: the median of the latest steps, bounded

@@ -28,7 +28,8 @@ from engine.runtime.control import COLUMN, encode_commands, exchange, share_comm
 from engine.runtime.emulate import Emulated
 from engine.processes.lifeline import launcher_gone
 from engine.runtime.events import forward
-from engine.runtime.lifecycle import RunControl, StopRequest, announce, hello
+from engine.runtime.lifecycle import StopRequest, hello
+from engine.runtime.run_core import RunCore, resume_point
 from engine.runtime.profiler import LayerProfiler
 from engine.runtime.topology import Topology
 from engine.run.checkpointer import Checkpointer
@@ -39,9 +40,9 @@ from engine.run.layer_rows import LayerRows
 from engine.run.rank import Job, build_rank, restart_marked
 from engine.run.report import StepReport, Throughput
 from engine.strategies.interface import make_strategy
+from engine.telemetry.outlets import Telemetry
 from engine.techniques.memory import ActivationPolicy
 from engine.techniques.memory_report import plans_made, step_fields
-from engine.telemetry.outlets import Telemetry
 from engine.training.throughput import counted_flops, device_peak_flops, tokens_per_sample
 from engine.training.timing import Clock
 
@@ -65,7 +66,9 @@ class Trained:
     rows_due: bool
 
 
-class Worker(RunControl):
+class Worker:
+    """The step loop: a driver of the run core (engine/runtime/run_core.py), which owns what every run does."""
+
     def __init__(self, job: Job, topo: Topology, stop: StopRequest):
         cfg = self.cfg = job.config
         self.job, self.topo, self.stop = job, topo, stop
@@ -75,10 +78,12 @@ class Worker(RunControl):
         self.loss_fn = job.loss_fn or cross_entropy
         self.strategy = make_strategy(cfg, self.model, topo, self.device, self.loss_fn)
         self.device.ledger.track_module(self.strategy.tracked_module(), self.strategy.optimizer)
+        # which share of every global batch this rank takes: its index in the strategy's data-parallel group
+        self.share = self.strategy.parallel_groups(topo.rank, topo.world_size).share(topo.rank)
         # every layer's saved activations: keep, swap or recompute (a pipeline stage plans for its own layers)
         self.memory = ActivationPolicy(self.model, self.device, cfg.memory, owned=self.strategy.owned_layers,
                                        in_flight=self.strategy.in_flight)
-        self.resumed_from, self.resumed = None, None
+        self.resume, self.resumed = None, None
         self.first_step = self._resume()
         # `auto` where keep and all-device fit: decided before step 1, no trial (engine/run/fit.py)
         self.fit_events = settle_auto(cfg, self.model, self.data, self.device, self.memory, self.strategy,
@@ -88,13 +93,14 @@ class Worker(RunControl):
         self.profiler = LayerProfiler(self.model, self.device.ledger, Clock(self.device.torch_device)) \
             if cfg.telemetry.layer_every else None
         self.tel = Telemetry.open(job, self._hello(), topo.is_first, self.first_step)
-        self.checkpoints = Checkpointer(cfg, topo, self.strategy, self.model, self.device, self.tel)
+        self.core = RunCore(job, topo, self.tel, driver=self)   # what every run does (engine/runtime/run_core.py)
+        self.checkpoints = Checkpointer(cfg, topo, self.strategy, self.model, self.device, self.core)
         self.wait_ms = 0.0
         self.step_now = None        # the step being trained, 1-based as the records count (where())
         self.checkpoint_s = None    # the last checkpoint's time: whether a final one fits a stop's grace
         self.lr = cfg.optim.lr   # the last step's learning rate (engine/training/optim.py lr_at)
         self.layer_rows = LayerRows(self.strategy, self.memory, self.topo)   # the console's layer table
-        self.report = StepReport(self.tel, cfg, self.strategy, self.layer_rows, topo)
+        self.report = StepReport(self.core, cfg, self.strategy, self.layer_rows, topo)
         self.compiles = CompileReport(topo.world_size)   # `[model] compile`: its time, apart from the steps'
         # what a step achieves: tokens_per_s from the first batch's shape, mfu where the device's peak is known
         # (its FLOPs counted once, on the first step where no layer recomputes)
@@ -105,24 +111,20 @@ class Worker(RunControl):
     def _hello(self) -> dict:
         updated = [n for n, layer in zip(self.model.names, self.model.layers) if any(True for _ in layer.parameters())]
         return hello(self.cfg, self.topo, self.device, self.model.names, self.strategy.layout(), updated,
-                     list(self.strategy.commands) + ["set-policy"])
+                     ["set-policy"])   # the loop's own, after the strategy's (its spec's)
 
     def _resume(self) -> int:
         """Load the checkpoint this run resumes from (any strategy's, any world size's: by name); returns its
         step. A rank's RNG carries over where the job's shape is the one that wrote it; elsewhere it starts
         from the seed and the step, and rank 0 says so."""
-        source = ckpt.resume_source(self.run_dir, self.job.resume, self.restart)
-        if source is None:
+        resume = self.resume = resume_point(self.cfg, self.job, self.restart)
+        if resume is None:
             return 0
         t0 = time.perf_counter()
-        # checksummed already: by the launcher (prepare_run_dir) or, after a restart, by resume_source
-        manifest = ckpt.verify(source, checksums=False)
-        ckpt.check_format(source, manifest)
-        step = int(manifest["step"])
-        with ckpt.Reader(source, manifest) as reader:
+        step, manifest = resume.step, resume.manifest
+        same_shape = resume.same_shape(self.topo.world_size, self.mode)
+        with resume.reader() as reader:
             self.strategy.load(reader)
-            same_shape = (manifest["world_size"] == self.topo.world_size
-                          and manifest["layout"].get("strategy") == self.mode)
             rng = reader.rng(self.topo.rank) if same_shape else None
         if rng is not None:
             torch.set_rng_state(rng["torch"])
@@ -137,7 +139,6 @@ class Worker(RunControl):
                       f"over; each rank's random stream (dropout) starts afresh from run.seed", file=sys.stderr,
                       flush=True)
         self.device.ledger.refresh()
-        self.resumed_from = source
         load_ms = torch.tensor([(time.perf_counter() - t0) * 1000])   # the slowest rank's: when all could go on
         dist.all_reduce(load_ms, op=dist.ReduceOp.MAX, group=self.topo.side)
         self.resumed = {"load_ms": round(float(load_ms), 1), "from_world_size": manifest["world_size"],
@@ -146,14 +147,13 @@ class Worker(RunControl):
 
     # --- the loop: batch, train step, exchange, report, commands, boundary -----------------------------
     def run(self) -> dict | None:
-        self.tel.update_state(step=self.first_step, steps=self.cfg.run.steps, paused=False)
-        announce(self.tel, self.cfg, self.topo, self.device, self.model.names, self.first_step, self.restart,
-                 self.resumed_from, resumed=self.resumed)
+        core = self.core
+        core.start(self.device, self.model.names, self.first_step, self.restart, self.resume, resumed=self.resumed)
         forward(self.tel, self.first_step, self.fit_events)
         step, loss, last = self.first_step, None, time.perf_counter()
         while True:
             self.step_now = step + 1
-            trained = self._train(step) if not self.paused and step < self.cfg.run.steps else None
+            trained = self._train(step) if not core.paused and step < self.cfg.run.steps else None
             step += trained is not None
             table, commands = self._exchange(trained)
             self.checkpoints.boundary(table)   # publishes what every rank has written; a failed write stops all
@@ -172,14 +172,14 @@ class Worker(RunControl):
                 if self.cfg.model.compile:
                     forward(self.tel, step, self.compiles.events(step, table))
             for command in commands:
-                self.take(command, step)
+                core.take(command, step)
             forward(self.tel, step, self.strategy.boundary(step, trained is not None, self.memory))
-            if table[:, COLUMN["stop"]].max() > 0 and self.stop_reason is None:
+            if table[:, COLUMN["stop"]].max() > 0 and core.stop_reason is None:
                 gone = " (the launcher is gone)" if launcher_gone() else ""
-                self.begin_stop(f"signal {self.stop.signal or 'on another rank'}{gone}")
-            if self.stop_reason or step >= self.cfg.run.steps:
+                core.begin_stop(f"signal {self.stop.signal or 'on another rank'}{gone}")
+            if core.stop_reason or step >= self.cfg.run.steps:
                 return self._finish(step, loss)
-            if self.paused:
+            if core.paused:
                 time.sleep(PAUSED_POLL_S)
                 last = time.perf_counter()
             elif self.cfg.run.step_pause_ms:
@@ -188,11 +188,9 @@ class Worker(RunControl):
     def _train(self, step: int) -> Trained:
         """This rank's part of step `step` (0-based): its share of the batch, through the strategy."""
         cfg, strategy = self.cfg, self.strategy
-        share = (0, 1) if strategy.global_batch else (self.topo.rank, self.topo.world_size)
-        x, y = batch_for(self.data, step, cfg.data.batch_size, cfg.run.seed, *share)
+        x, y = batch_for(self.data, step, cfg.data.batch_size, cfg.run.seed, *self.share)
         self.lr = lr_at(cfg.optim, step, cfg.run.steps)
-        strategy.begin_step(self.lr, None if strategy.global_batch else
-                            global_count(self.data, step, cfg.data.batch_size, cfg.run.seed, self.loss_fn))
+        strategy.begin_step(self.lr, global_count(self.data, step, cfg.data.batch_size, cfg.run.seed, self.loss_fn))
         rows_due = bool(self.profiler) and (step == self.first_step or (step + 1) % cfg.telemetry.layer_every == 0)
         profile = rows_due and (self.topo.is_first or self.layer_rows.by_stage)
         if profile:
@@ -243,7 +241,13 @@ class Worker(RunControl):
             if self.topo.is_first:
                 self.tel.event("eval", step, test_accuracy=self.evaluate())
 
-    # --- the operator's commands (engine/runtime/lifecycle.py: those every run takes) --------------------
+    # --- the operator's commands (engine/runtime/run_core.py takes those every run takes) ----------------
+    def paused_changed(self) -> None:
+        """Every rank reads the core's `paused` at the boundary."""
+
+    def stopping(self) -> None:
+        """Every rank reads the core's `stop_reason` at the boundary."""
+
     def own_command(self, command: dict, step: int) -> bool | None:
         """Every rank runs this for the same commands at the same boundary."""
         name, args = command["name"], command.get("args", [])
@@ -290,7 +294,7 @@ class Worker(RunControl):
         """A stop by a signal: whether the final checkpoint fits the time left before the process is killed
         (parallel.shutdown_timeout_s from the signal), on every rank; where it does not, it is skipped and said.
         Its time: the last checkpoint's, or before any, the bytes this rank holds at FIRST_CHECKPOINT_BPS."""
-        if not (self.stop_reason or "").startswith("signal"):   # agreed by every rank at the boundary
+        if not (self.core.stop_reason or "").startswith("signal"):   # agreed by every rank at the boundary
             return True
         if self.checkpoint_s is not None:
             needs_s = self.checkpoint_s
@@ -319,7 +323,7 @@ class Worker(RunControl):
         once, exit 0, an agent that has not yet seen the host waiting would take the run for finished."""
         c = self.cfg.cluster
         if self.job.placement is None or len(c.host_counts) == 1 \
-                or not (self.stop_reason or "").startswith("signal"):
+                or not (self.core.stop_reason or "").startswith("signal"):
             return False
         deadline = time.monotonic() + RESTART_WAIT_S
         while True:
@@ -352,8 +356,8 @@ class Worker(RunControl):
             return None
         if not self.topo.is_first:
             return None
-        summary = self.end(step, stopped_early, loss, self.evaluate(), {
-            **self.report.peaks.summary(), **self.report.throughput.summary(),
+        summary = self.core.end(step, stopped_early, loss, self.evaluate(), {
+            **self.report.throughput.summary(),
             "capacity_bytes": self.device.ledger.capacity_bytes,
             "simulated": self.device.simulated, "restarts": self.restart})
         return {"type": "summary", **summary}

@@ -1,15 +1,13 @@
-"""What every run does alike at its start, in its step records, at the operator's commands and at its end,
-whichever loop drives it:
-the data-parallel and pipeline step loop (engine/run/worker.py) and the parameter server's coordinator
-(engine/strategies/param_server/coordinator.py).
+"""The records every run writes alike, whichever loop drives it (the step loop, engine/run/worker.py; the
+parameter server's coordinator): its hello, its start, its step records; and the stop a signal requests. The
+run core (engine/runtime/run_core.py) writes them.
 
     stop = StopRequest()                        # SIGINT/SIGTERM -> a flag the loop reads at its boundary
     tel = Telemetry.open(job, hello(cfg, topo, device, names, layout, updated, capabilities), ...)
     announce(tel, cfg, topo, device, names, first_step, restart, resumed_from)   # rank 0: run_start
-    tel.step(step_record(step, loss, lr, ranks, samples_per_s=..., step_ms=..., ...))   # rank 0, every step
-    class Loop(RunControl): ...                 # take(command, step) for every command; end(...) once
+    core.record(step_record(step, loss, lr, ranks, samples_per_s=..., step_ms=..., ...))   # rank 0, every step
 
-Imports torch (nothing else of the engine's own).
+Imports (when a hello is made) the strategies' registry and the figures' declarations.
 """
 
 from __future__ import annotations
@@ -57,13 +55,22 @@ def world_range(cfg) -> dict:
     return {"max_world_size": cfg.parallel.world_size} if len(cfg.cluster.host_counts) > 1 else {}
 
 
-def hello(cfg, topo, device, names, layout: dict, updated_layers: list[str], capabilities: list[str]) -> dict:
+def hello(cfg, topo, device, names, layout: dict, updated_layers: list[str], loop_commands=()) -> dict:
     """What the hub says to every console that connects (docs/protocol.md, hello), whichever loop runs:
-    `updated_layers`, the layers with an optimizer update of their own; `capabilities`, the commands taken."""
+    `updated_layers`, the layers with an optimizer update of their own; `capabilities`, the commands taken (the
+    strategy's, from its spec, then the loop's own `loop_commands`) and `declined`, those its config turns off
+    with why; `figures`, the declarations of the figures this strategy's rank entries carry, from which a
+    console learns what each panel shows."""
+    from engine.strategies.specs import STRATEGIES   # each strategy's commands (the config's floor)
+    from engine.telemetry.figures import declared   # the figures' declarations (floor 0)
+    spec = STRATEGIES[cfg.parallel.strategy]
+    capabilities = list(spec.commands(cfg)) + [c for c in loop_commands if c not in spec.commands(cfg)]
     return {"run": cfg.run.name, "mode": cfg.parallel.strategy, "world_size": topo.world_size,
             **world_range(cfg), "hosts": topo.hosts(), "backend": topo.backend, **device_fields(device),
             "layers": list(names), "layout": layout, "updated_layers": updated_layers,
-            "capabilities": capabilities, "steps": cfg.run.steps, "config": cfg.to_dict()}
+            "capabilities": capabilities, "declined": spec.declined(cfg), "steps": cfg.run.steps,
+            "config": cfg.to_dict(),
+            "figures": declared(cfg.parallel.strategy)}
 
 
 def step_record(step: int, loss: float | None, lr: float, ranks: list[dict], *, samples_per_s: float,
@@ -109,65 +116,3 @@ def announce(tel, cfg, topo, device, names, first_step: int, restart: int, resum
                   max_hosts=cfg.cluster.nnodes)
         tel.note(f"[yellow]resized:[/] {was} -> {topo.world_size} workers on {len(hosts)} of {cfg.cluster.nnodes} "
                  f"hosts ({', '.join(map(str, hosts))}); resumed from step {first_step}")
-
-
-class RunControl:
-    """The operator's commands every run takes (pause, resume, checkpoint, stop) and the end of a run. A loop
-    gives `tel`, `mode` and its own `checkpoint(step)`; `own_command` takes the commands of its mode."""
-
-    tel = None    # the run's telemetry (engine/telemetry/outlets.py)
-    cfg = None    # the run's Config
-    job = None    # the run's Job (engine/run/rank.py)
-    mode = ""
-    paused = False
-    stop_reason: str | None = None
-    stop_command: dict | None = None
-
-    def checkpoint(self, step: int) -> None:
-        raise NotImplementedError
-
-    def own_command(self, command: dict, step: int) -> bool | None:
-        """A command of this mode: True once applied, None when answered later (or already), False: not taken."""
-        return False
-
-    def paused_changed(self) -> None:
-        """After pause or resume (the coordinator tells its servers)."""
-
-    def begin_stop(self, reason: str) -> None:
-        self.stop_reason = reason
-
-    def take(self, command: dict, step: int) -> None:
-        """One operator command, answered: applied, rejected, or (stop) once the final checkpoint is written."""
-        name = command["name"]
-        if name in ("pause", "resume"):
-            self.paused = name == "pause"
-            self.paused_changed()
-            self.tel.update_state(paused=self.paused)
-        elif name == "checkpoint":
-            self.checkpoint(step)
-        elif name == "stop":
-            self.stop_command = command
-            self.begin_stop("command")
-            return
-        else:
-            taken = self.own_command(command, step)
-            if taken is None:
-                return
-            if not taken:   # the hub rejects these in this mode; a command from elsewhere gets the same answer
-                self.tel.reply(command, "rejected", reason=f"{name} is not available in mode {self.mode}")
-                return
-        self.tel.reply(command, "applied", step=step)
-
-    def end(self, step: int, stopped_early: bool, loss: float | None, accuracy: float | None, fields: dict) -> dict:
-        """Rank 0, once the final checkpoint is written: the stop event and reply, the summary, the consoles
-        told. `fields`: the rest of the summary (peaks, restarts...). Returns the summary."""
-        if stopped_early:
-            self.tel.event("stop", step, reason=self.stop_reason)
-        if self.stop_command:
-            self.tel.reply(self.stop_command, "applied", step=step)
-        summary = {"name": self.cfg.run.name, "final_loss": loss, "test_accuracy": accuracy, "steps": step,
-                   "wall_s": time.time() - (self.job.launched_at or time.time()), **fields,
-                   "stopped_early": stopped_early}
-        self.tel.summary(summary)
-        self.tel.close("run stopped" if stopped_early else "run finished")
-        return summary

@@ -7,6 +7,7 @@
     topo.stream_groups(n, include_compute=False)   # n communicators for the sliced broadcast
     topo.host_stream_groups(n)   # several hosts: per stream, this host's group and its peers' across hosts
     topo.hosts()   # the host of every rank (an agent places local_world_size consecutive ranks per host)
+    Groups.data_parallel(rank, world).share(rank)   # who splits the batch, who holds one copy of the model
 
 Workers read RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and
 MASTER_PORT from the environment that torch's elastic agent (ours or torchrun's)
@@ -22,6 +23,29 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from engine.runtime.devices import cuda_usable
+
+
+@dataclass(frozen=True)
+class Groups:
+    """Who shares what, seen from one rank: `data`, the ranks that split every global batch between them, each
+    taking the share at its index (data parallel: every rank; a pipeline: its stage alone, which takes the
+    whole batch); `model`, the ranks that hold one copy of the model between them (data parallel: the rank
+    alone; a pipeline: its stages, in order). A strategy says its own (engine/strategies/base.py parallel_groups)."""
+
+    data: tuple[int, ...]
+    model: tuple[int, ...]
+
+    def share(self, rank: int) -> tuple[int, int]:
+        """(index, shares): which equal share of every global batch `rank` takes (engine/training/data.py)."""
+        return self.data.index(rank), len(self.data)
+
+    @classmethod
+    def data_parallel(cls, rank: int, world_size: int) -> "Groups":
+        return cls(tuple(range(world_size)), (rank,))
+
+    @classmethod
+    def model_parallel(cls, rank: int, world_size: int) -> "Groups":
+        return cls((rank,), tuple(range(world_size)))
 
 
 @dataclass

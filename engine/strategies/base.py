@@ -14,13 +14,13 @@ stage_rows, stream_stats, layout. Checkpoints: weights and optimizer_state (this
 names: checkpoint_state, what it writes), load_optimizer_state and load (from any strategy's and job shape's, by
 name: engine/runtime/checkpoint.py, format 2).
 
-A fifth strategy: subclass Strategy in a module (or folder) of its own under engine/strategies/, implement
-train_step and weights, override what it does otherwise (its commands and events, what the console
-sees), give it a settings table in engine/config/parallel.py ([parallel.NAME], handed to it whole), and
-describe it in engine/strategies/specs/ (its StrategySpec: split, checks, commands, builder), which makes it
-a `parallel.strategy` choice and what make_strategy builds. The step loop does not change.
+A fifth strategy: one package of its own, engine/strategies/NAME/, with its code (a subclass of Strategy:
+train_step and weights, and what it does otherwise, its commands and events, what the console sees) and its
+spec.py (its StrategySpec: its settings table [parallel.NAME], handed to it whole, split, checks, commands,
+builder), and one line in engine/strategies/specs/registry.py, which makes it a `parallel.strategy` choice and
+what make_strategy builds. The step loop does not change.
 
-Imports engine.runtime.events, engine.techniques.updates.report and engine.strategies.specs (COMMANDS).
+Imports engine.runtime (events, topology) and engine.techniques.updates.report.
 """
 
 from __future__ import annotations
@@ -30,14 +30,12 @@ from pathlib import Path
 import torch
 
 from engine.runtime.events import Event
-from engine.strategies.specs import COMMANDS   # what an operator can do in every mode
+from engine.runtime.topology import Groups
 from engine.techniques.updates.report import plan_events
 
 
 class Strategy:
     name = ""
-    commands: tuple[str, ...] = COMMANDS   # the operator commands this mode takes (the hello's capabilities)
-    global_batch = False   # every rank takes the whole batch (a pipeline: stage 0 its inputs, the last its labels)
     staged = False         # its layers live on stages: layer_stages and stage_rows say which
     owning = False         # each parameter's update runs on its owner rank: layer_owners says which
 
@@ -49,6 +47,11 @@ class Strategy:
     global_counted: int | None = None   # the step's counted targets over the global batch (engine/training/loss.py)
 
     # --- the step --------------------------------------------------------------------------------
+    def parallel_groups(self, rank: int, world_size: int) -> Groups:
+        """Who splits the batch and who holds one copy of the model (engine/runtime/topology.py Groups): data
+        parallel by default, every rank a share of the batch and a whole model."""
+        return Groups.data_parallel(rank, world_size)
+
     def begin_step(self, lr: float, counted: int | None) -> None:
         self.updater.lr = lr   # each layer's update takes it as it goes
         self.global_counted = counted

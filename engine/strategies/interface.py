@@ -4,9 +4,11 @@ of it is the contract in base.py (Strategy).
     strategy = make_strategy(cfg, model, topo, device)
     loss = strategy.train_step(x, y)            # one optimizer step on this rank's share of the batch
 
-A strategy is applied to a model (a LayerList), never written into it, by the builder its spec names
-(engine/strategies/specs/). A strategy with loops of its own (the parameter server) has no builder: its
-spec's `loops` are run by worker_main (engine/run/worker_entry.py) instead of the step loop.
+A strategy is applied to a model (a LayerList), never written into it, by the builder its spec names (the
+registry, engine/strategies/specs/, lists each strategy's package, engine/strategies/NAME/: its spec.py and its
+`build`; a fifth strategy is one such package and one line there). A strategy with loops of its own (the
+parameter server) has no builder: its spec's `loops` are run by worker_main (engine/run/worker_entry.py)
+instead of the step loop.
 """
 
 from __future__ import annotations

@@ -4,10 +4,13 @@
     EXCHANGED                # the boundary's columns, in order (engine/runtime/control.py FIELDS)
     LOGGED                   # the keys of a step record's `ranks` entries (engine/telemetry/schema.py)
     undeclared({"loss": 1.0, "foo_ms": 2.0})   # ["foo_ms"]: a figure nobody declared
+    declared("sharded")      # [{"name": "rank", "unit": "rank", "combine": "none", "shows": [...], ...}, ...]
+    combine("max", [0.5, 1.25])   # 1.25: the ranks' values read as one, as a declaration's combine says
 
 From these come the exchange's columns, how a rank entry writes each figure, the closed JSON schema of a
-rank entry and the check on docs/telemetry.md's table of them. Torch-free: the console reads them too,
-through engine.protocol. Imports nothing.
+rank entry, the check on docs/telemetry.md's table of them and the hello's `figures`, from which a console
+learns what each of its panels shows. Torch-free: the console reads them too, through engine.protocol.
+Imports nothing.
 """
 
 from __future__ import annotations
@@ -37,8 +40,8 @@ def _ms(name, *shows, optional=""):   # a time on one rank: the ranks' slowest i
     return Figure(name, "ms", "max", (LOG, *shows), optional=optional)
 
 
-def _own(name):   # a time only some modes measure: absent from the others' entries (no zeros in every mode's log)
-    return _ms(name, optional="absent")
+def _own(name, *shows):   # a time only some modes measure: absent from others' entries (no zeros in every mode's log)
+    return _ms(name, *shows, optional="absent")
 
 
 def _bytes(name, *shows, required=False):   # bytes one rank holds or moves: the ranks' add up
@@ -109,21 +112,23 @@ CHECKPOINT = (
 )
 # ddp (engine/strategies/ddp.py): after the last gradient, the all-reduce's tail and the updates
 DDP = (_own("after_backward_ms"),)
-# sharded (engine/strategies/sharded/strategy.py): ownership, the reduce onto owners, the sliced broadcast
+# sharded (engine/strategies/sharded/strategy.py): ownership, the reduce onto owners, the sliced broadcast; the
+# streams panel shows the reduce's and the broadcast's waits and spans beside the streams that carry them
 SHARDED = (
     _bytes("owned_bytes", DEVICES),
     _ms("gate_ms"),
-    _own("reduce_ms"),
-    _own("reduce_span_ms"),
+    _own("reduce_ms", STREAMS),
+    _own("reduce_span_ms", STREAMS),
     _own("broadcast_issue_ms"),
-    _own("broadcast_wait_ms"),
-    _own("broadcast_span_ms"),
+    _own("broadcast_wait_ms", STREAMS),
+    _own("broadcast_span_ms", STREAMS),
     _own("host_wait_ms"),
 )
-# pipeline (engine/strategies/pipeline/stage.py): a stage's traffic, its waits, its layers' moves
+# pipeline (engine/strategies/pipeline/stage.py): a stage's traffic, its waits (on its line of the stages panel),
+# its layers' moves
 PIPELINE = (
     _bytes("sent_bytes"),
-    _own("recv_wait_ms"),
+    _own("recv_wait_ms", STAGES),
     _bytes("migration_bytes"),
     _ms("migration_ms"),
 )
@@ -135,6 +140,8 @@ PARAM_SERVER = (
     Figure("stale_steps", "count", "max", (LOG, FLEET), optional="absent", exchanged=False),
 )
 
+# a strategy's group is CONTRIBUTORS[its name]; every run reports these besides
+COMMON = ("core", "device", "gpu", "memory", "updates", "compile", "checkpoint")
 CONTRIBUTORS = {"core": CORE, "device": DEVICE, "gpu": GPU, "memory": MEMORY, "updates": UPDATES,
                 "compile": COMPILE, "checkpoint": CHECKPOINT, "ddp": DDP, "sharded": SHARDED, "pipeline": PIPELINE,
                 "param_server": PARAM_SERVER}
@@ -166,3 +173,33 @@ def undeclared(values: dict) -> list[str]:
 
 
 _EXCHANGED_SET = frozenset(EXCHANGED)
+
+
+def label(figure: Figure) -> str:
+    """A figure's name in a panel's words: without its unit's suffix, spaced (`broadcast_wait_ms` -> `broadcast
+    wait`, `swap_layers` -> `swap layers`)."""
+    return figure.name.removesuffix(f"_{figure.unit}").replace("_", " ")
+
+
+def declared(strategy: str) -> list[dict]:
+    """The declarations of the figures a run of `strategy` writes into its rank entries, as JSON (the hello's
+    `figures`): the common groups' and the strategy's own (none for a strategy with no group), each with its
+    `name`, `unit`, `combine`, `shows`, `optional` and `label`. The exchange's own figures, in no record, are
+    left out."""
+    groups = (*COMMON, strategy) if strategy not in COMMON else COMMON
+    return [{"name": f.name, "unit": f.unit, "combine": f.combine, "shows": list(f.shows), "optional": f.optional,
+             "label": label(f)}
+            for group in groups for f in CONTRIBUTORS.get(group, ()) if LOG in f.shows]
+
+
+def combine(how: str, values: list) -> float | bool | None:
+    """The ranks' `values` read as one, as a declaration's `combine` says (COMBINES); None where there is none
+    to read (no number among them, or `none`: a figure each rank has alone, such as its role)."""
+    numbers = [v for v in values if isinstance(v, (int, float))]   # a non-finite figure is null on the wire
+    if not numbers or how not in COMBINES or how == "none":
+        return None
+    if how == "first":
+        return numbers[0]
+    if how == "mean":
+        return sum(numbers) / len(numbers)
+    return {"max": max, "min": min, "sum": sum}[how](numbers)

@@ -33,16 +33,11 @@ FULL_ROWS_AFTER = frozenset({"policy", "placement", "memory_plan", "update_plan"
                              "memory_over_capacity"})
 
 
-def rebalance_refusal(taken: bool, in_flight: str | None) -> str | None:
-    """Why a pipeline's `rebalance` command is refused, or None: the run does not take it (rebalancing is off),
-    or one is in flight (`in_flight`: since when; "" where the asker knows only that). The hub asks first
-    (a decided layout waits for its migration); the stage at the boundary, for a command it has not yet
-    answered (engine/strategies/pipeline/rebalancing.py)."""
-    if not taken:
-        return 'rebalancing is off in this run (parallel.pipeline.rebalance = "off")'
-    if in_flight is not None:
-        return "a rebalance is already in flight" + (f" ({in_flight})" if in_flight else "")
-    return None
+def rebalance_in_flight(since: str = "") -> str:
+    """Why a `rebalance` command is refused while one is in flight (`since`: since when, where the asker knows).
+    The hub asks first (a decided layout waits for its migration); the stage at the boundary, for a command it
+    has not yet answered (engine/strategies/pipeline/rebalancing.py)."""
+    return "a rebalance is already in flight" + (f" ({since})" if since else "")
 
 
 class RankRows:
@@ -115,6 +110,7 @@ class RankZeroTelemetry(Telemetry):
         self._lock = threading.Lock()   # the hub thread logs rejected commands too
         self.progress = HeadlessProgress(cfg.run.name, cfg.run.steps, first_step) if job.headless else None
         self.capabilities = set(hello["capabilities"])
+        self.declined = dict(hello.get("declined", {}))
         self.layers = set(hello.get("layers", []))
         self.updated_layers = set(hello.get("updated_layers", self.layers))
         self.rebalancing: str | None = None   # set while a decided layout waits for its migration
@@ -148,10 +144,10 @@ class RankZeroTelemetry(Telemetry):
         reason = None
         if name in ("set-policy", "set-placement") and args[0] not in self.layers:
             reason = f"unknown layer {args[0]!r}"
-        elif name == "rebalance" and self.mode == "pipeline":
-            reason = rebalance_refusal(name in self.capabilities, self.rebalancing)
-        elif name not in self.capabilities:
-            reason = f"{name} is not available in mode {self.mode}"
+        elif name not in self.capabilities:   # a command its config turns off says why (the hello's `declined`)
+            reason = self.declined.get(name) or f"{name} is not available in mode {self.mode}"
+        elif name == "rebalance" and self.rebalancing is not None:
+            reason = rebalance_in_flight(self.rebalancing)
         elif name == "set-placement" and args[0] not in self.updated_layers:
             reason = f"layer {args[0]!r} has no parameters: it has no optimizer update to place"
         if reason:

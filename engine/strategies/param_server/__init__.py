@@ -2,6 +2,8 @@
 
     [parallel]
     strategy = "param_server"
+
+    [parallel.param_server]
     servers = 2          # ranks 0..1
     workers = 4          # ranks 2..5
     sync = "soft"        # or "bsp", "asp", "ssp" (engine/techniques/ps_sync.py says what each does)
@@ -23,20 +25,36 @@ sees as the rank: a worker that dies is reported and the rest of the run goes on
 where the agent would otherwise restart everything. A server that dies ends the
 worker group; the agent restarts it from the last checkpoint (`parallel.max_restarts`).
 
-Here: links.py (the two-rank groups, the message kinds and flags, Link), setup.py (the layers'
-owners and what every rank builds alike: Setup, from the run's build_rank), server.py (a server rank:
-PSServer), coordinator.py (server 0: Coordinator, and run_server, where every server rank starts; it takes
-the operator's commands and ends the run as the step loop does, engine/runtime/lifecycle.py), losses.py (the
-step records' loss), worker.py (a worker rank: PSWorker, SlowMachine, supervise). Within it links <- setup <-
-server <- coordinator and links, setup <- worker: a server and a worker never import each other. It may import
-engine.runtime (the ground: topology, checkpoint, control, lifecycle), engine.techniques.ps_sync (the sync
-rules), engine.models (params_by_layer, the layer grouping), engine.training.loss, engine.training.optim, engine.training.data and
-engine.telemetry.outlets; nothing imports it back but engine.run.worker_entry (worker_main: run_server, supervise)
-and tests.
+Here: spec.py (what it is before it is built, torch-free, on the config's floor: SPEC, its StrategySpec;
+ParamServerConfig, its table; its checks), links.py (the two-rank groups, the message kinds and flags, Link),
+setup.py (the layers' owners and what every rank builds alike: Setup, from the run's build_rank), server.py (a
+server rank: PSServer), coordinator.py (server 0: Coordinator, and run_server, where every server rank starts;
+it takes the operator's commands and ends the run as the step loop does, engine/runtime/lifecycle.py), losses.py
+(the step records' loss), worker.py (a worker rank: PSWorker, SlowMachine, supervise). Within it links <- setup
+<- server <- coordinator and links, setup <- worker: a server and a worker never import each other. It may
+import engine.runtime (the ground: topology, checkpoint, control, lifecycle), engine.techniques.ps_sync (the
+sync rules), engine.models (params_by_layer, the layer grouping), engine.training.loss, engine.training.optim,
+engine.training.data and engine.telemetry.outlets; nothing imports it back but engine.run.worker_entry
+(worker_main: run_server, supervise) and tests. This file imports spec.py when loaded and the rest when first
+asked for (`from engine.strategies.param_server import run_server`), so that reading the registry loads no
+torch.
 """
 
-from engine.strategies.param_server.coordinator import run_server
-from engine.strategies.param_server.setup import ParamServerError, assign_layers, layer_params
-from engine.strategies.param_server.worker import supervise
+from __future__ import annotations
 
-__all__ = ["ParamServerError", "assign_layers", "layer_params", "run_server", "supervise"]
+import importlib
+
+from engine.strategies.param_server.spec import SPEC, ParamServerConfig
+
+__all__ = ["SPEC", "ParamServerConfig", "ParamServerError", "assign_layers", "layer_params", "run_server",
+           "supervise"]
+
+LATER = {"run_server": "coordinator", "supervise": "worker",   # a name -> its module here, imported late
+         **dict.fromkeys(("ParamServerError", "assign_layers", "layer_params"), "setup")}
+
+
+def __getattr__(name: str):
+    """A torch-heavy export, imported when first asked for (PEP 562)."""
+    if name not in LATER:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{LATER[name]}"), name)

@@ -22,10 +22,10 @@ import torch
 from rich.markup import escape
 
 from engine.runtime import checkpoint as ckpt
-from engine.runtime.checkpoint_writer import published
 from engine.training.loss import test_accuracy
-from engine.runtime.control import FIELDS, Peaks, rank_rows, row_values
-from engine.runtime.lifecycle import RunControl, announce, step_record
+from engine.runtime.control import FIELDS, rank_rows, row_values
+from engine.runtime.lifecycle import step_record
+from engine.runtime.run_core import RunCore
 from engine.strategies.param_server.links import (
     ACK, CKPT, CONTROL, FINISH, GATHER, PAUSED, SERVER_STATS, STOP, WEIGHTS, Message, mode_code, unflatten_into)
 from engine.training.optim import lr_at
@@ -38,17 +38,16 @@ CONTROL_EVERY_S = 0.25     # the coordinator tells the servers the state at leas
 STALE_AFTER_S = 2.0        # a worker silent this long (and for 5 of its iterations) has a stale row
 
 
-class Coordinator(PSServer, RunControl):
-    """Server 0: also counts the global step, applies commands (engine/runtime/lifecycle.py: those every run
-    takes, and set-sync), logs telemetry and ends the run."""
+class Coordinator(PSServer):
+    """Server 0: also counts the global step, applies commands (set-sync; those every run takes, the run core's)
+    and drives the run core (engine/runtime/run_core.py), which logs, publishes checkpoints and ends the run."""
 
     def __init__(self, setup: "Setup", tel):
         super().__init__(setup)
         self.tel, self.cfg, self.job = tel, setup.cfg, setup.job
+        self.core = RunCore(setup.job, setup.topo, tel, driver=self)   # what every run does
         cfg = setup.cfg
         self.sync_mode = cfg.parallel.param_server.sync
-        self.mode = "param_server"
-        self.paused = False
         self.reported = setup.first_step         # the last step whose record is written
         self.counted = setup.first_step          # the last global step seen (checkpoints, evaluations)
         self.rows: dict[int, list[float]] = {}
@@ -61,13 +60,10 @@ class Coordinator(PSServer, RunControl):
         self.loss_workers = 0                    # how many workers' losses the last record's loss averages
         self.acks: dict[tuple[int, int], int] = {}   # (server, step) -> 0, or the errno of its failed write
         self.gathered: set[int] = set()
-        self.stop_reason: str | None = None
-        self.stop_command = None
         self.stop_deadline = 0.0
         self.last_control = 0.0
         self.t_report = time.perf_counter()
         self.summary: dict | None = None
-        self.peaks = Peaks(setup.topo.world_size)
 
     # --- messages ------------------------------------------------------------------------------
     def worker_stats(self, m: Message) -> None:
@@ -117,18 +113,18 @@ class Coordinator(PSServer, RunControl):
         if self.finished:
             return
         for command in self.tel.take_commands():
-            self.take(command, self.global_step())
-        if self.setup.stop.requested and self.stop_reason is None:
-            self.begin_stop(f"signal {signal.Signals(self.setup.stop.signal).name}")
+            self.core.take(command, self.global_step())
+        if self.setup.stop.requested and self.core.stop_reason is None:
+            self.core.begin_stop(f"signal {signal.Signals(self.setup.stop.signal).name}")
         step = self.global_step()
         self.report(min(step, self.setup.cfg.run.steps))   # the records whose losses are in
         if step > self.counted:
             self.boundary(step)
-        if step >= self.setup.cfg.run.steps and self.stop_reason is None:
-            self.begin_stop("finished")
+        if step >= self.setup.cfg.run.steps and self.core.stop_reason is None:
+            self.core.begin_stop("finished")
         if now - self.last_control >= CONTROL_EVERY_S:
             self.tell_servers()
-        if self.stop_reason is not None:
+        if self.core.stop_reason is not None:
             if self.live and now > self.stop_deadline:
                 for worker in sorted(self.live):
                     self.lose(worker, "did not leave within parallel.collective_timeout_s of the stop", now)
@@ -155,11 +151,11 @@ class Coordinator(PSServer, RunControl):
         return True
 
     def paused_changed(self) -> None:
-        self.control(self.sync_mode, (self.flags & ~PAUSED) | (PAUSED if self.paused else 0), time.monotonic())
+        self.control(self.sync_mode, (self.flags & ~PAUSED) | (PAUSED if self.core.paused else 0), time.monotonic())
         self.tell_servers()
 
-    def begin_stop(self, reason: str) -> None:
-        super().begin_stop(reason)
+    def stopping(self) -> None:
+        """The run core begins the stop: the servers are told, the workers given collective_timeout_s to leave."""
         self.stop_deadline = time.monotonic() + self.setup.cfg.parallel.collective_timeout_s
         self.control(self.sync_mode, self.flags | STOP, time.monotonic())
         self.tell_servers()
@@ -187,7 +183,7 @@ class Coordinator(PSServer, RunControl):
         ps = figures.pop("ps")
         for record_step, (loss, n) in enumerate(losses, self.reported + 1):
             lr = lr_at(cfg.optim, record_step - 1, cfg.run.steps)
-            self.tel.step(step_record(record_step, loss, lr, **figures, ps={**ps, "loss_workers": n}))
+            self.core.record(step_record(record_step, loss, lr, **figures, ps={**ps, "loss_workers": n}))
         self.reported += len(losses)
         self.losses.forget_before(self.reported)
 
@@ -203,7 +199,6 @@ class Coordinator(PSServer, RunControl):
             if r >= self.setup.servers:
                 entry["alive"] = self.info[r]["alive"]
                 entry["stale_steps"] = self._stale_steps(self.info[r])
-        self.peaks.note(ranks)
         workers = [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in info.items() if not k.startswith("_")}
                    for info in self.info.values()]
         alive = [w for w in workers if w["alive"]]
@@ -278,7 +273,7 @@ class Coordinator(PSServer, RunControl):
             PSServer.tick(self, time.monotonic())
 
     def checkpoint(self, step: int) -> None:
-        """Every server's file of its own layers, then the run's manifest (RunControl's checkpoint command too).
+        """Every server's file of its own layers, then the run's manifest (the run core's checkpoint command too).
         Synchronous: the coordinator serves no worker while it writes its own file (stall_ms is write_ms)."""
         t0 = time.perf_counter()
         for server in range(1, self.setup.servers):
@@ -306,7 +301,7 @@ class Coordinator(PSServer, RunControl):
             why = os.strerror(errno) if errno > 0 else "the write failed"
             raise ckpt.write_failed(run_dir, step, f"{why} (server rank {server})")
         write_ms = (time.perf_counter() - t0) * 1000   # synchronous: the stall is the write and its publication
-        self.tel.event("checkpoint", step, **published(path, write_ms, write_ms, write_ms))
+        self.core.checkpointed(step, path, write_ms, write_ms, write_ms)
 
     def gather(self) -> None:
         """Every layer's weights, from the servers that own them, into this rank's model."""
@@ -327,7 +322,7 @@ class Coordinator(PSServer, RunControl):
 
     def finish(self) -> None:
         cfg, step = self.setup.cfg, self.global_step()
-        step = min(step, cfg.run.steps) if self.stop_reason == "finished" else step
+        step = min(step, cfg.run.steps) if self.core.stop_reason == "finished" else step
         stopped_early = step < cfg.run.steps
         save = step > self.setup.first_step or stopped_early
         self.report(step, final=True)   # every worker has left: every loss that will come is in
@@ -342,10 +337,10 @@ class Coordinator(PSServer, RunControl):
             link.flush()
         if save:
             self.publish(step, failed, t0)
-        if self.stop_reason == "finished":
-            self.stop_reason = "workers left"   # "finished" short of the steps: its workers left
-        self.summary = self.end(step, stopped_early, self.last_loss, self.evaluate(), {
-            **self.peaks.summary(), "capacity_bytes": self.setup.device.ledger.capacity_bytes,
+        if self.core.stop_reason == "finished":
+            self.core.stop_reason = "workers left"   # "finished" short of the steps: its workers left
+        self.summary = self.core.end(step, stopped_early, self.last_loss, self.evaluate(), {
+            "capacity_bytes": self.setup.device.ledger.capacity_bytes,
             "simulated": self.setup.device.simulated, "restarts": self.setup.restart, "sync": self.sync_mode,
             "workers_lost": sorted(self.lost)})
         self.finished = True
@@ -364,10 +359,9 @@ def run_server(job, topo, stop, build) -> dict | None:
         raise
     tel = Telemetry.open(job, setup.hello(), True, setup.first_step)
     try:
-        tel.update_state(step=setup.first_step, steps=job.config.run.steps, paused=False, sync=job.config.parallel.param_server.sync)
-        announce(tel, job.config, topo, setup.device, setup.model.names, setup.first_step, setup.restart,
-                 setup.source, setup.layout())
         coordinator = Coordinator(setup, tel)
+        coordinator.core.start(setup.device, setup.model.names, setup.first_step, setup.restart, setup.resume,
+                               setup.layout(), sync=job.config.parallel.param_server.sync)
         coordinator.run()
     except BaseException as e:
         print(f"trainyard: parameter server rank 0 failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)

@@ -16,14 +16,13 @@ import torch
 
 from engine.training.data import batch_for, global_count
 from engine.training.loss import cross_entropy
-from engine.runtime import checkpoint as ckpt
 from engine.runtime import lifecycle
 from engine.runtime.checkpoint_writer import run_meta
+from engine.runtime.run_core import resume_point
 from engine.models.layers import params_by_layer
 from engine.strategies.param_server.links import make_links
 
 
-COMMANDS = ("pause", "resume", "stop", "checkpoint", "set-sync")   # the operator's, in this mode (the hello's)
 
 
 class ParamServerError(RuntimeError):
@@ -91,10 +90,8 @@ class Setup:
         else:
             self.device.ledger.track_module(self.model)
         self.links = make_links(topo, self.servers, cfg.parallel.collective_timeout_s)
-        self.source = ckpt.resume_source(cfg.run_dir, job.resume, self.restart)
-        # its manifest, checksummed already: by the launcher (prepare_run_dir) or, after a restart, resume_source
-        self.resumed = ckpt.verify(self.source, checksums=False) if self.source else None
-        self.first_step = int(self.resumed["step"]) if self.resumed else 0
+        self.resume = resume_point(cfg, job, self.restart)   # the run core's (engine/runtime/run_core.py)
+        self.first_step = self.resume.step if self.resume else 0
 
     def batch(self, iteration: int, index: int):
         return batch_for(self.data, iteration, self.cfg.data.batch_size, self.cfg.run.seed, index, self.workers)
@@ -106,10 +103,9 @@ class Setup:
     def restore(self, server) -> None:
         """Load a server's (engine/strategies/param_server/server.py) layers from the checkpoint this run
         resumes from, if any: written by any strategy at any world size, read by name (server.load)."""
-        if self.source is None:
+        if self.resume is None:
             return
-        ckpt.check_format(self.source, self.resumed)
-        with ckpt.Reader(self.source, self.resumed) as reader:
+        with self.resume.reader() as reader:
             server.load(reader)
         for j in server.mine:
             server.count[j] = self.first_step * self.workers
@@ -131,4 +127,4 @@ class Setup:
         """The run's hello (engine/runtime/lifecycle.py), its world range included; a tied weight's layers
         after its first holder have no update of their own (layer_params)."""
         return lifecycle.hello(self.cfg, self.topo, self.device, self.model.names, self.layout(),
-                               [self.model.names[j] for j in sorted(self.params)], list(COMMANDS))
+                               [self.model.names[j] for j in sorted(self.params)])

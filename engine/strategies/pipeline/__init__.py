@@ -7,24 +7,41 @@
   rebalance.py (the layer clock and the decision); rebalancing.py: the operator's rebalance, the check at the
   boundary, the migration's report, as events.
 - migration.py: the live move of layers between stages during a step; tied.py: a weight tied across stages.
-- Here: `build` and `stages_of`, what its spec (engine/strategies/specs/pipeline.py) names.
+- spec.py: what it is before it is built, torch-free, on the config's floor: SPEC (its StrategySpec),
+  PipelineConfig (its table `[parallel.pipeline]`), its checks.
+- Here: `build` and `stages_of`, what its spec names.
 
 Imports engine.strategies.base, engine.models (the layer grouping, compile), engine.techniques (updates, the
 memory policy's room), engine.training, engine.runtime's ground, engine.telemetry.outlets (a rebalance's
-refusal, in the hub's words), engine.config. Never engine.run.
+refusal, in the hub's words), engine.config. Never engine.run. This file imports spec.py when loaded and the
+rest when first asked for (`from engine.strategies.pipeline import PipelineStage`), so that reading the registry
+loads no torch.
 """
 
-from engine.strategies.pipeline.schedule import (
-    SCHEDULES, check_stages, configured_stages, schedule_ops, split_micro, uniform_stages)
-from engine.strategies.pipeline.stage import PipelineStage
-from engine.strategies.pipeline.wire import HEADER_LEN
+from __future__ import annotations
 
-__all__ = ["HEADER_LEN", "SCHEDULES", "PipelineStage", "build", "check_stages", "configured_stages", "schedule_ops",
-           "split_micro", "stages_of", "uniform_stages"]
+import importlib
+
+from engine.strategies.pipeline.spec import SPEC, PipelineConfig
+
+__all__ = ["HEADER_LEN", "SPEC", "PipelineConfig", "SCHEDULES", "PipelineStage", "build", "check_stages",
+           "configured_stages", "schedule_ops", "split_micro", "stages_of", "uniform_stages"]
+
+LATER = {"HEADER_LEN": "wire", "PipelineStage": "stage",   # a name -> its module here, imported late
+         **dict.fromkeys(("SCHEDULES", "check_stages", "configured_stages", "schedule_ops", "split_micro",
+                          "uniform_stages"), "schedule")}
 
 
-def build(cfg, model, topo, device, loss_fn) -> PipelineStage:
-    """`parallel.strategy = "pipeline"` from a Config (its spec's builder: engine/strategies/specs/pipeline.py)."""
+def __getattr__(name: str):
+    """A torch-heavy export, imported when first asked for (PEP 562)."""
+    if name not in LATER:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{LATER[name]}"), name)
+
+
+def build(cfg, model, topo, device, loss_fn):
+    """`parallel.strategy = "pipeline"` from a Config: this rank's PipelineStage (its spec's builder, spec.py)."""
+    from engine.strategies.pipeline.stage import PipelineStage
     return PipelineStage(model, stages_of(cfg, model, topo.world_size), topo, device, cfg.optim, cfg.parallel.pipeline,
                          update_cfg=cfg.update, loss_fn=loss_fn)
 
@@ -32,4 +49,5 @@ def build(cfg, model, topo, device, loss_fn) -> PipelineStage:
 def stages_of(cfg, model, world: int) -> list[list[str]] | str:
     """The layer names each of `world` stages holds, as [parallel.pipeline] partition says (the launcher's
     capacity check asks it too, engine/run/checks.py)."""
+    from engine.strategies.pipeline.schedule import configured_stages
     return configured_stages(model, cfg.parallel.pipeline.partition, world)

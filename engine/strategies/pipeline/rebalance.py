@@ -25,6 +25,7 @@ back to every stage (one broadcast), and the layers migrate during the next step
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from dataclasses import dataclass
@@ -118,6 +119,7 @@ class RebalanceDecision:
     out_bytes: dict[str, int] | None = None   # each layer's output per micro-batch (what a boundary there ships)
     link_bytes_per_ms: float = math.inf       # the boundary links' measured rate the choice counted sends at
     micro_batches: int = 1                    # how many micro-batches the costs cover
+    rooms: list | None = None   # every stage's memory Room, as this check gathered them (memory.policy "auto")
 
     def summary(self) -> str:
         now, then = max(self.stage_ms), max(self.predicted_ms)
@@ -149,7 +151,7 @@ class Rebalancer:
         `room` (a callable giving this rank's memory Room, engine/techniques/memory/room.py: `memory.policy =
         "auto"`), every rank's travels to the last stage too, and no layout a stage cannot hold is chosen."""
         n = len(self.names)
-        fits = None
+        fits, rooms = None, None
         if room is not None:
             rooms: list = [None] * self.topo.world_size
             dist.all_gather_object(rooms, room(), group=self.topo.side)
@@ -161,9 +163,11 @@ class Rebalancer:
             if name in mine:
                 vec[i], vec[n + i] = ms[i], out_bytes[i]
         dist.reduce(vec, dst=self.last, op=dist.ReduceOp.SUM, group=self.topo.side)
-        return self._share(step, "command" if requested else "auto", stage_layers, lambda: (
+        decision = self._share(step, "command" if requested else "auto", stage_layers, lambda: (
             {name: float(vec[i]) for i, name in enumerate(self.names)},
             {name: int(vec[n + i]) for i, name in enumerate(self.names)}), self.threshold, self.micro_batches, fits)
+        decision.rooms = rooms   # the same on every rank: a migration's plan ahead reads them, not a second gather
+        return decision
 
     def initial(self, model, x: torch.Tensor, y: torch.Tensor, loss_fn,
                 stage_layers: list[list[str]]) -> RebalanceDecision:
@@ -224,7 +228,10 @@ def decide(clusters: list[list[str]], names: list[str], layer_ms: dict[str, floa
         for c in costs:
             starts.append(starts[-1] + len(c.layers))
         layer_fits = fits
-        fits = lambda stage, i, j: layer_fits(stage, starts[i], starts[j])  # noqa: E731
+
+        @functools.cache   # the tie-break's partition asks again what the optimum's asked
+        def fits(stage: int, i: int, j: int) -> bool:
+            return layer_fits(stage, starts[i], starts[j])
     try:
         optimum = partition(costs, len(stage_layers), 0.0, link_bytes_per_ms, micro_batches, fits)
     except NoFit:

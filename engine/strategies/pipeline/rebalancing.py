@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from engine.runtime.control import COLUMN
 from engine.runtime.events import Event
-from engine.telemetry.outlets import rebalance_refusal
+from engine.telemetry.outlets import rebalance_in_flight
 
 
 class Rebalancing:
@@ -28,7 +28,7 @@ class Rebalancing:
 
     def command(self, command: dict) -> list[Event]:
         if self.requested or self.waiting or self.stage.pending is not None:
-            return [Event(reply=(command, "rejected", {"reason": rebalance_refusal(True, "")}))]
+            return [Event(reply=(command, "rejected", {"reason": rebalance_in_flight()}))]
         self.requested, self.waiting = True, command
         return []
 
@@ -65,11 +65,12 @@ class Rebalancing:
         if not memory.auto:
             return None
         stage = self.stage
-        mine = {"costs": memory.own_costs(), "static": stage.layer_static_bytes()}
-        everyone: list = [None] * stage.topo.world_size
-        dist.all_gather_object(everyone, mine, group=stage.topo.side)
-        costs = {n: c for part in everyone for n, c in part["costs"].items()}
-        static = {n: b for part in everyone for n, b in part["static"].items()}
+        rooms = decision.rooms   # every stage's costs and static bytes, as the check gathered them
+        if rooms is None:        # a check that gathered none (its decision came without memory's rooms)
+            rooms = [None] * stage.topo.world_size
+            dist.all_gather_object(rooms, memory.room(stage.layer_static_bytes()), group=stage.topo.side)
+        costs = {n: c for room in rooms for n, c in room.costs.items()}
+        static = {n: b for room in rooms for n, b in room.static.items()}
         now = set(stage.owned_layers())
         after = decision.stages[stage.rank]
         held = [n for n in stage.model.names if n in now or n in after]

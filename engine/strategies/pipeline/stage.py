@@ -66,6 +66,7 @@ from engine.training.loss import counted, cross_entropy, share_loss
 from engine.models.layers import params_by_layer
 from engine.techniques.updates.updater import LayerUpdates
 from engine.runtime.events import Event
+from engine.runtime.topology import Groups
 from engine.strategies.base import Strategy
 from engine.strategies.pipeline.migration import Migration
 from engine.strategies.pipeline.rebalancing import Rebalancing
@@ -83,14 +84,13 @@ TIME_EVERY = 4   # a stage times its layers on every 4th step (and before each a
 
 class PipelineStage(Strategy):
     name = "pipeline"
-    global_batch = True   # every rank takes the whole global batch: stage 0 its inputs, the last its labels
     staged = True
 
     def __init__(self, model, stage_layers: list[list[str]] | str, topo, device, optim_cfg: OptimConfig,
                  settings: PipelineConfig, loss_fn=cross_entropy, update_cfg: UpdateConfig | None = None,
                  device_clock: Clock | None = None):
         """`stage_layers`: the layout to start in (configured_stages resolves `settings.partition` to it, or
-        "balanced"); `settings`: [parallel.pipeline] (engine/config/parallel.py)."""
+        "balanced"); `settings`: [parallel.pipeline] (PipelineConfig, spec.py)."""
         schedule, micro_batches, rebalance = settings.schedule, settings.micro_batches, settings.rebalance
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
@@ -129,8 +129,6 @@ class PipelineStage(Strategy):
             if rebalance != "off" or self.balance_first else math.inf
         self.rebalancer = Rebalancer(model, topo, rebalance, settings.imbalance_threshold,
                                      settings.rebalance_check_every, rate, micro_batches)
-        self.commands = ("pause", "resume", "stop", "checkpoint", "set-placement") + \
-            (("rebalance",) if rebalance != "off" else ())
         self.pending: list[list[str]] | None = None   # the layout the next step migrates to
         self.migration: Migration | None = None      # the last step's migration, until reported
         self.rebalancing = Rebalancing(self)   # the operator's command and the check, as the step loop asks
@@ -142,6 +140,11 @@ class PipelineStage(Strategy):
         self.stage_layers = [list(s) for s in stage_layers]
         self.start, self.end = ranges[self.rank]
         self.ledger_module = torch.nn.ModuleList(self.model.layers[self.start:self.end])
+
+    def parallel_groups(self, rank: int, world_size: int) -> Groups:
+        """Model parallel: its stages hold one copy of the model; every stage takes the whole batch (stage 0 its
+        inputs, the last its labels)."""
+        return Groups.model_parallel(rank, world_size)
 
     def tracked_module(self) -> torch.nn.Module:
         return self.ledger_module
@@ -336,8 +339,8 @@ class PipelineStage(Strategy):
         return super().events(step, table, run_dir) + self.rebalancing.migrated(step, table)
 
     def command(self, command: dict, step: int) -> list[Event] | None:
-        return self.rebalancing.command(command) if command["name"] == "rebalance" and "rebalance" in self.commands \
-            else None
+        taken = command["name"] == "rebalance" and self.rebalancer.mode != "off"   # its spec's commands say so
+        return self.rebalancing.command(command) if taken else None
 
     def boundary(self, step: int, trained: bool, memory) -> list[Event]:
         return self.rebalancing.boundary(step, trained, memory)

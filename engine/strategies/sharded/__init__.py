@@ -1,7 +1,7 @@
 """Techniques 1 and 2: sharded ownership, multi-stream sliced broadcast, forward gated per layer.
 
     strategy = ShardedStrategy(model, optim_cfg, topo, device, ShardedConfig(streams=2, slices=4), seed=0)
-                                          # ShardedConfig: [parallel.sharded] (engine/config/parallel.py)
+                                          # ShardedConfig: [parallel.sharded] (spec.py)
     loss = strategy.train_step(x, y)      # forward (gated), backward, reduce to owners, update, broadcast
     strategy.sync()                       # every broadcast in flight has landed (before a checkpoint)
 
@@ -47,22 +47,39 @@ each layer waits only for the broadcasts that carry that layer's parameters, so 
 broadcast of later layers overlaps the forward of earlier ones. Without it, the step
 waits for every broadcast before it returns.
 
-Here: plan.py (owners, slices, streams: pure functions), streams.py (the two-level exchange across hosts),
-reduce.py (each bucket's gradients to its owner, through the relays), strategy.py (ShardedStrategy: the step,
-the broadcast and its gates, checkpoints). It may import engine.config, engine.training.loss, engine.runtime (the
-ground: devices, topology, checkpoint, the comm meter), engine.models (the layer grouping),
+Here: spec.py (what it is before it is built, torch-free, on the config's floor: SPEC, its StrategySpec;
+ShardedConfig, its table; its checks), plan.py (owners, slices, streams: pure functions), streams.py (the
+two-level exchange across hosts), reduce.py (each bucket's gradients to its owner, through the relays),
+strategy.py (ShardedStrategy: the step, the broadcast and its gates, checkpoints). This file imports spec.py
+when loaded and the rest when first asked for (`from engine.strategies.sharded import ShardedStrategy`), so that
+reading the registry loads no torch. Its modules may import engine.config, engine.training.loss, engine.runtime
+(the ground: devices, topology, checkpoint, the comm meter), engine.models (the layer grouping),
 engine.techniques.updates and engine.strategies.base (the contract); nothing imports it back but the strategy
 factory, benches and tests. `build` makes it from a Config (its spec's builder).
 """
 
-from engine.strategies.sharded.plan import Slice, assign_owners, cut, plan_slices
-from engine.strategies.sharded.strategy import ShardedStrategy
+from __future__ import annotations
 
-__all__ = ["ShardedStrategy", "Slice", "assign_owners", "build", "cut", "plan_slices"]
+import importlib
+
+from engine.strategies.sharded.spec import SPEC, ShardedConfig
+
+__all__ = ["SPEC", "ShardedConfig", "ShardedStrategy", "Slice", "assign_owners", "build", "cut", "plan_slices"]
+
+LATER = {"ShardedStrategy": "strategy", "Slice": "plan", "assign_owners": "plan", "cut": "plan",
+         "plan_slices": "plan"}   # a name -> its module here, imported late
 
 
-def build(cfg, model, topo, device, loss_fn) -> ShardedStrategy:
-    """`parallel.strategy = "sharded"` from a Config (its spec's builder: engine/strategies/specs/sharded.py)."""
+def __getattr__(name: str):
+    """A torch-heavy export, imported when first asked for (PEP 562)."""
+    if name not in LATER:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{LATER[name]}"), name)
+
+
+def build(cfg, model, topo, device, loss_fn):
+    """`parallel.strategy = "sharded"` from a Config: a ShardedStrategy (its spec's builder, spec.py)."""
+    from engine.strategies.sharded.strategy import ShardedStrategy
     from engine.training.precision import reduce_dtype
     return ShardedStrategy(model, cfg.optim, topo, device, cfg.parallel.sharded, seed=cfg.run.seed,
                            update_cfg=cfg.update, loss_fn=loss_fn, reduce_dtype=reduce_dtype(cfg.precision),

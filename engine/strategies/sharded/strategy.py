@@ -46,7 +46,7 @@ class ShardedStrategy(Strategy):
                  settings: ShardedConfig | None = None, *, seed: int = 0, update_cfg: UpdateConfig | None = None,
                  loss_fn=cross_entropy, device_clock: Clock | None = None,
                  reduce_dtype: torch.dtype = torch.float32, accumulate: int = 1):
-        """`settings`: [parallel.sharded] (engine/config/parallel.py), its defaults where None."""
+        """`settings`: [parallel.sharded] (ShardedConfig, spec.py), its defaults where None."""
         settings = settings or ShardedConfig()
         streams, slices = settings.streams, settings.slices
         if slices < streams:

@@ -1,13 +1,14 @@
 """What a strategy is before it is built: StrategySpec, torch-free, so the config, its checks and the launcher
-know every strategy without importing one. A strategy's code is named in `module:function` strings that
-only the floors above resolve (resolve, called by make_strategy and worker_main).
+know every strategy without importing one. Each strategy's package holds its own in `spec.py`
+(engine/strategies/NAME/spec.py: its StrategySpec, its settings table and its checks); the registry lists them
+(registry.py). A strategy's code is named in `module:function` strings that only the floors above resolve
+(resolve, called by make_strategy, worker_main and the fork server's preload).
 
     spec = STRATEGIES[cfg.parallel.strategy]
     parts, words = spec.split(cfg)              # the global batch's equal parts: 4, "parallel.world_size = 4"
     strategy = resolve(spec.builder)(cfg, model, topo, device, loss_fn)
 
-Imports nothing of the engine when loaded: engine.config reads the registry as it loads, so a check imports
-what it needs of engine.config when it runs.
+Imports nothing of the engine: a strategy's spec.py imports it, and engine.config.declare, when loaded.
 """
 
 from __future__ import annotations
@@ -36,13 +37,18 @@ def same_commands(cfg) -> tuple[str, ...]:
     return COMMANDS
 
 
+def none_declined(cfg) -> dict[str, str]:
+    return {}
+
+
 @dataclass(frozen=True)
 class StrategySpec:
-    """One strategy: its name (`parallel.strategy`; its settings are the table `[parallel.NAME]`,
-    engine/config/parallel.py, handed to it whole), what it refuses, who shares the data, and where its code is."""
+    """One strategy: its name (`parallel.strategy`), its settings (the table `[parallel.NAME]`, handed to it
+    whole), what it refuses, who shares the data, and where its code is."""
 
     name: str
     about: str            # its line in `parallel.strategy`'s docs
+    settings: type        # its table's dataclass of setting()s (engine/config/declare.py): a field of ParallelConfig
     docs: str = ""        # its page, for the same line
     # who shares the data: the equal parts one global batch is cut into and how a message names them
     split: Callable[[Any], tuple[int, str]] = every_rank
@@ -51,8 +57,11 @@ class StrategySpec:
     holder: str = "every rank"   # who holds every layer, for the capacity's refusal (engine/run/checks.py)
     stages: str = ""        # "module:function(cfg, model, world) -> [[layer, ...], ...]": ranks hold stages
     commands: Callable[[Any], tuple[str, ...]] = same_commands   # the operator commands it takes (the hello's)
-    # its rules across keys, in order (engine/config/rules.py runs them): before the batch's split is checked,
-    checks: tuple[Check, ...] = ()
+    # its commands this config turns off, each with why: the hub's answer to one (the hello's `declined`)
+    declined: Callable[[Any], dict[str, str]] = none_declined
+    # its rules across keys, in order (engine/config/rules.py runs them): within its own table, whichever strategy
+    table_checks: tuple[Check, ...] = ()   # is chosen (every table is checked); where it is chosen, before the
+    checks: tuple[Check, ...] = ()         # batch's split is checked,
     checks_after_batch: tuple[Check, ...] = ()   # and after it (a problem here is reported once the batch splits)
     # keys it cannot take, each with why (the rule that owns the key phrases the refusal): "optim.clip_grad_norm"
     refuses: dict[str, str] = field(default_factory=dict)

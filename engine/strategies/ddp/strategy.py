@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from engine.training.data import micro_steps
 from engine.training.loss import cross_entropy, share_loss
-from engine.config import DdpConfig, OptimConfig, UpdateConfig
+from engine.config import OptimConfig, UpdateConfig
 from engine.models.layers import params_by_layer
 from engine.runtime.devices import LedgerDevice, tensor_bytes
 from engine.runtime.refusal import Refused
@@ -38,6 +38,7 @@ from engine.techniques.updates.updater import LayerUpdates
 from engine.runtime.meter import CommMeter, stream_entry
 from engine.runtime.topology import Topology
 from engine.strategies.base import Strategy
+from engine.strategies.ddp.spec import DdpConfig
 from engine.training.timing import Clock, StepTimes
 
 UNUSED_PARAMETERS = ("a parameter of the model got no gradient in a step (a layer that skips some of its parameters, "
@@ -53,7 +54,7 @@ class DDPStrategy(Strategy):
                  device: LedgerDevice, settings: DdpConfig | None = None, update_cfg: UpdateConfig | None = None,
                  loss_fn=cross_entropy, device_clock: Clock | None = None, reduce_dtype: torch.dtype = torch.float32,
                  accumulate: int = 1):
-        """`settings`: [parallel.ddp] (engine/config/parallel.py), its defaults where None."""
+        """`settings`: [parallel.ddp] (DdpConfig, spec.py), its defaults where None."""
         settings = settings or DdpConfig()
         self.model, self.topo, self.device, self.loss_fn = model, topo, device, loss_fn
         self.accumulate = accumulate   # micro-steps per update: all-reduced once, after the last
@@ -218,10 +219,3 @@ class DDPStrategy(Strategy):
 
     def checkpoint_state(self) -> tuple[dict, dict]:
         return super().checkpoint_state() if self.topo.is_first else ({}, {})
-
-
-def build(cfg, model, topo, device, loss_fn) -> DDPStrategy:
-    """`parallel.strategy = "ddp"` from a Config (its spec's builder: engine/strategies/specs/ddp.py)."""
-    from engine.training.precision import reduce_dtype
-    return DDPStrategy(model, cfg.optim, topo, device, cfg.parallel.ddp, update_cfg=cfg.update, loss_fn=loss_fn,
-                       reduce_dtype=reduce_dtype(cfg.precision), accumulate=cfg.data.accumulate)

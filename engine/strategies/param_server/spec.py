@@ -1,10 +1,49 @@
-"""`parallel.strategy = "param_server"`: technique 5 (engine/strategies/param_server/), with loops of its own:
-server ranks 0 to servers-1 in the run's group, each worker apart under a supervisor. Imports spec.py and,
-when its checks run, engine.config.declare."""
+"""`parallel.strategy = "param_server"`: technique 5, described before it is built: its StrategySpec
+(SPEC), its settings table `[parallel.param_server]` (ParamServerConfig) and its checks. It has loops
+of its own: server ranks 0 to servers-1 in the run's group, each worker apart under a supervisor. Torch-free,
+on the config's floor: imports engine.config.declare and engine.strategies.specs.spec."""
 
-from dataclasses import replace
+from __future__ import annotations
 
+from dataclasses import dataclass, replace
+from typing import Any
+
+from engine.config.declare import setting, show
 from engine.strategies.specs.spec import StrategySpec
+
+
+@dataclass
+class ParamServerConfig:
+    """`strategy = "param_server"`: `servers` ranks own the layers, `workers` ranks push each layer's gradient
+    and pull its weights, synchronised per layer by `sync` (docs/param_server.md)."""
+
+    servers: int = setting(1, "Server ranks (0 to servers-1); each owns whole layers, balanced by parameter "
+                              "bytes, with their optimizer state.", min=1, max=256)
+    workers: int = setting(1, "Worker ranks (servers to world_size-1), each training on its share of every "
+                              "global batch; servers + workers = world_size.", min=1, max=256)
+    sync: str = setting("soft", "How a layer's server combines the workers' gradients. `soft`: a window from the "
+                                "earliest arrival, as long as that worker's profiled forward+backward time of "
+                                "the layers before this one, then one update from what arrived; `bsp`: wait for "
+                                "every worker (synchronous data parallel); `asp`: apply each gradient on "
+                                "arrival; `ssp`: on arrival, with no worker more than `staleness_bound` "
+                                "iterations ahead of the slowest. Live: `set-sync`.",
+                        choices=("soft", "bsp", "asp", "ssp"))
+    staleness_bound: int = setting(2, "With `sync = \"ssp\"`: iterations the fastest worker may run ahead of the "
+                                      "slowest.", min=0, max=1_000_000)
+    staleness_scaling: bool = setting(True, "A gradient s old (`staleness_unit`) counts 1/(1+s) (false: every "
+                                            "gradient counts fully).")
+    staleness_unit: str = setting("rounds", "With `soft`: what a gradient's staleness s counts. `rounds`: the "
+                                            "full rounds' worth the layer's updates applied since its weights were "
+                                            "read (their scales summed: a window of k of n fresh gradients counts "
+                                            "k/n), so windows split finer do not make the same gradients staler; "
+                                            "`versions`: those updates, counted (asp and ssp always count "
+                                            "versions).",
+                                  choices=("versions", "rounds"))
+    slow_workers: Any = setting({}, "Emulate a heterogeneous cluster, e.g. `{5 = 3.0}`: worker rank 5 sleeps 2x "
+                                    "each layer's forward and backward time after it, so its compute takes 3x as "
+                                    "long.", kind="slow_workers")
+    sync_profile_steps: int = setting(3, "Iterations every worker measures before `sync` starts (run as `bsp`; "
+                                         "the first is not counted).", min=2, max=1000)
 
 
 def workers(cfg) -> tuple[int, str]:
@@ -16,7 +55,6 @@ def param_server_ranks(cfg) -> str | None:
     """param_server: `parallel.param_server.servers + workers = parallel.world_size`; `slow_workers` names
     worker ranks only; `memory.policy = "keep"` and `update.placement = "device"` (the servers update;
     the workers keep their activations)."""
-    from engine.config.declare import show
     p, ps = cfg.parallel, cfg.parallel.param_server
     if ps.servers + ps.workers != p.world_size:
         return (f"parallel.param_server.servers = {ps.servers} + parallel.param_server.workers = {ps.workers} must "
@@ -56,7 +94,6 @@ def at_world(cfg, world: int):
 
 def has_windows(cfg) -> str | None:
     """`emulate.kill_at = "window"`: a server's window, with `sync = "soft"` or `"bsp"`."""
-    from engine.config.declare import show
     e, p, ps = cfg.emulate, cfg.parallel, cfg.parallel.param_server
     at = f"emulate.kill_at = {show(e.kill_at)}"
     if p.strategy != "param_server" or ps.sync not in ("soft", "bsp"):
@@ -68,10 +105,11 @@ def has_windows(cfg) -> str | None:
     return None
 
 
-PARAM_SERVER = StrategySpec(
+SPEC = StrategySpec(
     name="param_server",
     about="server ranks own the layers, worker ranks push each layer's gradient and pull its weights, "
           "synchronised per layer",
+    settings=ParamServerConfig,
     docs="docs/param_server.md",
     split=workers,
     holder="every worker",

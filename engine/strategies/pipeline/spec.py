@@ -1,0 +1,104 @@
+"""`parallel.strategy = "pipeline"`: technique 4, described before it is built: its StrategySpec (SPEC),
+its settings table `[parallel.pipeline]` (PipelineConfig) and its checks. Every rank takes the whole global
+batch, cut into micro-batches; a rank holds a stage. Torch-free, on the config's floor: imports
+engine.config.declare and engine.strategies.specs.spec."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from engine.config.declare import setting, show
+from engine.strategies.specs.spec import COMMANDS, StrategySpec
+
+
+@dataclass
+class PipelineConfig:
+    """`strategy = "pipeline"`: one stage of consecutive layers per worker, micro-batches in flight, layers
+    migrating between stages while training runs (docs/pipeline.md)."""
+
+    micro_batches: int = setting(4, "Micro-batches per global batch (the batch must divide by it).",
+                                 min=1, max=4096)
+    schedule: str = setting("1f1b", "`1f1b` (one forward, one backward, after a warm-up) or `gpipe` (all "
+                                    "forwards, then all backwards).", choices=("1f1b", "gpipe"))
+    partition: Any = setting("uniform", "The layout at the start: `uniform` (the same number of layer clusters "
+                                        "per stage), `balanced` (the last stage times every layer on the first "
+                                        "micro-batch and splits the model time-optimally), or a list of "
+                                        "stages, each a list of layer names: "
+                                        "`[[\"fc0\", \"act0\"], [\"fc1\", \"head\"]]`. A stage is contiguous "
+                                        "and never cuts a Block. A run resumed from a pipeline's checkpoint of as "
+                                        "many stages continues in its layout; from any other, this decides it "
+                                        "(docs/checkpoints.md).", kind="partition")
+    rebalance: str = setting("auto", "`auto` (every `rebalance_check_every` steps the last stage compares stage "
+                                     "times and, past `imbalance_threshold`, moves layers between stages while "
+                                     "training runs), `manual` (only on the `rebalance` command, console key "
+                                     "`r`) or `off` (the layout never changes; the command is refused).",
+                             choices=("auto", "manual", "off"))
+    imbalance_threshold: float = setting(0.25, "How far apart the slowest and fastest stage may be before a "
+                                               "rebalance, and how much faster a new layout's slowest stage must "
+                                               "be to be taken: above 1 in milliseconds, from 0 to 1 a fraction "
+                                               "of the mean stage time.", min=0.0)
+    rebalance_check_every: int = setting(10, "With `rebalance = \"auto\"`: steps between checks (the stage times "
+                                             "are the mean over those steps).", min=1, max=1_000_000)
+
+
+def micro_batches(cfg) -> tuple[int, str]:
+    m = cfg.parallel.pipeline.micro_batches
+    return m, f"parallel.pipeline.micro_batches = {m}"
+
+
+def one_stage_per_worker(cfg) -> str | None:
+    """pipeline: a `parallel.pipeline.partition` list has `world_size` stages."""
+    partition, world = cfg.parallel.pipeline.partition, cfg.parallel.world_size
+    if isinstance(partition, list) and len(partition) != world:
+        return (f"parallel.pipeline.partition lists {len(partition)} stages but parallel.world_size = {world} "
+                f"(one stage per worker)")
+    return None
+
+
+def fixed_stages(cfg) -> str | None:
+    """With a range of hosts the stage count follows the world: a partition list (a fixed count) is refused."""
+    c, partition = cfg.cluster, cfg.parallel.pipeline.partition
+    if isinstance(partition, list):
+        return (f"parallel.pipeline.partition lists {len(partition)} stages: with a range of hosts "
+                f"(cluster.min_nnodes = {c.min_nnodes} to nnodes = {c.nnodes}) the stage count follows the "
+                f"world; use partition = \"uniform\" or \"balanced\"")
+    return None
+
+
+def has_migrations(cfg) -> str | None:
+    """`emulate.kill_at = "migration"`: a pipeline that rebalances."""
+    at, p = f"emulate.kill_at = {show(cfg.emulate.kill_at)}", cfg.parallel
+    if p.strategy != "pipeline" or p.pipeline.rebalance == "off":
+        return (f'{at}: needs parallel.strategy = "pipeline" with parallel.pipeline.rebalance = "auto" or "manual", '
+                f'where layers migrate (got parallel.strategy = {show(p.strategy)}, parallel.pipeline.rebalance = '
+                f'{show(p.pipeline.rebalance)})')
+    return None
+
+
+def commands(cfg) -> tuple[str, ...]:
+    return COMMANDS + (("rebalance",) if cfg.parallel.pipeline.rebalance != "off" else ())
+
+
+def declined(cfg) -> dict[str, str]:
+    if cfg.parallel.pipeline.rebalance != "off":
+        return {}
+    return {"rebalance": 'rebalancing is off in this run (parallel.pipeline.rebalance = "off")'}
+
+
+SPEC = StrategySpec(
+    name="pipeline",
+    about="one stage of consecutive layers per worker, micro-batches in flight",
+    settings=PipelineConfig,
+    docs="docs/pipeline.md",
+    split=micro_batches,
+    per_rank=False,
+    stages="engine.strategies.pipeline:stages_of",
+    commands=commands,
+    declined=declined,
+    checks_after_batch=(one_stage_per_worker,),
+    refuses={"emulate.slow_rank": "a pipeline's slow stage is emulate.slow_layer"},
+    moments={"migration": has_migrations},
+    in_host_range=fixed_stages,
+    builder="engine.strategies.pipeline:build",
+)

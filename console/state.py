@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from functools import lru_cache
 
 from rich.text import Text
 
@@ -34,7 +33,7 @@ COMMAND_KEYS = (("r", "rebalance", "rebalance"), ("k/s/c", "set-policy", "activa
                 ("u", "set-placement", "update device/host"), ("m", "set-sync", "sync mode soft/bsp/asp/ssp"),
                 ("p", "pause", "pause"), ("x", "checkpoint", "checkpoint"))
 REPLAY_KEYS = (("space", "play/pause"), ("n", "step"), ("+/-", "speed"))
-declared = lru_cache(maxsize=8)(protocol.declared)   # a mode's declarations, made once, not at every redraw
+EVERY_RUN = protocol.every_run()   # every run's declarations, for a hello without any: made once
 
 
 class RunState:
@@ -91,10 +90,11 @@ class RunState:
 
     @property
     def figures(self) -> list[dict]:
-        """The declarations of the figures this run's rank entries carry: the hello's `figures`, or for a hello
-        from before it had them (an older run, a replayed log), those engine.protocol declares for its mode."""
+        """The declarations of the figures this run's rank entries carry: the hello's `figures` (its strategy's
+        own among them), or for a hello from before it had them (an older run's, its log replayed), every run's,
+        which engine.protocol declares."""
         figures = self.hello.get("figures")
-        return figures if isinstance(figures, list) else declared(self.mode)
+        return figures if isinstance(figures, list) else EVERY_RUN
 
     def panel_figures(self, panel: str, rank: int | None = None) -> list[tuple[str, str, float]]:
         """(label, unit, value) of each figure the run declares `panel` shows, in declared order, from the

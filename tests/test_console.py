@@ -562,20 +562,26 @@ def feed_with(tmp_path: Path, feed: Path, in_rows: dict, **run_start) -> Path:
     return path
 
 
-def test_the_panels_figures_come_from_the_hellos_declarations_or_the_modes():
+def test_the_panels_figures_come_from_the_hellos_declarations():
+    """A strategy's own figures come in its hello (the console imports nothing of a strategy); a hello from
+    before `figures` gets every run's, engine.protocol's, and shows no strategy's own."""
+    from engine.strategies.specs.figures import declared   # what the engine's hello says (the test's, not the console's)
     rows = [{"rank": 0, "reduce_ms": 0.5, "broadcast_wait_ms": 2.0, "wire_ms": 1.0},
             {"rank": 1, "reduce_ms": 1.25, "broadcast_wait_ms": None, "wire_ms": 3.0}]
     state = RunState()
     state.apply({"type": "hello", "run": "old", "mode": "sharded", "world_size": 2})   # from before `figures`
     state.apply({"type": "step", "step": 1, "loss": 1.0, "ranks": rows})
-    assert state.figures == protocol.declared("sharded")
+    assert state.figures == protocol.every_run() and state.panel_figures(protocol.STREAMS) == []
+    state.apply({"type": "hello", "run": "sharded", "mode": "sharded", "world_size": 2,
+                 "figures": declared("sharded")})
+    state.apply({"type": "step", "step": 1, "loss": 1.0, "ranks": rows})
     assert state.panel_figures(protocol.STREAMS) == [("reduce", "ms", 1.25), ("broadcast wait", "ms", 2.0)]
     assert state.panel_figures(protocol.STREAMS, rank=0) == [("reduce", "ms", 0.5), ("broadcast wait", "ms", 2.0)]
     assert state.panel_figures(protocol.STAGES) == []
     # a run whose hello declares a figure this console never knew, and leaves reduce_ms off the panel
     wire = {"name": "wire_ms", "unit": "ms", "combine": "sum", "shows": ["log", "streams"], "optional": "absent",
             "label": "wire"}
-    figures = [wire if d["name"] == "reduce_ms" else d for d in protocol.declared("sharded")]
+    figures = [wire if d["name"] == "reduce_ms" else d for d in declared("sharded")]
     state.apply({"type": "hello", "run": "new", "mode": "sharded", "world_size": 2, "figures": figures})
     state.apply({"type": "step", "step": 1, "loss": 1.0, "ranks": rows})
     assert state.panel_figures(protocol.STREAMS) == [("wire", "ms", 4.0), ("broadcast wait", "ms", 2.0)]
@@ -583,10 +589,11 @@ def test_the_panels_figures_come_from_the_hellos_declarations_or_the_modes():
 
 @pytest.mark.timeout(60)
 def test_the_streams_panel_shows_what_a_live_runs_hello_declares_it_shows(engines, tmp_path):
+    from engine.strategies.specs.figures import declared
     wire = {"name": "wire_bytes", "unit": "bytes", "combine": "sum", "shows": ["log", "streams"], "optional": "",
             "label": "on the wire"}
     feed = feed_with(tmp_path, DDP_FEED, {"reduce_ms": 0.75, "broadcast_wait_ms": 1.5, "wire_bytes": 1024},
-                     strategy="sharded", figures=[*protocol.declared("sharded"), wire])
+                     strategy="sharded", figures=[*declared("sharded"), wire])
     engines("sharded-figures", feed)
 
     async def scenario():
@@ -601,8 +608,10 @@ def test_the_streams_panel_shows_what_a_live_runs_hello_declares_it_shows(engine
 
 
 @pytest.mark.timeout(60)
-def test_each_stage_shows_its_ranks_receive_wait_from_a_log_before_hellos_declared_figures(tmp_path):
-    feed = feed_with(tmp_path, PIPELINE_FEED, {"recv_wait_ms": 0.25})   # a replay: the mode's declarations
+def test_each_stage_shows_its_ranks_receive_wait_from_a_replayed_logs_declarations(tmp_path):
+    """A replay learns what the panels show from the log's run_start, which carries the hello's `figures`."""
+    from engine.strategies.specs.figures import declared
+    feed = feed_with(tmp_path, PIPELINE_FEED, {"recv_wait_ms": 0.25}, figures=declared("pipeline"))
 
     async def scenario():
         app = ConsoleApp(ReplaySource(feed, paused=True, preload=26))

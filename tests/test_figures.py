@@ -1,4 +1,5 @@
-"""Every per-rank figure is declared once (engine/telemetry/figures.py), and the exchange's columns, a rank
+"""Every per-rank figure is declared once (every run's in engine/telemetry/figures.py, a strategy's own in its
+spec.py; engine/strategies/specs/figures.py lists them all), and the exchange's columns, a rank
 entry's figures, its closed schema, docs/telemetry.md's table and the hello's `figures` (what a console's panels
 show) follow from that; a figure reported but not declared stops the exchange. The live logs of every strategy
 are validated in their own tests (validate_log)."""
@@ -18,8 +19,9 @@ from engine import protocol
 from engine.config import config_from_dict
 from engine.runtime.lifecycle import hello
 from engine.runtime.control import COLUMN, FIELDS, GPU_FIELDS, UndeclaredFigure, rank_rows, row_values
+from engine.strategies.specs import STRATEGIES
+from engine.strategies.specs.figures import FIGURES, LOGGED, declared
 from engine.telemetry import figures
-from engine.telemetry.figures import FIGURES, LOGGED
 from engine.telemetry.log import read_raw
 from engine.telemetry.schema import RANK_ENTRY, RECORD_SCHEMA
 from tests.conftest import ROOT, read_jsonl
@@ -35,7 +37,8 @@ def validate_log(path) -> list[dict]:
 
 
 def test_every_figure_is_declared_once_with_a_known_unit_combine_and_place():
-    assert len(FIGURES) == sum(len(group) for group in figures.CONTRIBUTORS.values())
+    every = [f for group in figures.COMMON.values() for f in group] + [f for s in STRATEGIES.values() for f in s.figures]
+    assert list(FIGURES.values()) == every   # none declared twice (a clash stops the import)
     for f in FIGURES.values():
         assert f.unit in figures.UNITS and f.combine in figures.COMBINES and f.optional in figures.OPTIONAL, f
         assert set(f.shows) <= {figures.LOG, figures.DEVICES, figures.FLEET, figures.STAGES, figures.STREAMS}, f
@@ -45,30 +48,31 @@ def test_every_figure_is_declared_once_with_a_known_unit_combine_and_place():
     assert COLUMN == {name: i for i, name in enumerate(FIELDS)}
 
 
-def test_the_console_reads_the_gpu_figures_and_the_declarations_from_the_protocol():
+def test_the_console_reads_the_gpu_figures_and_every_runs_declarations_from_the_protocol():
+    """A strategy's own figures reach the console in the hello, never through engine.protocol (the console
+    imports nothing of a strategy)."""
     assert protocol.GPU_FIELDS == GPU_FIELDS == ("allocated_bytes", "reserved_bytes", "allocator_peak_bytes",
                                                  "nvml_used_bytes", "nvml_total_bytes", "gpu_util_percent")
-    assert protocol.FIGURES is FIGURES and protocol.LOGGED == LOGGED
+    assert protocol.FIGURES is figures.FIGURES and set(protocol.FIGURES) < set(FIGURES)
+    assert protocol.every_run() == declared("a plugin's") and "reduce_ms" not in protocol.FIGURES
 
 
-def test_a_strategys_declarations_are_the_common_groups_and_its_own_as_json():
-    from engine.strategies.specs import STRATEGIES
-    assert set(STRATEGIES) <= set(figures.CONTRIBUTORS)   # a strategy's group is under the strategy's name
-    common = [f.name for group in figures.COMMON for f in figures.CONTRIBUTORS[group] if figures.LOG in f.shows]
-    for name in STRATEGIES:
-        declared = protocol.declared(name)
-        assert json.loads(json.dumps(declared)) == declared
-        own = [f.name for f in figures.CONTRIBUTORS[name] if figures.LOG in f.shows]
-        assert [d["name"] for d in declared] == common + own   # the exchange's own (stop, flops) in no record
-    assert [d["name"] for d in protocol.declared("a plugin's")] == common   # a strategy with no group of its own
+def test_a_strategys_declarations_are_every_runs_and_its_own_as_json():
+    common = [f.name for group in figures.COMMON.values() for f in group if figures.LOG in f.shows]
+    for name, spec in STRATEGIES.items():
+        said = declared(name)
+        assert json.loads(json.dumps(said)) == said
+        own = [f.name for f in spec.figures if figures.LOG in f.shows]
+        assert [d["name"] for d in said] == common + own   # the exchange's own (stop, flops) in no record
+    assert [d["name"] for d in declared("a plugin's")] == common   # a strategy with no figures of its own
 
     def shown(strategy, panel):
-        return [d["name"] for d in protocol.declared(strategy) if panel in d["shows"]]
+        return [d["name"] for d in declared(strategy) if panel in d["shows"]]
     assert shown("sharded", protocol.STREAMS) == ["reduce_ms", "reduce_span_ms", "broadcast_wait_ms",
                                                   "broadcast_span_ms"]
     assert shown("pipeline", protocol.STAGES) == ["recv_wait_ms"]
     assert not any(shown(name, panel) for name in ("ddp", "param_server") for panel in ("streams", "stages"))
-    assert next(d for d in protocol.declared("pipeline") if d["name"] == "recv_wait_ms") == {
+    assert next(d for d in declared("pipeline") if d["name"] == "recv_wait_ms") == {
         "name": "recv_wait_ms", "unit": "ms", "combine": "max", "shows": ["log", "stages"], "optional": "absent",
         "label": "recv wait"}
 
@@ -78,7 +82,7 @@ def test_the_hello_carries_its_strategys_declarations():
         cfg = config_from_dict({"parallel": {"strategy": strategy, "world_size": 2}})
         said = hello(cfg, SimpleNamespace(world_size=2, backend="gloo", hosts=lambda: [0, 0]),
                      SimpleNamespace(name="cpu", simulated=True, rank_names=None, note=""), ["fc0"], {}, [], [])
-        assert said["figures"] == protocol.declared(strategy)
+        assert said["figures"] == declared(strategy)
         json.dumps(said)
 
 

@@ -69,3 +69,27 @@ def test_the_config_reads_the_registry_without_torch():
             "[importlib.import_module(f'engine.strategies.{name}') for name in s.STRATEGIES]; "
             "assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_no_module_outside_the_strategies_branches_on_a_strategys_name():
+    """issue 56: the run, the telemetry, the console and the config ask a strategy's spec (its commands, its
+    split, its checks...), never compare a strategy's name: a comparison with a name in quotes, or membership
+    in a literal holding one, outside engine/strategies/ (the strategies' own packages) and engine/bench/."""
+    import ast
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    names = set(STRATEGIES)
+    found = []
+    for folder in ("engine", "console", "widgets", "demo"):
+        for path in sorted((root / folder).rglob("*.py")):
+            rel = path.relative_to(root).as_posix()
+            if rel.startswith(("engine/strategies/", "engine/bench/")):
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if not isinstance(node, ast.Compare):
+                    continue
+                for side in [node.left, *node.comparators]:
+                    literals = side.elts if isinstance(side, (ast.Tuple, ast.List, ast.Set)) else [side]
+                    if any(isinstance(x, ast.Constant) and x.value in names for x in literals):
+                        found.append(f"{rel}:{node.lineno}")
+    assert found == []

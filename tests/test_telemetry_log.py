@@ -87,6 +87,23 @@ def test_columns_overlay_the_last_full_rows_and_a_missing_rank_goes_stale():
     assert third["ranks"][1]["used_bytes"] == 150
 
 
+def test_the_panels_figures_are_columns_every_step_where_the_ranks_report_them():
+    """A stage's receive wait and sharded's waits are what the stages and streams panels show: columns on the
+    steps between full rows (a wait back to 0 too), in no column where no rank reports them (ddp's rows). The
+    writer names them (the strategies' declarations); a reader overlays whatever columns come."""
+    from engine.strategies.specs.figures import PANEL_COLUMNS
+    assert {"recv_wait_ms", "reduce_ms", "broadcast_wait_ms"} <= set(PANEL_COLUMNS)
+    assert not {"recv_wait_ms", "reduce_ms"} & set(protocol.rank_columns(FULL, PANEL_COLUMNS))
+    stages = [{**e, "recv_wait_ms": 4.0 if e["rank"] else 0.0} for e in FULL]
+    columns = protocol.rank_columns(stages, PANEL_COLUMNS)
+    assert columns["recv_wait_ms"] == [0.0, 4.0, 4.0]
+    later = protocol.rank_columns([{**e, "recv_wait_ms": 0.0} for e in stages], PANEL_COLUMNS)
+    jsonschema.validate({"schema": 1, "time": 0.0, "type": "step", "step": 2, "loss": 1.0, "samples_per_s": 1.0,
+                         "step_ms": 10.0, "per_rank": later}, RECORD_SCHEMA)
+    rows = protocol.expand_ranks({"step": 2, "per_rank": later}, {"step": 1, "ranks": stages})
+    assert [e["recv_wait_ms"] for e in rows] == [0.0, 0.0, 0.0]
+
+
 def test_memory_columns_count_units_of_the_capacity_and_the_peak_rounds_up():
     gib, mib = 1 << 30, 1 << 20
     rows = [{"rank": 0, "step_ms": 1.0, "compute_ms": 1.0, "wait_ms": 0.0, "used_bytes": 33 * gib + 3,

@@ -3,9 +3,9 @@
     table = exchange(topo, {"loss": 2.3, "stop": 0.0, ...}, command_bytes=len(payload))
     commands = share_commands(topo, payload, table)      # the same list on every rank
 
-One all-gather of a small float vector per step carries every figure engine/telemetry/figures.py
-declares to be exchanged (loss, timings, ledger figures, a GPU's allocator and NVML figures, a strategy's
-own), the stop flag and the length of rank 0's command payload; only when that length is non-zero does a
+One all-gather of a small float vector per step carries every figure declared to be exchanged (every
+run's, engine/telemetry/figures.py: loss, timings, ledger figures, a GPU's allocator and NVML figures; and
+each strategy's own, its spec's: engine/strategies/specs/figures.py), the stop flag and the length of rank 0's command payload; only when that length is non-zero does a
 broadcast of the payload follow. Both run on the side group, so every rank sees the same commands at the
 same step and applies them there. A figure reported but not declared stops the run (UndeclaredFigure).
 """
@@ -18,17 +18,17 @@ import torch
 import torch.distributed as dist
 
 from engine.runtime.topology import Topology
-from engine.telemetry.figures import (CHECKPOINT_FIELDS, EXCHANGED, FIGURES, GPU_FIELDS,  # noqa: F401
-                                      INTEGER_UNITS, LOG, undeclared)
+from engine.strategies.specs.figures import EXCHANGED, FIGURES, undeclared
+from engine.telemetry.figures import CHECKPOINT_FIELDS, GPU_FIELDS, INTEGER_UNITS, LOG  # noqa: F401
 
-# the columns, declared by the figures' contributors (engine/telemetry/figures.py; CHECKPOINT_FIELDS and
-# GPU_FIELDS come from there too)
+# the columns, declared by the figures' contributors (every run's and each strategy's: EXCHANGED; CHECKPOINT_FIELDS
+# and GPU_FIELDS come from engine/telemetry/figures.py)
 FIELDS = EXCHANGED
 COLUMN = {name: i for i, name in enumerate(FIELDS)}
 
 
 class UndeclaredFigure(ValueError):
-    """A figure reported to the exchange that engine/telemetry/figures.py does not declare."""
+    """A figure reported to the exchange that nobody declares (engine/strategies/specs/figures.py)."""
 
 
 _ABSENT = float("nan")

@@ -7,7 +7,7 @@ run core (engine/runtime/run_core.py) writes them.
     announce(tel, cfg, topo, device, names, first_step, restart, resumed_from)   # rank 0: run_start
     core.record(step_record(step, loss, lr, ranks, samples_per_s=..., step_ms=..., ...))   # rank 0, every step
 
-Imports (when a hello is made) the strategies' registry and the figures' declarations.
+Imports (when a hello is made) the strategies' registry and their figures (engine/strategies/specs/).
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def hello(cfg, topo, device, names, layout: dict, updated_layers: list[str], loo
     with why; `figures`, the declarations of the figures this strategy's rank entries carry, from which a
     console learns what each panel shows."""
     from engine.strategies.specs import STRATEGIES   # each strategy's commands (the config's floor)
-    from engine.telemetry.figures import declared   # the figures' declarations (floor 0)
+    from engine.strategies.specs.figures import declared   # every run's figures and the strategy's own
     spec = STRATEGIES[cfg.parallel.strategy]
     capabilities = list(spec.commands(cfg)) + [c for c in loop_commands if c not in spec.commands(cfg)]
     return {"run": cfg.run.name, "mode": cfg.parallel.strategy, "world_size": topo.world_size,
@@ -86,15 +86,17 @@ def step_record(step: int, loss: float | None, lr: float, ranks: list[dict], *, 
 
 def announce(tel, cfg, topo, device, names, first_step: int, restart: int, resumed_from,
              layout: dict | None = None, resumed: dict | None = None) -> None:
-    """Rank 0: the run_start record, and the restart and resume events (`resumed`: the resume event's other
-    fields, the load's time and the job shape that wrote the checkpoint)."""
+    """Rank 0: the run_start record (with the hello's `figures`, which a replay of the log learns from), and the
+    restart and resume events (`resumed`: the resume event's other fields, the load's time and the job shape
+    that wrote the checkpoint)."""
     if not topo.is_first:
         return
+    from engine.strategies.specs.figures import declared
     start = {"type": "run_start", "name": cfg.run.name, "strategy": cfg.parallel.strategy,
              "world_size": topo.world_size, **world_range(cfg), "hosts": topo.hosts(), "backend": topo.backend,
              **device_fields(device),
              "layers": list(names), "first_step": first_step,
-             "restart": restart, "config": cfg.to_dict()}
+             "restart": restart, "config": cfg.to_dict(), "figures": declared(cfg.parallel.strategy)}
     if layout is not None:
         start["layout"] = layout
     tel._write(start)

@@ -1,16 +1,17 @@
-"""Every per-rank figure, declared once by the part of the engine that reports it.
+"""Every per-rank figure every run reports, declared once by the part of the engine that reports it; a
+strategy's own figures are declared in its package (its spec.py: StrategySpec.figures), and every run's
+whole list is engine/strategies/specs/figures.py's.
 
-    FIGURES["reduce_ms"]     # Figure(name="reduce_ms", unit="ms", combine="max", shows=("log",), ...)
-    EXCHANGED                # the boundary's columns, in order (engine/runtime/control.py FIELDS)
-    LOGGED                   # the keys of a step record's `ranks` entries (engine/telemetry/schema.py)
-    undeclared({"loss": 1.0, "foo_ms": 2.0})   # ["foo_ms"]: a figure nobody declared
-    declared("sharded")      # [{"name": "rank", "unit": "rank", "combine": "none", "shows": [...], ...}, ...]
+    Figure("reduce_ms", "ms", "max", (LOG, STREAMS), optional="absent")   # a declaration
+    own_ms("reduce_ms", STREAMS)   # the same: a time only some strategies measure, absent from others' entries
+    FIGURES["step_ms"]       # every run's figures, by name (COMMON: the groups)
+    declarations(figures)    # [{"name": "rank", "unit": "rank", "combine": "none", "shows": [...], ...}, ...]
     combine("max", [0.5, 1.25])   # 1.25: the ranks' values read as one, as a declaration's combine says
 
-From these come the exchange's columns, how a rank entry writes each figure, the closed JSON schema of a
-rank entry, the check on docs/telemetry.md's table of them and the hello's `figures`, from which a console
-learns what each of its panels shows. Torch-free: the console reads them too, through engine.protocol.
-Imports nothing.
+From the declarations come the exchange's columns, how a rank entry writes each figure, the closed JSON
+schema of a rank entry, the check on docs/telemetry.md's table of them and the hello's `figures`, from which
+a console learns what each of its panels shows. Torch-free: the console reads them too, through
+engine.protocol (every run's; a strategy's own come in the hello). Imports nothing.
 """
 
 from __future__ import annotations
@@ -36,15 +37,15 @@ class Figure:
     exchanged: bool = True   # False: written into the rank entry after the exchange (a role, a staleness)
 
 
-def _ms(name, *shows, optional=""):   # a time on one rank: the ranks' slowest is what a step waits for
+def ms(name, *shows, optional=""):   # a time on one rank: the ranks' slowest is what a step waits for
     return Figure(name, "ms", "max", (LOG, *shows), optional=optional)
 
 
-def _own(name, *shows):   # a time only some modes measure: absent from others' entries (no zeros in every mode's log)
-    return _ms(name, *shows, optional="absent")
+def own_ms(name, *shows):   # a time only some modes measure: absent from others' entries (no zeros in every log)
+    return ms(name, *shows, optional="absent")
 
 
-def _bytes(name, *shows, required=False):   # bytes one rank holds or moves: the ranks' add up
+def nbytes(name, *shows, required=False):   # bytes one rank holds or moves: the ranks' add up
     return Figure(name, "bytes", "sum", (LOG, *shows), required=required)
 
 
@@ -58,22 +59,25 @@ CORE = (
     Figure("fwd_ms", "ms", "max", (LOG, FLEET), required=True),
     Figure("bwd_ms", "ms", "max", (LOG, FLEET), required=True),
     Figure("optim_ms", "ms", "max", (LOG,), required=True),
-    _ms("compute_ms", FLEET),
+    ms("compute_ms", FLEET),
     Figure("wait_ms", "ms", "max", (LOG, FLEET), required=True),
     Figure("flops", "flops", "sum", ()),
+    # rows a reader overlays columns on, older than their step (engine.protocol.with_ranks), and a parameter
+    # server's overdue workers
+    Figure("stale_steps", "count", "max", (LOG, FLEET), optional="absent", exchanged=False),
 )
 # the device (engine/runtime/devices.py): the ledger's categories and gauges, then a GPU's own
 DEVICE = (
-    *(_bytes(f"{k}_bytes", DEVICES, required=True) for k in ("parameters", "gradients", "optimizer_state")),
-    _bytes("master_bytes", DEVICES),
-    _bytes("activations_bytes", DEVICES, required=True),
-    _bytes("inputs_bytes", DEVICES),
-    _bytes("swapped_bytes", DEVICES, required=True),
-    _bytes("used_bytes", DEVICES, FLEET, required=True),
+    *(nbytes(f"{k}_bytes", DEVICES, required=True) for k in ("parameters", "gradients", "optimizer_state")),
+    nbytes("master_bytes", DEVICES),
+    nbytes("activations_bytes", DEVICES, required=True),
+    nbytes("inputs_bytes", DEVICES),
+    nbytes("swapped_bytes", DEVICES, required=True),
+    nbytes("used_bytes", DEVICES, FLEET, required=True),
     Figure("peak_bytes", "bytes", "max", (LOG, DEVICES, FLEET), required=True),
     Figure("capacity_bytes", "bytes", "min", (LOG, DEVICES, FLEET), required=True),
     Figure("over_capacity", "flag", "max", (LOG, DEVICES, FLEET), required=True),
-    _bytes("rss_bytes", DEVICES, FLEET, required=True),
+    nbytes("rss_bytes", DEVICES, FLEET, required=True),
     Figure("cpu_percent", "core_percent", "mean", (LOG, DEVICES), required=True),
 )
 GPU = tuple(Figure(name, unit, combine, (LOG, DEVICES, FLEET), optional="absent") for name, unit, combine in (
@@ -87,16 +91,16 @@ MEMORY = (
     Figure("plan_made", "flag", "max", ()),
     Figure("plan_estimate_bytes", "bytes", "max", ()),
     Figure("min_capacity_bytes", "bytes", "max", ()),
-    _bytes("swapped_out_bytes"),
-    _ms("link_wait_ms", DEVICES),
+    nbytes("swapped_out_bytes"),
+    ms("link_wait_ms", DEVICES),
 )
 # the optimizer updates, device or host (engine/techniques/updates/updater.py timings)
 UPDATES = (
-    _bytes("host_bytes", DEVICES),
-    _ms("host_busy_ms"),
-    _own("update_device_ms"),
-    _own("host_gate_ms"),
-    _bytes("host_link_bytes"),
+    nbytes("host_bytes", DEVICES),
+    ms("host_busy_ms"),
+    own_ms("update_device_ms"),
+    own_ms("host_gate_ms"),
+    nbytes("host_link_bytes"),
 )
 # `[model] compile` (engine/models/compile.py compile_figures): cumulative, absent while nothing compiled
 COMPILE = (Figure("compile_ms", "ms", "max", optional="zero"),
@@ -110,44 +114,10 @@ CHECKPOINT = (
     Figure("ckpt_stall_ms", "ms", "max", ()),
     Figure("ckpt_write_ms", "ms", "max", ()),
 )
-# ddp (engine/strategies/ddp.py): after the last gradient, the all-reduce's tail and the updates
-DDP = (_own("after_backward_ms"),)
-# sharded (engine/strategies/sharded/strategy.py): ownership, the reduce onto owners, the sliced broadcast; the
-# streams panel shows the reduce's and the broadcast's waits and spans beside the streams that carry them
-SHARDED = (
-    _bytes("owned_bytes", DEVICES),
-    _ms("gate_ms"),
-    _own("reduce_ms", STREAMS),
-    _own("reduce_span_ms", STREAMS),
-    _own("broadcast_issue_ms"),
-    _own("broadcast_wait_ms", STREAMS),
-    _own("broadcast_span_ms", STREAMS),
-    _own("host_wait_ms"),
-)
-# pipeline (engine/strategies/pipeline/stage.py): a stage's traffic, its waits (on its line of the stages panel),
-# its layers' moves
-PIPELINE = (
-    _bytes("sent_bytes"),
-    _own("recv_wait_ms", STAGES),
-    _bytes("migration_bytes"),
-    _ms("migration_ms"),
-)
-# param_server (engine/strategies/param_server/coordinator.py): written into rank 0's entries, not exchanged;
-# stale_steps also by a reader overlaying columns on older rows (engine.protocol.with_ranks)
-PARAM_SERVER = (
-    Figure("role", "role", "none", (LOG, FLEET), optional="absent", exchanged=False),
-    Figure("alive", "flag", "none", (LOG, DEVICES, FLEET), optional="absent", exchanged=False),
-    Figure("stale_steps", "count", "max", (LOG, FLEET), optional="absent", exchanged=False),
-)
-
-# a strategy's group is CONTRIBUTORS[its name]; every run reports these besides
-COMMON = ("core", "device", "gpu", "memory", "updates", "compile", "checkpoint")
-CONTRIBUTORS = {"core": CORE, "device": DEVICE, "gpu": GPU, "memory": MEMORY, "updates": UPDATES,
-                "compile": COMPILE, "checkpoint": CHECKPOINT, "ddp": DDP, "sharded": SHARDED, "pipeline": PIPELINE,
-                "param_server": PARAM_SERVER}
-FIGURES = {f.name: f for group in CONTRIBUTORS.values() for f in group}
-EXCHANGED = tuple(f.name for f in FIGURES.values() if f.exchanged)
-LOGGED = tuple(f.name for f in FIGURES.values() if LOG in f.shows)
+# what every run reports, by contributor; a strategy's own: its spec's `figures` (engine/strategies/*/spec.py)
+COMMON = {"core": CORE, "device": DEVICE, "gpu": GPU, "memory": MEMORY, "updates": UPDATES, "compile": COMPILE,
+          "checkpoint": CHECKPOINT}
+FIGURES = {f.name: f for group in COMMON.values() for f in group}
 GPU_FIELDS = tuple(f.name for f in GPU)
 CHECKPOINT_FIELDS = tuple(f.name for f in CHECKPOINT)
 # what device.stats() says of the device besides its figures: words, said once in `run_start`, never exchanged
@@ -167,29 +137,23 @@ def json_type(figure: Figure) -> dict:
     return dict(_JSON[figure.unit])
 
 
-def undeclared(values: dict) -> list[str]:
-    """The names in `values` the exchange has no column for (a figure nobody declared, or one not exchanged)."""
-    return [k for k in values if k not in _EXCHANGED_SET and k not in WORDS]
-
-
-_EXCHANGED_SET = frozenset(EXCHANGED)
-
-
 def label(figure: Figure) -> str:
     """A figure's name in a panel's words: without its unit's suffix, spaced (`broadcast_wait_ms` -> `broadcast
     wait`, `swap_layers` -> `swap layers`)."""
     return figure.name.removesuffix(f"_{figure.unit}").replace("_", " ")
 
 
-def declared(strategy: str) -> list[dict]:
-    """The declarations of the figures a run of `strategy` writes into its rank entries, as JSON (the hello's
-    `figures`): the common groups' and the strategy's own (none for a strategy with no group), each with its
-    `name`, `unit`, `combine`, `shows`, `optional` and `label`. The exchange's own figures, in no record, are
-    left out."""
-    groups = (*COMMON, strategy) if strategy not in COMMON else COMMON
+def declarations(figures) -> list[dict]:
+    """`figures` as JSON (the hello's `figures`), those a rank entry carries: each with its `name`, `unit`,
+    `combine`, `shows`, `optional` and `label`. The exchange's own figures, in no record, are left out."""
     return [{"name": f.name, "unit": f.unit, "combine": f.combine, "shows": list(f.shows), "optional": f.optional,
-             "label": label(f)}
-            for group in groups for f in CONTRIBUTORS.get(group, ()) if LOG in f.shows]
+             "label": label(f)} for f in figures if LOG in f.shows]
+
+
+def every_run() -> list[dict]:
+    """What a console knows of a run whose hello declares no figures (an older run, a replayed log): every
+    run's, none of its strategy's own."""
+    return declarations(FIGURES.values())
 
 
 def combine(how: str, values: list) -> float | bool | None:

@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 
+from engine.strategies.specs.figures import PANEL_COLUMNS   # the panels' figures: columns every step
 from engine.telemetry.headless import HeadlessProgress
 from engine.telemetry.log import TelemetryLog
 from engine.telemetry.protocol import ps_columns, rank_columns
@@ -74,7 +75,7 @@ class RankRows:
             self.due, self.next_full, self.layers_due = False, step + self.every, True
             return record, True
         if "ranks" in record:
-            record = {**record, "per_rank": rank_columns(record["ranks"])}
+            record = {**record, "per_rank": rank_columns(record["ranks"], PANEL_COLUMNS)}
             del record["ranks"]
         if isinstance(record.get("ps"), dict) and "workers" in record["ps"]:
             record = {**record, "ps": ps_columns(record["ps"])}

@@ -22,10 +22,11 @@ import stat
 import time
 from pathlib import Path
 
-# every per-rank figure, declared once (GPU_FIELDS: a CUDA rank's own, absent rather than 0 on a CPU rank); a
-# run's declarations (the hello's `figures`, or `declared(mode)` for a hello from before it had them) say which
-# figures each console panel (STAGES, STREAMS) shows, and `combine` reads the ranks' values as one
-from engine.telemetry.figures import FIGURES, GPU_FIELDS, LOGGED, STAGES, STREAMS, combine, declared  # noqa: F401
+# every run's per-rank figures, declared once (GPU_FIELDS: a CUDA rank's own, absent rather than 0 on a CPU rank);
+# a run's declarations (the hello's `figures`, with its strategy's own; `every_run()` for a hello from before it
+# had them) say which figures each console panel (STAGES, STREAMS) shows, and `combine` reads the ranks' values
+# as one
+from engine.telemetry.figures import FIGURES, GPU_FIELDS, STAGES, STREAMS, combine, every_run  # noqa: F401
 # a step record's compact forms and the log's parts (records.py), read through this door too
 from engine.telemetry.records import (MEMORY_COLUMNS, MEMORY_STEPS, OPTIONAL_MEMORY_COLUMNS,  # noqa: F401
                                       OPTIONAL_RANK_COLUMNS, PS_LAYER_COLUMNS, PS_WORKER_COLUMNS, RANK_COLUMNS,

@@ -22,6 +22,9 @@ from pathlib import Path
 # ms; memory is in `memory_unit` bytes (a power of two, 1/65536 of the largest capacity or finer), so a
 # figure takes 5 digits, not 11: used and NVML's used to the nearest unit, the peak rounded up (a peak
 # under the capacity in the columns is under it in bytes too).
+# Besides, the figures the console's streams and stages panels show (sharded's reduce and broadcast waits, a
+# stage's receive wait: declared with the strategy, engine/strategies/specs/figures.py PANEL_COLUMNS), which the
+# writer names (`panel`): a column of each a rank reports, its own name in the rows.
 RANK_COLUMNS = ("step_ms", "compute_ms", "wait_ms")
 MEMORY_COLUMNS = {"used": "used_bytes", "peak": "peak_bytes"}
 OPTIONAL_MEMORY_COLUMNS = {"nvml_used": "nvml_used_bytes"}   # only where a rank has it (a GPU with NVML)
@@ -35,15 +38,17 @@ def memory_unit(ranks: list[dict]) -> int:
     return 1 << max((capacity // MEMORY_STEPS).bit_length() - 1, 0)
 
 
-def rank_columns(ranks: list[dict]) -> dict:
+def rank_columns(ranks: list[dict], panel: tuple[str, ...] = ()) -> dict:
     """Full rank rows -> the compact `per_rank` columns, by row order: `{"step_ms": [..], ..., "memory_unit":
-    1048576, "used": [..], "peak": [..]}`; `rank` is a column only when the rows are not ranks 0..n-1."""
+    1048576, "used": [..], "peak": [..]}`; `rank` is a column only when the rows are not ranks 0..n-1; each of
+    `panel` where a rank reports it (a 0 too)."""
     columns: dict = {}
     if [row["rank"] for row in ranks] != list(range(len(ranks))):
         columns["rank"] = [row["rank"] for row in ranks]
-    for name in RANK_COLUMNS + OPTIONAL_RANK_COLUMNS:
+    for name in RANK_COLUMNS + OPTIONAL_RANK_COLUMNS + tuple(panel):
         values = [row.get(name) for row in ranks]
-        if name in RANK_COLUMNS or any(values):
+        reported = any(v is not None for v in values) if name in panel else any(values)   # a 0 wait too
+        if name in RANK_COLUMNS or reported:
             columns[name] = [round(v, 2) if isinstance(v, float) else v for v in values]
     unit = columns["memory_unit"] = memory_unit(ranks)
     for name, field in {**MEMORY_COLUMNS, **OPTIONAL_MEMORY_COLUMNS}.items():
@@ -67,8 +72,9 @@ def expand_ranks(record: dict, previous: dict | None) -> list[dict] | None:
     order = columns.get("rank") or list(range(len(columns.get("step_ms") or [])))
     gap = record.get("step", 0) - (previous or {}).get("step", record.get("step", 0))
     unit = columns.get("memory_unit") or 1
-    fields = {**{name: (name, 1) for name in RANK_COLUMNS + OPTIONAL_RANK_COLUMNS},
-              **{name: (field, unit) for name, field in {**MEMORY_COLUMNS, **OPTIONAL_MEMORY_COLUMNS}.items()}}
+    memory = {name: (field, unit) for name, field in {**MEMORY_COLUMNS, **OPTIONAL_MEMORY_COLUMNS}.items()}
+    # every other column is a figure under its own name (RANK_COLUMNS, stale_steps, the writer's panel columns)
+    fields = {**{name: (name, 1) for name in columns if name not in ("rank", "memory_unit")}, **memory}
     rows = {rank: {**row, "stale_steps": row.get("stale_steps", 0) + max(gap, 0)} for rank, row in before.items()}
     for i, rank in enumerate(order):
         row = {**before.get(rank, {"rank": rank}), "stale_steps": 0}

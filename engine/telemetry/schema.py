@@ -2,16 +2,18 @@
 
 Tests validate every record a run writes against RECORD_SCHEMA, so the documentation,
 the schema and the writer cannot drift apart. A step record's rank entry comes from the figures'
-declarations (engine/telemetry/figures.py), closed: a key no one declared fails.
+declarations (every run's and every strategy's: engine/strategies/specs/figures.py), closed: a key no one
+declared fails.
 """
 
-from engine.telemetry.figures import FIGURES, LOGGED, json_type
+from engine.strategies.specs.figures import FIGURES, LOGGED, PANEL_COLUMNS
+from engine.telemetry.figures import json_type
 from engine.telemetry.protocol import (MEMORY_COLUMNS, OPTIONAL_MEMORY_COLUMNS, OPTIONAL_RANK_COLUMNS,
                                        PS_LAYER_COLUMNS, PS_WORKER_COLUMNS, RANK_COLUMNS, SYNC_MODES)
 
 _BYTES = {"type": "integer", "minimum": 0}
 
-# closed: every key of a rank entry is a figure engine/telemetry/figures.py declares, of its unit's type
+# closed: every key of a rank entry is a declared figure, of its unit's type
 RANK_ENTRY = {
     "type": "object",
     "required": [name for name in LOGGED if FIGURES[name].required],
@@ -57,7 +59,9 @@ RUN_START = {
                    "simulated": {"type": "boolean"}, "devices": {"type": "array", "items": {"type": "string"}},
                    "device_note": {"type": "string"},
                    "layers": {"type": "array", "items": {"type": "string"}}, "first_step": {"type": "integer", "minimum": 0}, "restart": {"type": "integer", "minimum": 0},
-                   "config": {"type": "object"}},
+                   "config": {"type": "object"},
+                   # the hello's declarations of the figures its rank entries carry (docs/protocol.md, hello)
+                   "figures": {"type": "array", "items": {"type": "object", "required": ["name", "unit", "shows"]}}},
 }
 
 PS = {   # param_server: the sync mode, every worker, every layer with parameters (or their columns)
@@ -99,7 +103,7 @@ _UNITS = {"type": "array", "minItems": 1, "items": {"type": ["integer", "null"],
 PER_RANK = {
     "type": "object", "required": [*RANK_COLUMNS, "memory_unit", *MEMORY_COLUMNS], "additionalProperties": False,
     "properties": {"rank": {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}},
-                   **{k: _COLUMN for k in RANK_COLUMNS + OPTIONAL_RANK_COLUMNS},
+                   **{k: _COLUMN for k in RANK_COLUMNS + OPTIONAL_RANK_COLUMNS + PANEL_COLUMNS},
                    "memory_unit": {"type": "integer", "minimum": 1},
                    **{k: _UNITS for k in [*MEMORY_COLUMNS, *OPTIONAL_MEMORY_COLUMNS]}},
 }

@@ -1,6 +1,7 @@
 """`parallel.strategy = "ddp"`: torch DistributedDataParallel, the baseline, described before it is built: its
 StrategySpec and its settings table `[parallel.ddp]` (DdpConfig). Torch-free, on the config's floor: imports
-engine.config.declare and engine.strategies.specs.spec."""
+engine.config.declare, engine.telemetry.figures (its figures: FIGURES) and
+engine.strategies.specs.spec."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from dataclasses import dataclass
 
 from engine.config.declare import setting
 from engine.strategies.specs.spec import StrategySpec
+from engine.telemetry.figures import own_ms
 
 
 @dataclass
@@ -23,9 +25,14 @@ class DdpConfig:
                                                   "one tensor and need neither.")
 
 
+# its figures besides every run's (engine/strategies/ddp/strategy.py): after the last gradient, the
+# all-reduce's tail and the updates
+FIGURES = (own_ms("after_backward_ms"),)
+
 SPEC = StrategySpec(
     name="ddp",
     about="torch DistributedDataParallel, the baseline",
     settings=DdpConfig,
     builder="engine.strategies.ddp:build",
+    figures=FIGURES,
 )

@@ -1,7 +1,8 @@
 """`parallel.strategy = "param_server"`: technique 5, described before it is built: its StrategySpec
 (SPEC), its settings table `[parallel.param_server]` (ParamServerConfig) and its checks. It has loops
 of its own: server ranks 0 to servers-1 in the run's group, each worker apart under a supervisor. Torch-free,
-on the config's floor: imports engine.config.declare and engine.strategies.specs.spec."""
+on the config's floor: imports engine.config.declare, engine.telemetry.figures (its figures: FIGURES) and
+engine.strategies.specs.spec."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 
 from engine.config.declare import setting, show
 from engine.strategies.specs.spec import StrategySpec
+from engine.telemetry.figures import DEVICES, FLEET, LOG, Figure
 
 
 @dataclass
@@ -105,6 +107,13 @@ def has_windows(cfg) -> str | None:
     return None
 
 
+# its figures besides every run's: written into rank 0's entries by the coordinator
+# (engine/strategies/param_server/coordinator.py), not exchanged
+FIGURES = (
+    Figure("role", "role", "none", (LOG, FLEET), optional="absent", exchanged=False),
+    Figure("alive", "flag", "none", (LOG, DEVICES, FLEET), optional="absent", exchanged=False),
+)
+
 SPEC = StrategySpec(
     name="param_server",
     about="server ranks own the layers, worker ranks push each layer's gradient and pull its weights, "
@@ -125,4 +134,5 @@ SPEC = StrategySpec(
     loops="engine.strategies.param_server:run_server",
     apart="engine.strategies.param_server:supervise",
     apart_from=lambda cfg: cfg.parallel.param_server.servers,
+    figures=FIGURES,
 )

@@ -1,7 +1,8 @@
 """`parallel.strategy = "pipeline"`: technique 4, described before it is built: its StrategySpec (SPEC),
 its settings table `[parallel.pipeline]` (PipelineConfig) and its checks. Every rank takes the whole global
 batch, cut into micro-batches; a rank holds a stage. Torch-free, on the config's floor: imports
-engine.config.declare and engine.strategies.specs.spec."""
+engine.config.declare, engine.telemetry.figures (its figures: FIGURES) and
+engine.strategies.specs.spec."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 
 from engine.config.declare import setting, show
 from engine.strategies.specs.spec import COMMANDS, StrategySpec
+from engine.telemetry.figures import STAGES, ms, nbytes, own_ms
 
 
 @dataclass
@@ -86,6 +88,15 @@ def declined(cfg) -> dict[str, str]:
     return {"rebalance": 'rebalancing is off in this run (parallel.pipeline.rebalance = "off")'}
 
 
+# its figures besides every run's (engine/strategies/pipeline/stage.py): a stage's traffic, its waits (on its
+# line of the stages panel), its layers' moves
+FIGURES = (
+    nbytes("sent_bytes"),
+    own_ms("recv_wait_ms", STAGES),
+    nbytes("migration_bytes"),
+    ms("migration_ms"),
+)
+
 SPEC = StrategySpec(
     name="pipeline",
     about="one stage of consecutive layers per worker, micro-batches in flight",
@@ -101,4 +112,5 @@ SPEC = StrategySpec(
     moments={"migration": has_migrations},
     in_host_range=fixed_stages,
     builder="engine.strategies.pipeline:build",
+    figures=FIGURES,
 )

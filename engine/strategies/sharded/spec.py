@@ -1,6 +1,7 @@
 """`parallel.strategy = "sharded"`: techniques 1 and 2, described before they are built: its StrategySpec
 (SPEC), its settings table `[parallel.sharded]` (ShardedConfig) and its checks. Torch-free, on the config's
-floor: imports engine.config.declare and engine.strategies.specs.spec."""
+floor: imports engine.config.declare, engine.telemetry.figures (its figures: FIGURES) and
+engine.strategies.specs.spec."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from dataclasses import dataclass
 
 from engine.config.declare import setting, show
 from engine.strategies.specs.spec import StrategySpec
+from engine.telemetry.figures import DEVICES, STREAMS, ms, nbytes, own_ms
 
 
 @dataclass
@@ -51,6 +53,20 @@ def has_broadcasts(cfg) -> str | None:
     return None
 
 
+# its figures besides every run's (engine/strategies/sharded/strategy.py): ownership, the reduce onto owners,
+# the sliced broadcast; the streams panel shows the reduce's and the broadcast's waits and spans beside the
+# streams that carry them
+FIGURES = (
+    nbytes("owned_bytes", DEVICES),
+    ms("gate_ms"),
+    own_ms("reduce_ms", STREAMS),
+    own_ms("reduce_span_ms", STREAMS),
+    own_ms("broadcast_issue_ms"),
+    own_ms("broadcast_wait_ms", STREAMS),
+    own_ms("broadcast_span_ms", STREAMS),
+    own_ms("host_wait_ms"),
+)
+
 SPEC = StrategySpec(
     name="sharded",
     about="every parameter has one owner rank that alone keeps its optimizer state and broadcasts its update "
@@ -60,4 +76,5 @@ SPEC = StrategySpec(
     table_checks=(slices_cover_streams,),
     moments={"broadcast": has_broadcasts},
     builder="engine.strategies.sharded:build",
+    figures=FIGURES,
 )

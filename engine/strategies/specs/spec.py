@@ -49,6 +49,9 @@ class StrategySpec:
     name: str
     about: str            # its line in `parallel.strategy`'s docs
     settings: type        # its table's dataclass of setting()s (engine/config/declare.py): a field of ParallelConfig
+    # the per-rank figures it reports besides every run's (engine/telemetry/figures.py: Figure), in the log's rank
+    # entries and the boundary's exchange; the hello carries them to the console (engine/strategies/specs/figures.py)
+    figures: tuple = ()
     docs: str = ""        # its page, for the same line
     # who shares the data: the equal parts one global batch is cut into and how a message names them
     split: Callable[[Any], tuple[int, str]] = every_rank

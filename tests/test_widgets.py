@@ -291,6 +291,14 @@ def test_stages_bars_and_imbalance():
         assert labels.rstrip().endswith("· recv wait · sent") and panel.size.height == 4
         assert first.rstrip().endswith("1.0/2.0/1.0 ms · 0.25 ms · 2.0 KiB")
         assert second.rstrip().endswith("2.0/4.0/0.0 ms · 1.50 ms") and "stage 1" in second
+        # stages x replicas: a stage's line is its slowest replica's, and says its replicas' spread
+        replicated = [{**s, "replicas_ms": [s["fwd_ms"] + s["bwd_ms"], s["fwd_ms"] + s["bwd_ms"] - 0.5]}
+                      for s in stages]
+        panel.update_stages(replicated, "pipeline", imbalance_ms=3.0, threshold_ms=1.0, migrating=False)
+        await pilot.pause()
+        first, second = screen_text(pilot).splitlines()[1:3]
+        assert first.rstrip().endswith("1.0/2.0/1.0 ms · 2× 2.5-3.0")
+        assert second.rstrip().endswith("2.0/4.0/0.0 ms · 2× 5.5-6.0")
 
     mounted(StagesPanel(), test)
 

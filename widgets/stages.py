@@ -155,12 +155,16 @@ class StagesPanel(Widget):
 
     @staticmethod
     def figures(stage: dict, more: list[tuple] = ()) -> Text:
-        """`  25.4/50.8/9.2 ms`: fwd / bwd / idle; then the value of each of `more`, (label, unit, value), as
-        ` · 3.10 ms` (the header's legend names them)."""
+        """`  25.4/50.8/9.2 ms`: fwd / bwd / idle (of its slowest replica, where the stage has several); then
+        the replicas' spread, `· 2× 70.1-76.2` (each replica's fwd + bwd, the fastest's and the slowest's); then
+        the value of each of `more`, (label, unit, value), as ` · 3.10 ms` (the header's legend names them)."""
         text = Text.assemble(
             "  ", (f"{stage.get('fwd_ms') or 0:.1f}", "#4c8dff"), "/",
             (f"{stage.get('bwd_ms') or 0:.1f}", "#b07cff"), "/",
             (f"{stage.get('idle_ms') or 0:.1f}", "grey62"), " ms")
+        spread = stage.get("replicas_ms") or []
+        if len(spread) > 1:
+            text.append(" · ", "dim").append(f"{len(spread)}× {min(spread):.1f}-{max(spread):.1f}", "grey62")
         for _, unit, value in more:
             text.append(" · ", "dim").append(figure_text(value, unit), "grey62")
         return text

@@ -80,7 +80,9 @@ def estimate_fit(cfg, model, x: torch.Tensor, y: torch.Tensor, device, strategy,
     owned = set(strategy.owned_layers())
     flight = max(1, strategy.in_flight())
     spec = STRATEGIES[cfg.parallel.strategy]
-    micro = 1 if spec.per_rank else spec.split(cfg)[0]   # a pipeline's micro-batches
+    # a pipeline's micro-batches: of the batch's parts, each replica's (its data-parallel group's share)
+    shares = len(strategy.parallel_groups(*_rank_world()).data)
+    micro = 1 if spec.per_rank else max(1, spec.split(cfg)[0] // shares)
     size = max(1, x.shape[0] // max(1, micro))
     by_layer, loss_bytes, inputs = saved_bytes(model, x[:size], y[:size], loss_fn, cfg.precision,
                                                device.torch_device)

@@ -34,6 +34,7 @@ class LayerRows:
     def __init__(self, strategy, memory, topo):
         self.strategy, self.memory, self.topo = strategy, memory, topo
         self.by_stage = strategy.staged
+        self.stage = strategy.rank if self.by_stage else None   # a pipeline: this rank's stage (grid.py)
         self.by_owner = strategy.owning and topo.world_size > 1
         self.stale = False                     # a command changed a policy or placement since the last rows
         self.own: list[dict] = []              # pipeline: this stage's last rows
@@ -53,7 +54,7 @@ class LayerRows:
         rows = []
         for entry in measured:
             name, row = entry["name"], dict(entry)
-            if stages and stages[name] != self.topo.rank:
+            if stages and stages[name] != self.stage:
                 continue   # a stage measures its own layers only
             row["policy"] = self.memory.policy[name]
             if name in stages:
@@ -82,7 +83,7 @@ class LayerRows:
             return None
         self.layout, self.stale = [list(s) for s in layout], False
         base = measured if measured is not None else self.own
-        mine = [n for n, stage in self.strategy.layer_stages().items() if stage == self.topo.rank]
+        mine = [n for n, stage in self.strategy.layer_stages().items() if stage == self.stage]
         have = {row["name"] for row in base}
         self.own = self.rows([*base, *({"name": n} for n in mine if n not in have)])   # moved in: no times yet
         gathered = [None] * self.topo.world_size if self.topo.is_first else None
@@ -90,7 +91,8 @@ class LayerRows:
         if not self.topo.is_first:
             return None
         before = {row["name"]: row for row in self.last or []}
-        rows = [row for part in gathered for row in part]
+        seen: set[str] = set()   # with replicas, each stage's rows come from each: the first replica's stand
+        rows = [row for part in gathered for row in part if not (row["name"] in seen or seen.add(row["name"]))]
         for row in rows:
             if "fwd_ms" not in row:   # a layer that moved: its times where it ran before, until measured here
                 row.update({k: before.get(row["name"], {}).get(k, 0) for k in TIMES})

@@ -148,7 +148,8 @@ class Worker:
     # --- the loop: batch, train step, exchange, report, commands, boundary -----------------------------
     def run(self) -> dict | None:
         core = self.core
-        core.start(self.device, self.model.names, self.first_step, self.restart, self.resume, resumed=self.resumed)
+        core.start(self.device, self.model.names, self.first_step, self.restart, self.resume, self.strategy.layout(),
+                   resumed=self.resumed)
         forward(self.tel, self.first_step, self.fit_events)
         step, loss, last = self.first_step, None, time.perf_counter()
         while True:

@@ -105,6 +105,17 @@ class Topology:
                     across.append(group)
         return within, across
 
+    def subgroups(self, rank_lists: list[list[int]]) -> object | None:
+        """One process group on the training backend per list of ranks (`rank_lists` cover each rank at most
+        once: a pipeline's replicas, a stage's replicas); returns the one this rank is in (None: none). Every
+        rank must call this at the same point with the same lists."""
+        mine = None
+        for ranks in rank_lists:
+            group = dist.new_group(ranks=sorted(ranks), backend=self.backend, timeout=timedelta(seconds=self.timeout_s))
+            if self.rank in ranks:
+                mine = group
+        return mine
+
     def release(self, groups: list) -> None:
         """Destroy groups made by stream_groups (the compute and side groups stay)."""
         for group in groups:

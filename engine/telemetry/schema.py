@@ -60,6 +60,8 @@ RUN_START = {
                    "device_note": {"type": "string"},
                    "layers": {"type": "array", "items": {"type": "string"}}, "first_step": {"type": "integer", "minimum": 0}, "restart": {"type": "integer", "minimum": 0},
                    "config": {"type": "object"},
+                   # where the work is placed (a pipeline's stages, and with replicas its grid; a server's layers)
+                   "layout": {"type": "object"},
                    # the hello's declarations of the figures its rank entries carry (docs/protocol.md, hello)
                    "figures": {"type": "array", "items": {"type": "object", "required": ["name", "unit", "shows"]}}},
 }
@@ -115,7 +117,9 @@ STAGE = {   # pipeline: one per stage, from every rank's timings (engine/strateg
                    "fwd_ms": {"type": "number", "minimum": 0}, "bwd_ms": {"type": "number", "minimum": 0},
                    "idle_ms": {"type": "number", "minimum": 0},
                    # the micro-batches a step is cut into (parallel.pipeline.micro_batches); logs before 2026-11-25 lack it
-                   "micro_batches": {"type": "integer", "minimum": 1}, "sent_bytes": _BYTES},
+                   "micro_batches": {"type": "integer", "minimum": 1}, "sent_bytes": _BYTES,
+                   # stages x replicas: each replica's forward + backward ms, replica 0 first (the row is the slowest's)
+                   "replicas_ms": {"type": "array", "items": {"type": "number", "minimum": 0}}},
 }
 
 STEP = {

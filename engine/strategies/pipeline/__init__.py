@@ -40,14 +40,19 @@ def __getattr__(name: str):
 
 
 def build(cfg, model, topo, device, loss_fn):
-    """`parallel.strategy = "pipeline"` from a Config: this rank's PipelineStage (its spec's builder, spec.py)."""
+    """`parallel.strategy = "pipeline"` from a Config: this rank's PipelineStage (its spec's builder, spec.py),
+    on its place in the grid of stages x replicas (grid.py)."""
+    from engine.strategies.pipeline.grid import Grid
     from engine.strategies.pipeline.stage import PipelineStage
-    return PipelineStage(model, stages_of(cfg, model, topo.world_size), topo, device, cfg.optim, cfg.parallel.pipeline,
-                         update_cfg=cfg.update, loss_fn=loss_fn)
+    p = cfg.parallel.pipeline
+    grid = Grid.of(p.stages or topo.world_size, topo.world_size, p.order)
+    return PipelineStage(model, stages_of(cfg, model, topo.world_size), topo, device, cfg.optim, p,
+                         update_cfg=cfg.update, loss_fn=loss_fn, grid=grid)
 
 
 def stages_of(cfg, model, world: int) -> list[list[str]] | str:
-    """The layer names each of `world` stages holds, as [parallel.pipeline] partition says (the launcher's
-    capacity check asks it too, engine/run/checks.py)."""
+    """The layer names each stage of one replica holds, as [parallel.pipeline] partition says, at a world of
+    `world` workers (`stages` of them, or one per worker; the launcher's capacity check asks it too,
+    engine/run/checks.py)."""
     from engine.strategies.pipeline.schedule import configured_stages
-    return configured_stages(model, cfg.parallel.pipeline.partition, world)
+    return configured_stages(model, cfg.parallel.pipeline.partition, cfg.parallel.pipeline.stages or world)

@@ -41,7 +41,7 @@ class StageCheckpoint:
         saved = reader.manifest.get("layout", {})
         if saved.get("strategy") == st.name and len(saved.get("stages") or []) == st.stages:
             try:
-                check_stages(st.model.names, saved["stages"], st.topo.world_size,
+                check_stages(st.model.names, saved["stages"], st.grid.stages,
                              getattr(st.model, "clusters", None))
             except (ValueError, TypeError) as e:
                 raise ckpt.CheckpointError(f"{reader.path}: its pipeline layout does not fit this model and world "

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from engine.techniques.memory.room import Floors
+from engine.strategies.pipeline.grid import Grid
 from engine.strategies.pipeline.partition import Layout, NoFit, clusters_from, modelled, partition
 from engine.strategies.pipeline.stage_times import stage_times, threshold_in_ms
 from engine.training.timing import Clock, LayerSpans, first_tensor
@@ -131,16 +132,19 @@ class RebalanceDecision:
 
 class Rebalancer:
     """`link_bytes_per_ms`: the boundary links' rate (measure_link_rate; inf: sends cost nothing);
-    `micro_batches`: how many cross each boundary in a step."""
+    `micro_batches`: how many cross each boundary in a step; `grid`: stages x replicas (grid.py; by default one
+    replica). With replicas the decision is made once, by replica 0's last stage, from every replica's times
+    (a layer's time is its slowest replica's), and every rank gets it: every replica moves the same layers."""
 
     def __init__(self, model, topo, mode: str, threshold: float, check_every: int,
-                 link_bytes_per_ms: float = math.inf, micro_batches: int = 1):
+                 link_bytes_per_ms: float = math.inf, micro_batches: int = 1, grid: Grid | None = None):
         if mode not in MODES:
             raise ValueError(f"rebalance must be one of {', '.join(MODES)}, got {mode!r}")
         self.names, self.clusters = list(model.names), [list(c) for c in model.clusters]
         self.topo, self.mode, self.threshold, self.check_every = topo, mode, threshold, check_every
         self.link_bytes_per_ms, self.micro_batches = link_bytes_per_ms, micro_batches
-        self.last = dist.get_global_rank(topo.side, topo.world_size - 1)
+        self.grid = grid or Grid.of(topo.world_size, topo.world_size)
+        self.last = self.grid.rank(self.grid.stages - 1, 0)   # the side group is the world: its ranks are the world's
 
     def due(self, step: int, requested: bool) -> bool:
         return requested or (self.mode == "auto" and step % self.check_every == 0)
@@ -155,14 +159,18 @@ class Rebalancer:
         if room is not None:
             rooms: list = [None] * self.topo.world_size
             dist.all_gather_object(rooms, room(), group=self.topo.side)
-            fits = Floors(self.names, rooms).fits
+            # a stage's room is its tightest replica's (the least capacity left besides its layers)
+            fits = Floors(self.names, [min((rooms[r] for r in self.grid.group_of(s)),
+                                           key=lambda room: room.capacity_bytes - room.extra_bytes)
+                                       for s in range(self.grid.stages)]).fits
         ms, out_bytes = clock.take()
-        mine = set(stage_layers[self.topo.rank])
+        mine = set(stage_layers[self.grid.stage_of(self.topo.rank)])
         vec = torch.zeros(2 * n, dtype=torch.float64)
         for i, name in enumerate(self.names):
             if name in mine:
                 vec[i], vec[n + i] = ms[i], out_bytes[i]
-        dist.reduce(vec, dst=self.last, op=dist.ReduceOp.SUM, group=self.topo.side)
+        # a layer's figures come from the ranks that hold it (0 elsewhere): with replicas, the slowest's
+        dist.reduce(vec, dst=self.last, op=dist.ReduceOp.MAX, group=self.topo.side)
         decision = self._share(step, "command" if requested else "auto", stage_layers, lambda: (
             {name: float(vec[i]) for i, name in enumerate(self.names)},
             {name: int(vec[n + i]) for i, name in enumerate(self.names)}), self.threshold, self.micro_batches, fits)
@@ -181,7 +189,7 @@ class Rebalancer:
         # layer ms, layer output bytes]
         n, k = len(self.names), len(stage_layers)
         answer = torch.zeros(2 + 3 * n + 2 * k, dtype=torch.float64)
-        if self.topo.rank == self.topo.world_size - 1:
+        if self.topo.rank == self.last:
             layer_ms, layer_bytes = measure()
             current, new, thr = decide(self.clusters, self.names, layer_ms, layer_bytes, stage_layers, threshold,
                                        self.link_bytes_per_ms, micro_batches, fits)

@@ -42,29 +42,81 @@ class PipelineConfig:
                                                "of the mean stage time.", min=0.0)
     rebalance_check_every: int = setting(10, "With `rebalance = \"auto\"`: steps between checks (the stage times "
                                              "are the mean over those steps).", min=1, max=1_000_000)
+    stages: int = setting(0, "Stages of one replica of the pipeline. 0: one per worker, one replica (the stage "
+                             "count follows the world). S: the world is S x R workers, each stage held by R "
+                             "replicas, each replica taking its share of every global batch in its own "
+                             "micro-batches (docs/pipeline.md, Replicas).", min=0, max=4096)
+    data: str = setting("ddp", "With replicas (`stages` below the world size): how a stage's replicas combine "
+                               "their gradients. `ddp`: an all-reduce within the stage's group. `sharded` (owners "
+                               "within the group, with the sliced broadcast): not built yet, refused.",
+                        choices=("ddp", "sharded"))
+    order: str = setting("auto", "With replicas: which ranks hold a stage, and which a replica's pipeline. "
+                                 "`stage`: a stage's replicas are neighbouring ranks (rank = stage x R + replica), "
+                                 "so on one host, and only a boundary's activations cross between hosts; "
+                                 "`replica`: a replica's stages are neighbouring ranks (rank = replica x S + stage); "
+                                 "`auto`: `stage` (a stage's all-reduce carries its whole gradients every step, a "
+                                 "boundary one micro-batch's activations).", choices=("auto", "stage", "replica"))
+
+
+def stage_count(cfg) -> int:
+    """The stages of one replica: `stages`, or (0) one per worker."""
+    return cfg.parallel.pipeline.stages or cfg.parallel.world_size
+
+
+def replica_count(cfg) -> int:
+    """The replicas of every stage: the world over the stages (checked whole by stages_divide_the_world)."""
+    return max(1, cfg.parallel.world_size // stage_count(cfg))
 
 
 def micro_batches(cfg) -> tuple[int, str]:
-    m = cfg.parallel.pipeline.micro_batches
-    return m, f"parallel.pipeline.micro_batches = {m}"
+    """Each replica's share of the batch, cut into its micro-batches."""
+    m, r = cfg.parallel.pipeline.micro_batches, replica_count(cfg)
+    if r == 1:
+        return m, f"parallel.pipeline.micro_batches = {m}"
+    return m * r, f"parallel.pipeline.micro_batches = {m} x {r} replicas"
+
+
+def stages_divide_the_world(cfg) -> str | None:
+    """pipeline: `stages` divides the world into whole replicas; a stage's replicas combine gradients as `data`
+    says (sharded: not built yet)."""
+    p = cfg.parallel.pipeline
+    world = cfg.parallel.world_size
+    if p.stages and (p.stages > world or world % p.stages):
+        return (f"parallel.pipeline.stages = {p.stages}: must divide parallel.world_size = {world} into whole "
+                f"replicas (e.g. {', '.join(str(d) for d in range(1, world + 1) if world % d == 0)})")
+    if p.data == "sharded" and replica_count(cfg) > 1:
+        return ('parallel.pipeline.data = "sharded": not built yet (a stage\'s replicas combine their gradients '
+                'with parallel.pipeline.data = "ddp")')
+    return None
+
+
+def stages_only_in_a_pipeline(cfg) -> str | None:
+    """Whichever strategy: `parallel.pipeline.stages` is a pipeline's (a parameter server's stages are refused)."""
+    p = cfg.parallel
+    if p.pipeline.stages and p.strategy != "pipeline":
+        return (f"parallel.pipeline.stages = {p.pipeline.stages}: only with parallel.strategy = \"pipeline\" (got "
+                f"parallel.strategy = {show(p.strategy)})")
+    return None
 
 
 def one_stage_per_worker(cfg) -> str | None:
-    """pipeline: a `parallel.pipeline.partition` list has `world_size` stages."""
-    partition, world = cfg.parallel.pipeline.partition, cfg.parallel.world_size
-    if isinstance(partition, list) and len(partition) != world:
-        return (f"parallel.pipeline.partition lists {len(partition)} stages but parallel.world_size = {world} "
-                f"(one stage per worker)")
+    """pipeline: a `parallel.pipeline.partition` list has a stage per worker of one replica."""
+    partition, stages = cfg.parallel.pipeline.partition, stage_count(cfg)
+    if isinstance(partition, list) and len(partition) != stages:
+        said = (f"parallel.pipeline.stages = {stages}" if cfg.parallel.pipeline.stages else
+                f"parallel.world_size = {stages} (one stage per worker)")
+        return f"parallel.pipeline.partition lists {len(partition)} stages but {said}"
     return None
 
 
 def fixed_stages(cfg) -> str | None:
-    """With a range of hosts the stage count follows the world: a partition list (a fixed count) is refused."""
+    """With a range of hosts the stage count follows the world, unless `stages` fixes it (then the replicas
+    follow, each host count checked for a whole number of them): a partition list needs a fixed count."""
     c, partition = cfg.cluster, cfg.parallel.pipeline.partition
-    if isinstance(partition, list):
+    if isinstance(partition, list) and not cfg.parallel.pipeline.stages:
         return (f"parallel.pipeline.partition lists {len(partition)} stages: with a range of hosts "
                 f"(cluster.min_nnodes = {c.min_nnodes} to nnodes = {c.nnodes}) the stage count follows the "
-                f"world; use partition = \"uniform\" or \"balanced\"")
+                f"world; use partition = \"uniform\" or \"balanced\", or fix it with parallel.pipeline.stages")
     return None
 
 
@@ -95,6 +147,7 @@ FIGURES = (
     own_ms("recv_wait_ms", STAGES),
     nbytes("migration_bytes"),
     ms("migration_ms"),
+    own_ms("replica_reduce_ms"),   # stages x replicas: a stage's gradients averaged over its replicas
 )
 
 SPEC = StrategySpec(
@@ -107,6 +160,8 @@ SPEC = StrategySpec(
     stages="engine.strategies.pipeline:stages_of",
     commands=commands,
     declined=declined,
+    table_checks=(stages_only_in_a_pipeline,),
+    checks=(stages_divide_the_world,),
     checks_after_batch=(one_stage_per_worker,),
     refuses={"emulate.slow_rank": "a pipeline's slow stage is emulate.slow_layer"},
     moments={"migration": has_migrations},

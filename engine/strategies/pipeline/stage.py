@@ -13,43 +13,29 @@ stage decides a new layout, and the layers migrate during the next step without
 stopping it (engine/strategies/pipeline/migration.py: the layout switches at a micro-batch, weights and
 optimizer state move at the step's start, partial gradients at its end).
 
-Rank r runs stage r (world size == number of stages). Every rank holds the whole LayerList (built from
-the same seed) but only runs, and only updates, its own layers (a weight tied across stages: StageTies,
-engine/strategies/pipeline/tied.py). x and y are the whole global batch on every rank: stage 0 reads x, the last
-stage reads y (labels never travel). The batch is cut into `micro_batches` equal micro-batches; activations travel
-forward and their gradients backward between neighbouring stages by point-to-point messages on topo.compute.
+With one replica rank r runs stage r. Every rank holds the whole LayerList (built from the same seed) but only runs
+and updates its own layers (a weight tied across stages: StageTies, tied.py). x and y are the replica's batch on
+every stage: stage 0 reads x, the last y (labels never travel), cut into `micro_batches` equal micro-batches;
+activations travel forward and their gradients backward between neighbouring stages, point to point. Each
+micro-batch's loss is weighted by its counted targets over the global batch's (engine/training/loss.py): gradients
+and loss are those of one pass over the whole batch. One update per step, through LayerUpdates (begin_step before
+the first forward, end_backward after, then validate: clipping decided over every stage, step_guard.py).
 
-Loss scaling: each micro-batch's loss is weighted by its counted targets over the global batch's (engine/training/loss.py),
-so gradients and loss are those of one pass over the whole batch.
-One optimizer update per step, through LayerUpdates (begin_step before the first forward, end_backward after,
-then validate: clipping and skipping decided over every stage, engine/techniques/step_guard.py).
+Messages (engine/strategies/pipeline/wire.py): a header with the shape and dtype, then the payload, on the first
+message of a step in each direction (and the first under a new layout); non-blocking sends kept until the step's
+end, blocking receives: both schedules are deadlock-free. Forward messages use tag 0, backward tag 1.
 
-Shape exchange: the first message of a step in each direction (and, in a step that migrates layers, the
-first one under the new layout) is a header then a payload; the others are the payload alone, since the
-micro-batches of a step are equal and run the same layers. The header is a fixed int64 tensor of HEADER_LEN entries,
-[ndim, d0, d1, ..., dtype] (zero-padded; the last entry is engine/training/precision.py's dtype code); the payload is
-the tensor of that shape and dtype: fp32, or bf16 activations and gradients under `precision.compute =
-"bf16"` (half the bytes). So stages may emit any shape (up to HEADER_LEN - 2 dimensions), and shapes may
-change from step to step, at the cost of one small message per step.
+Stages x replicas (grid.py, replicas.py): with `parallel.pipeline.stages` below the world size each stage is held
+by R replicas; each replica runs the whole pipeline on its share of the batch, on a process group of its own, and
+a stage's replicas average their gradients before the update. `rank` here is the stage's index in its pipeline.
 
-Ordering: sends are non-blocking (isend), receives are blocking (recv). Both schedules are then
-deadlock-free: a rank only ever blocks on a receive whose matching send the neighbour issues without waiting
-on anything this rank has not already sent. Forward messages use tag 0 and backward messages tag 1. The
-send works (and the tensors they read) are kept until the end of the step and waited on there, so no buffer
-is reused or freed while in flight.
+Schedules (schedule.py): "gpipe", all forwards then all backwards; "1f1b", min(stages - rank - 1, micro_batches)
+warm-up forwards, then one forward and one backward in turn, then the remaining backwards.
 
-Schedules:
-- "gpipe": all micro-batches forward, then all backward (in reverse order).
-- "1f1b": warm-up of min(stages - rank - 1, micro_batches) forwards, then alternate
-  one forward and one backward, then the remaining backwards (non-interleaved 1F1B).
-
-Times: `timings` holds this stage's own compute on the device's clock (engine/training/timing.py: CUDA events
-on a GPU, perf_counter on the CPU): each micro-batch's forward and backward from the moment its
-input (or gradient) has arrived to its send queued, and the update. Waiting for a neighbour is left
-out of them; it is `recv_wait_ms`, host time (a blocking receive). On the CPU they are the step's own;
-on a GPU the last stage's are too (reading its loss waits for its work), while a stage before the
-last, which reads nothing of its own step, reports the step before (engine/training/timing.py StepTimes: no
-synchronize). `device_clock`: the clock to read (by default the device's; tests pass a scripted GPU's).
+Times: `timings` holds this stage's own compute on the device's clock (engine/training/timing.py: CUDA events on a
+GPU, perf_counter on the CPU): each micro-batch's forward and backward from its input's (or gradient's) arrival to
+its send queued, and the update. Waiting for a neighbour is `recv_wait_ms`, host time. On a GPU a stage before
+the last, which reads nothing of its own step, reports the step before (StepTimes: no synchronize). `device_clock`: the clock to read (by default the device's; tests pass a scripted GPU's).
 """
 
 from __future__ import annotations
@@ -68,8 +54,10 @@ from engine.techniques.updates.updater import LayerUpdates
 from engine.runtime.events import Event
 from engine.runtime.topology import Groups
 from engine.strategies.base import Strategy
+from engine.strategies.pipeline.grid import Grid
 from engine.strategies.pipeline.migration import Migration
 from engine.strategies.pipeline.rebalancing import Rebalancing
+from engine.strategies.pipeline.replicas import Replicas
 from engine.strategies.pipeline.schedule import SCHEDULES, check_stages, schedule_ops, split_micro, uniform_stages
 from engine.training.optim import make_optimizer
 from engine.strategies.pipeline.stage_times import threshold_in_ms
@@ -88,23 +76,28 @@ class PipelineStage(Strategy):
 
     def __init__(self, model, stage_layers: list[list[str]] | str, topo, device, optim_cfg: OptimConfig,
                  settings: PipelineConfig, loss_fn=cross_entropy, update_cfg: UpdateConfig | None = None,
-                 device_clock: Clock | None = None):
+                 device_clock: Clock | None = None, grid: Grid | None = None):
         """`stage_layers`: the layout to start in (configured_stages resolves `settings.partition` to it, or
-        "balanced"); `settings`: [parallel.pipeline] (PipelineConfig, spec.py)."""
+        "balanced"); `settings`: [parallel.pipeline] (PipelineConfig, spec.py); `grid`: which rank holds which
+        stage of which replica (grid.py; by default one replica, rank r stage r)."""
         schedule, micro_batches, rebalance = settings.schedule, settings.micro_batches, settings.rebalance
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
         if not isinstance(micro_batches, int) or micro_batches < 1:
             raise ValueError(f"micro_batches must be a positive integer, got {micro_batches!r}")
+        self.grid = grid = grid or Grid.of(topo.world_size, topo.world_size)
         self.balance_first = stage_layers == "balanced"   # profiled and split at the first step
         if self.balance_first:
-            stage_layers = uniform_stages(model, topo.world_size)
-        check_stages(model.names, stage_layers, topo.world_size, getattr(model, "clusters", None))
+            stage_layers = uniform_stages(model, grid.stages)
+        check_stages(model.names, stage_layers, grid.stages, getattr(model, "clusters", None))
         self.model, self.topo, self.device, self.loss_fn = model, topo, device, loss_fn
         self.schedule, self.micro_batches = schedule, micro_batches
-        self.stages, self.rank = len(stage_layers), topo.rank
+        # `rank`: this rank's stage, its index in its replica's pipeline (the wire, the ties, a migration)
+        self.stages, self.rank, self.replica = len(stage_layers), grid.stage_of(topo.rank), grid.replica_of(topo.rank)
         self.is_first, self.is_last = self.rank == 0, self.rank == self.stages - 1
-        self.group = group = topo.compute
+        # one replica: the world; several: this replica's pipeline (and this stage's replicas: replicas.py)
+        self.replicas = Replicas(grid, topo)
+        self.group = group = self.replicas.pipeline
         self.prev = None if self.is_first else dist.get_global_rank(group, self.rank - 1)
         self.next = None if self.is_last else dist.get_global_rank(group, self.rank + 1)
         self._set_layout(stage_layers)
@@ -114,7 +107,6 @@ class PipelineStage(Strategy):
         self.ties = StageTies(model, self.group, self.rank)
         # torch's first optimizer is slow (1.8 s: lazy imports): not inside the step layers migrate in
         make_optimizer(optim_cfg, [torch.nn.Parameter(torch.zeros(1))])
-        self.loss_rank = self.stages - 1   # the rank whose loss is the step's
         self.optimizer = self.updater
         self.timings = {"fwd_ms": 0.0, "bwd_ms": 0.0, "optim_ms": 0.0}
         self.wire = StageWire(group, self.rank, device.torch_device)   # the messages to the neighbours
@@ -128,23 +120,24 @@ class PipelineStage(Strategy):
         rate = measure_link_rate(group, self.rank, self.stages, device.torch_device) \
             if rebalance != "off" or self.balance_first else math.inf
         self.rebalancer = Rebalancer(model, topo, rebalance, settings.imbalance_threshold,
-                                     settings.rebalance_check_every, rate, micro_batches)
+                                     settings.rebalance_check_every, rate, micro_batches, grid)
         self.pending: list[list[str]] | None = None   # the layout the next step migrates to
         self.migration: Migration | None = None      # the last step's migration, until reported
         self.rebalancing = Rebalancing(self)   # the operator's command and the check, as the step loop asks
 
     def _set_layout(self, stage_layers: list[list[str]]) -> None:
         """This rank's range of layers (at construction, after a migration, on resume)."""
-        ranges = check_stages(self.model.names, stage_layers, self.topo.world_size,
+        ranges = check_stages(self.model.names, stage_layers, self.grid.stages,
                               getattr(self.model, "clusters", None))
         self.stage_layers = [list(s) for s in stage_layers]
         self.start, self.end = ranges[self.rank]
         self.ledger_module = torch.nn.ModuleList(self.model.layers[self.start:self.end])
 
     def parallel_groups(self, rank: int, world_size: int) -> Groups:
-        """Model parallel: its stages hold one copy of the model; every stage takes the whole batch (stage 0 its
-        inputs, the last its labels)."""
-        return Groups.model_parallel(rank, world_size)
+        """Model parallel within a replica: its stages hold one copy of the model, and every stage of it takes the
+        replica's share of the batch (stage 0 its inputs, the last its labels); data parallel across the
+        replicas, a share each (one replica: the whole batch)."""
+        return Groups(tuple(self.grid.group_of(self.rank)), tuple(self.grid.pipeline(self.replica)))
 
     def tracked_module(self) -> torch.nn.Module:
         return self.ledger_module
@@ -189,6 +182,11 @@ class PipelineStage(Strategy):
             self.ckpt.resumed = None
         dev = self.device.torch_device
         m, counted_y = self.micro_batches, counted(y, self.loss_fn) if self.is_last else 0
+        # the global batch's counted targets, over which every micro-batch's loss is a part of the mean: its own
+        # batch's with one replica; with R, each replica holds a share (equal, unless some labels are ignored)
+        total, replicas = counted_y, self.grid.replicas
+        if replicas > 1 and self.is_last:
+            total = self.global_counted if self.global_counted is not None else counted_y * replicas
         inputs: dict[int, torch.Tensor] = {}
         outputs: dict[int, torch.Tensor] = {}
         losses: list[torch.Tensor] = []
@@ -229,7 +227,7 @@ class PipelineStage(Strategy):
                     if self.is_last:
                         # the labels' own copy too: a view would share one storage across the micro-batches
                         mine = y[i * size:(i + 1) * size].to(dev, copy=True)
-                        loss = share_loss(self.loss_fn, out, mine, counted_y, 1)
+                        loss = share_loss(self.loss_fn, out, mine, total, replicas)
                         losses.append(loss.detach())
                         outputs[i] = loss
                     else:
@@ -263,6 +261,7 @@ class PipelineStage(Strategy):
             self.layer_clock.end_step()
         self._steps += 1
         wire.sent_bytes += self.ties.sum_grads(self.layer_stages(), wire.pending)
+        reduce_s = self.replicas.average(p for i in range(self.start, self.end) for p in self.owned[i])
         t0 = times.mark()
         self.updater.end_backward(self.group)   # the norm over every stage decides (clip_mode "wait"), or
         self.updater.validate(self.group)       # validates the updates that ran ("speculate": redone if clipped)
@@ -273,7 +272,8 @@ class PipelineStage(Strategy):
         # fwd/bwd: this stage's own compute; waiting for neighbours is recv_wait_ms (idle in the stages panel)
         self.timings = {**times.end_step(), "recv_wait_ms": wire.recv_s * 1000, "sent_bytes": wire.sent_bytes,
                         "migration_bytes": move.sent_bytes if move else 0,
-                        "migration_ms": move.duration_ms if move else 0.0}
+                        "migration_ms": move.duration_ms if move else 0.0,
+                        **({"replica_reduce_ms": reduce_s * 1000} if reduce_s is not None else {})}
         self.device.ledger.refresh()
         return loss
 
@@ -304,7 +304,7 @@ class PipelineStage(Strategy):
 
     def migrate(self, new_stages: list[list[str]]) -> None:
         """Move to `new_stages` during the next step (every rank, at the same boundary)."""
-        check_stages(self.model.names, new_stages, self.topo.world_size, getattr(self.model, "clusters", None))
+        check_stages(self.model.names, new_stages, self.grid.stages, getattr(self.model, "clusters", None))
         self.pending = [list(s) for s in new_stages] if new_stages != self.stage_layers else None
 
     # --- views ---------------------------------------------------------------------------------
@@ -328,12 +328,15 @@ class PipelineStage(Strategy):
         return {k: v for k, v in self.model.state_dict().items() if k.startswith(keys)}
 
     def layout(self) -> dict:
-        return {"strategy": "pipeline", "stages": self.stage_layers, "schedule": self.schedule,
-                "micro_batches": self.micro_batches}
+        out = {"strategy": "pipeline", "stages": self.stage_layers, "schedule": self.schedule,
+               "micro_batches": self.micro_batches}
+        if self.grid.replicas > 1:   # stages x replicas: which ranks hold each stage (grid.py)
+            out["grid"] = self.grid.said()
+        return out
 
     # --- what the step loop asks (engine/strategies/base.py) --------------------------------------
     def step_loss(self, losses: torch.Tensor) -> float:
-        return float(losses[self.loss_rank])   # the last stage's: the global batch's loss
+        return self.replicas.loss(losses)   # every replica's last stage's: their mean is the global batch's
 
     def events(self, step: int, table: torch.Tensor, run_dir) -> list[Event]:
         return super().events(step, table, run_dir) + self.rebalancing.migrated(step, table)
@@ -349,14 +352,19 @@ class PipelineStage(Strategy):
         return {name: stage for stage, names in enumerate(self.stage_layers) for name in names}
 
     def stage_rows(self, ranks: list[dict]) -> dict:
-        """The step record's `stages` (one per stage, from every rank's timings) and `imbalance_ms`."""
+        """The step record's `stages` (one per stage, from every rank's timings: with replicas, its slowest
+        replica's, and every replica's busy time in `replicas_ms`) and `imbalance_ms`."""
         rows = []
+        by_rank = {r["rank"]: r for r in ranks}
         for stage, names in enumerate(self.stage_layers):
-            r = ranks[stage]
+            held = [by_rank[rank] for rank in self.grid.group_of(stage)]
+            r = max(held, key=lambda e: e["fwd_ms"] + e["bwd_ms"])   # the stage waits for its slowest replica
             busy = r["fwd_ms"] + r["bwd_ms"] + r["optim_ms"]
-            rows.append({"stage": stage, "rank": stage, "layers": names, "fwd_ms": r["fwd_ms"],
+            rows.append({"stage": stage, "rank": r["rank"], "layers": names, "fwd_ms": r["fwd_ms"],
                          "bwd_ms": r["bwd_ms"], "idle_ms": round(max(0.0, r["step_ms"] - busy), 4),
                          "micro_batches": self.micro_batches, "sent_bytes": r.get("sent_bytes", 0)})
+            if len(held) > 1:
+                rows[-1]["replicas_ms"] = [round(e["fwd_ms"] + e["bwd_ms"], 4) for e in held]
         busy = [row["fwd_ms"] + row["bwd_ms"] for row in rows]
         # the threshold a check would apply to these stage times (a fraction is of their mean)
         threshold_ms = threshold_in_ms(self.rebalancer.threshold, busy)
@@ -365,6 +373,13 @@ class PipelineStage(Strategy):
 
     def weights(self, copy: bool = True) -> dict[str, torch.Tensor]:
         return self.ckpt.weights(copy)
+
+    def checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
+        """A stage's replicas hold one copy between them, the same on each: replica 0 writes it."""
+        if self.replica:
+            self.sync()
+            return {}, {}
+        return super().checkpoint_state()
 
     def load(self, reader) -> None:
         """The layout its run had reached, where it fits (StageCheckpoint.resume_layout); then every weight by

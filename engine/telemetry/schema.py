@@ -122,8 +122,8 @@ STAGE = {   # pipeline: one per stage, from every rank's timings (engine/strateg
                    "replicas_ms": {"type": "array", "items": {"type": "number", "minimum": 0}}},
 }
 
-STEP = {
-    "type": "object",
+STEP = {   # closed: a field no one declared here fails (the rank entries' figures: RANK_ENTRY)
+    "type": "object", "additionalProperties": False,
     "required": ["schema", "time", "type", "step", "loss", "samples_per_s", "step_ms"],
     "oneOf": [{"required": ["ranks"]}, {"required": ["per_rank"]}],
     "properties": {**_COMMON, "type": {"const": "step"}, "step": {"type": "integer", "minimum": 1},

@@ -5,9 +5,10 @@
 
 One all-gather of a small float vector per step carries every figure declared to be exchanged (every
 run's, engine/telemetry/figures.py: loss, timings, ledger figures, a GPU's allocator and NVML figures; and
-each strategy's own, its spec's: engine/strategies/specs/figures.py), the stop flag and the length of rank 0's command payload; only when that length is non-zero does a
-broadcast of the payload follow. Both run on the side group, so every rank sees the same commands at the
-same step and applies them there. A figure reported but not declared stops the run (UndeclaredFigure).
+each strategy's own, its spec's: engine/strategies/specs/figures.py), the stop flag and the length of rank
+0's command payload; only when that length is non-zero does a broadcast of the payload follow. Both run on
+the side group, so every rank sees the same commands at the same step and applies them there. A figure
+reported but not declared stops the run (UndeclaredFigure).
 """
 
 from __future__ import annotations

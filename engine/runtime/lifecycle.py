@@ -64,7 +64,8 @@ def hello(cfg, topo, device, names, layout: dict, updated_layers: list[str], loo
     from engine.strategies.specs import STRATEGIES   # each strategy's commands (the config's floor)
     from engine.strategies.specs.figures import declared   # every run's figures and the strategy's own
     spec = STRATEGIES[cfg.parallel.strategy]
-    capabilities = list(spec.commands(cfg)) + [c for c in loop_commands if c not in spec.commands(cfg)]
+    own = list(spec.commands(cfg))
+    capabilities = own + [c for c in loop_commands if c not in own]
     return {"run": cfg.run.name, "mode": cfg.parallel.strategy, "world_size": topo.world_size,
             **world_range(cfg), "hosts": topo.hosts(), "backend": topo.backend, **device_fields(device),
             "layers": list(names), "layout": layout, "updated_layers": updated_layers,

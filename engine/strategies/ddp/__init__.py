@@ -13,20 +13,14 @@ engine.techniques.updates and engine.strategies.base (the contract).
 
 from __future__ import annotations
 
-import importlib
-
 from engine.strategies.ddp.spec import SPEC, DdpConfig
+from engine.strategies.specs.spec import late_exports
 
 __all__ = ["SPEC", "DDPStrategy", "DdpConfig", "UNUSED_PARAMETERS", "build"]
 
 LATER = {"DDPStrategy": "strategy", "UNUSED_PARAMETERS": "strategy"}   # a name -> its module here, imported late
 
-
-def __getattr__(name: str):
-    """A torch-heavy export, imported when first asked for (PEP 562)."""
-    if name not in LATER:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{LATER[name]}"), name)
+__getattr__ = late_exports(__name__, LATER)   # a torch-heavy export, imported when first asked for
 
 
 def build(cfg, model, topo, device, loss_fn):

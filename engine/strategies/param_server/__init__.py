@@ -29,10 +29,10 @@ Here: spec.py (what it is before it is built, torch-free, on the config's floor:
 ParamServerConfig, its table; its checks), links.py (the two-rank groups, the message kinds and flags, Link),
 setup.py (the layers' owners and what every rank builds alike: Setup, from the run's build_rank), server.py (a
 server rank: PSServer), coordinator.py (server 0: Coordinator, and run_server, where every server rank starts;
-it takes the operator's commands and ends the run as the step loop does, engine/runtime/lifecycle.py), losses.py
+it drives the run core as the step loop does, engine/runtime/run_core.py), losses.py
 (the step records' loss), worker.py (a worker rank: PSWorker, SlowMachine, supervise). Within it links <- setup
 <- server <- coordinator and links, setup <- worker: a server and a worker never import each other. It may
-import engine.runtime (the ground: topology, checkpoint, control, lifecycle), engine.techniques.ps_sync (the
+import engine.runtime (the ground: topology, checkpoint, control, lifecycle, run_core), engine.techniques.ps_sync (the
 sync rules), engine.models (params_by_layer, the layer grouping), engine.training.loss, engine.training.optim,
 engine.training.data and engine.telemetry.outlets; nothing imports it back but engine.run.worker_entry
 (worker_main: run_server, supervise) and tests. This file imports spec.py when loaded and the rest when first
@@ -42,9 +42,8 @@ torch.
 
 from __future__ import annotations
 
-import importlib
-
 from engine.strategies.param_server.spec import SPEC, ParamServerConfig
+from engine.strategies.specs.spec import late_exports
 
 __all__ = ["SPEC", "ParamServerConfig", "ParamServerError", "assign_layers", "layer_params", "run_server",
            "supervise"]
@@ -52,9 +51,4 @@ __all__ = ["SPEC", "ParamServerConfig", "ParamServerError", "assign_layers", "la
 LATER = {"run_server": "coordinator", "supervise": "worker",   # a name -> its module here, imported late
          **dict.fromkeys(("ParamServerError", "assign_layers", "layer_params"), "setup")}
 
-
-def __getattr__(name: str):
-    """A torch-heavy export, imported when first asked for (PEP 562)."""
-    if name not in LATER:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{LATER[name]}"), name)
+__getattr__ = late_exports(__name__, LATER)   # a torch-heavy export, imported when first asked for

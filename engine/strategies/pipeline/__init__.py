@@ -20,9 +20,8 @@ loads no torch.
 
 from __future__ import annotations
 
-import importlib
-
 from engine.strategies.pipeline.spec import SPEC, PipelineConfig
+from engine.strategies.specs.spec import late_exports
 
 __all__ = ["HEADER_LEN", "SPEC", "PipelineConfig", "SCHEDULES", "PipelineStage", "build", "check_stages",
            "configured_stages", "schedule_ops", "split_micro", "stages_of", "uniform_stages"]
@@ -31,12 +30,7 @@ LATER = {"HEADER_LEN": "wire", "PipelineStage": "stage",   # a name -> its modul
          **dict.fromkeys(("SCHEDULES", "check_stages", "configured_stages", "schedule_ops", "split_micro",
                           "uniform_stages"), "schedule")}
 
-
-def __getattr__(name: str):
-    """A torch-heavy export, imported when first asked for (PEP 562)."""
-    if name not in LATER:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{LATER[name]}"), name)
+__getattr__ = late_exports(__name__, LATER)   # a torch-heavy export, imported when first asked for
 
 
 def build(cfg, model, topo, device, loss_fn):

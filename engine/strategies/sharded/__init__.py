@@ -60,21 +60,15 @@ factory, benches and tests. `build` makes it from a Config (its spec's builder).
 
 from __future__ import annotations
 
-import importlib
-
 from engine.strategies.sharded.spec import SPEC, ShardedConfig
+from engine.strategies.specs.spec import late_exports
 
 __all__ = ["SPEC", "ShardedConfig", "ShardedStrategy", "Slice", "assign_owners", "build", "cut", "plan_slices"]
 
 LATER = {"ShardedStrategy": "strategy", "Slice": "plan", "assign_owners": "plan", "cut": "plan",
          "plan_slices": "plan"}   # a name -> its module here, imported late
 
-
-def __getattr__(name: str):
-    """A torch-heavy export, imported when first asked for (PEP 562)."""
-    if name not in LATER:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{LATER[name]}"), name)
+__getattr__ = late_exports(__name__, LATER)   # a torch-heavy export, imported when first asked for
 
 
 def build(cfg, model, topo, device, loss_fn):

@@ -80,6 +80,19 @@ class StrategySpec:
     apart_from: Callable[[Any], int] | None = None   # run outlives; ranks from apart_from(cfg) up run it
 
 
+def late_exports(package: str, later: dict[str, str]) -> Callable[[str], Any]:
+    """A package's module `__getattr__` (PEP 562): each name of `later` is imported from its module there
+    ({name: module}) when first asked for, so that a strategy's package loads no torch until its code is used.
+
+        __getattr__ = late_exports(__name__, {"ShardedStrategy": "strategy"})   # engine/strategies/sharded/
+    """
+    def __getattr__(name: str) -> Any:
+        if name not in later:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        return getattr(importlib.import_module(f"{package}.{later[name]}"), name)
+    return __getattr__
+
+
 def resolve(path: str) -> Any:
     """'engine.strategies.ddp:build' -> that function, imported now (never on the config's floor)."""
     module, _, name = path.partition(":")

@@ -147,6 +147,35 @@ def test_a_prefetch_waits_for_room_however_slow_the_compute_and_lands_at_once_wh
     link.close()
 
 
+def test_a_prefetch_with_no_room_goes_back_to_the_host_when_backward_needs_a_storage_behind_it():
+    """The link brings storages back in order. A prefetch with no room, queued ahead of a storage that backward
+    needs now, used to land with it, over the capacity (a console-driven tour's rank peaked 0.47 MB over its
+    8 MiB). Now it goes back to the host; the needed one lands alone; the first comes back when it is asked."""
+    from engine.techniques.memory import HostLink, Swapper
+    device = LedgerDevice(1 << 20)
+    ledger = device.ledger
+    link = HostLink(torch.device("cpu"))
+    swapper = ledger.swapper = Swapper(ledger, link)
+    w = torch.randn(64, 64, requires_grad=True)
+    swapper.group = []
+    with ledger.saved_activations():
+        y = torch.tanh(torch.randn(32, 64) @ w)   # y keeps both saved storages alive
+        (ahead, needed), swapper.group = swapper.group, None
+        link.flush()
+        room = ledger.capacity_bytes - ledger.used_bytes
+        ledger.bytes["activations"] += room   # the device is full
+        swapper.prefetch([ahead])
+        time.sleep(0.2)
+        assert ahead.state == "in"   # waiting for room, at the head of the link's queue
+        assert swapper.fetch(needed) is not None and needed.state == "back"
+        assert ahead.state == "host" and swapper.given_back == 1 and not ahead.ready.is_set()
+        assert ledger.used_bytes == ledger.capacity_bytes + needed.nbytes   # the needed one only
+        ledger.bytes["activations"] -= room
+        assert swapper.fetch(ahead) is not None and ahead.state == "back"
+        del y
+    link.close()
+
+
 # --- the plan ------------------------------------------------------------------------------------------
 LINK = 1e6   # bytes per ms (1 GB/s)
 COSTS = [ActivationCost("a", 4_000_000, 1000, fwd_ms=10.0, bwd_ms=20.0),    # swap 4 ms, ratio 0.4

@@ -94,6 +94,8 @@ class Swapper:
                                                      # the compute stream waited for the link (on a GPU)
         self.urgent_fetches = 0                      # backward waiting for a storage now
         self.stalls = 0                              # unpacks that found their storage not back yet
+        self.given_back = 0                          # prefetches sent back to the host: no room, backward
+                                                     # waiting for a storage behind them on the link
         self._landed = threading.Condition(threading.Lock())
 
     def make_room(self, nbytes: int) -> None:
@@ -175,13 +177,20 @@ class Swapper:
             return
         back = self.link.copy("in", host)
         ledger = self.ledger
-        # a prefetch lands when there is room, or when backward needs it or another storage queued
-        # behind it on this link (the queue is in order: waiting here would make that backward wait too).
-        # However long that takes: a prefetch that landed after a fixed wait took the device over its
-        # capacity whenever the compute ran slow (a busy host), as StreamSwapper's deferred ones never do.
+        # a prefetch lands when there is room, or when backward needs it, however long that takes: a
+        # prefetch that landed after a fixed wait took the device over its capacity whenever the compute
+        # ran slow (a busy host), as StreamSwapper's deferred ones never do. When backward needs another
+        # storage queued behind it on this link (the queue is in order), a prefetch with no room goes back
+        # to the host instead of landing over the capacity; its own backward fetches it when it comes.
         pause = PREFETCH_POLL_S
-        while (not entry.urgent and not self.urgent_fetches and entry.state == "in"
-               and ledger.used_bytes + entry.nbytes > ledger.capacity_bytes):
+        while not entry.urgent and entry.state == "in" and ledger.used_bytes + entry.nbytes > ledger.capacity_bytes:
+            if self.urgent_fetches:
+                with ledger._lock:
+                    if entry.state == "in" and not entry.urgent:   # fetch() marks urgent, then asks under the lock
+                        entry.state = "host"
+                        self.given_back += 1
+                        return
+                continue
             time.sleep(pause)
             pause = min(pause * 2, PREFETCH_POLL_MAX_S)
         with ledger._lock:

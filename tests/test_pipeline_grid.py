@@ -55,8 +55,6 @@ def test_the_stage_count_fixes_the_replicas_and_a_bad_grid_is_refused_by_name():
     pipe = {"strategy": "pipeline", "world_size": 6}
     assert _error({**pipe, "pipeline": {"stages": 4}}).startswith(
         "parallel.pipeline.stages = 4: must divide parallel.world_size = 6 into whole replicas (e.g. 1, 2, 3, 6)")
-    assert 'parallel.pipeline.data = "sharded": not built yet' in _error(
-        {**pipe, "pipeline": {"stages": 3, "data": "sharded"}})
     assert _error({**pipe, "pipeline": {"stages": 3, "partition": [["fc0"], ["act0", "head"]]}},
                   model={"depth": 1}) == ("parallel.pipeline.partition lists 2 stages but parallel.pipeline.stages = 3")
     for strategy in ("param_server", "ddp"):
@@ -88,13 +86,16 @@ def _same_as_one_worker(path, overrides: list[str], steps: int) -> None:
 
 
 @pytest.mark.timeout(180)
-def test_two_stages_of_two_replicas_equal_one_worker_across_a_migration_with_swap_recompute_and_host_updates(cli):
+@pytest.mark.parametrize("data", ["ddp", "sharded"])
+def test_two_stages_of_two_replicas_equal_one_worker_across_a_migration_with_swap_recompute_and_host_updates(
+        cli, data):
     from engine.telemetry.schema import RECORD_SCHEMA
     from tests.conftest import read_jsonl
     from tests.test_training import DEMO
     log = cli.tmp_path / "grid.jsonl"
     r = cli.run("run", DEMO, "--headless", "--steps", "20", *cli.base_args("grid"), *SKEWED,
                 "--set", "parallel.world_size=4", "--set", "parallel.pipeline.stages=2",
+                "--set", f"parallel.pipeline.data={data}", "--set", "parallel.sharded.slices=3",
                 "--set", "parallel.pipeline.rebalance_check_every=10", "--set", "telemetry.layer_every=5",
                 "--set", 'memory.policy={fc0 = "swap", fc1 = "recompute", fc2 = "swap"}',
                 "--set", 'update.placement={fc1 = "host", head = "host"}',
@@ -117,14 +118,39 @@ def test_two_stages_of_two_replicas_equal_one_worker_across_a_migration_with_swa
     table = next(rec["layers"] for rec in reversed(steps) if "layers" in rec)   # each layer once, on its stage
     assert sorted(e["name"] for e in table) == sorted(n for s in moved[0]["stages"] for n in s)
     _same_as_one_worker(cli.tmp_path / "runs" / "grid", MODEL, 20)
+    if data == "sharded":   # each layer's state on its owner only, written once; the forward gated on its slices
+        _each_state_written_once_by_its_stages_owner(cli.tmp_path / "runs" / "grid", moved[0]["stages"])
+        assert all("shard_gate_ms" in e for e in steps[-1]["ranks"])
     from tests.test_training import reference_accuracy, single_process_reference
     assert records[-1]["test_accuracy"] == pytest.approx(
         reference_accuracy(MODEL, single_process_reference(MODEL, 20)), abs=1e-6)
 
 
+def _each_state_written_once_by_its_stages_owner(runs, stages: list[list[str]]) -> None:
+    """The last checkpoint: every optimizer entry in one rank's file, of a rank holding that layer's stage; both
+    replicas of a stage own some of it (the greedy plan by bytes, and a migration's arrivals to the least loaded)."""
+    from safetensors import safe_open
+    from engine.runtime.checkpoint import list_checkpoints
+    last = list_checkpoints(runs)[-1]
+    seen: dict[str, int] = {}
+    for rank in range(4):
+        with safe_open(str(last / f"rank{rank}.safetensors"), "pt") as f:
+            for key in f.keys():
+                if key.startswith("optimizer/"):
+                    assert key not in seen, (key, seen.get(key), rank)
+                    seen[key] = rank
+    names = ["fc0", "act0", "fc1", "act1", "fc2", "act2", "head"]   # the demo MLP's layers, in order
+    stage_of = {f"layers.{i}.": s for s, layer_names in enumerate(stages) for i, n in enumerate(names) if n in layer_names}
+    for key, rank in seen.items():
+        prefix = key.split("/")[1].rsplit(".", 1)[0] + "."
+        assert rank // 2 == stage_of[prefix], (key, rank)
+    assert {rank for rank in seen.values()} == {0, 1, 2, 3}
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_two_by_two_resumes_from_ddp_and_sharded_resumes_from_two_by_two_as_the_run_that_never_stopped(cli):
+    """ddp 4 -> 2 x 2 with sharded replicas -> sharded 4: each resumes as the run that never stopped."""
     from engine.runtime.checkpoint import list_checkpoints
     from tests.test_training import DEMO
     runs = cli.tmp_path / "runs" / "shapes"
@@ -132,12 +158,25 @@ def test_two_by_two_resumes_from_ddp_and_sharded_resumes_from_two_by_two_as_the_
     r = cli.run("run", DEMO, "--headless", "--steps", "10", *cli.base_args("shapes"), *model)
     assert r.returncode == 0, r.stderr
     r = cli.run("run", DEMO, "--headless", "--steps", "20", *cli.base_args("shapes"), *SKEWED, *model,
-                "--set", "parallel.pipeline.stages=2", "--resume", str(list_checkpoints(runs)[-1]))
+                "--set", "parallel.pipeline.stages=2", "--set", "parallel.pipeline.data=sharded",
+                "--resume", str(list_checkpoints(runs)[-1]))
     assert r.returncode == 0, r.stderr
-    _same_as_one_worker(runs, MODEL, 20)
+    _same_as_one_worker(runs, MODEL, 20)   # its owners wrote each layer's masters and state once
     manifest = json.loads((list_checkpoints(runs)[-1] / "manifest.json").read_text())
     assert manifest["layout"]["grid"]["replicas"] == 2
     r = cli.run("run", DEMO, "--headless", "--steps", "30", *cli.base_args("shapes"), *model,
                 "--set", "parallel.strategy=sharded", "--resume", str(list_checkpoints(runs)[-1]))
     assert r.returncode == 0, r.stderr
     _same_as_one_worker(runs, MODEL, 30)
+
+
+def test_owners_are_balanced_by_bytes_and_a_migration_keeps_the_owners_of_the_layers_that_stay():
+    from engine.strategies.pipeline.shards import plan_owners
+    sizes = {0: 8, 1: 0, 2: 4, 3: 4, 4: 4, 5: 2}
+    first = plan_owners([[0, 1, 2], [3, 4, 5]], sizes, 2)
+    assert first == {0: 0, 2: 1, 3: 0, 4: 1, 5: 0}   # a layer without parameters has no owner
+    # layer 3 moves to stage 0: its old owner does not bind it there; the least-loaded replica takes it
+    keep = {i: o for i, o in first.items() if i in (0, 2, 4, 5)}
+    after = plan_owners([[0, 1, 2, 3], [4, 5]], sizes, 2, keep)
+    assert {i: after[i] for i in keep} == keep and after[3] == 1   # stage 0's loads were 8 and 4
+    assert plan_owners([[0, 2, 3, 4]], sizes, 4) == {0: 0, 2: 1, 3: 2, 4: 3}

@@ -41,7 +41,8 @@ def build(cfg, model, topo, device, loss_fn):
     p = cfg.parallel.pipeline
     grid = Grid.of(p.stages or topo.world_size, topo.world_size, p.order)
     return PipelineStage(model, stages_of(cfg, model, topo.world_size), topo, device, cfg.optim, p,
-                         update_cfg=cfg.update, loss_fn=loss_fn, grid=grid)
+                         update_cfg=cfg.update, loss_fn=loss_fn, grid=grid,
+                         sharded=cfg.parallel.sharded if p.data == "sharded" else None)
 
 
 def stages_of(cfg, model, world: int) -> list[list[str]] | str:

@@ -9,6 +9,7 @@ Imports engine.runtime.checkpoint and the pipeline's schedule (the layout's chec
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from engine.runtime import checkpoint as ckpt
 from engine.strategies.base import parameter_names
@@ -26,13 +27,28 @@ class StageCheckpoint:
         self.resumed: tuple | None = None   # (checkpoint, manifest) until the balanced start has placed the layers
 
     def weights(self, copy: bool = True) -> dict[str, torch.Tensor]:
-        """This stage's entries of the model's state_dict (a tied weight: its owner stage's only)."""
+        """This stage's entries of the model's state_dict (a tied weight: its owner stage's only; sharded
+        replicas: each writes the layers whose updates it owns, replica 0 those without an update)."""
         st = self.stage
         st.sync()
         whole = st.updater.weights_state(st.model, copy=False)   # as its updates keep them (fp32 masters)
         others = st.ties.not_owned_keys(st.layer_stages())
-        return {k: whole[k].detach().clone() if copy else whole[k].detach() for k in st.stage_state()
-                if k not in others}
+        mine = range(st.start, st.end)
+        if st.shards is not None:
+            mine = [i for i in mine if st.shards.owners.get(i, 0) == st.replica]
+        keys = tuple(f"layers.{i}." for i in mine)
+        return {k: v.detach().clone() if copy else v.detach() for k, v in whole.items()
+                if k.startswith(keys) and k not in others}
+
+    def gather_weights(self) -> None:
+        """Every rank gets every stage's current weights from its replica's stages (an evaluation on rank 0)."""
+        st = self.stage
+        st.sync()
+        with torch.no_grad():
+            for stage, (start, end) in enumerate(check_stages(st.model.names, st.stage_layers)):
+                for layer in st.model.layers[start:end]:
+                    for t in list(layer.parameters()) + list(layer.buffers()):
+                        dist.broadcast(t.data, src=dist.get_global_rank(st.group, stage), group=st.group)
 
     def resume_layout(self, reader) -> None:
         """A pipeline keeps the layout its run had reached (rebalancing may have moved it) when the checkpoint is

@@ -32,6 +32,11 @@ out, and the tensors' bytes in one flat uint8 buffer: any optimizer's state, and
 serialisation pass over the tensors (torch.save of 21 MB cost 26 ms to write and 32 ms
 to read here). A peer that dies makes the
 receive fail within the collective timeout, raised as an error naming the layers.
+
+Stages x replicas: each replica's pipeline moves its own copy of the weights (and its partial gradients) between
+its stages, as above. With `data = "sharded"` a layer's optimizer state and masters are its owner's only
+(shards.py): they go from the layer's owner in the old stage to its owner in the new one, one copy, point to
+point on the world's group on a tag of their own (with the weights, where both owners are the same replica).
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ import torch.distributed as dist
 
 from engine.runtime import emulate
 
-STATE_TAG, GRAD_TAG = 2, 3
+STATE_TAG, GRAD_TAG, OWNER_TAG = 2, 3, 6   # tied.py's are 4 and 5
 
 
 class _Ref:
@@ -131,6 +136,8 @@ class Migration:
                 self.outgoing.setdefault(dst, []).append(names.index(name))
             if dst == rank:
                 self.incoming.setdefault(src, []).append(names.index(name))
+        # sharded replicas: each moving layer's (owner before, owner after), the stage's owners updated now
+        self.routes = stage.shards.migrate(self.old, self.new) if stage.shards is not None else None
         self.sent_bytes = 0
         self.duration_ms = 0.0
         self._works: list = []
@@ -156,16 +163,26 @@ class Migration:
         if self.outgoing and st.ties:
             st.updater.wait_host()   # a tied weight a leaving layer holds may be another layer's update in flight
         for dst, indices in self.outgoing.items():
-            blob = {}
+            blob, owners = {}, {}
             for i in indices:
                 layer = st.model.layers[i]
                 saved = st.updater.drop_layer(i)   # waits for a host update of the layer still in flight
+                route = self.routes.get(i) if self.routes is not None else None
+                if route is not None and route[1] != st.replica:   # its state goes to its new owner
+                    if route[0] == st.replica:
+                        owners.setdefault(route[1], {})[st.model.names[i]] = saved
+                    saved = {}
                 blob[st.model.names[i]] = {"params": [p.detach().cpu() for p in layer.parameters()],
                                            "buffers": [b.detach().cpu() for b in layer.buffers()], **saved}
-            works, nbytes = send_blob(blob, self._peer(dst), STATE_TAG, st.group, st.device.torch_device)
-            self._works += [(w, t, dst, indices) for w, t in works]
-            self.sent_bytes += nbytes
+            self._send(blob, self._peer(dst), STATE_TAG, st.group, dst, indices)
+            for owner, states in owners.items():
+                self._send(states, st.grid.rank(dst, owner), OWNER_TAG, st.topo.compute, dst, indices)
             emulate.reached("migration")   # emulate.kill_at: a source with the state on its way
+
+    def _send(self, blob, peer: int, tag: int, group, dst: int, indices: list[int]) -> None:
+        works, nbytes = send_blob(blob, peer, tag, group, self.stage.device.torch_device)
+        self._works += [(w, t, dst, indices) for w, t in works]
+        self.sent_bytes += nbytes
 
     def receive_state(self) -> None:
         """Targets: take over the arriving layers; then every rank's state sends are complete."""
@@ -176,6 +193,15 @@ class Migration:
             except Exception as e:
                 raise self._fail("weights from", indices, src, e) from e
             emulate.reached("migration")   # emulate.kill_at: a target holding the state, not taken over
+            routes = [self.routes[i] for i in indices if i in self.routes] if self.routes is not None else []
+            for owner in sorted({a for a, b in routes if b == st.replica != a}):
+                try:   # the state of the layers this replica owns from now, from their owner before
+                    states, _ = recv_blob(st.grid.rank(src, owner), OWNER_TAG, st.topo.compute,
+                                          st.device.torch_device)
+                except Exception as e:
+                    raise self._fail("optimizer state from", indices, src, e) from e
+                for name, saved in states.items():
+                    blob[name].update(saved)
             for i in indices:
                 entry, layer = blob[st.model.names[i]], st.model.layers[i]
                 with torch.no_grad():
@@ -183,9 +209,10 @@ class Migration:
                                     entry["params"] + entry["buffers"]):
                         t.copy_(v)
                 # the parameters the layer's update owns (a tied weight: its first holder's), in the order the
-                # source's update had them; fp32 masters of bf16 working weights
-                st.updater.add_layer(i, st.owned[i], entry.get("state"), entry.get("side", "device"),
-                                     entry.get("master"))
+                # source's update had them; fp32 masters of bf16 working weights. Sharded replicas: its owner's only
+                if self.routes is None or st.shards.owners.get(i) == st.replica:
+                    st.updater.add_layer(i, st.owned[i], entry.get("state"), entry.get("side", "device"),
+                                         entry.get("master"))
         self._wait()
 
     def _wait(self) -> None:

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from engine.runtime.control import COLUMN
+from engine.runtime.devices import tensor_bytes
 from engine.runtime.events import Event
 from engine.telemetry.outlets import rebalance_in_flight
 
@@ -94,3 +95,14 @@ class Rebalancing:
             events.append(Event(reply=(command, "applied",
                                        {"reason": f"new layout took effect in step {step}: {move.new}"})))
         return events
+
+    def static_bytes(self) -> dict[str, int]:
+        """Each layer the stage runs: the device bytes that travel with it in a migration (weights, their
+        gradients, and its update's optimizer state and fp32 masters where it runs here, on the device)."""
+        st, out = self.stage, {}
+        for i in range(st.start, st.end):
+            u = st.updater.updates.get(i)
+            out[st.model.names[i]] = sum(tensor_bytes(p) + (tensor_bytes(p.grad) if p.grad is not None else 0)
+                                         for p in st.model.layers[i].parameters()) + \
+                (u.device_bytes() if u is not None and u.side == "device" else 0)
+        return out

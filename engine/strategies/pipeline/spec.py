@@ -47,8 +47,11 @@ class PipelineConfig:
                              "replicas, each replica taking its share of every global batch in its own "
                              "micro-batches (docs/pipeline.md, Replicas).", min=0, max=4096)
     data: str = setting("ddp", "With replicas (`stages` below the world size): how a stage's replicas combine "
-                               "their gradients. `ddp`: an all-reduce within the stage's group. `sharded` (owners "
-                               "within the group, with the sliced broadcast): not built yet, refused.",
+                               "their gradients. `ddp`: an all-reduce within the stage's group. `sharded`: each layer's "
+                               "update has one owner in the group, which alone keeps its optimizer state; gradients "
+                               "are summed onto it and its update goes out in slices over the `[parallel.sharded]` "
+                               "streams, each layer's next forward waiting only for its own (docs/pipeline.md, "
+                               "Replicas). With one replica both are the plain pipeline.",
                         choices=("ddp", "sharded"))
     order: str = setting("auto", "With replicas: which ranks hold a stage, and which a replica's pipeline. "
                                  "`stage`: a stage's replicas are neighbouring ranks (rank = stage x R + replica), "
@@ -77,16 +80,12 @@ def micro_batches(cfg) -> tuple[int, str]:
 
 
 def stages_divide_the_world(cfg) -> str | None:
-    """pipeline: `stages` divides the world into whole replicas; a stage's replicas combine gradients as `data`
-    says (sharded: not built yet)."""
+    """pipeline: `stages` divides the world into whole replicas."""
     p = cfg.parallel.pipeline
     world = cfg.parallel.world_size
     if p.stages and (p.stages > world or world % p.stages):
         return (f"parallel.pipeline.stages = {p.stages}: must divide parallel.world_size = {world} into whole "
                 f"replicas (e.g. {', '.join(str(d) for d in range(1, world + 1) if world % d == 0)})")
-    if p.data == "sharded" and replica_count(cfg) > 1:
-        return ('parallel.pipeline.data = "sharded": not built yet (a stage\'s replicas combine their gradients '
-                'with parallel.pipeline.data = "ddp")')
     return None
 
 
@@ -147,7 +146,9 @@ FIGURES = (
     own_ms("recv_wait_ms", STAGES),
     nbytes("migration_bytes"),
     ms("migration_ms"),
-    own_ms("replica_reduce_ms"),   # stages x replicas: a stage's gradients averaged over its replicas
+    own_ms("replica_reduce_ms"),   # stages x replicas: a stage's gradients averaged over its replicas (sharded:
+                                   # summed onto each layer's owner)
+    ms("shard_gate_ms"),           # sharded replicas: the forward's waits for its layers' broadcasts
 )
 
 SPEC = StrategySpec(

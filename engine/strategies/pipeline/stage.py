@@ -25,9 +25,9 @@ Messages (engine/strategies/pipeline/wire.py): a header with the shape and dtype
 message of a step in each direction (and the first under a new layout); non-blocking sends kept until the step's
 end, blocking receives: both schedules are deadlock-free. Forward messages use tag 0, backward tag 1.
 
-Stages x replicas (grid.py, replicas.py): with `parallel.pipeline.stages` below the world size each stage is held
-by R replicas; each replica runs the whole pipeline on its share of the batch, on a process group of its own, and
-a stage's replicas average their gradients before the update. `rank` here is the stage's index in its pipeline.
+Stages x replicas (grid.py): R replicas of each stage, each running the pipeline on its share of the batch on a
+process group of its own; a stage's replicas average their gradients (replicas.py) or own its layers' updates
+(shards.py). `rank` here is the stage's index in its pipeline.
 
 Schedules (schedule.py): "gpipe", all forwards then all backwards; "1f1b", min(stages - rank - 1, micro_batches)
 warm-up forwards, then one forward and one backward in turn, then the remaining backwards.
@@ -47,7 +47,6 @@ import torch.distributed as dist
 
 from engine.config import OptimConfig, PipelineConfig, UpdateConfig
 from engine.models.compile import FIGURES, eager_layers
-from engine.runtime.devices import tensor_bytes
 from engine.training.loss import counted, cross_entropy, share_loss
 from engine.models.layers import params_by_layer
 from engine.techniques.updates.updater import LayerUpdates
@@ -60,7 +59,8 @@ from engine.strategies.pipeline.rebalancing import Rebalancing
 from engine.strategies.pipeline.replicas import Replicas
 from engine.strategies.pipeline.schedule import SCHEDULES, check_stages, schedule_ops, split_micro, uniform_stages
 from engine.training.optim import make_optimizer
-from engine.strategies.pipeline.stage_times import threshold_in_ms
+from engine.strategies.pipeline.shards import StageShards
+from engine.strategies.pipeline.stage_times import stage_rows
 from engine.strategies.pipeline.rebalance import LayerClock, Rebalancer, measure_link_rate
 from engine.strategies.pipeline.tied import StageTies
 from engine.strategies.pipeline.checkpoint import StageCheckpoint
@@ -76,10 +76,11 @@ class PipelineStage(Strategy):
 
     def __init__(self, model, stage_layers: list[list[str]] | str, topo, device, optim_cfg: OptimConfig,
                  settings: PipelineConfig, loss_fn=cross_entropy, update_cfg: UpdateConfig | None = None,
-                 device_clock: Clock | None = None, grid: Grid | None = None):
+                 device_clock: Clock | None = None, grid: Grid | None = None, sharded=None):
         """`stage_layers`: the layout to start in (configured_stages resolves `settings.partition` to it, or
         "balanced"); `settings`: [parallel.pipeline] (PipelineConfig, spec.py); `grid`: which rank holds which
-        stage of which replica (grid.py; by default one replica, rank r stage r)."""
+        stage of which replica (grid.py; by default one replica, rank r stage r); `sharded`: [parallel.sharded]
+        (ShardedConfig) where a stage's replicas own its layers' updates (shards.py), None: they average."""
         schedule, micro_batches, rebalance = settings.schedule, settings.micro_batches, settings.rebalance
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
@@ -102,8 +103,9 @@ class PipelineStage(Strategy):
         self.next = None if self.is_last else dist.get_global_rank(group, self.rank + 1)
         self._set_layout(stage_layers)
         self.owned = params_by_layer(model)   # each layer's update's; a tied weight's first holder's (StageTies)
-        mine = {i: ps if self.start <= i < self.end else [] for i, ps in self.owned.items()}
-        self.updater = LayerUpdates(model, mine, optim_cfg, device, update_cfg or UpdateConfig())
+        self.shards = StageShards(self, sharded) if sharded is not None and grid.replicas > 1 else None
+        self.norm_group = topo.compute if self.shards else group   # where every gradient is, once
+        self.updater = LayerUpdates(model, self._mine(), optim_cfg, device, update_cfg or UpdateConfig())
         self.ties = StageTies(model, self.group, self.rank)
         # torch's first optimizer is slow (1.8 s: lazy imports): not inside the step layers migrate in
         make_optimizer(optim_cfg, [torch.nn.Parameter(torch.zeros(1))])
@@ -158,16 +160,23 @@ class PipelineStage(Strategy):
         every rank's own copy, and optimizer state starts fresh for layers this rank did not update (after a
         resume, the balanced start takes theirs from the checkpoint: StageCheckpoint.restore_layers). Returns
         those layers."""
-        old = set(range(self.start, self.end))
+        if self.shards is not None:
+            self.shards.migrate(self.stage_layers, stage_layers)
         self._set_layout(stage_layers)
-        new = set(range(self.start, self.end))
-        for i in sorted(old - new):
-            if i in self.updater.updates:
-                self.updater.drop_layer(i)
-        for i in sorted(new - old):
+        want = {i for i, ps in self._mine().items() if ps}
+        for i in sorted(set(self.updater.updates) - want):
+            self.updater.drop_layer(i)
+        arrived = sorted(want - set(self.updater.updates))
+        for i in arrived:
             self.updater.add_layer(i, self.owned[i])
         self.device.ledger.retrack(self.ledger_module)
-        return sorted(new - old)
+        return arrived
+
+    def _mine(self) -> dict[int, list]:
+        """The parameters of each layer whose update runs here: this stage's layers (sharded: those it owns)."""
+        if self.shards is not None:
+            return self.shards.mine(self.start, self.end)
+        return {i: ps if self.start <= i < self.end else [] for i, ps in self.owned.items()}
 
     # --- a step --------------------------------------------------------------------------------
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float | None:
@@ -193,6 +202,8 @@ class PipelineStage(Strategy):
         times = self.times
         times.begin_step()
         self.updater.begin_step()
+        if self.pending and self.shards is not None:
+            self.shards.sync()   # the weights that move are the owners' last
         move, self.pending = (Migration(self, self.pending) if self.pending else None), None
         wire = self.wire
         wire.begin_step(move)
@@ -261,11 +272,16 @@ class PipelineStage(Strategy):
             self.layer_clock.end_step()
         self._steps += 1
         wire.sent_bytes += self.ties.sum_grads(self.layer_stages(), wire.pending)
-        reduce_s = self.replicas.average(p for i in range(self.start, self.end) for p in self.owned[i])
+        shards = self.shards
+        reduce_s = shards.reduce(self.start, self.end) if shards else \
+            self.replicas.average(p for i in range(self.start, self.end) for p in self.owned[i])
         t0 = times.mark()
-        self.updater.end_backward(self.group)   # the norm over every stage decides (clip_mode "wait"), or
-        self.updater.validate(self.group)       # validates the updates that ran ("speculate": redone if clipped)
+        self.updater.end_backward(self.norm_group)   # the norm over every stage decides (clip_mode "wait"), or
+        self.updater.validate(self.norm_group)       # validates the updates that ran ("speculate": redone if clipped)
         times.add("optim_ms", t0, times.mark())
+        if shards:   # the owners' layers out; a tied weight settled before the pipeline returns it (tied.py)
+            shards.broadcast(self.start, self.end, self.updater)
+            shards.settle([tie[0] for tie in self.ties.ties])
         wire.sent_bytes += self.ties.return_weights(self.layer_stages(), self.updater, wire.pending)
         wire.finish()
         loss = float(torch.stack(losses).sum()) if self.is_last else None   # waits for the last stage's work
@@ -273,7 +289,8 @@ class PipelineStage(Strategy):
         self.timings = {**times.end_step(), "recv_wait_ms": wire.recv_s * 1000, "sent_bytes": wire.sent_bytes,
                         "migration_bytes": move.sent_bytes if move else 0,
                         "migration_ms": move.duration_ms if move else 0.0,
-                        **({"replica_reduce_ms": reduce_s * 1000} if reduce_s is not None else {})}
+                        **({"replica_reduce_ms": reduce_s * 1000} if reduce_s is not None else {}),
+                        **({"shard_gate_ms": shards.take_gate_ms()} if shards else {})}
         self.device.ledger.refresh()
         return loss
 
@@ -309,15 +326,8 @@ class PipelineStage(Strategy):
 
     # --- views ---------------------------------------------------------------------------------
     def layer_static_bytes(self) -> dict[str, int]:
-        """Each layer this stage runs: the device bytes that travel with it in a migration (weights, their
-        gradients, and its update's optimizer state and fp32 masters where it runs on the device)."""
-        out = {}
-        for i in range(self.start, self.end):
-            params = list(self.model.layers[i].parameters())
-            u = self.updater.updates.get(i)
-            out[self.model.names[i]] = sum(tensor_bytes(p) + (tensor_bytes(p.grad) if p.grad is not None else 0)
-                                           for p in params) + (u.device_bytes() if u is not None and u.side == "device" else 0)
-        return out
+        """Each layer this stage runs: the device bytes that travel with it in a migration (rebalancing.py)."""
+        return self.rebalancing.static_bytes()
 
     def stage_params(self) -> list[torch.nn.Parameter]:
         return [p for u in self.updater.updates.values() for p in u.params]
@@ -352,31 +362,16 @@ class PipelineStage(Strategy):
         return {name: stage for stage, names in enumerate(self.stage_layers) for name in names}
 
     def stage_rows(self, ranks: list[dict]) -> dict:
-        """The step record's `stages` (one per stage, from every rank's timings: with replicas, its slowest
-        replica's, and every replica's busy time in `replicas_ms`) and `imbalance_ms`."""
-        rows = []
-        by_rank = {r["rank"]: r for r in ranks}
-        for stage, names in enumerate(self.stage_layers):
-            held = [by_rank[rank] for rank in self.grid.group_of(stage)]
-            r = max(held, key=lambda e: e["fwd_ms"] + e["bwd_ms"])   # the stage waits for its slowest replica
-            busy = r["fwd_ms"] + r["bwd_ms"] + r["optim_ms"]
-            rows.append({"stage": stage, "rank": r["rank"], "layers": names, "fwd_ms": r["fwd_ms"],
-                         "bwd_ms": r["bwd_ms"], "idle_ms": round(max(0.0, r["step_ms"] - busy), 4),
-                         "micro_batches": self.micro_batches, "sent_bytes": r.get("sent_bytes", 0)})
-            if len(held) > 1:
-                rows[-1]["replicas_ms"] = [round(e["fwd_ms"] + e["bwd_ms"], 4) for e in held]
-        busy = [row["fwd_ms"] + row["bwd_ms"] for row in rows]
-        # the threshold a check would apply to these stage times (a fraction is of their mean)
-        threshold_ms = threshold_in_ms(self.rebalancer.threshold, busy)
-        return {"stages": rows, "imbalance_ms": round(max(busy) - min(busy), 4),
-                "threshold_ms": round(threshold_ms, 4), "migrating": self.migration is not None}
+        """The step record's `stages` and `imbalance_ms` (stage_times.py stage_rows)."""
+        return stage_rows(self, ranks)
 
     def weights(self, copy: bool = True) -> dict[str, torch.Tensor]:
         return self.ckpt.weights(copy)
 
     def checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
-        """A stage's replicas hold one copy between them, the same on each: replica 0 writes it."""
-        if self.replica:
+        """A stage's replicas hold one copy between them, the same on each: replica 0 writes it (sharded: each
+        owner its layers', StageCheckpoint.weights)."""
+        if self.replica and self.shards is None:
             self.sync()
             return {}, {}
         return super().checkpoint_state()
@@ -388,11 +383,18 @@ class PipelineStage(Strategy):
         super().load(reader)
         self.ckpt.keep_for_balance(reader)
 
+    def sync(self) -> float:
+        """Host updates and (sharded) every broadcast in flight have landed; the seconds waited for the former."""
+        waited = super().sync()
+        if self.shards is not None:
+            self.shards.sync()
+        return waited
+
+    def close(self) -> None:
+        if self.shards is not None:
+            self.shards.close()
+        super().close()
+
     def gather_weights(self) -> None:
         """Every rank gets every stage's current weights (for an evaluation on rank 0). All ranks call it."""
-        self.sync()
-        with torch.no_grad():
-            for stage, (start, end) in enumerate(check_stages(self.model.names, self.stage_layers)):
-                for layer in self.model.layers[start:end]:
-                    for t in list(layer.parameters()) + list(layer.buffers()):
-                        dist.broadcast(t.data, src=dist.get_global_rank(self.group, stage), group=self.group)
+        self.ckpt.gather_weights()

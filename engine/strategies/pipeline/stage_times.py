@@ -4,7 +4,7 @@
     needs_rebalance(stage_ms, 4.0)         # max - min over 4 ms?
     threshold_in_ms(0.2, stage_ms)         # a fraction of the mean stage time, or ms (> 1)
 
-Imports engine.strategies.pipeline.partition (Layout).
+Imports engine.strategies.pipeline.partition (Layout). `stage_rows`: a PipelineStage's step-record rows.
 """
 
 from __future__ import annotations
@@ -55,3 +55,24 @@ def threshold_in_ms(value: float, stage_ms: Sequence[float]) -> float:
         raise ValueError(f"threshold {value!r} is a fraction of the mean stage time, "
                          f"but no stage times were given")
     return value * (sum(stage_ms) / len(stage_ms))
+
+
+def stage_rows(st, ranks: list[dict]) -> dict:
+    """The step record's `stages` (one per stage, from every rank's timings: with replicas, its slowest
+    replica's, and every replica's busy time in `replicas_ms`) and `imbalance_ms`, of the PipelineStage `st`."""
+    rows = []
+    by_rank = {r["rank"]: r for r in ranks}
+    for stage, names in enumerate(st.stage_layers):
+        held = [by_rank[rank] for rank in st.grid.group_of(stage)]
+        r = max(held, key=lambda e: e["fwd_ms"] + e["bwd_ms"])   # the stage waits for its slowest replica
+        busy = r["fwd_ms"] + r["bwd_ms"] + r["optim_ms"]
+        rows.append({"stage": stage, "rank": r["rank"], "layers": names, "fwd_ms": r["fwd_ms"],
+                     "bwd_ms": r["bwd_ms"], "idle_ms": round(max(0.0, r["step_ms"] - busy), 4),
+                     "micro_batches": st.micro_batches, "sent_bytes": r.get("sent_bytes", 0)})
+        if len(held) > 1:
+            rows[-1]["replicas_ms"] = [round(e["fwd_ms"] + e["bwd_ms"], 4) for e in held]
+    busy = [row["fwd_ms"] + row["bwd_ms"] for row in rows]
+    # the threshold a check would apply to these stage times (a fraction is of their mean)
+    threshold_ms = threshold_in_ms(st.rebalancer.threshold, busy)
+    return {"stages": rows, "imbalance_ms": round(max(busy) - min(busy), 4),
+            "threshold_ms": round(threshold_ms, 4), "migrating": st.migration is not None}

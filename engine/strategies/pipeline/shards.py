@@ -30,6 +30,7 @@ Imports torch.distributed and the sharded strategy's `cut`.
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
@@ -151,8 +152,9 @@ class StageShards:
             if self.owners[i] == self.replica:
                 updater.wait_layer(i)   # a host update lands before its weights leave
             params = self.stage.owned[i]
+            dtype = functools.reduce(torch.promote_types, (p.dtype for p in params))   # as torch.cat makes it
             flat = _flatten_dense_tensors([p.detach() for p in params]) if self.owners[i] == self.replica else \
-                torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+                torch.empty(sum(p.numel() for p in params), dtype=dtype, device=params[0].device)
             pieces = max(1, -(-self.sizes[i] // piece_bytes))
             src = self.owner_rank(self.stage.rank, i)
             for a, b in cut(flat.numel(), pieces):

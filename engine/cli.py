@@ -9,6 +9,7 @@
     trainyard export RUN DIR [--step N] [--dtype fp32|bf16] [--overwrite]
     trainyard ctl RUN COMMAND [ARGS ...]
     trainyard bench NAME [--json]
+    trainyard plan CONFIG.toml --hosts N --per-host G [--memory SIZE] [--set KEY=VALUE ...] [--json]
     trainyard cluster up --hosts 2 --link 1gbit | exec HOST -- COMMAND | status | down
 
 Exit status: 0 done; 1 the run failed (workers died more often than
@@ -95,6 +96,18 @@ def _parser() -> argparse.ArgumentParser:
                                              "(root)", add_help=False)
     cluster.add_argument("cluster_args", nargs=argparse.REMAINDER, help="up | exec | status | down (see --help)")
 
+    plan = sub.add_parser("plan", help="the layouts that fit N hosts x G devices, and each rank's memory, on paper",
+                          description="For the config's model (on the meta device: no worker, no data file read), "
+                                      "every layout of N x G devices and the memory its tightest rank holds "
+                                      "(docs/plan.md). Exit status 2 when none fits.")
+    plan.add_argument("config", help="TOML config file (see docs/config.md)")
+    plan.add_argument("--hosts", type=int, required=True, metavar="N", help="hosts")
+    plan.add_argument("--per-host", type=int, required=True, metavar="G", help="devices (ranks) on each host")
+    plan.add_argument("--memory", metavar="SIZE", help="each device's capacity, e.g. 80GB (default: device.memory)")
+    plan.add_argument("--set", action="append", default=[], dest="overrides", metavar="KEY=VALUE",
+                      help="override a config key, e.g. --set data.seq_len=4096 (repeatable)")
+    plan.add_argument("--json", action="store_true", help="the table as JSON (docs/plan.md names the fields)")
+
     bench = sub.add_parser("bench", help="run a benchmark (its variants side by side, ratios printed)")
     bench.add_argument("name", choices=_benches())
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="--json, and the bench's own options")
@@ -146,6 +159,8 @@ def _dispatch(args) -> int:
         return ctl.ctl(args.run, args.ctl_command, args.args, args.token_file, args.timeout)
     if args.command == "export":
         return _export(args)
+    if args.command == "plan":
+        return _plan(args)
     if args.command == "console":
         from console.__main__ import attach
         return attach(args.run, args.read_only, args.replay, args.token_file)
@@ -251,6 +266,20 @@ def _said(error: Exception, run_dir: Path) -> int:
 
 _LABELS = {"RunRefused": "run refused", "RunSetupError": "cannot start", "CheckpointError": "checkpoint refused",
            "RunFailed": "run failed"}
+
+
+def _plan(args) -> int:
+    from engine.config import ConfigError
+    from engine.plan import PlanError, plan
+    try:
+        return plan(Path(args.config), args.hosts, args.per_host, args.memory, args.overrides, args.json)
+    except ConfigError as e:
+        err.print(f"[red]config error:[/] {escape(str(e))}")
+    except PlanError as e:
+        err.print(f"[red]plan refused:[/] {escape(str(e))}")
+    except ValueError as e:   # a model the config names that cannot be built (engine.models, models/hf)
+        err.print(f"[red]model error:[/] {escape(str(e))}")
+    return 2
 
 
 def _export(args) -> int:

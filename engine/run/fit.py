@@ -103,13 +103,15 @@ def _rank_world() -> tuple[int, int]:
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
-def saved_bytes(model, x: torch.Tensor, y: torch.Tensor, loss_fn, precision, torch_device
-                ) -> tuple[dict[str, int], int, int]:
+def saved_bytes(model, x: torch.Tensor, y: torch.Tensor, loss_fn, precision, torch_device,
+                outputs: dict[str, int] | None = None) -> tuple[dict[str, int], int, int]:
     """(bytes each layer saves for its backward, bytes the loss saves, bytes of the blocks' shared inputs) for one
-    forward of `model` on (x, y), by the ledger's rule, on a copy whose tensors hold no memory."""
+    forward of `model` on (x, y), by the ledger's rule, on a copy whose tensors hold no memory. A model on the meta
+    device is copied onto `torch_device` (`trainyard plan`); `outputs`, where given, gets each layer's output
+    bytes (what recompute keeps of the next layer: its input)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    fake = _fake_copy(model, mode)
+    fake = _fake_copy(model, mode, torch_device)
     params = {p.untyped_storage()._cdata for p in fake.parameters()}
     shared = [m for m in fake.modules() if isinstance(m, SharedInputs)]
     seen: set[int] = set()
@@ -131,6 +133,9 @@ def saved_bytes(model, x: torch.Tensor, y: torch.Tensor, loss_fn, precision, tor
     for name, layer in zip(fake.names, fake.layers):
         handles.append(layer.register_forward_pre_hook(lambda m, a, name=name: current.__setitem__(0, name)))
         handles.append(layer.register_forward_hook(lambda m, a, o: current.__setitem__(0, "")))
+        if outputs is not None:
+            handles.append(layer.register_forward_hook(
+                lambda m, a, o, name=name: outputs.__setitem__(name, tensor_bytes(o) if torch.is_tensor(o) else 0)))
     try:
         with mode, compute_in(precision, torch_device), \
                 torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -146,13 +151,14 @@ def saved_bytes(model, x: torch.Tensor, y: torch.Tensor, loss_fn, precision, tor
     return by_layer, by_layer.pop("", 0), inputs
 
 
-def _fake_copy(model, mode):
+def _fake_copy(model, mode, torch_device):
     """A copy of `model` whose parameters and buffers are fake tensors of the same shapes, dtypes and devices (no
-    memory), without the forwards others installed on its layers (the memory policy's, an emulated slow layer's):
-    the plain forward is what keep runs."""
+    memory; a meta tensor's on `torch_device`), without the forwards others installed on its layers (the memory
+    policy's, an emulated slow layer's): the plain forward is what keep runs."""
+    from torch._subclasses.fake_tensor import FakeTensor
     memo: dict[int, object] = {}
     for t in itertools.chain(model.parameters(), model.buffers()):
-        fake = mode.from_tensor(t.detach())
+        fake = FakeTensor(mode, t.detach(), torch_device) if t.is_meta else mode.from_tensor(t.detach())
         memo[id(t)] = torch.nn.Parameter(fake, requires_grad=t.requires_grad) \
             if isinstance(t, torch.nn.Parameter) else fake
     for m in model.modules():

@@ -25,7 +25,7 @@ norm then runs over the world (each parameter's gradient is on its owner only). 
 out once its update has landed. A weight tied across stages is settled (its slices waited for) before the
 pipeline returns it to the other holders (tied.py).
 
-Imports torch.distributed and the sharded strategy's `cut`.
+Imports torch.distributed and the sharded strategy's plan (`cut`, `plan_owners`: pure functions).
 """
 
 from __future__ import annotations
@@ -38,28 +38,7 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from engine.runtime.devices import tensor_bytes
-from engine.strategies.sharded.plan import cut
-
-
-def plan_owners(stages: list[list[int]], sizes: dict[int, int], replicas: int,
-                keep: dict[int, int] | None = None) -> dict[int, int]:
-    """Each layer's owner replica, stage by stage: a layer in `keep` keeps its owner where it stays in the same
-    stage (keep maps a layer to its owner; `stayed` is decided by the caller passing only those); every other
-    layer with parameters goes to the replica with the fewest bytes so far, in forward order (ties: the lowest).
-    Layers without parameters (size 0) have no owner."""
-    keep = keep or {}
-    owners: dict[int, int] = {}
-    for layers in stages:
-        load = [0] * replicas
-        for i in layers:
-            if i in keep and sizes.get(i, 0):
-                owners[i] = keep[i]
-                load[keep[i]] += sizes[i]
-        for i in layers:
-            if i not in owners and sizes.get(i, 0):
-                owners[i] = min(range(replicas), key=lambda r: (load[r], r))
-                load[owners[i]] += sizes[i]
-    return owners
+from engine.strategies.sharded.plan import cut, plan_owners
 
 
 class _Piece:

@@ -2,6 +2,7 @@
 to streams. Pure functions of the model's shape and the seed, the same on every rank.
 
     owners = assign_owners(sizes, world)        # interleaved, balanced by bytes
+    layer_owners = plan_owners(stages, layer_sizes, replicas)   # a pipeline's sharded replicas: whole layers
     plan = plan_slices(spans, slices, streams, "balanced", seed)
     buckets = reduce_buckets(plan, world, itemsize)   # the slices, merged up to 1 MiB: the gradients' messages
 """
@@ -40,6 +41,27 @@ def assign_owners(sizes: list[int], world: int) -> list[int]:
         rank = min(range(world), key=lambda r: (load[r], r))
         load[rank] += size
         owners.append(rank)
+    return owners
+
+
+def plan_owners(stages: list[list[int]], sizes: dict[int, int], replicas: int,
+                keep: dict[int, int] | None = None) -> dict[int, int]:
+    """A pipeline's sharded replicas (engine/strategies/pipeline/shards.py): each layer's owner among its stage's
+    `replicas`, stage by stage (`stages`: each stage's layer indices). A layer in `keep` (the caller passes the
+    layers that stay in their stage) keeps its owner; every other layer with parameters goes to the replica with
+    the fewest bytes so far, in forward order (ties: the lowest). A layer without parameters (size 0) has none."""
+    keep = keep or {}
+    owners: dict[int, int] = {}
+    for layers in stages:
+        load = [0] * replicas
+        for i in layers:
+            if i in keep and sizes.get(i, 0):
+                owners[i] = keep[i]
+                load[keep[i]] += sizes[i]
+        for i in layers:
+            if i not in owners and sizes.get(i, 0):
+                owners[i] = min(range(replicas), key=lambda r: (load[r], r))
+                load[owners[i]] += sizes[i]
     return owners
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from console.client import ReplaySource
 from console.screens import FilterScreen, HelpScreen, QuitScreen, SyncScreen
+from console.where import where_applied
 from engine.protocol import SYNC_MODES
 from widgets.device_table import FleetTable
 from widgets.layers import LayerTable
@@ -24,6 +25,7 @@ class ConsoleActions:
     def __init__(self, app) -> None:
         self.app = app
         self.pending: dict[str, str] = {}      # command id -> what was sent, until its final reply
+        self.sent: dict[str, tuple[str, list]] = {}   # command id -> (name, args), until its final reply
         self.stopping: str | None = None       # the id of the stop sent
 
     # --- commands ----------------------------------------------------------------------
@@ -54,7 +56,7 @@ class ConsoleActions:
         except (ConnectionError, OSError, AttributeError):
             self.say(f"{label}: not sent — not connected", "error")
             return None
-        self.pending[cid] = label
+        self.pending[cid], self.sent[cid] = label, (name, list(args))
         self.say(f"{label}: pending")
         return cid
 
@@ -62,8 +64,11 @@ class ConsoleActions:
         if msg.get("status") == "pending":
             return
         label = self.pending.pop(msg.get("id"), None) or msg.get("name", "command")
+        name, args = self.sent.pop(msg.get("id"), (None, []))
         if msg.get("status") == "applied":
-            self.say(f"{label}: applied at step {msg.get('step')}")
+            state = self.app.state   # a pipeline: the layer's stage, and with replicas each replica of it
+            where = name and where_applied(name, args, state.hello, state.last_step, state.layers)
+            self.say(f"{label}: applied at step {msg.get('step')}" + (f" — {where}" if where else ""))
             if label in ("pause", "resume"):
                 self.app.state.paused = label == "pause"
             if msg.get("id") == self.stopping:
@@ -78,6 +83,7 @@ class ConsoleActions:
         for label in self.pending.values():
             self.say(f"{label}: no reply — the connection was lost", "warning")
         self.pending.clear()
+        self.sent.clear()
         if self.stopping:
             self.app.exit("stop")
 

@@ -210,7 +210,7 @@ class ConsoleApp(App[str]):
         step, now = state.last_step or {}, float("inf") if force else time.monotonic()
         if self.due(self.devices, state.version, now):
             self.devices.update_ranks(step.get("ranks"), bool(hello.get("simulated", True)), state.ps,
-                                      names=state.device_names, hosts=hello.get("hosts"))
+                                      names=state.device_names, hosts=hello.get("hosts"), grid=state.grid)
         self.panels.set_class(self.devices.tabular, "-fleet")   # the table gets half the width (app.tcss)
         if self.due(self.streams, state.version, now):   # with the figures the run declares each panel shows
             self.streams.update_streams(step.get("streams"), state.mode, state.take_stream_steps(),
@@ -221,7 +221,7 @@ class ConsoleApp(App[str]):
             self.stages.update_stages(stages, state.mode, step.get("imbalance_ms"), step.get("threshold_ms"),
                                       bool(step.get("migrating")), figures)
         if self.due(self.table, state.layers_version, now):
-            self.table.update_layers(state.layers, state.ps)
+            self.table.update_layers(state.layers, state.ps, state.grid)
         points, events, notes = state.take()
         self._points.extend(points)
         if self._points and self.due(self.curves, state.version, now):

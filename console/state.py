@@ -8,6 +8,7 @@ and the line under it that says which keys do something in this run.
     keys_line(state, read_only=False, replay=False)   # `pipeline: r rebalance · k/s/c ... · q quit`
     state.sync_mode                           # parameter server: soft, bsp, asp or ssp
     state.device_names                        # each rank's device (hello's `devices`), or None
+    state.grid                                # a pipeline's stages x replicas (hello's layout.grid), or None
     state.panel_figures(protocol.STREAMS)     # [("reduce", "ms", 0.52), ...]: what the run declares a panel shows
 
 Which figures a panel shows, in which unit and words, the run's hello says (`figures`: each figure's
@@ -24,6 +25,7 @@ from collections import deque
 
 from rich.text import Text
 
+from console.where import grid_of
 from engine import protocol
 from widgets.streams import HISTORY as STREAM_HISTORY
 
@@ -87,6 +89,12 @@ class RunState:
         """Each rank's device by rank, e.g. "NVIDIA H100 80GB HBM3" (None in logs from before hello had them)."""
         names = self.hello.get("devices")
         return names if isinstance(names, list) else None
+
+    @property
+    def grid(self) -> dict | None:
+        """A pipeline's stages x replicas, as its hello says them (layout.grid: each stage's ranks, replica 0
+        first); None in other modes and with one replica."""
+        return grid_of(self.hello)
 
     @property
     def figures(self) -> list[dict]:

@@ -623,3 +623,51 @@ def test_each_stage_shows_its_ranks_receive_wait_from_a_replayed_logs_declaratio
             assert labels.strip() == "· recv wait"   # over what each line's last value is
             assert [line.rsplit(" · ", 1)[1] for line in lines] == ["0.25 ms", "0.50 ms", "0.75 ms", "1.00 ms"]
     run(scenario())
+
+
+def test_a_command_on_a_layer_names_its_stage_and_every_replica_of_it():
+    from console.where import where_applied
+    from tests.fleet_feed import pipeline_grid_feed
+    grid_feed, one = pipeline_grid_feed(16, 4, "replica"), pipeline_grid_feed(4, 1)
+    assert where_applied("set-policy", ["blocks.9", "swap"], grid_feed[0], last_step(grid_feed)) == \
+        "blocks.9 is on stage 5: applied on each of its 4 replicas (ranks 5, 21, 37, 53)"
+    assert where_applied("set-placement", ["head", "host"], one[0], last_step(one)) == "head is on stage 3"
+    # before any step: the layout the run started in; the layer rows' stage where a step has none
+    assert where_applied("set-policy", ["blocks.0", "keep"], grid_feed[0], None).startswith("blocks.0 is on stage 0")
+    assert where_applied("set-policy", ["x", "keep"], {}, None, [{"name": "x", "stage": 2}]) == "x is on stage 2"
+    assert where_applied("rebalance", [], grid_feed[0], last_step(grid_feed)) is None
+    assert where_applied("set-policy", ["fc1", "swap"], {"layout": {"strategy": "ddp"}}, {"ranks": []}) is None
+    owners = {"layout": {**grid_feed[0]["layout"], "grid": {**grid_feed[0]["layout"]["grid"], "owners": True}}}
+    assert where_applied("set-placement", ["blocks.9", "host"], owners, last_step(grid_feed)) == \
+        "blocks.9 is on stage 5: applied on the one of its 4 replicas that owns its update (ranks 5, 21, 37, 53)"
+
+
+def last_step(messages: list[dict]) -> dict:
+    return [msg for msg in messages if msg.get("type") == "step"][-1]
+
+
+@pytest.mark.timeout(60)
+def test_a_command_on_a_layer_of_a_grid_says_its_stage_and_every_replica_in_ctl_and_the_console(
+        engines, tmp_path, capsys):
+    from engine.ctl import ctl
+    from tests.fleet_feed import pipeline_grid_feed, write_feed
+    feed = write_feed(pipeline_grid_feed(2, 2), tmp_path / "grid.jsonl")
+    engine = engines("grid", feed, capabilities=CAPABILITIES["pipeline"])   # embed, blocks.0 | blocks.1, head
+    assert ctl("grid", "set-policy", ["blocks.0", "swap"], None, 10) == 0
+    said = capsys.readouterr().out
+    assert f"set-policy blocks.0 swap: applied at step {engine.step}" in said
+    assert "blocks.0 is on stage 0: applied on each of its 2 replicas (ranks 0, 1)" in said
+    assert ctl("grid", "pause", [], None, 10) == 0 and "stage" not in capsys.readouterr().out
+
+    async def scenario():
+        app = ConsoleApp(SocketSource("grid"))
+        async with app.run_test(size=SIZE) as pilot:
+            await attached(pilot, app)
+            await select(pilot, app, "head")
+            await pilot.press("u")
+            await until(pilot, lambda: "set-placement head" in events_text(app) and "applied" in events_text(app),
+                        what="the placement's reply")
+            said = " ".join(events_text(app).split())   # the panel wraps its lines
+            assert f"set-placement head host: applied at step {engine.step} — head is on stage 1: applied on each " \
+                   "of its 2 replicas (ranks 2, 3)" in said
+    run(scenario())

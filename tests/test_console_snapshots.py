@@ -1,5 +1,5 @@
 """The console's main screen, wide and narrow, for a data-parallel and a pipeline run, and wide
-for a parameter-server run and a data-parallel run on two GPUs.
+for a parameter-server run, a data-parallel run on two GPUs and a pipeline of 16 stages x 4 replicas.
 
 Replayed feeds, preloaded and paused, so every picture is the same: times come from the
 records, not the clock. Refresh the SVGs after a deliberate change with
@@ -103,3 +103,13 @@ def test_param_server_main_screen(snap_compare):
     # every record but the summary: sync back to soft, rank 5 lost at step 26
     source = ReplaySource(FIXTURES / "ps_run.jsonl", paused=True, preload=39)
     assert snap_compare(ConsoleApp(source), terminal_size=(120, 40), run_before=settle_at_the_last_workers)
+
+
+@pytest.mark.timeout(60)
+def test_pipeline_grid_main_screen(snap_compare, tmp_path):
+    # 16 stages x 4 replicas on 8 hosts: the Devices table a line per stage and its replicas under it (replica
+    # 2 of stage 5 slow, its stage's others waiting on it), the layers' stages held by 4 replicas each
+    from tests.fleet_feed import pipeline_grid_feed, write_feed
+    messages = pipeline_grid_feed(16, 4, slow=(5, 2))
+    source = ReplaySource(write_feed(messages, tmp_path / "grid.jsonl"), paused=True, preload=len(messages) - 1)
+    assert snap_compare(ConsoleApp(source), terminal_size=(120, 40), run_before=settle)

@@ -564,3 +564,122 @@ def test_a_card_names_the_fp32_masters_and_the_blocks_shared_inputs_only_where_a
         assert "■param ■grad ■optim ■master ■act ■inputs" in screen_text(pilot)
 
     mounted(DeviceCard(3), test)
+
+
+# --- a pipeline's stages x replicas (hello's layout.grid) ------------------------------------------
+
+def grid_step(messages: list[dict]) -> dict:
+    return [msg for msg in messages if msg.get("type") == "step"][-1]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("order", ["stage", "replica"])
+def test_a_grids_ranks_are_placed_as_the_engine_places_them(order):
+    from engine.strategies.pipeline.grid import Grid
+    from widgets.fleet import fleet_rows, places
+    grid = Grid.of(16, 64, order)
+    assert places(grid.said()) == {rank: (grid.stage_of(rank), grid.replica_of(rank)) for rank in range(64)}
+    assert places(Grid.of(4, 4).said()) == {} and places(None) == {} and places({"replicas": 4}) == {}
+    rows = fleet_rows([rank_entry(r) for r in range(64)], True, grid=grid.said())
+    assert [(row["stage"], row["replica"]) for row in rows] == [places(grid.said())[r] for r in range(64)]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("order", ["stage", "replica"])
+def test_the_devices_table_groups_64_ranks_by_stage_with_each_replica_under_it(order):
+    """16 stages x 4 replicas on 8 hosts: a line per stage naming its ranks and hosts, its 4 replicas under it,
+    in the grid's numbers; a slow replica stands out among its stage's replicas alone (the stages differ by
+    design: the stages panel shows that), and the others of its stage wait on it."""
+    from engine.strategies.pipeline.grid import Grid
+    from tests.fleet_feed import pipeline_grid_feed
+    from widgets.device_table import FleetTable
+    from widgets.fleet import rank_ranges
+    messages = pipeline_grid_feed(16, 4, order, slow=(5, 2))
+    hello, step, grid = messages[0], grid_step(messages), Grid.of(16, 64, order)
+    assert hello["layout"]["grid"] == grid.said()
+    slow = grid.rank(5, 2)
+
+    async def test(pilot, panel: DevicesPanel) -> None:
+        panel.update_ranks(step["ranks"], True, names=hello.get("devices"), hosts=hello["hosts"],
+                           grid=hello["layout"]["grid"])
+        await pilot.pause(REPAINT_WAIT_S)
+        table = panel.query_one(FleetTable)
+        groups = [payload for kind, payload in table.body if kind == "group"]
+        assert [(field, stage) for field, stage, _ in groups] == [("stage", s) for s in range(16)]
+        assert [[row["rank"] for row in rows] for *_, rows in groups] == [grid.group_of(s) for s in range(16)]
+        assert [[row["replica"] for row in rows] for *_, rows in groups] == [list(range(4))] * 16
+        lines = [table.body_text(i).plain for i, (kind, _) in enumerate(table.body) if kind == "group"]
+        for stage, line in enumerate(lines):
+            ranks = grid.group_of(stage)
+            hosts = ", ".join(f"h{h}" for h in sorted({r // 8 for r in ranks}))
+            assert line.startswith(f"── stage {stage} · ranks {rank_ranges(ranks)} · {hosts}  memory "), line
+        assert "replica" in table.keys and table.pinned[0].plain.startswith("job 64 ranks on 8 hosts, 16 stages x 4")
+        assert table.found == {slow: ["slow: compute 1.6x median"],
+                               **{rank: [f"waiting (on rank {slow})"] for rank in grid.group_of(5) if rank != slow}}
+        table.set_filter("s5")   # a stage's replicas alone
+        assert table.shown_ranks == grid.group_of(5)
+        table.set_filter("")
+        table.sort_by("compute")   # the slow replica's stage first, the slow replica at its top
+        assert table.shown_ranks[0] == slow and [p[1] for k, p in table.body if k == "group"][0] == 5
+
+    mounted(DevicesPanel(), test, size=(60, 100))
+
+
+@pytest.mark.timeout(60)
+def test_a_pipeline_of_one_replica_is_shown_as_before():
+    """The engine says no grid with one replica; a grid of one replica, said or not, changes nothing."""
+    from tests.fleet_feed import pipeline_grid_feed
+    from widgets.device_table import FleetTable
+    messages = pipeline_grid_feed(16, 1)
+    hello, step = messages[0], grid_step(messages)
+    assert "grid" not in hello["layout"]
+    one = {"stages": 16, "replicas": 1, "order": "stage", "ranks": [[s] for s in range(16)]}
+
+    async def test(pilot, panel: DevicesPanel) -> None:
+        shown = []
+        for grid in (None, one):
+            panel.update_ranks(step["ranks"], True, hosts=hello["hosts"], grid=grid)
+            await pilot.pause(REPAINT_WAIT_S)
+            table = panel.query_one(FleetTable)
+            assert not any("stage" in row for row in table.rows) and "replica" not in table.keys
+            shown.append(screen_text(pilot))
+        assert shown[0] == shown[1] and "── host 1 · 8 ranks" in shown[0] and "stage" not in shown[0]
+
+    mounted(DevicesPanel(), test, size=(60, 40))
+
+
+@pytest.mark.timeout(60)
+def test_a_grids_cards_say_their_stage_and_replica():
+    from rich.text import Text
+    from engine.strategies.pipeline.grid import Grid
+
+    async def test(pilot, panel: DevicesPanel) -> None:
+        panel.update_ranks([rank_entry(r) for r in range(4)], True, grid=Grid.of(2, 4, "replica").said())
+        await pilot.pause(REPAINT_WAIT_S)
+        titles = {card.rank: Text.from_markup(str(card.border_title)).plain for card in panel.query(DeviceCard)}
+        assert titles[1] == "stage 1 · replica 0 rank 1 simulated" and titles[2].startswith("stage 0 · replica 1 ")
+        assert panel.card_data(3)[2] == {"label": "stage 1 · replica 1"}
+        panel.update_ranks([rank_entry(r) for r in range(4)], True)   # no grid: as before
+        await pilot.pause(REPAINT_WAIT_S)
+        assert Text.from_markup(str(panel.query(DeviceCard).first().border_title)).plain == "rank 0 simulated"
+
+    mounted(DevicesPanel(), test)
+
+
+@pytest.mark.timeout(60)
+def test_the_layer_table_names_each_layers_stage_and_its_replicas():
+    from tests.fleet_feed import pipeline_grid_feed
+    messages = pipeline_grid_feed(16, 4)
+    rows = next(msg["layers"] for msg in reversed(messages) if msg.get("layers"))
+
+    async def test(pilot, table: LayerTable) -> None:
+        table.update_layers(rows, grid=messages[0]["layout"]["grid"])
+        await pilot.pause(REPAINT_WAIT_S)
+        assert [table.get_cell(name, "where").plain for name in ("embed", "blocks.9", "head")] == \
+            ["stage 0 ×4", "stage 5 ×4", "stage 15 ×4"]
+        table.update_layers(rows)   # one replica: the stage alone
+        await pilot.pause(REPAINT_WAIT_S)
+        assert table.get_cell("blocks.9", "where").plain == "stage 5"
+
+    mounted(LayerTable(), test)
+

@@ -1,4 +1,5 @@
-"""The Devices table: a line per rank, grouped by host, and the job's outliers pinned above the rows.
+"""The Devices table: a line per rank, grouped by host (a pipeline of several replicas: by stage), and the
+job's outliers pinned above the rows.
 
 DevicesPanel (widgets/devices.py) shows it instead of the cards when a job has more ranks than
 cards can show. Feed it rows from widgets/fleet.py (the rules); widgets/fleet_lines.py says what
@@ -27,8 +28,8 @@ from textual.message import Message
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
-from .fleet import SORT_KEYS, filter_rows, group_rows, next_sort, outliers
-from .fleet_lines import column_keys, fit_columns, header, host_line, joined, pinned_lines, row_cells
+from .fleet import SORT_KEYS, filter_rows, group_field, group_rows, next_sort, outliers
+from .fleet_lines import column_keys, fit_columns, group_line, header, joined, pinned_lines, row_cells
 
 
 class FleetTable(ScrollView, can_focus=True):
@@ -45,7 +46,8 @@ class FleetTable(ScrollView, can_focus=True):
     BINDINGS = [
         Binding("enter", "open", "Card", tooltip="devices table: the selected rank's full card (esc closes it)"),
         Binding("o", "sort", "Sort", tooltip="devices table: sort by memory, step, compute, wait or rank"),
-        Binding("slash", "filter", "Filter", tooltip="devices table: filter by host or rank (h3, host 3, 41)"),
+        Binding("slash", "filter", "Filter",
+                tooltip="devices table: filter by host, rank or stage (h3, host 3, 41, s5)"),
         Binding("up", "move(-1)", show=False), Binding("down", "move(1)", show=False),
         Binding("pageup", "page(-1)", show=False), Binding("pagedown", "page(1)", show=False),
         Binding("home", "move(-1000000)", show=False), Binding("end", "move(1000000)", show=False),
@@ -71,7 +73,8 @@ class FleetTable(ScrollView, can_focus=True):
         self.sort_key, self.filter_text = "rank", ""
         self.cursor_rank: int | None = None
         self.pinned: list[Text] = []
-        self.body: list[tuple[str, object]] = []   # ("host", (host, rows)) or ("rank", row), in drawing order
+        # ("group", (field, host or stage, rows)) or ("rank", row), in drawing order
+        self.body: list[tuple[str, object]] = []
         self.keys: list[str] = []                    # the columns that fit
         self.widths: dict[str, int] = {}
         self.cells: dict[int, dict[str, Text]] = {}
@@ -112,12 +115,13 @@ class FleetTable(ScrollView, can_focus=True):
     def rebuild(self) -> None:
         keys = column_keys(self.rows)
         self.cells = {row["rank"]: row_cells(row, self.found.get(row["rank"], []), keys) for row in self.rows}
-        groups = group_rows(filter_rows(self.rows, self.filter_text), self.sort_key)
-        several_hosts = len({row.get("host", 0) for row in self.rows}) > 1
+        field = group_field(self.rows)   # a pipeline of several replicas: by stage, else by host
+        groups = group_rows(filter_rows(self.rows, self.filter_text), self.sort_key, field)
+        several = field == "stage" or len({row.get("host", 0) for row in self.rows}) > 1
         self.body = []
-        for host, rows in groups:
-            if several_hosts:   # one host: the job's line above says it all
-                self.body.append(("host", (host, rows)))
+        for value, rows in groups:
+            if several:   # one host: the job's line above says it all
+                self.body.append(("group", (field, value, rows)))
             self.body += [("rank", row) for row in rows]
         shown = self.shown_ranks
         if self.cursor_rank not in shown:
@@ -143,7 +147,7 @@ class FleetTable(ScrollView, can_focus=True):
         kind, payload = self.body[index]
         if kind == "rank":
             return joined(self.cells[payload["rank"]], self.keys, self.widths)
-        return host_line(*payload, self.scrollable_content_region.width)
+        return group_line(*payload, self.scrollable_content_region.width)
 
     def render_line(self, y: int) -> Strip:
         width = self.scrollable_content_region.width
@@ -167,7 +171,7 @@ class FleetTable(ScrollView, can_focus=True):
             style = styles["header"] if key[1] == len(self.pinned) - 1 else styles["base"]
         else:
             text = self.body_text(key[1])
-            style = styles["host"] if self.body[key[1]][0] == "host" else styles["cursor" if key[2] else "base"]
+            style = styles["host"] if self.body[key[1]][0] == "group" else styles["cursor" if key[2] else "base"]
         text.truncate(width, overflow="ellipsis")
         segments = list(Segment.apply_style(text.render(self.app.console), style))
         if width > text.cell_len:
@@ -218,12 +222,12 @@ class FleetTable(ScrollView, can_focus=True):
         self.action_move(direction * max(1, self.scrollable_content_region.height - len(self.pinned) - 1))
 
     def show_cursor(self) -> None:
-        """Scroll so that the cursor's line (and its host's line, when just above) is in view."""
+        """Scroll so that the cursor's line (and its group's line, when just above) is in view."""
         index = next((i for i, (kind, row) in enumerate(self.body)
                       if kind == "rank" and row["rank"] == self.cursor_rank), 0)
         slots = max(1, self.scrollable_content_region.height - len(self.pinned))
         top = round(self.scroll_offset.y)
-        first = index - 1 if index and self.body[index - 1][0] == "host" else index
+        first = index - 1 if index and self.body[index - 1][0] == "group" else index
         if first < top:
             self.scroll_to(y=first, animate=False, immediate=True)
         elif index >= top + slots:

@@ -8,7 +8,8 @@ and its emulated slowness, and a lost worker's card says so. A run on GPUs passe
 `devices` (`update_ranks(ranks, False, names=hello["devices"])`): a rank whose entry carries
 the GPU's own figures (GPU_FIELDS) shows its GPU's name, the allocator's and NVML's figures,
 and how far the allocator is from the ledger. Hello's `hosts` places each rank on its host
-(`update_ranks(ranks, simulated, names=..., hosts=hello["hosts"])`).
+(`update_ranks(ranks, simulated, names=..., hosts=hello["hosts"])`); a pipeline of several replicas its
+grid (`grid=hello["layout"]["grid"]`): a card says its place, `stage 1 · replica 0`; the table groups by stage.
 
 Above MAX_CARDS ranks the panel shows the Devices table instead (widgets/device_table.py: a line per
 rank, grouped by host, the outliers pinned on top; docs/devices.md); `card_data(rank)` is what a
@@ -30,7 +31,7 @@ from textual.widgets import Input, Static
 
 from .bars import bytes_of, human_bytes, segment_bar, signed_bytes
 from .device_table import FleetTable
-from .fleet import GPU_FIELDS, fleet_rows, roles_of, with_lost_ranks
+from .fleet import GPU_FIELDS, fleet_rows, places, roles_of, with_lost_ranks
 from .throttle import Throttle
 
 CARD_WIDTH = 36   # cells, border included; the grid fits as many per row as it can
@@ -266,6 +267,7 @@ class DevicesPanel(VerticalScroll):
         super().__init__(**kwargs)
         self.cards: dict[int, DeviceCard] = {}
         self.latest: tuple[list[dict], bool, dict | None, list, list] = ([], True, None, [], [])
+        self.grid: dict | None = None   # a pipeline's stages x replicas (hello's layout.grid), or None
         self.ready = False   # composed and mounted: before that, updates wait for on_mount
         self.tabular = False  # the table is on show, not the cards
         self.repaint = Throttle(self, self.REPAINT_S, self.apply)
@@ -290,11 +292,13 @@ class DevicesPanel(VerticalScroll):
         self.query_one(Grid).styles.grid_size_columns = max(1, min(fit, len(self.cards)))
 
     def update_ranks(self, ranks: list[dict] | None, simulated: bool, ps: dict | None = None, *,
-                     names: list[str] | None = None, hosts: list[int] | None = None) -> None:
+                     names: list[str] | None = None, hosts: list[int] | None = None, grid: dict | None = None) -> None:
         """`ranks`: a step's `ranks`; `ps`: a parameter-server step's `ps` (None in other modes);
         `names`: each rank's device, by rank (hello's `devices`; None when the run did not say);
-        `hosts`: each rank's host, by rank (hello's `hosts`; None: every rank on host 0)."""
+        `hosts`: each rank's host, by rank (hello's `hosts`; None: every rank on host 0);
+        `grid`: a pipeline's stages x replicas (hello's layout.grid; None in other modes)."""
         self.latest = (list(ranks or []), simulated, ps, list(names or []), list(hosts or []))
+        self.grid = grid
         self.repaint()
 
     def apply(self) -> None:
@@ -308,7 +312,7 @@ class DevicesPanel(VerticalScroll):
         grid, empty = self.query_one(Grid), self.query_one("#devices-empty")
         empty.display, grid.display = not ranks, bool(ranks) and not self.tabular
         if self.tabular:
-            self.query_one(FleetTable).update_rows(fleet_rows(ranks, simulated, ps, names, hosts))
+            self.query_one(FleetTable).update_rows(fleet_rows(ranks, simulated, ps, names, hosts, self.grid))
             return
         if not ranks:
             return
@@ -320,7 +324,12 @@ class DevicesPanel(VerticalScroll):
             self.fit_columns()
         for entry in ranks:
             rank = entry["rank"]
-            self.cards[rank].update_data(entry, simulated, roles.get(rank), self.name_of(rank))
+            self.cards[rank].update_data(entry, simulated, self.role_of(rank, roles), self.name_of(rank))
+
+    def role_of(self, rank: int, roles: dict[int, dict]) -> dict | None:
+        """A parameter server's role; in a pipeline of several replicas the rank's place, as its card's name."""
+        stage, replica = places(self.grid).get(rank, (None, None))
+        return roles.get(rank) or ({"label": f"stage {stage} · replica {replica}"} if stage is not None else None)
 
     def name_of(self, rank: int) -> str | None:
         names = self.latest[3]
@@ -351,7 +360,7 @@ class DevicesPanel(VerticalScroll):
         ranks, simulated, ps = self.latest[:3]
         roles = roles_of(ranks, ps)
         entry = next((entry for entry in with_lost_ranks(ranks, roles) if entry["rank"] == rank), None)
-        return None if entry is None else (entry, simulated, roles.get(rank), self.name_of(rank))
+        return None if entry is None else (entry, simulated, self.role_of(rank, roles), self.name_of(rank))
 
     @on(FleetTable.FilterAsked)
     def ask_filter(self) -> None:

@@ -8,9 +8,11 @@ tests/test_device_table.py.
     summarize(rows)                 # {"ranks": 64, "hosts": 8, "memory_percent": (8.4, 9.1, 98.0), "step_ms": ...}
     group_rows(filter_rows(rows, "h3"), "memory")   # [(3, host 3's rows, fullest first)]
     short_gpu_name("NVIDIA H100 80GB HBM3")         # 'H100 80GB'
+    places(hello["layout"]["grid"])                 # {0: (0, 0), 1: (0, 1), ...}: a pipeline's rank -> (stage, replica)
 
 A row is a step's rank entry (docs/telemetry.md, `ranks`) with `host`, `label` (a parameter-server
-role, "worker 1"), `lost` and `device` (the short name) added. Every figure may be absent.
+role, "worker 1"), `lost` and `device` (the short name) added, and in a pipeline of several replicas
+(`grid`) its `stage` and `replica`. Every figure may be absent.
 """
 
 from __future__ import annotations
@@ -116,6 +118,15 @@ def roles_of(ranks: list[dict], ps: dict | None) -> dict[int, dict]:
     return ps_roles(ranks, ps or {}) if ps is not None or any("role" in entry for entry in ranks) else {}
 
 
+def places(grid: dict | None) -> dict[int, tuple[int, int]]:
+    """rank -> (stage, replica), read from a pipeline's grid as the run says it (layout.grid: each stage's
+    ranks, replica 0 first); {} without a grid or with one replica (a stage is then a rank)."""
+    if not isinstance(grid, dict) or not isinstance(grid.get("ranks"), list) or (grid.get("replicas") or 1) < 2:
+        return {}
+    return {rank: (stage, replica) for stage, ranks in enumerate(grid["ranks"])
+            for replica, rank in enumerate(ranks or []) if isinstance(rank, int)}
+
+
 def with_lost_ranks(ranks: list[dict], roles: dict[int, dict]) -> list[dict]:
     """A lost worker may send no row any more: it keeps one, `{"rank": r}`, so that it stays on screen."""
     missing = set(roles) - {entry["rank"] for entry in ranks}
@@ -125,10 +136,11 @@ def with_lost_ranks(ranks: list[dict], roles: dict[int, dict]) -> list[dict]:
 
 
 def fleet_rows(ranks: list[dict], simulated: bool, ps: dict | None = None, names: list | None = None,
-               hosts: list | None = None) -> list[dict]:
+               hosts: list | None = None, grid: dict | None = None) -> list[dict]:
     """Each rank's entry with `host` (hello's `hosts`, by rank; 0 when unknown), `label` (its
-    parameter-server role, or ''), `lost` and `device` (short name) added, in rank order."""
-    roles = roles_of(ranks, ps)
+    parameter-server role, or ''), `lost` and `device` (short name) added, in rank order; with a pipeline's
+    `grid` of several replicas (hello's layout.grid), its `stage` and `replica` too."""
+    roles, placed = roles_of(ranks, ps), places(grid)
     names, hosts = list(names or []), list(hosts or [])
     rows = []
     for entry in with_lost_ranks(ranks, roles):
@@ -140,6 +152,8 @@ def fleet_rows(ranks: list[dict], simulated: bool, ps: dict | None = None, names
         rows.append({**entry, "role": entry.get("role") or (label.split()[0] if label else None), "host": host,
                      "label": label, "lost": worker is not None and not worker.get("alive", True),
                      "device": device_label(entry, name, simulated)})
+        if rank in placed:
+            rows[-1]["stage"], rows[-1]["replica"] = placed[rank]
     return sorted(rows, key=lambda row: row["rank"])
 
 
@@ -162,7 +176,8 @@ def outliers(rows: list[dict]) -> dict[int, list[str]]:
     - memory: above MEMORY_FRACTION of its total (memory_of: NVML's, else the ledger's) -> "memory 98%";
       the ledger's peak above it -> "peak 93%"; `over_capacity` -> "over capacity".
     - stale: `stale_steps` > 0 -> "stale: 3 steps old"; a lost parameter-server worker -> "lost".
-    - among fresh peers (same `role`; at least MIN_PEERS of them), against their median: compute
+    - among fresh peers (same `role`, and in a pipeline of several replicas the same `stage`: its stages
+      differ by design; at least MIN_PEERS of them), against their median: compute
       (compute_of) above SLOW_RATIO x -> "slow: compute 1.6x median". In a synchronous job (no role)
       every rank's wall step is the slow rank's, so its peers show the delay as wait (waited_of: at the
       boundary, or inside the step beyond their compute): a peer that waits longer than the slow rank
@@ -194,8 +209,8 @@ def outliers(rows: list[dict]) -> dict[int, list[str]]:
     groups: dict = {}
     for row in rows:
         if not is_stale(row):
-            groups.setdefault(row.get("role"), []).append(row)
-    for role, peers in groups.items():
+            groups.setdefault((row.get("role"), row.get("stage")), []).append(row)
+    for (role, _), peers in groups.items():
         if len(peers) >= MIN_PEERS:
             _timing_outliers(peers, synchronous=role is None, flag=flag)
     return {rank: found[rank] for rank in sorted(found)}
@@ -302,18 +317,25 @@ def next_sort(key: str) -> str:
     return SORT_KEYS[(SORT_KEYS.index(key) + 1) % len(SORT_KEYS)] if key in SORT_KEYS else SORT_KEYS[0]
 
 
-def group_rows(rows: list[dict], key: str) -> list[tuple[int, list[dict]]]:
-    """[(host, its rows sorted by `key`)]: by host number for "rank", else the host whose top row
-    comes first in sort_rows first, so that the largest figure of the job is always the first row."""
+def group_field(rows: list[dict]) -> str:
+    """What the table groups by: "stage" in a pipeline of several replicas (the rows carry one), else "host"."""
+    return "stage" if any("stage" in row for row in rows) else "host"
+
+
+def group_rows(rows: list[dict], key: str, field: str = "host") -> list[tuple[int, list[dict]]]:
+    """[(host, its rows sorted by `key`)] (or by `field`, "stage": [(stage, its replicas' rows)]): by number
+    for "rank", else the group whose top row comes first in sort_rows first, so that the largest figure of
+    the job is always the first row."""
     groups: dict[int, list[dict]] = {}
     for row in sort_rows(rows, key):
-        groups.setdefault(row.get("host", 0), []).append(row)
+        groups.setdefault(row.get(field, 0), []).append(row)
     return sorted(groups.items()) if key == "rank" else list(groups.items())
 
 
 def filter_rows(rows: list[dict], text: str) -> list[dict]:
-    """Keep the rows `text` names: "host 3" or "h3" (a host), "41" or "rank 41" (a rank), several
-    with commas ("h3, 41"), or else a piece of a role or device ("worker", "H100"). '' keeps every row."""
+    """Keep the rows `text` names: "host 3" or "h3" (a host), "41" or "rank 41" (a rank), "stage 2" or "s2"
+    (a pipeline's stage), several with commas ("h3, 41"), or else a piece of a role or device ("worker",
+    "H100"). '' keeps every row."""
     wanted = [part.strip().lower() for part in text.split(",") if part.strip()]
     if not wanted:
         return list(rows)
@@ -321,6 +343,8 @@ def filter_rows(rows: list[dict], text: str) -> list[dict]:
     def named(row: dict, part: str) -> bool:
         if m := re.fullmatch(r"(?:host\s*|h)(\d+)", part):
             return row.get("host", 0) == int(m.group(1))
+        if m := re.fullmatch(r"(?:stage\s*|s)(\d+)", part):
+            return row.get("stage") == int(m.group(1))
         if m := re.fullmatch(r"(?:rank\s*|r)?(\d+)", part):
             return row["rank"] == int(m.group(1))
         return part in str(row.get("label", "")).lower() or part in str(row.get("device", "")).lower()

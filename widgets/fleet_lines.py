@@ -5,6 +5,7 @@ only places them on screen.
     keys, widths = fit_columns(cells_by_rank, column_keys(rows), width=96, sort_key="memory")
     joined(row_cells(row, outliers(rows).get(row["rank"], []), keys), keys, widths)   # one rank's line
     pinned_lines(rows, outliers(rows), header, width=96)   # the job's line, the outliers', the titles
+    group_line("stage", 3, rows, width=96)   # '── stage 3 · ranks 12-15 · h1  memory ...': a group's line
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ REASON_CELLS = {"memory": "memory", "peak": "memory", "over": "memory", "slow:":
                 "wait": "wait", "waiting": "wait"}
 # (key, title, right-justified, priority): a narrow panel drops the lowest priorities first
 COLUMNS = [("flag", "", False, 200), ("rank", "rank", True, 100), ("label", "role", False, 60),
+           ("replica", "replica", True, 95),   # a pipeline of several replicas only (column_keys)
            ("host", "host", False, 70), ("device", "device", False, 35), ("memory", "memory", False, 90),
            ("used", "used/total", True, 50), ("peak", "peak", True, 40), ("util", "util", True, 30),
            ("step", "step ms", True, 75), ("compute", "compute", True, 85), ("wait", "wait ms", True, 80),
@@ -64,6 +66,7 @@ def _util(row: dict) -> Text:
 CELLS = {
     "rank": lambda row: Text(str(row["rank"])),
     "label": lambda row: Text(row.get("label") or ""),
+    "replica": lambda row: Text(str(row.get("replica", ""))),
     "host": lambda row: Text(f"h{row.get('host', 0)}"),
     "device": lambda row: Text(row.get("device") or "—"),
     "memory": _memory,
@@ -109,8 +112,9 @@ def summary_text(summary: dict) -> Text:
 
 
 def column_keys(rows: list[dict]) -> list[str]:
-    """Every column; the role's only in a parameter-server run."""
-    return [key for key, *_ in COLUMNS if key != "label" or any(row.get("label") for row in rows)]
+    """Every column; the role's only in a parameter-server run, the replica's only in a pipeline of several."""
+    shown = {"label": any(row.get("label") for row in rows), "replica": any("replica" in row for row in rows)}
+    return [key for key, *_ in COLUMNS if shown.get(key, True)]
 
 
 def fit_columns(cells: dict[int, dict[str, Text]], keys: list[str], width: int,
@@ -150,17 +154,26 @@ def header(keys: list[str], widths: dict[str, int], sort_key: str) -> Text:
     return joined(titles, keys, widths)
 
 
-def host_line(host: int, rows: list[dict], width: int) -> Text:
-    """'── host 3 · 8 ranks  memory 9/11/13%  step ...  ───': the host's min/median/max, across the width."""
-    line = Text.assemble(("── ", "dim"), (f"host {host}", "bold"), f" · {len(rows)} ranks",
-                         summary_text(summarize(rows)), " ")
+def group_line(field: str, value: int, rows: list[dict], width: int) -> Text:
+    """'── host 3 · 8 ranks  memory 9/11/13%  step ...  ───': the host's min/median/max, across the width; a
+    pipeline's stage names its replicas' ranks and their hosts, '── stage 3 · ranks 12-15 · h1  memory ...'."""
+    if field == "stage":
+        hosts = sorted({row.get("host", 0) for row in rows})
+        where = f" · ranks {rank_ranges([row['rank'] for row in rows])} · " + ", ".join(f"h{h}" for h in hosts)
+    else:
+        where = f" · {len(rows)} ranks"
+    line = Text.assemble(("── ", "dim"), (f"{field} {value}", "bold"), where, summary_text(summarize(rows)), " ")
     return line.append("─" * max(0, width - line.cell_len), "dim")
+
 
 
 def pinned_lines(rows: list[dict], found: dict[int, list[str]], titles: Text, width: int) -> list[Text]:
     """The job's line, the outliers' (fleet.outlier_groups; MAX_PINNED at most), the column titles."""
     summary = summarize(rows)
     hosts = f" on {summary['hosts']} hosts" if summary["hosts"] > 1 else ""
+    if any("stage" in row for row in rows):   # a pipeline of several replicas: its grid
+        stages, replicas = (len({row[k] for row in rows if k in row}) for k in ("stage", "replica"))
+        hosts += f", {stages} stages x {replicas} replicas"
     lines = [Text.assemble(("job", "bold"), f" {summary['ranks']} ranks{hosts}", ("  min/median/max", "dim"),
                            summary_text(summary))]
     groups = outlier_groups(found)

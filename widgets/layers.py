@@ -4,7 +4,9 @@ Feed it a step message's `layers` (`update_layers(msg["layers"])`); `cycle_sort(
 `set_filter("fc")` and `selected_layer` are for the console's keys and commands.
 A parameter-server run also passes the step's `ps` (`update_layers(layers, ps=msg["ps"])`):
 the table then shows each layer's server, version and last sync window instead of the
-activation-policy columns, which that mode leaves empty.
+activation-policy columns, which that mode leaves empty. A pipeline of several replicas passes its
+grid (`update_layers(layers, grid=hello["layout"]["grid"])`): a layer's stage says how many replicas
+hold it, `stage 3 ×4`, and a command on the layer applies to each of them.
 
 The rows start in the model's order (the step's own); `g` groups them under a header per
 stage, owner or server, Enter folds the group under the cursor and `z` every group
@@ -45,8 +47,8 @@ def _number(value: float | None, scale: float = 1.0, style: str = "") -> Text:
 
 
 def _where(row: dict) -> Text:
-    if "stage" in row:
-        return Text(f"stage {row['stage']}")
+    if "stage" in row:   # `×4`: held by 4 replicas (a pipeline's grid), each of which a command changes
+        return Text(f"stage {row['stage']}" + (f" ×{row['replicas']}" if (row.get("replicas") or 1) > 1 else ""))
     if "owner_rank" in row:
         return Text(f"rank {row['owner_rank']}")
     return Text("—", style="dim")
@@ -198,9 +200,13 @@ class LayerTable(DataTable):
         key = self.selected_key
         return None if key is None or key.startswith(HEADER) else key
 
-    def update_layers(self, rows: list[dict] | None, ps: dict | None = None) -> None:
-        """`rows`: a step's `layers`; `ps`: a parameter-server step's `ps` (None in other modes)."""
+    def update_layers(self, rows: list[dict] | None, ps: dict | None = None, grid: dict | None = None) -> None:
+        """`rows`: a step's `layers`; `ps`: a parameter-server step's `ps` (None in other modes); `grid`: a
+        pipeline's stages x replicas (hello's layout.grid; None in other modes)."""
         self.rows_in = ps_rows(list(rows or []), ps) if ps is not None else list(rows or [])
+        replicas = (grid or {}).get("replicas") if isinstance(grid, dict) else None
+        if isinstance(replicas, int) and replicas > 1:
+            self.rows_in = [{**row, "replicas": replicas} if "stage" in row else row for row in self.rows_in]
         columns = columns_for(self.rows_in, ps)
         if columns != self.columns_shown:
             self.columns_shown = columns

@@ -91,8 +91,14 @@ class LayerRows:
         if not self.topo.is_first:
             return None
         before = {row["name"]: row for row in self.last or []}
-        seen: set[str] = set()   # with replicas, each stage's rows come from each: the first replica's stand
+        # with replicas, each stage's rows come from each: the first replica's stand, with the update's placement
+        # and time from the replica that runs it (sharded replicas: the layer's owner)
+        seen: set[str] = set()
         rows = [row for part in gathered for row in part if not (row["name"] in seen or seen.add(row["name"]))]
+        placed = {row["name"]: row for part in gathered for row in part if "placement" in row}
+        for row in rows:
+            if "placement" not in row and row["name"] in placed:
+                row["placement"], row["update_ms"] = placed[row["name"]]["placement"], placed[row["name"]]["update_ms"]
         for row in rows:
             if "fwd_ms" not in row:   # a layer that moved: its times where it ran before, until measured here
                 row.update({k: before.get(row["name"], {}).get(k, 0) for k in TIMES})

@@ -106,7 +106,8 @@ def test_two_stages_of_two_replicas_equal_one_worker_across_a_migration_with_swa
     for rec in records:
         jsonschema.validate(rec, RECORD_SCHEMA)
     start = records[0]
-    assert start["layout"]["grid"] == {"stages": 2, "replicas": 2, "order": "stage", "ranks": [[0, 1], [2, 3]]}
+    assert start["layout"]["grid"] == {"stages": 2, "replicas": 2, "order": "stage", "ranks": [[0, 1], [2, 3]],
+                                       "data": data, "owners": data == "sharded"}
     decided = [e for e in records if e.get("kind") == "rebalance"]
     moved = [e for e in records if e.get("kind") == "migration"]
     assert [e["step"] for e in decided] == [10] and [e["step"] for e in moved] == [11]
@@ -117,6 +118,9 @@ def test_two_stages_of_two_replicas_equal_one_worker_across_a_migration_with_swa
     assert all("replica_reduce_ms" in e for e in steps[-1]["ranks"])
     table = next(rec["layers"] for rec in reversed(steps) if "layers" in rec)   # each layer once, on its stage
     assert sorted(e["name"] for e in table) == sorted(n for s in moved[0]["stages"] for n in s)
+    # each update's placement, from the replica that runs it (sharded: the layer's owner)
+    assert {e["name"]: e.get("placement") for e in table if e["name"].startswith(("fc", "head"))} == {
+        "fc0": "device", "fc1": "host", "fc2": "device", "head": "host"}
     _same_as_one_worker(cli.tmp_path / "runs" / "grid", MODEL, 20)
     if data == "sharded":   # each layer's state on its owner only, written once; the forward gated on its slices
         _each_state_written_once_by_its_stages_owner(cli.tmp_path / "runs" / "grid", moved[0]["stages"])

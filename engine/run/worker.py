@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from engine.training.data import batch_for, global_count
-from engine.training.loss import cross_entropy, test_accuracy
+from engine.training.loss import cross_entropy
 from engine.training.optim import lr_at
 from engine.training.precision import compute_in
 from engine.runtime import checkpoint as ckpt
@@ -238,9 +238,9 @@ class Worker:
         if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step < cfg.run.steps:
             self.checkpoint(step)
         if cfg.run.eval_every and step % cfg.run.eval_every == 0:
-            self.strategy.gather_weights()
+            accuracy = self.evaluate()   # every rank (a pipeline evaluates through its stages)
             if self.topo.is_first:
-                self.tel.event("eval", step, test_accuracy=self.evaluate())
+                self.tel.event("eval", step, test_accuracy=accuracy)
 
     # --- the operator's commands (engine/runtime/run_core.py takes those every run takes) ----------------
     def paused_changed(self) -> None:
@@ -337,9 +337,8 @@ class Worker:
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
-        self.strategy.sync()   # every parameter's latest broadcast has landed
-        return test_accuracy(self.model, self.data, self.device.torch_device, self.cfg.precision,
-                             self.cfg.data.eval_samples)
+        """Every rank: the strategy's evaluation (on rank 0 at least; engine/strategies/base.py)."""
+        return self.strategy.evaluate(self.data, self.cfg.precision, self.cfg.data.eval_samples)
 
     def _finish(self, step: int, loss: float | None) -> dict | None:
         self.memory.close()
@@ -348,7 +347,7 @@ class Worker:
         self.checkpoint_s = self.checkpoints.write_s() or self.checkpoint_s
         if (step > self.first_step or stopped_early) and drained != step and self._final_checkpoint_fits(step):
             self.checkpoints.take(step, background=False)
-        self.strategy.gather_weights()
+        accuracy = self.evaluate()
         if stopped_early and self.restarting():
             if self.topo.is_first:
                 self.tel.event("stop", step, reason="restart: a host joins")
@@ -357,7 +356,7 @@ class Worker:
             return None
         if not self.topo.is_first:
             return None
-        summary = self.core.end(step, stopped_early, loss, self.evaluate(), {
+        summary = self.core.end(step, stopped_early, loss, accuracy, {
             **self.report.throughput.summary(),
             "capacity_bytes": self.device.ledger.capacity_bytes,
             "simulated": self.device.simulated, "restarts": self.restart})

@@ -20,7 +20,7 @@ spec.py (its StrategySpec: its settings table [parallel.NAME], handed to it whol
 builder), and one line in engine/strategies/specs/registry.py, which makes it a `parallel.strategy` choice and
 what make_strategy builds. The step loop does not change.
 
-Imports engine.runtime (events, topology) and engine.techniques.updates.report.
+Imports engine.runtime (events, topology), engine.techniques.updates.report and engine.training.loss.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import torch
 from engine.runtime.events import Event
 from engine.runtime.topology import Groups
 from engine.techniques.updates.report import plan_events
+from engine.training.loss import test_accuracy
 
 
 class Strategy:
@@ -79,8 +80,14 @@ class Strategy:
         """Host updates in flight land (before a checkpoint, an evaluation, the end)."""
         return self.updater.wait_host()
 
-    def gather_weights(self) -> None:
-        """Every rank: every weight this rank does not keep current comes to it (before rank 0 evaluates)."""
+    def evaluate(self, ds, precision, limit: int) -> float | None:
+        """Every rank, at an evaluation: the test accuracy over the first `limit` test samples (test_accuracy), on
+        rank 0 at least (None elsewhere). Here: once every update has landed (sync), rank 0 runs the whole model; a
+        strategy whose ranks hold parts of the model runs it through its own schedule (a pipeline's: every rank)."""
+        self.sync()
+        if not self.topo.is_first:
+            return None
+        return test_accuracy(self.model, ds, self.device.torch_device, precision, limit)
 
     # --- what the ledger, the memory policy and the console see ----------------------------------
     def tracked_module(self) -> torch.nn.Module:

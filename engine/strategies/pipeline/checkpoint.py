@@ -1,7 +1,7 @@
 """A pipeline stage's checkpoint (technique 4): the weights this stage writes under the model's own names (a
 tied weight: its owner stage's only; its optimizer state is the base's, by name), and the restore from any
-strategy's checkpoint, in the layout the run had reached when it was a pipeline of as many stages.
-PipelineStage's collaborator (stage.py).
+strategy's checkpoint, in the layout the run had reached when it was a pipeline of as many stages (and `adopt`,
+taking a layout between steps: a resume's, the balanced start's). PipelineStage's collaborator (stage.py).
 
 Imports engine.runtime.checkpoint and the pipeline's schedule (the layout's checks).
 """
@@ -9,7 +9,6 @@ Imports engine.runtime.checkpoint and the pipeline's schedule (the layout's chec
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from engine.runtime import checkpoint as ckpt
 from engine.strategies.base import parameter_names
@@ -40,16 +39,6 @@ class StageCheckpoint:
         return {k: v.detach().clone() if copy else v.detach() for k, v in whole.items()
                 if k.startswith(keys) and k not in others}
 
-    def gather_weights(self) -> None:
-        """Every rank gets every stage's current weights from its replica's stages (an evaluation on rank 0)."""
-        st = self.stage
-        st.sync()
-        with torch.no_grad():
-            for stage, (start, end) in enumerate(check_stages(st.model.names, st.stage_layers)):
-                for layer in st.model.layers[start:end]:
-                    for t in list(layer.parameters()) + list(layer.buffers()):
-                        dist.broadcast(t.data, src=dist.get_global_rank(st.group, stage), group=st.group)
-
     def resume_layout(self, reader) -> None:
         """A pipeline keeps the layout its run had reached (rebalancing may have moved it) when the checkpoint is
         a pipeline's with as many stages; otherwise the layout is this run's own, decided anew."""
@@ -65,7 +54,25 @@ class StageCheckpoint:
             st.sync()
             st.balance_first = False
             if saved["stages"] != st.stage_layers:
-                st.adopt(saved["stages"])
+                self.adopt(saved["stages"])
+
+    def adopt(self, stage_layers: list[list[str]]) -> list[int]:
+        """Take a layout between steps (resume, the balanced start): nothing is in flight, the weights are
+        every rank's own copy, and optimizer state starts fresh for layers this rank did not update (after a
+        resume, the balanced start takes theirs from the checkpoint: restore_layers). Returns
+        those layers."""
+        st = self.stage
+        if st.shards is not None:
+            st.shards.migrate(st.stage_layers, stage_layers)
+        st.set_layout(stage_layers)
+        want = {i for i, ps in st.updated_here().items() if ps}
+        for i in sorted(set(st.updater.updates) - want):
+            st.updater.drop_layer(i)
+        arrived = sorted(want - set(st.updater.updates))
+        for i in arrived:
+            st.updater.add_layer(i, st.owned[i])
+        st.device.ledger.retrack(st.ledger_module)
+        return arrived
 
     def keep_for_balance(self, reader) -> None:
         """Where the layout is decided at the first step, the layers it brings here need their state from this

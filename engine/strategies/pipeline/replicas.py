@@ -2,6 +2,7 @@
 
     replicas = Replicas(grid, topo)      # every rank, at the same point: makes every group
     replicas.pipeline                    # this replica's pipeline group (its stages, in order), or the world
+    replicas.arm(params)                 # before the step's last backward: its gradients are final as made
     seconds = replicas.average(params)   # after backward: the stage's gradients averaged over its replicas
     replicas.loss(table_losses)          # the step's loss: the replicas' last stages' mean
 
@@ -10,6 +11,13 @@ counted targets over the global batch's, times the replicas (engine/training/los
 mean over the replicas of their gradients, which `average` takes (one all-reduce per dtype on the stage's
 group, as DDP's), is the global batch's. A gradient no replica made stays None. With one replica nothing is
 made and nothing travels.
+
+The average overlaps the step's last backward, as DDP's buckets do: `arm` cuts the parameters whose gradients
+that backward makes final into buckets of about BUCKET_BYTES (reverse order, one dtype each), and a hook on each
+parameter's accumulated gradient starts a bucket's all-reduce (async) once all of its gradients are made and
+every earlier bucket has started (the same order on every replica: a collective's order is its match). `average`
+then waits for them, and all-reduces at once what was not armed or never made (a weight tied across stages,
+whose gradient changes after backward; a migration step's layers, whose gradients arrive after it).
 
 Imports torch.distributed.
 """
@@ -23,6 +31,16 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 
+BUCKET_BYTES = 25 << 20   # DDP's default bucket_cap_mb
+
+
+class _Bucket:
+    __slots__ = ("params", "missing", "work", "flat")
+
+    def __init__(self, params: list):
+        self.params, self.missing, self.work, self.flat = params, len(params), None, None
+
+
 class Replicas:
     def __init__(self, grid, topo):
         self.grid, self.count = grid, grid.replicas
@@ -30,22 +48,76 @@ class Replicas:
         self.pipeline = topo.subgroups([grid.pipeline(p) for p in range(grid.replicas)]) if many else topo.compute
         self.stage_group = topo.subgroups([grid.group_of(s) for s in range(grid.stages)]) if many else None
         self.loss_ranks = grid.group_of(grid.stages - 1)   # every replica's last stage: whose losses make the step's
+        self._buckets: list[_Bucket] = []   # armed for the step's last backward, in the order they start
+        self._bucket_of: dict[int, _Bucket] = {}
+        self._started = 0
+        self._hooked: set[int] = set()
+
+    def arm(self, params) -> None:
+        """Before the step's last backward: `params` (this stage's, a tied weight's left out) get their final
+        gradients from it; their average starts bucket by bucket as backward makes them."""
+        if self.stage_group is None:
+            return
+        buckets: list[_Bucket] = []
+        current: dict = {}   # dtype -> (params, bytes)
+        for p in reversed([p for p in params if p.requires_grad]):
+            held, size = current.get(p.dtype, ([], 0))
+            held.append(p)
+            size += p.numel() * p.element_size()
+            current[p.dtype] = (held, size)
+            if size >= BUCKET_BYTES:
+                buckets.append(_Bucket(held))
+                del current[p.dtype]
+            if id(p) not in self._hooked:
+                self._hooked.add(id(p))
+                p.register_post_accumulate_grad_hook(self._made)
+        buckets += [_Bucket(held) for held, _ in current.values()]
+        self._buckets, self._started = buckets, 0
+        self._bucket_of = {id(p): b for b in buckets for p in b.params}
+
+    def _made(self, p) -> None:
+        bucket = self._bucket_of.pop(id(p), None)
+        if bucket is None:
+            return
+        bucket.missing -= 1
+        while self._started < len(self._buckets) and self._buckets[self._started].missing == 0:
+            self._start(self._buckets[self._started])
+            self._started += 1
+
+    def _start(self, bucket: _Bucket) -> None:
+        bucket.flat = _flatten_dense_tensors([p.grad for p in bucket.params])
+        bucket.work = dist.all_reduce(bucket.flat, group=self.stage_group, async_op=True)
 
     def average(self, params) -> float | None:
         """The gradients of `params` (this stage's) averaged over the stage's replicas; its seconds (None: one
-        replica, nothing to do)."""
+        replica, nothing to do): the armed buckets waited for (those whose gradients were never all made start
+        now, in order), the rest all-reduced now."""
         if self.stage_group is None:
             return None
         t0 = time.perf_counter()
+        buckets, self._buckets, self._bucket_of = self._buckets, [], {}
+        armed = {id(p) for b in buckets for p in b.params}
+        for bucket in buckets:
+            if bucket.work is None:
+                for p in bucket.params:
+                    if p.grad is None:   # never made on this replica: zeros, the same shapes on every replica
+                        p.grad = torch.zeros_like(p)
+                self._start(bucket)
         by_dtype: dict = {}
         for p in params:
-            if p.grad is not None:
+            if p.grad is not None and id(p) not in armed:
                 by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
         for grads in by_dtype.values():
             flat = _flatten_dense_tensors(grads)
             dist.all_reduce(flat, group=self.stage_group)
             flat /= self.count
             for grad, averaged in zip(grads, _unflatten_dense_tensors(flat, grads)):
+                grad.copy_(averaged)
+        for bucket in buckets:
+            bucket.work.wait()
+            bucket.flat /= self.count
+            grads = [p.grad for p in bucket.params]
+            for grad, averaged in zip(grads, _unflatten_dense_tensors(bucket.flat, grads)):
                 grad.copy_(averaged)
         return time.perf_counter() - t0
 

@@ -53,6 +53,7 @@ from engine.techniques.updates.updater import LayerUpdates
 from engine.runtime.events import Event
 from engine.runtime.topology import Groups
 from engine.strategies.base import Strategy
+from engine.strategies.pipeline.evaluate import evaluate
 from engine.strategies.pipeline.grid import Grid
 from engine.strategies.pipeline.migration import Migration
 from engine.strategies.pipeline.rebalancing import Rebalancing
@@ -101,11 +102,11 @@ class PipelineStage(Strategy):
         self.group = group = self.replicas.pipeline
         self.prev = None if self.is_first else dist.get_global_rank(group, self.rank - 1)
         self.next = None if self.is_last else dist.get_global_rank(group, self.rank + 1)
-        self._set_layout(stage_layers)
+        self.set_layout(stage_layers)
         self.owned = params_by_layer(model)   # each layer's update's; a tied weight's first holder's (StageTies)
         self.shards = StageShards(self, sharded) if sharded is not None and grid.replicas > 1 else None
         self.norm_group = topo.compute if self.shards else group   # where every gradient is, once
-        self.updater = LayerUpdates(model, self._mine(), optim_cfg, device, update_cfg or UpdateConfig())
+        self.updater = LayerUpdates(model, self.updated_here(), optim_cfg, device, update_cfg or UpdateConfig())
         self.ties = StageTies(model, self.group, self.rank)
         # torch's first optimizer is slow (1.8 s: lazy imports): not inside the step layers migrate in
         make_optimizer(optim_cfg, [torch.nn.Parameter(torch.zeros(1))])
@@ -127,7 +128,7 @@ class PipelineStage(Strategy):
         self.migration: Migration | None = None      # the last step's migration, until reported
         self.rebalancing = Rebalancing(self)   # the operator's command and the check, as the step loop asks
 
-    def _set_layout(self, stage_layers: list[list[str]]) -> None:
+    def set_layout(self, stage_layers: list[list[str]]) -> None:
         """This rank's range of layers (at construction, after a migration, on resume)."""
         ranges = check_stages(self.model.names, stage_layers, self.grid.stages,
                               getattr(self.model, "clusters", None))
@@ -155,24 +156,7 @@ class PipelineStage(Strategy):
             return self.micro_batches
         return min(self.stages - self.rank, self.micro_batches)
 
-    def adopt(self, stage_layers: list[list[str]]) -> list[int]:
-        """Take a layout between steps (resume, the balanced start): nothing is in flight, the weights are
-        every rank's own copy, and optimizer state starts fresh for layers this rank did not update (after a
-        resume, the balanced start takes theirs from the checkpoint: StageCheckpoint.restore_layers). Returns
-        those layers."""
-        if self.shards is not None:
-            self.shards.migrate(self.stage_layers, stage_layers)
-        self._set_layout(stage_layers)
-        want = {i for i, ps in self._mine().items() if ps}
-        for i in sorted(set(self.updater.updates) - want):
-            self.updater.drop_layer(i)
-        arrived = sorted(want - set(self.updater.updates))
-        for i in arrived:
-            self.updater.add_layer(i, self.owned[i])
-        self.device.ledger.retrack(self.ledger_module)
-        return arrived
-
-    def _mine(self) -> dict[int, list]:
+    def updated_here(self) -> dict[int, list]:
         """The parameters of each layer whose update runs here: this stage's layers (sharded: those it owns)."""
         if self.shards is not None:
             return self.shards.mine(self.start, self.end)
@@ -187,7 +171,7 @@ class PipelineStage(Strategy):
             self.balance_first = False
             decision = self.rebalancer.initial(self.model, x[:size], y[:size], self.loss_fn, self.stage_layers)
             if decision.changed:
-                self.ckpt.restore_layers(self.adopt(decision.stages))
+                self.ckpt.restore_layers(self.ckpt.adopt(decision.stages))
             self.ckpt.resumed = None
         dev = self.device.torch_device
         m, counted_y = self.micro_batches, counted(y, self.loss_fn) if self.is_last else 0
@@ -221,7 +205,9 @@ class PipelineStage(Strategy):
         # then each micro-batch at once (MemoryLedger.unit_bytes: the same peak)
         key = (self.start, self.end, tuple(x.shape), x.dtype)
         with self.device.ledger.by_units(key, exact=move is not None) as units, arrivals:
-            for op, i in schedule_ops(self.schedule, self.stages, self.rank, m):
+            ops = schedule_ops(self.schedule, self.stages, self.rank, m)
+            last = len(ops) - 1 if move is None and self.shards is None else -1   # its gradients are final
+            for k, (op, i) in enumerate(ops):
                 new_layout = move is not None and move.use_new(i)
                 if op == "F":
                     # each op is marked from its input's arrival (after any receive) to its send queued
@@ -249,6 +235,8 @@ class PipelineStage(Strategy):
                     times.add("fwd_ms", t0, times.mark())
                 else:
                     out, inp = outputs.pop(i), inputs.pop(i)
+                    if k == last:   # the replicas' average overlaps the last backward (replicas.py)
+                        self.replicas.arm(self._own_params(tied=False))
                     grad = None if self.is_last else wire.recv(self.next, BWD_TAG, new_layout)
                     t0 = times.mark()
                     if out.requires_grad:   # a stage of layers without parameters on stage 0 has no graph
@@ -260,7 +248,7 @@ class PipelineStage(Strategy):
                     times.add("bwd_ms", t0, times.mark())
         if move is not None:
             move.finish()   # partial gradients change hands before the update
-            self._set_layout(move.new)
+            self.set_layout(move.new)
             self.device.ledger.retrack(self.ledger_module)
             self.layer_clock.take()   # the next check measures the new layout only
             self.migration, wire.moving = move, None
@@ -273,8 +261,7 @@ class PipelineStage(Strategy):
         self._steps += 1
         wire.sent_bytes += self.ties.sum_grads(self.layer_stages(), wire.pending)
         shards = self.shards
-        reduce_s = shards.reduce(self.start, self.end) if shards else \
-            self.replicas.average(p for i in range(self.start, self.end) for p in self.owned[i])
+        reduce_s = shards.reduce(self.start, self.end) if shards else self.replicas.average(self._own_params())
         t0 = times.mark()
         self.updater.end_backward(self.norm_group)   # the norm over every stage decides (clip_mode "wait"), or
         self.updater.validate(self.norm_group)       # validates the updates that ran ("speculate": redone if clipped)
@@ -329,6 +316,11 @@ class PipelineStage(Strategy):
         """Each layer this stage runs: the device bytes that travel with it in a migration (rebalancing.py)."""
         return self.rebalancing.static_bytes()
 
+    def _own_params(self, tied: bool = True) -> list[torch.nn.Parameter]:
+        """The parameters of this stage's layers (a tied weight: its first holder's; `tied` False: none)."""
+        left_out = set() if tied else {id(tie[2]) for tie in self.ties.ties}
+        return [p for i in range(self.start, self.end) for p in self.owned[i] if id(p) not in left_out]
+
     def stage_params(self) -> list[torch.nn.Parameter]:
         return [p for u in self.updater.updates.values() for p in u.params]
 
@@ -341,7 +333,7 @@ class PipelineStage(Strategy):
         out = {"strategy": "pipeline", "stages": self.stage_layers, "schedule": self.schedule,
                "micro_batches": self.micro_batches}
         if self.grid.replicas > 1:   # stages x replicas: which ranks hold each stage (grid.py)
-            out["grid"] = self.grid.said()
+            out["grid"] = {**self.grid.said(), "data": "sharded" if self.shards else "ddp", "owners": bool(self.shards)}
         return out
 
     # --- what the step loop asks (engine/strategies/base.py) --------------------------------------
@@ -395,6 +387,6 @@ class PipelineStage(Strategy):
             self.shards.close()
         super().close()
 
-    def gather_weights(self) -> None:
-        """Every rank gets every stage's current weights (for an evaluation on rank 0). All ranks call it."""
-        self.ckpt.gather_weights()
+    def evaluate(self, ds, precision, limit: int) -> float | None:
+        """Through the pipeline, each replica its share, on every rank (evaluate.py): no weight gathered."""
+        return evaluate(self, ds, precision, limit)

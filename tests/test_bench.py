@@ -360,3 +360,65 @@ def test_the_memory_bench_holds_one_variants_model_at_a_time(monkeypatch):
     out = memory.measure(rounds=2, steps=1, link_gbps=0.0, d_model=16, depth=1, seq_len=8, batch=4)
     assert set(out["variants"]) == set(memory.VARIANTS + memory.TORCH_VARIANTS)
     assert seen and max(seen) == 1 and memory._Trainer.alive == 0
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.slow   # 7 s on 2 idle cores, 12-17 s with them shared: 5 variants on 4 ranks, one round
+def test_bench_pipeline_replicas_reports_every_variant_beside_ddp_sharded_and_torch(cli):
+    """2 stages x 2 replicas of a tiny MLP on the loopback; 2x2-sharded runs, or (while the config check
+    refuses it) is reported as not run with the check's own message."""
+    from engine.bench.pipeline_grid import refusal, table_of
+    r = cli.run("bench", "pipeline", "--replicas", "2", "--hidden", "32", "--depth", "4", "--rounds", "1",
+                "--steps", "2", "--warmup", "1", "--json", timeout=55)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert (report["world"], report["stages"], report["replicas"], report["hosts"]) == (4, 2, 2, 0)
+    rows = {row["variant"]: row for row in report["variants"]}
+    assert list(rows) == ["ddp", "sharded", "torch-pp-ddp", "2x2-ddp", "2x2-sharded"]
+    refused = refusal(table_of("2x2-sharded", 4, 2, 32, 4, 32, 4, report["layout"]))
+    for name, row in rows.items():
+        if name == "2x2-sharded" and refused is not None:
+            assert not row["run"] and row["step_ms"] is None and row["not_run"] == refused
+            assert "not built yet" in refused
+            continue
+        assert row["run"] and row["step_ms"] > 0 and row["samples_per_s"] > 0
+        assert len(row["step_ms_per_round"]) == 1 and "cross_host_bytes_per_step" not in row
+        assert ("phases_ms" in row) == (name != "torch-pp-ddp")   # trainyard's own phases; torch has none
+    assert rows["ddp"]["throughput_over_ddp"] == 1.0
+    assert report["layout"] == [["fc0", "act0", "fc1", "act1"], ["fc2", "act2", "fc3", "act3", "head"]]
+    assert report["goals"] == {} and "not judged" in report["goals_note"]   # the goals are the cluster's
+    assert "2x2-ddp / ddp throughput" in report["judged"] and report["link_rate"] is None
+
+
+def test_bench_pipeline_replicas_flags_only_with_replicas(cli):
+    r = cli.run("bench", "pipeline", "--hosts", "2", timeout=30)
+    assert r.returncode == 2 and "--hosts: only with --replicas" in r.stderr
+    r = cli.run("bench", "pipeline", "--replicas", "3", timeout=30)
+    assert r.returncode == 2 and "--replicas 3: must divide the world of 4" in r.stderr
+
+
+def test_a_refused_replicas_variant_is_reported_not_run_and_left_out_of_the_goals():
+    from engine.bench.pipeline_grid import figures
+    def ranks(ms):
+        return [{"step_ms": [ms, ms], "link": {"rx": 2000, "tx": 1000}, "phases_ms": {"fwd_ms": ms / 4}}] * 4
+    variants = ["ddp", "sharded", "torch-pp-ddp", "2x2-ddp", "2x2-sharded"]
+    got = {v: [ranks(ms)] for v, ms in zip(variants, (400.0, 260.0, 120.0, 100.0))}
+    out = figures(variants, got, {"2x2-sharded": "not built yet"}, 32, 2, 4, {"bytes_per_s": 1000.0})
+    rows = {row["variant"]: row for row in out["variants"]}
+    assert rows["2x2-sharded"] == {"variant": "2x2-sharded", "run": False, "step_ms": None,
+                                   "not_run": "not built yet"}
+    assert rows["2x2-ddp"]["throughput_over_ddp"] == 4.0 and rows["2x2-ddp"]["samples_per_s"] == 320.0
+    # the busiest host's busier direction, per step, and its time at the measured rate
+    assert rows["ddp"]["cross_host_bytes_per_step"] == 1000 and rows["ddp"]["link_ms_per_step"] == 1000.0
+    assert rows["2x2-ddp"]["phases_ms"] == {"fwd_ms": 25.0}
+    assert out["goals"] == {"2x2-ddp / ddp throughput": "met", "2x2-ddp / sharded throughput": "met",
+                            "2x2-ddp / torch-pp-ddp throughput": "met"}
+
+
+def test_the_replicas_bench_cuts_the_stages_at_equal_parameters():
+    from engine.bench.pipeline_grid import even_split
+    from engine.bench.pipeline_grid_job import grid_model
+    halves = even_split(grid_model(32, 20), 2)   # 20 equal layers and a small head: 10 layers a stage
+    assert [s[0] for s in halves] == ["fc0", "fc10"] and halves[0][-1] == "act9"
+    quarters = even_split(grid_model(32, 4), 4)
+    assert quarters == [["fc0", "act0"], ["fc1", "act1"], ["fc2", "act2"], ["fc3", "act3", "head"]]

@@ -40,6 +40,9 @@ the rounds' spread covers it. after/before is judged against 0.9 of the best con
 bubble-bound ideal, a figure the rebalance's own decision cannot lower.
 
     trainyard bench pipeline [--json] [--rounds 2] [--steps 150] [--stages N]
+
+With `--replicas R` the bench is another one: S stages x R replicas against ddp, sharded and torch's pipeline
+with DDP, over an emulated cluster with `--hosts H --link RATE` (engine/bench/pipeline_grid.py).
 """
 
 from __future__ import annotations
@@ -166,13 +169,22 @@ GOALS_AT = 2   # stages: the goals hold where every stage has a core of its own 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="trainyard bench pipeline")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--rounds", type=int, default=2, help="repeat every variant this often (median)")
-    parser.add_argument("--steps", type=int, default=150,
-                        help="turns of every variant after the migration (each variant's steps, warm-up apart)")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="repeat every variant this often (median; default 2, 3 with --replicas)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="turns of every variant after the migration (each variant's steps, warm-up apart; "
+                             "default 150); with --replicas: timed steps per variant and round (default 8)")
     parser.add_argument("--stages", type=int, default=None,
                         help=f"pipeline stages, one worker process each (default: this machine's cores, at most "
-                             f"{STAGES})")
+                             f"{STAGES}); with --replicas: stages of each replica (default the world / R)")
+    from engine.bench import pipeline_grid
+    pipeline_grid.add_arguments(parser)
     args = parser.parse_args(argv)
+    if args.replicas is not None:
+        return pipeline_grid.main(parser, args)
+    pipeline_grid.refuse_flags(parser, args)
+    args.rounds = 2 if args.rounds is None else args.rounds
+    args.steps = 150 if args.steps is None else args.steps
     stages = args.stages if args.stages is not None else default_stages()
     for flag, value in (("--rounds", args.rounds), ("--steps", args.steps)):
         if value < 1:

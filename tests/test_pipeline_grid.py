@@ -184,3 +184,48 @@ def test_owners_are_balanced_by_bytes_and_a_migration_keeps_the_owners_of_the_la
     after = plan_owners([[0, 1, 2, 3], [4, 5]], sizes, 2, keep)
     assert {i: after[i] for i in keep} == keep and after[3] == 1   # stage 0's loads were 8 and 4
     assert plan_owners([[0, 2, 3, 4]], sizes, 4) == {0: 0, 2: 1, 3: 2, 4: 3}
+
+
+def tied_grid_job(topo, variants) -> list[dict]:
+    """2 stages x 2 replicas of the tied model (mid0 and mid1 share a weight, on different stages, until the
+    migration brings them together): each replica takes its half of every batch."""
+    from engine.runtime.devices import LedgerDevice
+    from engine.strategies.pipeline import PipelineStage
+    from engine.strategies.sharded.spec import ShardedConfig
+    from tests.test_pipeline import _pipe
+    from tests.test_rebalance import MIGRATE_BEFORE, _batches, _tied_optim, tied_model
+    out = []
+    grid = Grid.of(2, 4)
+    for optim, data, (start, then) in variants:
+        stage = PipelineStage(tied_model(), start, topo, LedgerDevice(1 << 30), _tied_optim(optim), _pipe(2, "1f1b"),
+                              grid=grid, sharded=ShardedConfig(slices=2) if data == "sharded" else None)
+        half, losses = None, []
+        for step, (x, y) in enumerate(_batches()):
+            if step == MIGRATE_BEFORE:
+                stage.migrate(then)
+            half = x.shape[0] // 2
+            mine = slice(stage.replica * half, (stage.replica + 1) * half)
+            losses.append(stage.train_step(x[mine], y[mine]))
+        stage.sync()
+        out.append({"state": {k: v.detach().clone() for k, v in stage.stage_state().items()}, "losses": losses,
+                    "replica": stage.replica})
+        stage.close()
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_a_weight_tied_across_stages_of_replicas_is_one_weight_with_ddp_and_sharded_replicas():
+    from engine.processes.procpool import DistPool
+    from tests.conftest import train_one_process
+    from tests.test_rebalance import TIED, _batches, _tied_optim, tied_model
+    layouts = ([TIED[:3], TIED[3:]], [TIED[:5], TIED[5:]])   # mid1 joins mid0's stage at the migration
+    variants = [("adamw+clip", "ddp", layouts), ("adamw+clip", "sharded", layouts)]
+    with DistPool(4, timeout_s=30) as pool:
+        results = pool.run(tied_grid_job, timeout=150, variants=variants)
+    for k, (optim, data, _) in enumerate(variants):
+        ref_state, ref_losses = train_one_process(tied_model(), _tied_optim(optim), _batches())
+        for per_rank in results:   # every replica holds its stage's weights, equal to one process's
+            for name, value in per_rank[k]["state"].items():
+                torch.testing.assert_close(value, ref_state[name], atol=1e-5, rtol=0, msg=f"{data} {name}")
+        last = [r[k]["losses"] for r in results if r[k]["losses"][0] is not None]   # the replicas' last stages
+        torch.testing.assert_close([sum(s) / 2 for s in zip(*last)], ref_losses, atol=1e-5, rtol=0)

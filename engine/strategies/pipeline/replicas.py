@@ -34,44 +34,45 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 BUCKET_BYTES = 25 << 20   # DDP's default bucket_cap_mb
 
 
-class _Bucket:
-    __slots__ = ("params", "missing", "work", "flat")
+class Bucket:
+    """Gradients that travel as one message: `params` (one dtype, and one `key`: the owner they go to)."""
+    __slots__ = ("params", "key", "missing", "work", "flat")
 
-    def __init__(self, params: list):
-        self.params, self.missing, self.work, self.flat = params, len(params), None, None
+    def __init__(self, params: list, key=None):
+        self.params, self.key, self.missing, self.work, self.flat = params, key, len(params), None, None
 
 
-class Replicas:
-    def __init__(self, grid, topo):
-        self.grid, self.count = grid, grid.replicas
-        many = grid.replicas > 1
-        self.pipeline = topo.subgroups([grid.pipeline(p) for p in range(grid.replicas)]) if many else topo.compute
-        self.stage_group = topo.subgroups([grid.group_of(s) for s in range(grid.stages)]) if many else None
-        self.loss_ranks = grid.group_of(grid.stages - 1)   # every replica's last stage: whose losses make the step's
-        self._buckets: list[_Bucket] = []   # armed for the step's last backward, in the order they start
-        self._bucket_of: dict[int, _Bucket] = {}
+class Overlap:
+    """A step's last backward, overlapped with the gradients' exchange: `arm` cuts the parameters it makes final
+    into buckets (reverse order, one dtype and key each, about BUCKET_BYTES), a hook on each parameter's
+    accumulated gradient counts them, and `start(bucket)` (an async collective: the flat gradients in
+    `bucket.flat`, its work returned) runs once a bucket is whole and every earlier one has started: the same
+    order on every rank of the group, a collective's match. `drain` starts what was never whole (a gradient never
+    made: zeros) and returns the buckets, each to be waited for."""
+
+    def __init__(self, start):
+        self.start = start
+        self._buckets: list[Bucket] = []
+        self._bucket_of: dict[int, Bucket] = {}
         self._started = 0
         self._hooked: set[int] = set()
 
-    def arm(self, params) -> None:
-        """Before the step's last backward: `params` (this stage's, a tied weight's left out) get their final
-        gradients from it; their average starts bucket by bucket as backward makes them."""
-        if self.stage_group is None:
-            return
-        buckets: list[_Bucket] = []
-        current: dict = {}   # dtype -> (params, bytes)
+    def arm(self, params, key=lambda p: None) -> None:
+        buckets: list[Bucket] = []
+        current: dict = {}   # (dtype, key) -> (params, bytes)
         for p in reversed([p for p in params if p.requires_grad]):
-            held, size = current.get(p.dtype, ([], 0))
+            k = (p.dtype, key(p))
+            held, size = current.get(k, ([], 0))
             held.append(p)
             size += p.numel() * p.element_size()
-            current[p.dtype] = (held, size)
+            current[k] = (held, size)
             if size >= BUCKET_BYTES:
-                buckets.append(_Bucket(held))
-                del current[p.dtype]
+                buckets.append(Bucket(held, k[1]))
+                del current[k]
             if id(p) not in self._hooked:
                 self._hooked.add(id(p))
                 p.register_post_accumulate_grad_hook(self._made)
-        buckets += [_Bucket(held) for held, _ in current.values()]
+        buckets += [Bucket(held, k[1]) for k, (held, _) in current.items()]
         self._buckets, self._started = buckets, 0
         self._bucket_of = {id(p): b for b in buckets for p in b.params}
 
@@ -81,28 +82,47 @@ class Replicas:
             return
         bucket.missing -= 1
         while self._started < len(self._buckets) and self._buckets[self._started].missing == 0:
-            self._start(self._buckets[self._started])
+            self._launch(self._buckets[self._started])
             self._started += 1
 
-    def _start(self, bucket: _Bucket) -> None:
+    def _launch(self, bucket: Bucket) -> None:
         bucket.flat = _flatten_dense_tensors([p.grad for p in bucket.params])
-        bucket.work = dist.all_reduce(bucket.flat, group=self.stage_group, async_op=True)
+        bucket.work = self.start(bucket)
 
-    def average(self, params) -> float | None:
-        """The gradients of `params` (this stage's) averaged over the stage's replicas; its seconds (None: one
-        replica, nothing to do): the armed buckets waited for (those whose gradients were never all made start
-        now, in order), the rest all-reduced now."""
-        if self.stage_group is None:
-            return None
-        t0 = time.perf_counter()
+    def drain(self) -> list[Bucket]:
         buckets, self._buckets, self._bucket_of = self._buckets, [], {}
-        armed = {id(p) for b in buckets for p in b.params}
         for bucket in buckets:
             if bucket.work is None:
                 for p in bucket.params:
-                    if p.grad is None:   # never made on this replica: zeros, the same shapes on every replica
+                    if p.grad is None:   # never made on this rank: zeros, the same shapes on every rank
                         p.grad = torch.zeros_like(p)
-                self._start(bucket)
+                self._launch(bucket)
+        return buckets
+
+
+class Replicas:
+    def __init__(self, grid, topo):
+        self.grid, self.count = grid, grid.replicas
+        many = grid.replicas > 1
+        self.pipeline = topo.subgroups([grid.pipeline(p) for p in range(grid.replicas)]) if many else topo.compute
+        self.stage_group = topo.subgroups([grid.group_of(s) for s in range(grid.stages)]) if many else None
+        self.loss_ranks = grid.group_of(grid.stages - 1)   # every replica's last stage: whose losses make the step's
+        self.overlap = Overlap(lambda b: dist.all_reduce(b.flat, group=self.stage_group, async_op=True))
+
+    def arm(self, params) -> None:
+        """Before the step's last backward: `params` (this stage's, a tied weight's left out) get their final
+        gradients from it; their average starts bucket by bucket as backward makes them."""
+        if self.stage_group is not None:
+            self.overlap.arm(params)
+
+    def average(self, params) -> float | None:
+        """The gradients of `params` (this stage's) averaged over the stage's replicas; its seconds (None: one
+        replica, nothing to do): the armed buckets waited for, the rest all-reduced now."""
+        if self.stage_group is None:
+            return None
+        t0 = time.perf_counter()
+        buckets = self.overlap.drain()
+        armed = {id(p) for b in buckets for p in b.params}
         by_dtype: dict = {}
         for p in params:
             if p.grad is not None and id(p) not in armed:

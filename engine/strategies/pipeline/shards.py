@@ -19,13 +19,15 @@ the stage's bytes over `parallel.sharded.slices` cut in pieces, every piece to t
 `parallel.sharded.streams` stream groups (one process group per stream per stage: on a GPU each its own NCCL
 communicator and CUDA stream).
 
-Gradients go to their owner with one reduce per owner and dtype on the stage's group (the sum, then divided by
-the replicas: the mean over the replicas' shares, as ddp's average); a non-owner forgets them. The step guard's
-norm then runs over the world (each parameter's gradient is on its owner only). A host-placed layer's slices go
-out once its update has landed. A weight tied across stages is settled (its slices waited for) before the
-pipeline returns it to the other holders (tied.py).
+Gradients go to their owner on the stage's group, bucket by bucket as the step's last backward makes them (one
+owner and dtype a bucket: replicas.py Overlap), and the rest after it, one reduce per owner and dtype (the sum,
+then divided by the replicas: the mean over the replicas' shares, as ddp's average); a non-owner forgets them.
+The step guard's norm then runs over the world (each parameter's gradient is on its owner only). A host-placed
+layer's slices go out once its update has landed. A weight tied across stages is settled (its slices waited
+for) before the pipeline returns it to the other holders (tied.py).
 
-Imports torch.distributed and the sharded strategy's plan (`cut`, `plan_owners`: pure functions).
+Imports torch.distributed, replicas.py's Overlap and the sharded strategy's plan (`cut`, `plan_owners`: pure
+functions).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from engine.runtime.devices import tensor_bytes
+from engine.strategies.pipeline.replicas import Overlap
 from engine.strategies.sharded.plan import cut, plan_owners
 
 
@@ -62,6 +65,9 @@ class StageShards:
         self.sizes = {i: sum(tensor_bytes(p) for p in ps) for i, ps in stage.owned.items()}
         self.owners = plan_owners(self._layouts(stage.stage_layers), self.sizes, self.replicas)
         self.pending: dict[int, list[_Piece]] = {}   # layer -> its pieces still in flight
+        # the reduce overlaps the step's last backward, bucket by bucket (replicas.py Overlap), each to its owner
+        self.overlap = Overlap(lambda b: dist.reduce(b.flat, dst=self.grid.rank(self.stage.rank, b.key),
+                                                     group=self.group, async_op=True))
         self.gate_s = 0.0
         self._hooks = [layer.register_forward_pre_hook(self._gate(i)) for i, layer in enumerate(stage.model.layers)]
 
@@ -91,13 +97,21 @@ class StageShards:
         return routes
 
     # --- gradients onto their owners -----------------------------------------------------------
+    def arm(self, params) -> None:
+        """Before the step's last backward: `params` (this stage's, a tied weight's left out) get their final
+        gradients from it; each bucket of one owner's goes to it as soon as backward has made it."""
+        owner = {id(p): self.owners[i] for i, ps in self.stage.owned.items() if i in self.owners for p in ps}
+        self.overlap.arm(params, key=lambda p: owner[id(p)])
+
     def reduce(self, start: int, end: int) -> float:
         """Each layer's gradients (this stage's) summed onto its owner and divided by the replicas; a non-owner
-        forgets them. The seconds it took."""
+        forgets them: the armed buckets waited for, the rest reduced now. The seconds it took."""
         t0 = time.perf_counter()
         owned = self.stage.owned
+        buckets = self.overlap.drain()
+        armed = {id(p) for b in buckets for p in b.params}
         for r in range(self.replicas):
-            params = [p for i in range(start, end) if self.owners.get(i) == r for p in owned[i]]
+            params = [p for i in range(start, end) if self.owners.get(i) == r for p in owned[i] if id(p) not in armed]
             by_dtype: dict = {}
             for p in params:
                 if p.grad is None:   # no gradient here: zeros, so every replica sends the same shapes
@@ -115,6 +129,16 @@ class StageShards:
                 else:
                     for p in ps:
                         p.grad = None
+        for bucket in buckets:
+            bucket.work.wait()
+            if bucket.key == self.replica:
+                bucket.flat /= self.replicas
+                grads = [p.grad for p in bucket.params]
+                for g, summed in zip(grads, _unflatten_dense_tensors(bucket.flat, grads)):
+                    g.copy_(summed)
+            else:
+                for p in bucket.params:
+                    p.grad = None
         return time.perf_counter() - t0
 
     # --- the owners' updates out, sliced, on streams --------------------------------------------

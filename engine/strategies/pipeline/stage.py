@@ -206,7 +206,7 @@ class PipelineStage(Strategy):
         key = (self.start, self.end, tuple(x.shape), x.dtype)
         with self.device.ledger.by_units(key, exact=move is not None) as units, arrivals:
             ops = schedule_ops(self.schedule, self.stages, self.rank, m)
-            last = len(ops) - 1 if move is None and self.shards is None else -1   # its gradients are final
+            last = len(ops) - 1 if move is None else -1   # its gradients are final (a migration's arrive after)
             for k, (op, i) in enumerate(ops):
                 new_layout = move is not None and move.use_new(i)
                 if op == "F":
@@ -235,8 +235,8 @@ class PipelineStage(Strategy):
                     times.add("fwd_ms", t0, times.mark())
                 else:
                     out, inp = outputs.pop(i), inputs.pop(i)
-                    if k == last:   # the replicas' average overlaps the last backward (replicas.py)
-                        self.replicas.arm(self._own_params(tied=False))
+                    if k == last:   # the replicas' exchange overlaps the last backward (replicas.py, shards.py)
+                        (self.shards or self.replicas).arm(self._own_params(tied=False))
                     grad = None if self.is_last else wire.recv(self.next, BWD_TAG, new_layout)
                     t0 = times.mark()
                     if out.requires_grad:   # a stage of layers without parameters on stage 0 has no graph

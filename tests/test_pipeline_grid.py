@@ -153,8 +153,10 @@ def _each_state_written_once_by_its_stages_owner(runs, stages: list[list[str]]) 
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_two_by_two_resumes_from_ddp_and_sharded_resumes_from_two_by_two_as_the_run_that_never_stopped(cli):
-    """ddp 4 -> 2 x 2 with sharded replicas -> sharded 4: each resumes as the run that never stopped."""
+@pytest.mark.parametrize("data", ["ddp", "sharded"])
+def test_two_by_two_resumes_from_ddp_and_sharded_resumes_from_two_by_two_as_the_run_that_never_stopped(cli, data):
+    """ddp 4 -> 2 x 2 (its replicas `data`) -> sharded 4: each resumes as the run that never stopped (with sharded
+    replicas each layer's owner wrote its masters and state once)."""
     from engine.runtime.checkpoint import list_checkpoints
     from tests.test_training import DEMO
     runs = cli.tmp_path / "runs" / "shapes"
@@ -162,10 +164,10 @@ def test_two_by_two_resumes_from_ddp_and_sharded_resumes_from_two_by_two_as_the_
     r = cli.run("run", DEMO, "--headless", "--steps", "10", *cli.base_args("shapes"), *model)
     assert r.returncode == 0, r.stderr
     r = cli.run("run", DEMO, "--headless", "--steps", "20", *cli.base_args("shapes"), *SKEWED, *model,
-                "--set", "parallel.pipeline.stages=2", "--set", "parallel.pipeline.data=sharded",
+                "--set", "parallel.pipeline.stages=2", "--set", f"parallel.pipeline.data={data}",
                 "--resume", str(list_checkpoints(runs)[-1]))
     assert r.returncode == 0, r.stderr
-    _same_as_one_worker(runs, MODEL, 20)   # its owners wrote each layer's masters and state once
+    _same_as_one_worker(runs, MODEL, 20)
     manifest = json.loads((list_checkpoints(runs)[-1] / "manifest.json").read_text())
     assert manifest["layout"]["grid"]["replicas"] == 2
     r = cli.run("run", DEMO, "--headless", "--steps", "30", *cli.base_args("shapes"), *model,

@@ -224,10 +224,12 @@ class ConsoleApp(App[str]):
             self.table.update_layers(state.layers, state.ps, state.grid)
         points, events, notes = state.take()
         self._points.extend(points)
-        if self._points and self.due(self.curves, state.version, now):
+        if (self._points or len(state.val_losses) != len(self.curves.val_losses)) \
+                and self.due(self.curves, state.version, now):
             for point in self._points:
                 self.curves.add_point(*point)
             self._points.clear()
+            self.curves.set_validation(state.val_losses)
         self.log_lines(events, notes)
         live = not isinstance(self.source, ReplaySource) and self.link_state == "connected"
         self.show(self.status, headline(self.state, self.size.width >= 120, live))

@@ -55,6 +55,7 @@ class RunState:
         self.new_run = False             # a different run: the curves start afresh
         # (step, loss, samples/s, lr, grad norm, clipped, skipped) not yet drawn: Curves.add_point's arguments
         self.points: list[tuple] = []
+        self.val_losses: list[tuple[int, float]] = []   # (step, val_loss) of every eval event (the curves' second line)
         # each step's `streams` not yet drawn: a lane's sparkline has a bar per step, however often it is drawn
         self.stream_steps: deque[list[dict]] = deque(maxlen=STREAM_HISTORY)
         self.events: list[dict] = []     # events not yet shown
@@ -163,7 +164,9 @@ class RunState:
             self.summary = msg
             accuracy, loss = msg.get("test_accuracy"), msg.get("final_loss")
             loss = f"{loss:.4f}" if isinstance(loss, (int, float)) else "not finite"   # null: NaN or inf
+            val = msg.get("val_loss")
             self.notes.append((f"run finished: {msg.get('steps')} steps, final loss {loss}"
+                               + (f", validation loss {val:.4f}" if isinstance(val, (int, float)) else "")
                                + (f", test accuracy {accuracy:.2%}" if accuracy is not None else ""), "bold", None))
         elif kind == "dropped":
             self.notes.append((f"{msg.get('count')} messages dropped (the console fell behind)", "dim", None))
@@ -200,6 +203,12 @@ class RunState:
         self.events.append(event)
         if event.get("kind") == "sync_mode":
             self._sync(event.get("mode"), event.get("step"))
+        if event.get("kind") == "eval" and isinstance(event.get("val_loss"), (int, float)):
+            step = event.get("step", 0)
+            while self.val_losses and self.val_losses[-1][0] >= step:   # a restart replays from its checkpoint
+                self.val_losses.pop()
+            self.val_losses.append((step, float(event["val_loss"])))
+            self.version += 1
         if event.get("kind") == "command" and event.get("status") == "applied" \
                 and event.get("name") in ("pause", "resume"):   # another console's, say
             self.paused = event["name"] == "pause"

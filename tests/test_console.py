@@ -199,6 +199,27 @@ def test_m_chooses_the_sync_mode_and_sends_set_sync(engines):
     run(scenario())
 
 
+def test_every_evaluations_validation_loss_reaches_the_curves_beside_the_training_loss():
+    from widgets.curves import Curves
+    state = RunState()
+    state.apply({"type": "hello", "run": "lm", "mode": "ddp", "world_size": 2, "layout": {"strategy": "ddp"}})
+    for step, val in ((100, 2.5), (200, 2.1)):
+        state.apply({"type": "event", "kind": "eval", "step": step, "time": float(step), "test_accuracy": None,
+                     "val_loss": val, "perplexity": 2.718281828 ** val})
+    state.apply({"type": "event", "kind": "eval", "step": 300, "time": 300.0, "test_accuracy": 0.5,
+                 "val_loss": None, "perplexity": None})   # a run without a validation loss: no point
+    assert state.val_losses == [(100, 2.5), (200, 2.1)]
+    # a restart from step 150's checkpoint replays its evaluations: the later one goes
+    state.apply({"type": "event", "kind": "eval", "step": 150, "time": 400.0, "test_accuracy": None,
+                 "val_loss": 2.3, "perplexity": 9.97})
+    assert state.val_losses == [(100, 2.5), (150, 2.3)]
+    curves = Curves()
+    curves.set_validation(state.val_losses)
+    assert curves.val_losses == [(100, 2.5), (150, 2.3)] and curves.dirty
+    curves.clear()
+    assert curves.val_losses == []
+
+
 def test_the_sync_mode_follows_hello_events_and_steps():
     hello = {"type": "hello", "run": "ps", "mode": "param_server", "world_size": 6,
              "layout": {"strategy": "param_server", "sync": "soft"}}

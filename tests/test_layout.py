@@ -98,7 +98,8 @@ FLOORS = [
      "engine.runtime.disk"),                           # a leaf: what every writer says of a full disk
     ("engine.config", "engine.strategies.specs",   # specs: the registry of every strategy, torch-free, for the
      "engine.strategies.*.spec"),                  # config; each strategy's spec.py: its settings and checks
-    ("engine.training.precision", "engine.training.timing", "engine.training.loss", "engine.training.optim", "engine.training.data",
+    ("engine.training.precision", "engine.training.timing", "engine.training.loss", "engine.training.evaluation",
+     "engine.training.optim", "engine.training.data",
      "engine.training.throughput", "engine.models"),
     ("engine.telemetry",),
     ("widgets",),                                  # the console's panels: plain data, no engine

@@ -275,10 +275,11 @@ def test_a_pipeline_run_equals_one_process_and_reports_its_stages(cli, world, sc
     stage_of = {n: s["stage"] for s in stages for n in s["layers"]}
     assert sorted(e["name"] for e in table) == sorted(stage_of)
     assert all(e["stage"] == stage_of[e["name"]] for e in table)
-    # rank 0 evaluated with every stage's weights: the reference model's accuracy exactly
-    from tests.test_training import reference_accuracy
+    # evaluated through the stages: the reference model's accuracy exactly, its validation loss to 1e-5
+    from tests.test_training import reference_accuracy, reference_val_loss
     assert records[-1]["type"] == "summary"
     assert records[-1]["test_accuracy"] == pytest.approx(reference_accuracy(overrides, want), abs=1e-6)
+    assert records[-1]["val_loss"] == pytest.approx(reference_val_loss(overrides, want), abs=1e-5)
 
 
 @pytest.mark.timeout(60)

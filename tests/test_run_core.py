@@ -85,8 +85,10 @@ def test_a_drivers_records_get_the_same_peaks_and_over_capacity_event_and_the_en
         ("memory_over_capacity", 1, {"rank": 1, "peak_bytes": 150, "capacity_bytes": 100})]
     assert [r["step"] for r in tel.steps] == [1, 2] and len(tel.notes) == 1
     run.take({"name": "stop", "args": []}, 2)
-    summary = run.end(2, True, 0.5, None, {"restarts": 0})
+    evaluated = {"test_accuracy": None, "val_loss": 1.25, "perplexity": 3.49}
+    summary = run.end(2, True, 0.5, evaluated, {"restarts": 0})
     assert summary["peak_bytes_per_rank"] == [10, 150] and summary["restarts"] == 0
+    assert {k: summary[k] for k in evaluated} == evaluated   # the last evaluation's figures
     assert summary["stopped_early"] and summary["final_loss"] == 0.5
     assert ("stop", 2, {"reason": "command"}) in tel.events and tel.replies[-1] == ("stop", "applied", {"step": 2})
     assert tel.summaries == [summary] and tel.closed == ["run stopped"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -44,6 +46,18 @@ def reference_accuracy(overrides: list[str], state: dict) -> float:
         return float((model(ds.x_test).argmax(dim=-1) == ds.y_test).float().mean())
 
 
+def reference_val_loss(overrides: list[str], state: dict) -> float:
+    """The validation loss of the demo config's model (with `overrides`) holding `state`: one worker's mean cross
+    entropy over the first data.eval_samples test samples (what every strategy's eval must equal)."""
+    cfg = load_config(DEMO, overrides)
+    ds = load_dataset(cfg.data, cfg.run.seed)
+    model = build_model(cfg.model, ds.meta, cfg.run.seed)
+    model.load_state_dict(state)
+    n = min(cfg.data.eval_samples, len(ds.x_test))
+    with torch.no_grad():
+        return float(torch.nn.functional.cross_entropy(model(ds.x_test[:n]), ds.y_test[:n]))
+
+
 def final_model(run_dir) -> dict:
     return model_state(list_checkpoints(run_dir)[-1])   # verified, whichever strategy wrote it
 
@@ -81,7 +95,10 @@ def test_parameters_equal_single_process(cli, strategy, world, optim):
     assert got.keys() == want.keys()
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-5, msg=name)
-    steps = [r for r in read_jsonl(log) if r["type"] == "step"]
+    records = read_jsonl(log)   # every rank evaluated its share: the summed loss is one worker's
+    assert records[-1]["val_loss"] == pytest.approx(reference_val_loss(overrides, want), abs=1e-5)
+    assert records[-1]["perplexity"] == pytest.approx(math.exp(records[-1]["val_loss"]))
+    steps = [r for r in records if r["type"] == "step"]
     total = sum(v.numel() * v.element_size() for v in want.values())
     owned = [entry["owned_bytes"] for entry in steps[-1]["ranks"]]
     if strategy == "sharded":   # two streams (the default), every byte owned once, owners in the layer table

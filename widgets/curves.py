@@ -1,5 +1,6 @@
 """Loss and throughput over steps as two plotext plots, the learning rate and the gradient norm as a
-labelled sparkline each under them; redrawn at most 4 times a second.
+labelled sparkline each under them; redrawn at most 4 times a second. The loss plot draws the validation loss
+of every evaluation beside the training loss (`set_validation`: the eval events' `val_loss`).
 
 `add_point(step, loss, samples_per_s, lr, grad_norm, clipped, skipped)` only records; a timer redraws
 when something changed, because building a plotext figure costs far more than a step message.
@@ -85,6 +86,7 @@ class Curves(Widget):
         self.clipped: deque[bool] = deque(maxlen=KEEP)
         self.skipped: deque[bool] = deque(maxlen=KEEP)
         self.series = (self.steps, self.losses, self.rates, self.lrs, self.grad_norms, self.clipped, self.skipped)
+        self.val_losses: list[tuple[int, float]] = []   # (step, validation loss), every evaluation's
         self.dirty = False
         self.last_redraw = float("-inf")
         self.loss_plot = TimedPlot(id="curves-loss")
@@ -145,9 +147,15 @@ class Curves(Widget):
         self.skipped.append(bool(skipped))
         self.dirty = True
 
+    def set_validation(self, points: list[tuple[int, float]]) -> None:
+        """Every evaluation's (step, validation loss) so far."""
+        if points != self.val_losses:
+            self.val_losses, self.dirty = list(points), True
+
     def clear(self) -> None:
         for series in self.series:
             series.clear()
+        self.val_losses = []
         self.dirty = True
 
     def norm_note(self) -> str:
@@ -164,7 +172,8 @@ class Curves(Widget):
         self.show_curves(bool(self.steps))
         if not self.steps:
             return
-        curves = ((self.loss_plot, self.loss_line, self.losses, f"loss {self.losses[-1]:.4g}", "orange"),
+        val = f" · val {self.val_losses[-1][1]:.4g}" if self.val_losses else ""
+        curves = ((self.loss_plot, self.loss_line, self.losses, f"loss {self.losses[-1]:.4g}{val}", "orange"),
                   (self.rate_plot, self.rate_line, self.rates, f"samples/s {self.rates[-1]:,.0f}", "cyan"))
         self.lr_line.show(f"lr {self.lrs[-1]:.3g}", self.lrs)
         self.norm_line.show(f"grad norm {self.grad_norms[-1]:.4g}", self.grad_norms, self.norm_note())
@@ -180,4 +189,7 @@ class Curves(Widget):
             plt.title(title)
             if points:
                 plt.plot(*zip(*points, strict=True), marker="braille", color=colour)
+            val_points = [(step, v) for step, v in self.val_losses if isfinite(v) and step >= self.steps[0]]
+            if plot is self.loss_plot and val_points:   # the evaluations' validation loss, on the same axes
+                plt.plot(*zip(*val_points, strict=True), marker="dot", color="green")
             plot.refresh()

@@ -238,9 +238,9 @@ class Worker:
         if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step < cfg.run.steps:
             self.checkpoint(step)
         if cfg.run.eval_every and step % cfg.run.eval_every == 0:
-            accuracy = self.evaluate()   # every rank (a pipeline evaluates through its stages)
+            figures = self.evaluate()   # every rank (a pipeline evaluates through its stages)
             if self.topo.is_first:
-                self.tel.event("eval", step, test_accuracy=accuracy)
+                self.tel.event("eval", step, **figures)
 
     # --- the operator's commands (engine/runtime/run_core.py takes those every run takes) ----------------
     def paused_changed(self) -> None:
@@ -336,9 +336,10 @@ class Worker:
             time.sleep(0.05)
 
     @torch.no_grad()
-    def evaluate(self) -> float | None:
-        """Every rank: the strategy's evaluation (on rank 0 at least; engine/strategies/base.py)."""
-        return self.strategy.evaluate(self.data, self.cfg.precision, self.cfg.data.eval_samples)
+    def evaluate(self) -> dict:
+        """Every rank: the strategy's evaluation (engine/strategies/base.py), a rank's training share at a time."""
+        chunk = max(1, self.cfg.data.batch_size // self.topo.world_size)
+        return self.strategy.evaluate(self.data, self.cfg.precision, self.cfg.data.eval_samples, chunk)
 
     def _finish(self, step: int, loss: float | None) -> dict | None:
         self.memory.close()
@@ -347,7 +348,7 @@ class Worker:
         self.checkpoint_s = self.checkpoints.write_s() or self.checkpoint_s
         if (step > self.first_step or stopped_early) and drained != step and self._final_checkpoint_fits(step):
             self.checkpoints.take(step, background=False)
-        accuracy = self.evaluate()
+        figures = self.evaluate()
         if stopped_early and self.restarting():
             if self.topo.is_first:
                 self.tel.event("stop", step, reason="restart: a host joins")
@@ -356,7 +357,7 @@ class Worker:
             return None
         if not self.topo.is_first:
             return None
-        summary = self.core.end(step, stopped_early, loss, accuracy, {
+        summary = self.core.end(step, stopped_early, loss, figures, {
             **self.report.throughput.summary(),
             "capacity_bytes": self.device.ledger.capacity_bytes,
             "simulated": self.device.simulated, "restarts": self.restart})

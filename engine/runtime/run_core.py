@@ -125,14 +125,15 @@ class RunCore:
         """Rank 0: checkpoint `step` is published at `path` (its manifest written, the folder renamed)."""
         self.tel.event("checkpoint", step, **published(path, stall_ms, write_ms, published_ms))
 
-    def end(self, step: int, stopped_early: bool, loss: float | None, accuracy: float | None, fields: dict) -> dict:
-        """Rank 0, once the final checkpoint is written: the stop event and reply, the summary (its peaks, then
-        `fields`: the driver's own, restarts...), the consoles told. Returns the summary."""
+    def end(self, step: int, stopped_early: bool, loss: float | None, evaluated: dict, fields: dict) -> dict:
+        """Rank 0, once the final checkpoint is written: the stop event and reply, the summary (the last
+        evaluation's figures, engine/training/evaluation.py; its peaks, then `fields`: the driver's own,
+        restarts...), the consoles told. Returns the summary."""
         if stopped_early:
             self.tel.event("stop", step, reason=self.stop_reason)
         if self.stop_command:
             self.tel.reply(self.stop_command, "applied", step=step)
-        summary = {"name": self.cfg.run.name, "final_loss": loss, "test_accuracy": accuracy, "steps": step,
+        summary = {"name": self.cfg.run.name, "final_loss": loss, **evaluated, "steps": step,
                    "wall_s": time.time() - (self.job.launched_at or time.time()), **self.peaks.summary(), **fields,
                    "stopped_early": stopped_early}
         self.tel.summary(summary)

@@ -20,7 +20,7 @@ spec.py (its StrategySpec: its settings table [parallel.NAME], handed to it whol
 builder), and one line in engine/strategies/specs/registry.py, which makes it a `parallel.strategy` choice and
 what make_strategy builds. The step loop does not change.
 
-Imports engine.runtime (events, topology), engine.techniques.updates.report and engine.training.loss.
+Imports engine.runtime (events, topology), engine.techniques.updates.report and engine.training.evaluation.
 """
 
 from __future__ import annotations
@@ -28,11 +28,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from engine.runtime.events import Event
 from engine.runtime.topology import Groups
 from engine.techniques.updates.report import plan_events
-from engine.training.loss import test_accuracy
+import engine.training.evaluation as evaluation
 
 
 class Strategy:
@@ -80,14 +81,21 @@ class Strategy:
         """Host updates in flight land (before a checkpoint, an evaluation, the end)."""
         return self.updater.wait_host()
 
-    def evaluate(self, ds, precision, limit: int) -> float | None:
-        """Every rank, at an evaluation: the test accuracy over the first `limit` test samples (test_accuracy), on
-        rank 0 at least (None elsewhere). Here: once every update has landed (sync), rank 0 runs the whole model; a
-        strategy whose ranks hold parts of the model runs it through its own schedule (a pipeline's: every rank)."""
+    def evaluate(self, ds, precision, limit: int, chunk: int) -> dict:
+        """Every rank, at an evaluation: the test accuracy, validation loss and perplexity over the first `limit`
+        test samples (engine/training/evaluation.py), the same on every rank. Here each rank runs its share of
+        them through its whole model, `chunk` at a time, once every update has landed, and the counts are summed
+        over the ranks; a strategy whose ranks hold parts of the model runs them through its own schedule."""
         self.sync()
-        if not self.topo.is_first:
-            return None
-        return test_accuracy(self.model, ds, self.device.torch_device, precision, limit)
+        n = evaluation.samples(ds, limit)
+        if not n:
+            return dict(evaluation.NONE)
+        world, rank = self.topo.world_size, self.topo.rank
+        counts = evaluation.share_counts(self.model, ds, self.device.torch_device, precision, self.loss_fn,
+                                         *evaluation.share(n, rank, world), chunk)
+        if world > 1:
+            dist.all_reduce(counts, group=self.topo.compute)
+        return evaluation.figures(counts, self.loss_fn)
 
     # --- what the ledger, the memory policy and the console see ----------------------------------
     def tracked_module(self) -> torch.nn.Module:

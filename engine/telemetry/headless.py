@@ -39,6 +39,9 @@ class HeadlessProgress:
         table.add_row("final loss", f"{summary['final_loss']:.4f}" if summary["final_loss"] is not None else "-")
         acc = summary.get("test_accuracy")
         table.add_row("test accuracy", f"{acc:.4f}" if acc is not None else "n/a")
+        if summary.get("val_loss") is not None:   # engine/training/evaluation.py
+            ppl = f" (perplexity {summary['perplexity']:,.2f})" if summary.get("perplexity") is not None else ""
+            table.add_row("validation loss", f"{summary['val_loss']:.4f}{ppl}")
         table.add_row("wall time", f"{summary['wall_s']:.1f} s")
         if "compile_s" in summary:   # `[model] compile`: part of the wall time, none of the step times
             again = f", {summary['recompiles']} recompile(s)" if summary.get("recompiles") else ""

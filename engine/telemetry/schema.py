@@ -150,6 +150,9 @@ EVENT_KINDS = ["checkpoint", "restart", "resume", "eval", "memory_over_capacity"
                "placement", "rebalance", "migration", "memory_plan", "policy", "sync_mode", "worker_lost",
                "resize", "ps_profile", "step_skipped", "step_rolled_back", "nonfinite", "checkpoint_skipped",
                "checkpoint_waited", "compile", "auto_fit", "plan_reverted"]
+_FRACTION = {"type": ["number", "null"], "minimum": 0, "maximum": 1}
+_NUMBER_OR_NULL = {"type": ["number", "null"]}
+
 EVENT = {
     "type": "object",
     "required": ["schema", "time", "type", "kind", "step"],
@@ -159,7 +162,9 @@ EVENT = {
         {"if": {"properties": {"kind": {"const": "checkpoint"}}}, "then": {"required": ["path"]}},
         {"if": {"properties": {"kind": {"const": "restart"}}}, "then": {"required": ["restart", "max_restarts"]}},
         {"if": {"properties": {"kind": {"const": "resume"}}}, "then": {"required": ["checkpoint"]}},
-        {"if": {"properties": {"kind": {"const": "eval"}}}, "then": {"required": ["test_accuracy"]}},
+        {"if": {"properties": {"kind": {"const": "eval"}}},   # engine/training/evaluation.py
+         "then": {"required": ["test_accuracy", "val_loss", "perplexity"],
+                  "properties": {"test_accuracy": _FRACTION, "val_loss": _NUMBER_OR_NULL, "perplexity": _NUMBER_OR_NULL}}},
         {"if": {"properties": {"kind": {"const": "memory_over_capacity"}}},
          "then": {"required": ["rank", "peak_bytes", "capacity_bytes"]}},
         {"if": {"properties": {"kind": {"const": "stop"}}}, "then": {"required": ["reason"]}},
@@ -215,7 +220,7 @@ SUMMARY = {
                  "peak_bytes_per_rank", "capacity_bytes", "simulated", "restarts", "stopped_early"],
     "properties": {**_COMMON, "type": {"const": "summary"}, "name": {"type": "string"},
                    "final_loss": {"type": ["number", "null"]},
-                   "test_accuracy": {"type": ["number", "null"], "minimum": 0, "maximum": 1},
+                   "test_accuracy": _FRACTION, "val_loss": _NUMBER_OR_NULL, "perplexity": _NUMBER_OR_NULL,
                    "steps": {"type": "integer", "minimum": 0}, "wall_s": {"type": "number", "minimum": 0},
                    "peak_bytes_per_rank": {"type": "array", "items": _BYTES},
                    "allocator_peak_bytes_per_rank": {"type": "array", "items": _BYTES}, "capacity_bytes": _BYTES,

@@ -62,27 +62,3 @@ def share_loss(loss_fn, out: torch.Tensor, y: torch.Tensor, total: int | None, s
     label is IGNORE), so each weighs 1 and each of its `micro` micro-steps (data.accumulate) 1 / micro."""
     weight = 1.0 / micro if total is None else share_weight(counted(y, loss_fn), total, shares)
     return weighted(loss_fn, out, y, weight)
-
-
-@torch.no_grad()
-def test_accuracy(model, ds, device: torch.device, precision, limit: int = 0) -> float | None:
-    """The share of the test split's counted targets (not IGNORE) that the model's argmax gets right, over its
-    first `limit` samples (0: all), computed as training computes (bf16 under autocast); None without a test
-    split, or with targets that are not classes (a user's regression)."""
-    from engine.training.precision import compute_in
-    if ds.x_test is None or len(ds.x_test) == 0 or ds.y_test.is_floating_point():
-        return None
-    n = len(ds.x_test) if limit <= 0 else min(limit, len(ds.x_test))
-    correct = total = 0
-    model.eval()
-    try:
-        for i in range(0, n, 1024):
-            x, y = ds.x_test[i:min(i + 1024, n)].to(device), ds.y_test[i:min(i + 1024, n)].to(device)
-            with compute_in(precision, device):
-                pred = model(x).argmax(dim=-1)
-            keep = y != IGNORE
-            correct += int(((pred == y) & keep).sum())
-            total += int(keep.sum())
-    finally:
-        model.train()
-    return correct / total if total else None

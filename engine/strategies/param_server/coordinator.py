@@ -22,7 +22,7 @@ import torch
 from rich.markup import escape
 
 from engine.runtime import checkpoint as ckpt
-from engine.training.loss import test_accuracy
+import engine.training.evaluation as evaluation
 from engine.runtime.control import FIELDS, rank_rows, row_values
 from engine.runtime.lifecycle import step_record
 from engine.runtime.run_core import RunCore
@@ -232,7 +232,7 @@ class Coordinator(PSServer):
         if every and step // every > (step - steps) // every and step < cfg.run.steps:
             self.checkpoint(step)
         if evals and step // evals > (step - steps) // evals and step < cfg.run.steps:
-            self.tel.event("eval", step, test_accuracy=self.evaluate(), wall_s=round(
+            self.tel.event("eval", step, **self.evaluate(), wall_s=round(
                 time.time() - (self.setup.job.launched_at or time.time()), 3))
 
     def _table(self) -> torch.Tensor:
@@ -310,15 +310,18 @@ class Coordinator(PSServer):
             self.setup.links[server].send(GATHER)
         self._await(lambda: self.gathered >= set(self.setup.params), "the servers' weights")
 
-    def evaluate(self) -> float | None:
-        ds = self.setup.data
-        if ds.x_test is None or len(ds.x_test) == 0:
-            return None
-        if len(self.gathered) < len(self.setup.params):
+    def evaluate(self) -> dict:
+        """The evaluation's figures (engine/training/evaluation.py), on this rank's copy of every server's weights."""
+        setup = self.setup
+        n = evaluation.samples(setup.data, setup.cfg.data.eval_samples)
+        if not n:
+            return dict(evaluation.NONE)
+        if len(self.gathered) < len(setup.params):
             self.gather()
         self.gathered = set()
-        return test_accuracy(self.setup.model, ds, self.setup.device.torch_device, self.setup.cfg.precision,
-                             self.setup.cfg.data.eval_samples)
+        counts = evaluation.share_counts(setup.model, setup.data, setup.device.torch_device, setup.cfg.precision,
+                                         setup.loss_fn, 0, n, setup.cfg.data.batch_size)
+        return evaluation.figures(counts, setup.loss_fn)
 
     def finish(self) -> None:
         cfg, step = self.setup.cfg, self.global_step()

@@ -387,6 +387,6 @@ class PipelineStage(Strategy):
             self.shards.close()
         super().close()
 
-    def evaluate(self, ds, precision, limit: int) -> float | None:
+    def evaluate(self, ds, precision, limit: int, chunk: int) -> dict:
         """Through the pipeline, each replica its share, on every rank (evaluate.py): no weight gathered."""
-        return evaluate(self, ds, precision, limit)
+        return evaluate(self, ds, precision, limit, chunk)

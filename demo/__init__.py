@@ -5,7 +5,7 @@
     trainyard demo ps --headless
 
 Each demo is a config in demo/configs/ (read it: its comment says what to watch) plus what the
-demo changes for 2 cores, and for `llm` the files demo/prepare.py writes first. `keys` are the keys that show its technique in the console; the tmux
+demo changes for 2 cores, and for `llm` the files demo/prepare.py writes first (with `trainyard prepare`). `keys` are the keys that show its technique in the console; the tmux
 tests (tests/test_demos.py) press them.
 """
 
@@ -48,7 +48,7 @@ DEMOS: dict[str, Demo] = {
                "m choose the sync mode: soft, bsp, asp, ssp"),
     "ddp": Demo("digits_ddp.toml", "digits on 2 workers with torch DDP, the baseline", "p pause · x checkpoint"),
     "llm": Demo("llm.toml", "a Llama-shaped model from transformers, on a token file read from disk, on a 2-stage "
-                            "pipeline (needs transformers: pip install -e '.[hf]')",
+                            "pipeline (needs transformers and datasets: pip install -e '.[hf,data]')",
                 "r rebalance the stages (by itself at step 100) · k/s/c a layer's activations · u its update"),
 }
 DEFAULT = "tour"

@@ -25,7 +25,7 @@ there and what it may import:
     run/         above the strategies: launch, checks, rank setup, the step loop (worker.py), handover
     processes/   fork server, process pools, emulated clusters, children (the commands use them too)
     telemetry/   protocol (also `engine.protocol`, for consoles), hub, log, schema, progress bar
-    bench/       `trainyard bench NAME`; cli.py, ctl.py: the `trainyard` command
+    bench/       `trainyard bench NAME`; cli.py, ctl.py: the `trainyard` command; prepare.py: `trainyard prepare`
 This module imports the rest only when `train` is called (consoles import engine.protocol alone).
 """
 

@@ -7,6 +7,8 @@
     trainyard console [RUN] [--read-only] [--replay LOG] [--token-file F]
     trainyard runs
     trainyard export RUN DIR [--step N] [--dtype fp32|bf16] [--overwrite]
+    trainyard prepare SRC... --tokenizer DIR --out DIR [--field text] [--val-fraction F] [--workers N]
+                      [--eos TOKEN] [--text-unit paragraph|line|document]
     trainyard ctl RUN COMMAND [ARGS ...]
     trainyard bench NAME [--json]
     trainyard plan CONFIG.toml --hosts N --per-host G [--memory SIZE] [--set KEY=VALUE ...] [--json]
@@ -18,6 +20,7 @@ parallel.max_restarts allows, an error that would recur on a restart, a full dis
 started); 128+N stopped by signal N after the final checkpoint.
 `ctl`: 0 applied, 1 rejected, 2 a bad command or no such run.
 `export`: 0 written; 2 refused (DIR exists, no such run or step, a damaged checkpoint; docs/checkpoints.md).
+`prepare`: 0 written; 1 a write failed (a full disk); 2 refused (a source, the tokenizer or a flag named; docs/data.md).
 `demo` starts its run (demo/__init__.py says which config and what to press) in the background and
 opens the console on it (demo/launch.py); `demo --headless` trains in the foreground with a
 progress bar, as `run --headless` does. A demo run is named demo-NAME and overwrites its previous
@@ -92,6 +95,8 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--overwrite", action="store_true",
                         help="replace DIR, once the new folder is whole")
 
+    _prepare_parser(sub)
+
     cluster = sub.add_parser("cluster", help="an emulated cluster on this machine: network namespaces, shaped links "
                                              "(root)", add_help=False)
     cluster.add_argument("cluster_args", nargs=argparse.REMAINDER, help="up | exec | status | down (see --help)")
@@ -120,6 +125,26 @@ def _parser() -> argparse.ArgumentParser:
     ctl.add_argument("--token-file", type=Path, help="token file of a TCP hub")
     ctl.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the reply")
     return parser
+
+
+def _prepare_parser(sub) -> None:
+    from engine.prepare import TEXT_UNITS, VAL_FRACTION
+    prepare = sub.add_parser("prepare", help="text to token files (train.bin, val.bin, meta.json) with a tokenizer",
+                             description="Tokenize local text, JSON-lines or Parquet files with a tokenizer folder "
+                                         "into the token files `[data] name = \"tokens\"` reads (docs/data.md).")
+    prepare.add_argument("sources", nargs="+", metavar="SRC",
+                         help="a .txt, .jsonl, .json or .parquet file, or a folder of them")
+    prepare.add_argument("--tokenizer", required=True, metavar="DIR",
+                         help="a tokenizer folder (save_pretrained's; the model's own, or trainyard export's)")
+    prepare.add_argument("--out", required=True, metavar="DIR", help="the folder to write the files into")
+    prepare.add_argument("--field", default="text", help="JSON-lines and Parquet: the text field (default: text)")
+    prepare.add_argument("--val-fraction", type=float, default=VAL_FRACTION, metavar="F",
+                         help=f"share of the documents for val.bin, at least one (default: {VAL_FRACTION}); 0: none")
+    prepare.add_argument("--workers", type=int, default=1, metavar="N", help="tokenizing processes (default: 1)")
+    prepare.add_argument("--eos", metavar="TOKEN",
+                         help="the token after each document (default: the tokenizer's eos_token)")
+    prepare.add_argument("--text-unit", choices=TEXT_UNITS, default="paragraph",
+                         help=".txt files: one document per paragraph (blank-line separated; default), line, or file")
 
 
 def _benches() -> list[str]:
@@ -161,6 +186,8 @@ def _dispatch(args) -> int:
         return _export(args)
     if args.command == "plan":
         return _plan(args)
+    if args.command == "prepare":
+        return _prepare(args)
     if args.command == "console":
         from console.__main__ import attach
         return attach(args.run, args.read_only, args.replay, args.token_file)
@@ -280,6 +307,23 @@ def _plan(args) -> int:
     except ValueError as e:   # a model the config names that cannot be built (engine.models, models/hf)
         err.print(f"[red]model error:[/] {escape(str(e))}")
     return 2
+
+
+def _prepare(args) -> int:
+    from engine.prepare import PrepareError, describe, prepare
+    try:
+        meta = prepare(args.sources, args.tokenizer, args.out, field=args.field, val_fraction=args.val_fraction,
+                       workers=args.workers, eos=args.eos, text_unit=args.text_unit)
+    except PrepareError as e:
+        err.print(f"[red]prepare refused:[/] {escape(str(e))}")
+        return 2
+    except OSError as e:   # the output folder cannot be written: a full disk, a file in the way
+        from engine.runtime.disk import describe_os_error
+        err.print(f"[red]prepare failed:[/] {escape(describe_os_error(e, Path(args.out)))}")
+        return 1
+    for line in describe(meta, args.out):
+        print(line)
+    return 0
 
 
 def _export(args) -> int:

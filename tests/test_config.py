@@ -148,6 +148,9 @@ layer_every = 0
 rank_every = 20
 log_every = 2
 log_max_mb = 64
+tensorboard = true
+wandb = "team/project"
+tracker_queue_len = 16
 
 [cluster]
 nnodes = 2

@@ -244,7 +244,8 @@ def test_every_demo_is_tested_and_its_config_loads(tmp_path, monkeypatch):
         assert cfg.parallel.world_size <= 6, name
     llm = load_config(DEMOS["llm"].path, demo_overrides("llm"))
     assert (llm.model.name, llm.data.name) == ("hf", "tokens")
-    assert sorted(p.name for p in (tmp_path / "runs" / "demo-llm-data").iterdir()) == ["llama.json", "train.bin", "val.bin"]
+    assert sorted(p.name for p in (tmp_path / "runs" / "demo-llm-data").iterdir()) == \
+        ["corpus.txt", "llama.json", "meta.json", "tokenizer", "train.bin", "val.bin"]   # demo/prepare.py
 
 
 def test_a_demo_run_takes_a_new_name_while_its_previous_run_is_live(tmp_path, runtime_dir):

@@ -8,7 +8,8 @@
   strategy shares and a table per strategy in the registry ([parallel.sharded], ..., each declared in its
   strategy's spec.py); operations.py: checkpoint, telemetry, cluster, emulate.
 - check.py: each value against its declaration, then the rules across keys (rules.py: CROSS_CHECKS); files.py: the
-  files a config names (token files, a Hugging Face config) exist and fit; batch.py: the global batch splits
+  files a config names (token files, a Hugging Face config) exist and fit; extras.py: the optional
+  packages it needs (a tracker's) are installed; batch.py: the global batch splits
   over ranks, micro-batches and micro-steps, and the training loop's keys agree.
 - load.py: TOML file + `--set` overrides -> a checked Config.
 - reference.py: docs/config.md from the declarations; `python -m engine.config`.

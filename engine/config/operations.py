@@ -24,7 +24,7 @@ class CheckpointConfig:
 
 @dataclass
 class TelemetryConfig:
-    """Where the per-step measurements are logged."""
+    """Where the per-step measurements are logged, and which trackers record them."""
 
     log: str = setting("", "JSON-lines telemetry log path (`--telemetry-log` sets it too); empty: "
                            "`<run dir>/telemetry.jsonl`.")
@@ -47,6 +47,16 @@ class TelemetryConfig:
                                 "and the summary always). 1: every step.", min=1)
     log_max_mb: int = setting(1024, "Start a new part of the log once this one holds this many MiB: `telemetry.jsonl`, "
                                     "`telemetry.1.jsonl`, ...; `--replay` reads them all. 0: one file.", min=0)
+    tensorboard: bool = setting(False, "Record the run for TensorBoard in `<run dir>/tb/` (losses, learning rate, "
+                                       "gradient norm, throughput, each rank's peak memory, events as text, the "
+                                       "config as hparams), from the log, off the step (docs/telemetry.md, "
+                                       "Trackers); needs tensorboard (pip install -e '.[tb]').")
+    wandb: str = setting("", "Record the run in this Weights & Biases project (`PROJECT` or `ENTITY/PROJECT`), "
+                             "offline under `<run dir>/wandb/` unless WANDB_MODE=online or an API key is set; "
+                             "needs wandb (pip install -e '.[wandb]'). Empty: off.")
+    tracker_queue_len: int = setting(1024, "Log records held for the trackers (tensorboard, wandb); while they are "
+                                           "slower, the newer ones are dropped and counted (said at the end).",
+                                     min=1)
 
 
 @dataclass

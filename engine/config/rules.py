@@ -4,8 +4,8 @@ problem reported.
 
 A strategy's own rules are its spec's (engine/strategies/NAME/spec.py, in the registry engine/strategies/specs/):
 `table_checks`, `checks` and `checks_after_batch`, run where TABLE_CHECKS, STRATEGY_CHECKS and AFTER_BATCH stand;
-`refuses` and `moments`, which the rule owning the key phrases. Imports engine.config.declare, settings, batch and
-files, and that registry.
+`refuses` and `moments`, which the rule owning the key phrases. Imports engine.config.declare, settings, batch,
+extras and files, and that registry.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import re
 
 from engine.config.batch import batch_splits_over_ranks, near_multiples, schedule_ends_low
 from engine.config.declare import show
+from engine.config.extras import trackers_installed
 from engine.config.files import files_exist
 from engine.config.settings import Config
 from engine.strategies.specs import STRATEGIES, StrategySpec
@@ -221,4 +222,4 @@ def precision_makes_sense(cfg: Config) -> str | None:
 CROSS_CHECKS = [schedule_ends_low, hosts_split_workers, listen_is_loopback, *TABLE_CHECKS, model_matches_data, files_exist,
                 branchy_has_square_images, *STRATEGY_CHECKS, batch_splits_over_ranks, *AFTER_BATCH, heads_split_width,
                 slow_layer_is_whole, slow_rank_is_whole, kill_has_its_moment, precision_makes_sense,
-                every_host_count_holds]
+                every_host_count_holds, trackers_installed]

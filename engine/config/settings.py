@@ -28,7 +28,9 @@ class RunConfig:
     dir: str = setting("runs", "Folder that holds run directories (`<dir>/<name>/`).")
     overwrite: bool = setting(False, "Start afresh even when the run directory already holds checkpoints "
                                      "(they are deleted). Without it such a start is refused.")
-    eval_every: int = setting(0, "Evaluate on the test split every N steps (0: only at the end).", min=0)
+    eval_every: int = setting(0, "Evaluate on the test split (a tokens run's val file) every N steps, and at the "
+                                 "end (0: only at the end): test accuracy, validation loss and perplexity, each "
+                                 "rank its share (docs/telemetry.md, eval).", min=0)
     step_pause_ms: float = setting(0.0, "Sleep this long after every step: slows a run down for demos and "
                                         "tests that act on a run in progress.", min=0.0)
 
@@ -68,12 +70,14 @@ class DataConfig:
                                   "`synthetic` (seeded random classification), `tokens` (a flat file of token "
                                   "ids, `train` and `val`, memory-mapped by every worker).",
                         choices=("digits", "text", "synthetic", "tokens"))
-    train: str = setting("", "tokens: the training file, a flat array of token ids in `dtype` (what nanoGPT's "
-                             "prepare.py writes); a relative path is from the working directory.")
+    train: str = setting("", "tokens: the training file, a flat array of token ids in `dtype` (what `trainyard "
+                             "prepare` writes, docs/data.md, or nanoGPT's prepare.py); a relative path is from the "
+                             "working directory. A meta.json beside it is checked against the model and `dtype`.")
     val: str = setting("", "tokens: the test file, in the same format; empty: no test accuracy.")
-    dtype: str = setting("uint16", "tokens: the files' integer type.", choices=("uint16", "uint32"))
-    vocab_size: int = setting(0, "tokens: the vocabulary (the built-in transformer's); 0: the training file's "
-                                 "largest id + 1.", min=0)
+    dtype: str = setting("uint16", "tokens: the files' integer type; one that contradicts the meta.json beside "
+                                   "them is refused.", choices=("uint16", "uint32"))
+    vocab_size: int = setting(0, "tokens: the vocabulary (the built-in transformer's); 0: the tokenizer's "
+                                 "(meta.json's `vocab_size`), else the training file's largest id + 1.", min=0)
     batch_size: int = setting(64, "Global batch (samples per optimizer step, summed over data-parallel "
                                   "ranks); divisible by the world size.", min=1)
     test_fraction: float = setting(0.2, "Share of the samples held out as the test split.", min=0.05, max=0.5)

@@ -12,6 +12,7 @@
   stages or owners that know each layer.
 - export.py: `trainyard export`: a run's model out of its checkpoint, as a Hugging Face save_pretrained folder
   (or a LayerList's state dict), and the folder a Hugging Face model's run writes at its end.
+  export_tokenizer.py: the tokenizer it copies (the token files' meta.json names it, else the model folder's).
 - preload.py: what the launcher's fork server imports (engine/processes/forkserver.py), so workers fork with it.
 
 Imports: everything below it (engine.strategies, engine.techniques, engine.runtime, engine.processes,

@@ -1,7 +1,7 @@
 """What the launcher refuses before any worker starts (RunSetupError, exit status 2): what this host cannot
 run (too few GPUs, a device.memory below what a rank holds whatever the plans choose), a Hugging Face
-model that is not reproduced or a data.seq_len past its positions, and a token file holding an id past
-the model's vocabulary.
+model that is not reproduced or a data.seq_len past its positions, a token file made with a tokenizer larger
+than the model's vocabulary (its meta.json, `trainyard prepare`'s) or holding an id past it.
 
     check_machine(job); check_model(job)       # engine/run/launch.py: prepare_run_dir
     check_token_ids(job)                       # called by check_model: token ids within the model's vocabulary
@@ -13,6 +13,7 @@ engine.models.
 
 from __future__ import annotations
 
+import os
 import sys
 
 from engine.config import format_size
@@ -53,6 +54,7 @@ def check_token_ids(job) -> None:
     if vocab is None:   # a model whose input embedding is not clear: its own business
         return
     size, source, remedy = vocab
+    check_tokenizer_size(cfg.data, size, source, remedy)
     from engine.training.data import largest_id
     for key in ("train", "val"):
         path = getattr(cfg.data, key)
@@ -66,6 +68,25 @@ def check_token_ids(job) -> None:
                 f"ids, or {remedy.format(need=max_id + 1)}")
 
 
+def check_tokenizer_size(data, size: int, source: str, remedy: str) -> None:
+    """A tokenizer larger than the model's vocabulary, which its meta.json names, is refused even where the files
+    hold no id past it yet (a model padded to a larger vocabulary is fine)."""
+    from engine.config.files import META, token_meta
+    for key in ("train", "val"):
+        path = getattr(data, key)
+        try:
+            meta = token_meta(path) if path else None
+        except ValueError:   # engine/config/files.py refused it at load
+            meta = None
+        tokenizer_ids = meta.get("vocab_size") if meta else None
+        if isinstance(tokenizer_ids, int) and tokenizer_ids > size:
+            where = os.path.join(os.path.dirname(path) or ".", META)
+            raise RunSetupError(
+                f'data.{key} = "{path}" was made with a tokenizer of {tokenizer_ids} ids ({meta.get("tokenizer")}, '
+                f"vocab_size in {where}), larger than the model's vocabulary of {size} ids ({source}); prepare the "
+                f"data with the model's own tokenizer, or {remedy.format(need=tokenizer_ids)}")
+
+
 def model_vocabulary(job) -> tuple[int, str, str] | None:
     """(the ids the model's input embedding takes, where that number comes from, how to make it larger), or
     None where it cannot be known."""
@@ -75,11 +96,15 @@ def model_vocabulary(job) -> tuple[int, str, str] | None:
     if cfg.model.name == "transformer":
         if cfg.data.vocab_size:
             return cfg.data.vocab_size, "data.vocab_size", "set data.vocab_size to at least {need}"
+        from engine.config.files import token_meta
+        meta = token_meta(cfg.data.train) or {}   # a prepared file's tokenizer sizes the built-in transformer
+        if isinstance(meta.get("vocab_size"), int):
+            return meta["vocab_size"], "data.vocab_size = 0: the tokenizer's, in meta.json", \
+                "set data.vocab_size to at least {need}"
         from engine.training.data import largest_id
         return (largest_id(cfg.data.train, cfg.data.dtype)[0] + 1,
                 "data.vocab_size = 0: the training file's largest id + 1", "set data.vocab_size to at least {need}")
     if cfg.model.name == "hf":
-        import os
         from engine.models.hf import _config
         from engine.models.hf.anatomy import text_config
         where = cfg.model.hf_config or cfg.model.hf_weights

@@ -13,7 +13,8 @@ LayerList state dict into that LayerList (which fills the model) and lets transf
 as transformers expects it. The config comes from `[model] hf_config` / `hf_weights` (a config file's
 `name = "hf"`; relative paths are from where the run started), or from `runs/NAME/hf_config/`, which
 engine.train writes at the start of a run given a Hugging Face model as an object (keep_hf_config).
-Tokenizer files of an `hf_weights` folder are copied beside it.
+Tokenizer files are copied beside it: those of the tokenizer the run's token files were made with (their
+meta.json, `trainyard prepare`'s), else those of an `hf_weights` folder.
 
 Any other model (the built-in ones, a user's LayerList) has no class to rebuild here, so its state dict is
 written under the LayerList's own keys as one `model.safetensors` (a tied weight stored once under its
@@ -42,6 +43,7 @@ from pathlib import Path
 
 import torch
 
+from engine.run.export_tokenizer import copy_run_tokenizer, copy_tokenizer  # noqa: F401 (copy_tokenizer: tests')
 from engine.runtime.checkpoint import list_checkpoints, load_into, model_state, verify
 from engine.runtime.disk import describe_os_error
 
@@ -50,7 +52,6 @@ END_DIR = "hf"                  # in a run directory: the folder a run of an hf 
 LAYERS_FILE, LAYERS_INFO = "model.safetensors", "trainyard.json"
 MAX_SHARD_SIZE = "5GB"          # the Hub's usual shard size
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-TOKENIZER_FILES = ("tokenizer*", "special_tokens*", "vocab*", "merges*", "added_tokens*", "chat_template*")
 
 
 class ExportError(ValueError):
@@ -89,6 +90,7 @@ def export(run: str | Path, dest: str | Path, *, step: int | None = None, dtype:
     with _whole_or_nothing(dest, overwrite) as folder:
         if source is not None:
             lines = _write_hugging_face(folder, source, checkpoint, manifest, DTYPES[dtype], max_shard_size)
+            lines += copy_run_tokenizer(folder, source.extras, manifest.get("config", {}).get("data", {}))
         else:
             lines = _write_layers(folder, model_state(checkpoint, manifest), DTYPES[dtype], manifest.get("tied", []),
                                   {"step": manifest["step"], "model": model_cfg, "run": str(run_dir)})
@@ -256,20 +258,7 @@ def _write_hugging_face(folder: Path, source: HFSource, checkpoint: Path, manife
     model.to(dtype)
     with _quiet_transformers():
         model.save_pretrained(folder, max_shard_size=max_shard_size)
-    copied = copy_tokenizer(source.extras, folder)
-    where = f"{source.extras}" if source.extras is not None else "the run's model"
-    return [f"tokenizer files copied from {where}: {', '.join(copied)}" if copied else
-            f"no tokenizer files: {where} has none (save the tokenizer into the folder yourself)"]
-
-
-def copy_tokenizer(source: Path | None, folder: Path) -> list[str]:
-    """Copy the tokenizer files of `source` (a save_pretrained or Hub folder) into `folder`; their names."""
-    if source is None or not Path(source).is_dir():
-        return []
-    names = sorted({p.name for pattern in TOKENIZER_FILES for p in Path(source).glob(pattern) if p.is_file()})
-    for name in names:
-        shutil.copy2(Path(source) / name, Path(folder) / name)
-    return names
+    return []
 
 
 @contextmanager

@@ -53,6 +53,7 @@ from engine.run.claim import Claim, remove_leftovers
 from engine.processes import lifeline
 from engine.run.rank import Job, agent_dir, restart_marker
 from engine.run.worker_entry import run_worker
+from engine.telemetry.trackers.follow import follow_trackers
 
 
 class RunRefused(RunSetupError):
@@ -279,7 +280,8 @@ def launch(job: Job) -> dict | None:
         if launch_cfg.start_method == "forkserver" and not forkserver.start(preload):
             launch_cfg.start_method = "spawn"   # engine.train's path; `trainyard run` started it before torch
         hand_over(job)   # the user's model and data, as copies of the workers' own
-        with _refusals(job, agent):
+        # trackers (TensorBoard, W&B) follow rank 0's log from here, off every rank's step
+        with _refusals(job, agent), follow_trackers(cfg, job.log_path(), resumed=job.resume is not None):
             results = elastic_launch(launch_cfg, run_worker)(job)
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()

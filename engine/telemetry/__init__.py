@@ -7,6 +7,7 @@
 - hub.py + client.py + endpoint.py: rank 0's hub thread serving consoles on a local socket (best effort, never
   slowing training); outlets.py: rank 0's outlets (log, hub, progress bar); log.py: the JSON-lines
   log (complete); headless.py: the progress bar and summary of `run --headless`.
+- trackers/: TensorBoard and W&B, fed from the log by the launcher, off every rank's step.
 
 Imports: engine.config, and each other; protocol.py imports nothing from engine but figures.py and
 records.py, which import nothing. Nothing here imports the runtime, a strategy or a technique.

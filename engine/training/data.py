@@ -331,7 +331,9 @@ def _tokens(train: str, val: str, dtype: str, seq_len: int, vocab_size: int) -> 
         x_test, y_test = TokenWindows(val, dtype, seq_len, 0), TokenWindows(val, dtype, seq_len, 1)
     else:
         x_test, y_test = torch.zeros(0, seq_len, dtype=torch.int64), torch.zeros(0, seq_len, dtype=torch.int64)
-    vocab = vocab_size or largest_id(train, dtype)[0] + 1
+    from engine.config.files import token_meta
+    # data.vocab_size, else the tokenizer's (meta.json, `trainyard prepare`'s), else the largest id + 1
+    vocab = vocab_size or (token_meta(train) or {}).get("vocab_size") or largest_id(train, dtype)[0] + 1
     return Dataset("tokens", x_train, y_train, x_test, y_test, {"vocab_size": vocab, "seq_len": seq_len})
 
 

@@ -3,7 +3,7 @@
     trainyard prepare corpus/*.jsonl --tokenizer my-model --out data/mine --workers 4
     meta = prepare(["book.txt"], "my-model", "data/mine")    # the same in Python: meta.json's dict
 
-Sources are local text (.txt), JSON-lines (.jsonl, .json) or Parquet files, read with Hugging Face `datasets`
+Sources are local text (.txt, .md), JSON-lines (.jsonl, .json) or Parquet files, read with Hugging Face `datasets`
 offline; the tokenizer is a local folder read with transformers' AutoTokenizer. Each document is tokenized
 without special tokens and followed by the end-of-document token (the tokenizer's eos, or --eos), in
 `workers` processes. A deterministic share of the documents (`val_fraction`, at least one) goes to val.bin,
@@ -25,7 +25,7 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
-SUFFIXES = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+SUFFIXES = {".txt": "text", ".md": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}   # .md: text
 TEXT_UNITS = ("paragraph", "line", "document")   # what one document of a .txt file is
 VAL_FRACTION = 0.0005
 BATCH_DOCS = 1000          # documents a tokenizing call and a write take at once
@@ -95,7 +95,7 @@ def source_files(sources: list[str]) -> list[Path]:
         elif not path.is_file():
             raise PrepareError(f"{source}: no such file or folder")
         elif path.suffix not in SUFFIXES:
-            raise PrepareError(f"{source}: not a text (.txt), JSON-lines (.jsonl, .json) or Parquet (.parquet) file")
+            raise PrepareError(f"{source}: not a text (.txt, .md), JSON-lines (.jsonl, .json) or Parquet (.parquet) file")
         else:
             files.append(path)
     if not files:

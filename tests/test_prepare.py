@@ -135,15 +135,16 @@ def test_text_json_lines_and_parquet_are_read_in_the_order_given(tokenizer, tok,
     import pyarrow.parquet as pq
     text = "One paragraph of plain text\nover two lines.\n\nA second paragraph.\n"
     (tmp_path / "a.txt").write_text(text)
+    (tmp_path / "d.md").write_text("# A heading\n\nMarkdown is text.\n")   # .md: a text file too
     parquet_docs, jsonl_docs = text_of(3, seed=2), text_of(2, seed=3)
     pq.write_table(pa.table({"body": parquet_docs, "n": [1, 2, 3]}), tmp_path / "b.parquet")
     write_jsonl(tmp_path / "c.jsonl", jsonl_docs, field="body")
-    meta = prep.prepare([str(tmp_path / n) for n in ("a.txt", "b.parquet", "c.jsonl")], str(tokenizer),
+    meta = prep.prepare([str(tmp_path / n) for n in ("a.txt", "b.parquet", "c.jsonl", "d.md")], str(tokenizer),
                         str(tmp_path / "out"), field="body", val_fraction=0)
-    docs = [p for p in text.split("\n\n") if p] + parquet_docs + jsonl_docs
+    docs = [p for p in text.split("\n\n") if p] + parquet_docs + jsonl_docs + ["# A heading", "Markdown is text.\n"]
     want = [i for d in docs for i in ids_of(tok, d)]
     assert np.fromfile(tmp_path / "out" / "train.bin", np.uint16).tolist() == want
-    assert meta["train"] == {"file": "train.bin", "tokens": len(want), "documents": 7}
+    assert meta["train"] == {"file": "train.bin", "tokens": len(want), "documents": 9}
     assert meta["val"] == {"file": None, "tokens": 0, "documents": 0}
     assert not (tmp_path / "out" / "val.bin").exists()
 

@@ -9,6 +9,8 @@ A tiny byte-level BPE is trained on text written here (module fixture `tokenizer
 
 from __future__ import annotations
 
+import math
+
 import json
 import types
 from pathlib import Path
@@ -214,4 +216,8 @@ def test_a_short_run_trains_on_the_prepared_files(prepared, cli, tmp_path):
     from tests.conftest import read_jsonl
     records = read_jsonl(log)
     assert [rec["step"] for rec in records if rec["type"] == "step"] == [1, 2, 3, 4]
-    assert next(rec for rec in records if rec["type"] == "summary")["test_accuracy"] is not None
+    summary = next(rec for rec in records if rec["type"] == "summary")
+    assert summary["test_accuracy"] is not None and summary["val_loss"] > 0   # the val file's validation loss
+    assert summary["perplexity"] == pytest.approx(math.exp(summary["val_loss"]))
+    evals = [rec for rec in records if rec.get("kind") == "eval"]
+    assert [e["step"] for e in evals] == [2, 4] and all(e["val_loss"] > 0 for e in evals)

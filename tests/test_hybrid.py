@@ -91,8 +91,9 @@ def test_parameters_are_identical_whichever_side_updates(pool, strategy, optim, 
         assert set(mine[-1].values()) == {"host"}
     if placement == "auto":       # the trial starts on the host, alternates, then the plan holds
         assert set(mine[0].values()) == {"host"} and set(mine[1].values()) == {"device"}
-        # the plan from step 5 on, or, measured slower than the trial's device steps, back to their placement
-        assert mine[-1] in (mine[4], mine[3]) and results[0]["plan"] is not None
+        # the plan from step 5 on (from step 4 where the trial's budget cut it under load), or, measured slower
+        # than the trial's device steps, back to their placement (step 2's: every update on the device; seen in CI)
+        assert mine[-1] in (mine[4], mine[3], mine[1]) and results[0]["plan"] is not None
 
 
 def tight_trial(topo) -> dict:

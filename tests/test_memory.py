@@ -116,17 +116,22 @@ def test_the_compute_threads_waits_for_a_slow_link_are_counted():
     policies.close()
 
 
+def _swapping_ledger():
+    """A 1 MiB ledger whose saved storages go to the host over the CPU link, a swap layer running (its group
+    open), and a weight to save storages with: (ledger, link, swapper, weight)."""
+    from engine.techniques.memory import HostLink, Swapper
+    ledger = LedgerDevice(1 << 20).ledger
+    link = HostLink(torch.device("cpu"))
+    swapper = ledger.swapper = Swapper(ledger, link)
+    swapper.group = []
+    return ledger, link, swapper, torch.randn(64, 64, requires_grad=True)
+
+
 def test_a_prefetch_waits_for_room_however_slow_the_compute_and_lands_at_once_when_backward_needs_it():
     """A prefetch with no room on the device stays on the host until room comes (it used to land after
     0.5 s whatever the room, and on a busy host took the tour's pipeline 1.1 MiB over its 8 MiB), and
     comes back at once, room or not, when backward asks for it."""
-    from engine.techniques.memory import HostLink, Swapper
-    device = LedgerDevice(1 << 20)
-    ledger = device.ledger
-    link = HostLink(torch.device("cpu"))
-    swapper = ledger.swapper = Swapper(ledger, link)
-    w = torch.randn(64, 64, requires_grad=True)
-    swapper.group = []
+    ledger, link, swapper, w = _swapping_ledger()
     with ledger.saved_activations():
         y = torch.tanh(torch.randn(32, 64) @ w)   # two storages saved: the matmul's input, tanh's output
         group, swapper.group = swapper.group, None
@@ -151,13 +156,7 @@ def test_a_prefetch_with_no_room_goes_back_to_the_host_when_backward_needs_a_sto
     """The link brings storages back in order. A prefetch with no room, queued ahead of a storage that backward
     needs now, used to land with it, over the capacity (a console-driven tour's rank peaked 0.47 MB over its
     8 MiB). Now it goes back to the host; the needed one lands alone; the first comes back when it is asked."""
-    from engine.techniques.memory import HostLink, Swapper
-    device = LedgerDevice(1 << 20)
-    ledger = device.ledger
-    link = HostLink(torch.device("cpu"))
-    swapper = ledger.swapper = Swapper(ledger, link)
-    w = torch.randn(64, 64, requires_grad=True)
-    swapper.group = []
+    ledger, link, swapper, w = _swapping_ledger()
     with ledger.saved_activations():
         y = torch.tanh(torch.randn(32, 64) @ w)   # y keeps both saved storages alive
         (ahead, needed), swapper.group = swapper.group, None

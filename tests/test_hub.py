@@ -116,6 +116,34 @@ def test_hello_then_snapshot_then_live_steps(hubs, clients):
     assert conn.read(5) == {"v": protocol.VERSION, "type": "summary", "steps": 3}
 
 
+def test_without_a_console_nothing_wakes_the_loop_until_one_connects_or_the_inbox_is_half_full(hubs, clients):
+    """engine/telemetry/hub.py `_submit`: a step or a state update given while no console is connected waits
+    for the next connection (a wake a step cost the step loop a thread switch); the console still gets it all."""
+    from engine.telemetry.hub import INBOX_MAX
+    hub = hubs()
+    wakes = []
+    drain = hub._drain_inbox
+    hub._drain_inbox = lambda: (wakes.append(len(hub._published)), drain())[1]
+    for n in range(1, 11):
+        hub.update_state(step=n)
+        hub.publish(step(n))
+    hub.publish({"type": "event", "kind": "checkpoint", "step": 10, "path": "runs/x/step_10"})
+    assert wakes == [] and len(hub._published) == 11
+    conn = clients(hub.socket_path)
+    snapshot = conn.read(5)
+    assert snapshot["step"] == 10 and snapshot["last_step"]["step"] == 10
+    assert [e["kind"] for e in snapshot["events"]] == ["checkpoint"]
+    hub.publish(step(11))   # with a console: at once
+    assert conn.read(5)["step"] == 11
+    conn.close()
+    wait_for(lambda: hub.client_count == 0, 5, "the console gone")
+    wakes.clear()
+    for n in range(12, 12 + INBOX_MAX // 2):
+        hub.publish(step(n))
+    wait_for(lambda: wakes, 5, "a wake")   # half full: the loop takes them, so none is shed
+    assert wakes[0] == INBOX_MAX // 2
+
+
 def test_many_clients_all_receive_every_message(hubs, clients):
     hub = hubs()
     conns = [clients(hub.socket_path, client=f"c{i}") for i in range(12)]

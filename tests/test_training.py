@@ -161,3 +161,39 @@ def test_a_fused_adamw_step_called_directly_equals_adamw_own_bit_for_bit():
     for a, b in zip(ours, theirs):
         assert torch.equal(a, b)
         assert all(torch.equal(mine.state[a][key], torchs.state[b][key]) for key in ("exp_avg", "exp_avg_sq", "step"))
+
+
+def test_fused_adamws_stepped_in_one_launch_equal_each_its_own_bit_for_bit():
+    """engine/training/optim.py `step_together`: a layer's optimizer each, stepped in one multi-tensor launch,
+    give each optimizer's own step's weights and moments, bit for bit; one whose settings differ (weight decay)
+    is stepped apart, and one whose state is not made yet (its first step) is left to its own step."""
+    from engine.config import OptimConfig
+    from engine.training.optim import make_optimizer, set_lr, step, step_together
+    torch.manual_seed(0)
+    shapes = [(16, 8), (8,), (4, 4), (5,)]
+    ours, theirs = ([torch.nn.Parameter(torch.randn(*s)) for s in shapes] for _ in range(2))
+    with torch.no_grad():
+        for a, b in zip(ours, theirs):
+            b.copy_(a)
+    cfgs = [OptimConfig(name="adamw", lr=0.01, weight_decay=wd, kernel="fused") for wd in (0.1, 0.1, 0.0, 0.1)]
+    mine = [make_optimizer(c, [p]) for c, p in zip(cfgs, ours)]
+    torchs = [make_optimizer(c, [p]) for c, p in zip(cfgs, theirs)]
+    for k in range(5):
+        for i, (a, b) in enumerate(zip(ours, theirs)):
+            g = None if (k == 2 and i == 1) else torch.randn_like(a)
+            a.grad, b.grad = g, None if g is None else g.clone()
+        for m, t in zip(mine, torchs):
+            set_lr(m, 0.01 / (k + 1))
+            set_lr(t, 0.01 / (k + 1))
+        left = step_together(mine)
+        if k == 0:
+            assert left == mine   # no state yet: each makes its own
+        else:
+            assert left == []
+        for m in left:
+            step(m)
+        for t in torchs:
+            t.step()
+    for m, t, a, b in zip(mine, torchs, ours, theirs):
+        assert torch.equal(a, b)
+        assert all(torch.equal(m.state[a][key], t.state[b][key]) for key in ("exp_avg", "exp_avg_sq", "step"))

@@ -28,7 +28,10 @@ host's per-operation cost dominates as it does on a GPU, and the goals are judge
 torch's FlopCounterMode on the plain loop's first step, over the device's peak (engine/training/throughput.py:
 a datasheet table, or measured once by a bf16 matmul, and said which); none on the CPU.
 
-    trainyard bench step [--json] [--rounds 3] [--steps 40] [--device cpu|cuda] [--size host|compute|gpu]
+A turn's steps (`--steps`) default by size: 300 at the host size (a 13 ms step: 20 timed steps, a quarter of a
+second, moved with this machine's neighbours by up to 30% from turn to turn), 60 at the compute size, 40 on a GPU.
+
+    trainyard bench step [--json] [--rounds 3] [--steps N] [--device cpu|cuda] [--size host|compute|gpu]
                          [--hf-config DIR] [--variants a,b,...]
 """
 
@@ -51,11 +54,14 @@ from engine.bench.verdict import judge_ratio, say
 
 SIZES = {   # LlamaConfig keywords, and the batch
     "host": dict(config=dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
-                             num_key_value_heads=2, vocab_size=512), batch=8, seq_len=64, precision="fp32"),
+                             num_key_value_heads=2, vocab_size=512), batch=8, seq_len=64, precision="fp32",
+                 steps=300),
     "compute": dict(config=dict(hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=4,
-                                num_key_value_heads=2, vocab_size=8000), batch=8, seq_len=256, precision="fp32"),
+                                num_key_value_heads=2, vocab_size=8000), batch=8, seq_len=256, precision="fp32",
+                    steps=60),
     "gpu": dict(config=dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, num_attention_heads=32,
-                            num_key_value_heads=4, vocab_size=32000), batch=4, seq_len=2048, precision="bf16"),
+                            num_key_value_heads=4, vocab_size=32000), batch=4, seq_len=2048, precision="bf16",
+                steps=40),
 }
 VARIANTS = ("plain", "plain-compiled", "trainyard", "trainyard-compiled", "trainyard-auto", "trainyard-bf16w")
 # the issue's goals ("As fast as the loop it replaces"): variant / baseline >= goal, per device
@@ -177,9 +183,10 @@ def peak_flops(device: str, precision: str) -> tuple[float | None, str]:
     return 2 * n ** 3 * reps / (time.perf_counter() - t0), f"measured: a {n}x{n} bf16 matmul"
 
 
-def measure(size_name: str, device: str, rounds: int, steps: int, variants: list[str], hf_config: str | None,
-            log=print) -> dict:
+def measure(size_name: str, device: str, rounds: int, steps: int | None, variants: list[str],
+            hf_config: str | None, log=print) -> dict:
     size = dict(SIZES[size_name])
+    steps = steps or size["steps"]
     folder = Path(tempfile.mkdtemp(prefix="trainyard-bench-step-"))
     try:
         config = write_inputs(folder, size, hf_config)
@@ -227,14 +234,16 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="trainyard bench step")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--rounds", type=int, default=3, help="turns of every variant (ratios judged over them)")
-    parser.add_argument("--steps", type=int, default=40, help="steps a turn trains (its second half is timed)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="steps a turn trains (its second half is timed); default by size: host 300, compute 60, "
+                             "gpu 40")
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda where there is one")
     parser.add_argument("--size", choices=tuple(SIZES), action="append",
                         help="default: gpu on a GPU; host and compute on the CPU")
     parser.add_argument("--hf-config", default=None, help="a Hugging Face config folder: that model, any family")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="a comma-separated subset of " + ", ".join(VARIANTS))
     args = parser.parse_args(argv)
-    if args.rounds < 1 or args.steps < 4:
+    if args.rounds < 1 or (args.steps is not None and args.steps < 4):
         parser.error("--rounds must be at least 1 and --steps at least 4")
     import torch
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

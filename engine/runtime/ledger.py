@@ -23,8 +23,13 @@ from engine.models.layers import shared_input_bytes, shared_input_ptrs, shared_i
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "master", "activations", "inputs", "swapped")
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)   # no local shard to look for: the ledger counts these every step
+
+
 def tensor_bytes(t: torch.Tensor) -> int:
     """The bytes `t` holds here: a DTensor's (FSDP2's sharded parameters and their state) are its local shard's."""
+    if type(t) in _PLAIN:
+        return t.numel() * t.element_size()
     local = getattr(t, "_local_tensor", None)
     if local is not None:
         t = local

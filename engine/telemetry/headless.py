@@ -6,6 +6,8 @@ rich prints plain lines instead of redrawing.
 
 from __future__ import annotations
 
+import time
+
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
     TimeRemainingColumn
@@ -14,25 +16,44 @@ from rich.table import Table
 from engine.config import format_size
 
 
+REFRESH_S = 0.2   # how often the bar is drawn, from the step loop's own update (no drawing thread beside it)
+
+
 class HeadlessProgress:
+    """The bar is drawn by `update`, at most every REFRESH_S: rich's own refresh thread woke five times a
+    second beside the steps, and a step paid for formatting its figures each time."""
+
     def __init__(self, run_name: str, total_steps: int, first_step: int):
         self.console = Console(stderr=False)
         self.progress = Progress(
             TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
             TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[sps]} samples/s"),
             TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
-            console=self.console, transient=False, refresh_per_second=5)
+            console=self.console, transient=False, auto_refresh=False)
         self.task = self.progress.add_task(run_name, total=total_steps, completed=first_step,
                                            loss="-", sps="-")
         self.progress.start()
+        self._drawn = 0.0
+        self._last = None   # the newest step's figures, drawn when due and at the end
 
     def update(self, step: int, loss: float, samples_per_s: float) -> None:
-        self.progress.update(self.task, completed=step, loss=f"{loss:.4f}", sps=f"{samples_per_s:,.0f}")
+        self._last = (step, loss, samples_per_s)
+        now = time.monotonic()
+        if now - self._drawn >= REFRESH_S:
+            self._drawn = now
+            self._draw()
+
+    def _draw(self) -> None:
+        if self._last is not None:
+            step, loss, samples_per_s = self._last
+            self.progress.update(self.task, completed=step, loss=f"{loss:.4f}", sps=f"{samples_per_s:,.0f}",
+                                 refresh=True)
 
     def note(self, text: str) -> None:
         self.progress.console.print(text)
 
     def finish(self, summary: dict) -> None:
+        self._draw()
         self.progress.stop()
         table = Table(title=f"run {summary['name']}: summary", show_header=False)
         table.add_row("steps", str(summary["steps"]))

@@ -63,6 +63,63 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
+def _fused_adamw_groups(optimizer: torch.optim.Optimizer) -> list | None:
+    """A fused AdamW's (group, params, states) to step, as AdamW's own step would, or None where this path
+    does not cover it (another optimizer, hooks, a state not made yet, an option the kernel call below leaves
+    out): then `optimizer.step()` must run."""
+    if type(optimizer) is not torch.optim.AdamW or optimizer._optimizer_step_pre_hooks \
+            or optimizer._optimizer_step_post_hooks:
+        return None
+    calls = []
+    for group in optimizer.param_groups:
+        if not group.get("fused") or group["amsgrad"] or group["maximize"] or group["capturable"] \
+                or group["differentiable"] or any(torch.is_tensor(v) for v in (group["lr"], *group["betas"])):
+            return None
+        params = [p for p in group["params"] if p.grad is not None]
+        if not params:
+            continue
+        states = [optimizer.state.get(p) for p in params]
+        if not all(states) or len({(p.device, p.dtype) for p in params}) > 1 \
+                or any(p.grad.is_sparse or p.is_complex() for p in params):
+            return None   # its first step makes the state
+        calls.append((group, params, states))
+    return calls
+
+
+def _fused_adamw(group: dict, params: list, states: list) -> None:
+    steps = [s["step"] for s in states]
+    torch._foreach_add_(steps, 1)
+    beta1, beta2 = group["betas"]
+    torch._fused_adamw_(params, [p.grad for p in params], [s["exp_avg"] for s in states],
+                        [s["exp_avg_sq"] for s in states], [], steps, amsgrad=False, lr=group["lr"],
+                        beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"],
+                        maximize=False, grad_scale=None, found_inf=None)
+
+
+GROUP_KEYS = ("lr", "betas", "weight_decay", "eps")   # what one fused launch must share
+
+
+def step_together(optimizers: list[torch.optim.Optimizer]) -> list[torch.optim.Optimizer]:
+    """Step several fused AdamWs (a layer's each) whose groups agree on GROUP_KEYS and whose parameters
+    share a device and dtype with one multi-tensor launch: the kernel works tensor by tensor, so the values
+    are each optimizer's own step's, bit for bit (tests/test_training.py), with one launch and one Python
+    call in place of one per layer. Returns those it did not step (the caller steps each)."""
+    taken, left = {}, []
+    for optimizer in optimizers:
+        calls = _fused_adamw_groups(optimizer)
+        if calls is None:
+            left.append(optimizer)
+            continue
+        for group, params, states in calls:
+            key = (tuple(group[k] for k in GROUP_KEYS), params[0].device, params[0].dtype)
+            mine = taken.setdefault(key, (group, [], []))
+            mine[1].extend(params)
+            mine[2].extend(states)
+    for group, params, states in taken.values():
+        _fused_adamw(group, params, states)
+    return left
+
+
 def step(optimizer: torch.optim.Optimizer) -> None:
     """`optimizer.step()`. A fused AdamW whose state is made (every step after its first) calls its kernel
     itself, as AdamW's own step does (torch/optim/adam.py `_fused_adam`: the steps counted, then
@@ -70,30 +127,9 @@ def step(optimizer: torch.optim.Optimizer) -> None:
     profiler's record, grouping by device and dtype): about 45 us less a call on the CPU, once per layer per
     step. The values are AdamW's own, bit for bit (tests/test_training.py); any other optimizer, or a state or
     group this path does not cover, goes through `optimizer.step()`."""
-    if type(optimizer) is not torch.optim.AdamW or optimizer._optimizer_step_pre_hooks \
-            or optimizer._optimizer_step_post_hooks:
+    calls = _fused_adamw_groups(optimizer)
+    if calls is None:
         optimizer.step()
         return
-    calls = []
-    for group in optimizer.param_groups:
-        if not group.get("fused") or group["amsgrad"] or group["maximize"] or group["capturable"] \
-                or group["differentiable"] or any(torch.is_tensor(v) for v in (group["lr"], *group["betas"])):
-            optimizer.step()
-            return
-        params = [p for p in group["params"] if p.grad is not None]
-        if not params:
-            continue
-        states = [optimizer.state.get(p) for p in params]
-        if not all(states) or len({(p.device, p.dtype) for p in params}) > 1 \
-                or any(p.grad.is_sparse or p.is_complex() for p in params):
-            optimizer.step()   # its first step makes the state
-            return
-        calls.append((group, params, states))
     for group, params, states in calls:
-        steps = [s["step"] for s in states]
-        torch._foreach_add_(steps, 1)
-        beta1, beta2 = group["betas"]
-        torch._fused_adamw_(params, [p.grad for p in params], [s["exp_avg"] for s in states],
-                            [s["exp_avg_sq"] for s in states], [], steps, amsgrad=False, lr=group["lr"],
-                            beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"],
-                            maximize=False, grad_scale=None, found_inf=None)
+        _fused_adamw(group, params, states)

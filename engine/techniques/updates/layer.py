@@ -51,6 +51,7 @@ class LayerUpdate:
         self.host_ms = self.copy_ms = 0.0   # the last measurement of each
         self.clock = Clock(params[0].device if params else None)   # the device step: events on a GPU
         self._device_marks = None   # (before, after) the last device step, read by device_ms
+        self._device_share = 1.0    # of a step run with others' in one launch: this layer's part by bytes
         self._device_ms = 0.0
         # clipping and skipping (engine/techniques/step_guard.py): a guarded update keeps a copy of what its
         # step changes until the global gradient norm says whether the step stands (undo, redo)
@@ -127,13 +128,24 @@ class LayerUpdate:
             self._save()
         self._optimizer_step_device()
         if not self.guard:
-            if self.release_grads is not None:   # nothing holds a view of them: freed, as zero_grad(set_to_none)
-                for p in self.params:
-                    p.grad = None
-                self.release_grads(self.params)
-            else:
-                self._zero_grads()
-        self._device_marks = (t0, self.clock.mark())
+            self.grads_done()
+        self.device_marks(t0, self.clock.mark())
+
+    def device_marks(self, t0, t1, share: float = 1.0) -> None:
+        """The device step ran from mark t0 to t1 (`share`: this layer's part of a launch with others')."""
+        self._device_marks, self._device_share = (t0, t1), share
+
+    def grads_done(self) -> None:
+        if self.release_grads is not None:   # nothing holds a view of them: freed, as zero_grad(set_to_none)
+            for p in self.params:
+                p.grad = None
+            self.release_grads(self.params)
+        else:
+            self._zero_grads()
+
+    @property
+    def joins(self) -> bool:   # may step in one launch with others' (step_device_together): no copy, no master
+        return not self.guard and not self.wide and bool(self.params)
 
     def _optimizer_step_device(self) -> None:
         if self.wide:   # widen each gradient for the step, narrow the master back into the working weights
@@ -148,9 +160,10 @@ class LayerUpdate:
 
     @property
     def device_ms(self) -> float:
-        """The last device step's time, on the device's clock (waiting for its work to have run)."""
+        """The last device step's time, on the device's clock (waiting for its work to have run); of a step run
+        with others' in one launch, its share by bytes."""
         if self._device_marks is not None:
-            self._device_ms, self._device_marks = self.clock.ms(*self._device_marks), None
+            self._device_ms, self._device_marks = self.clock.ms(*self._device_marks) * self._device_share, None
         return self._device_ms
 
     def device_ms_known(self) -> float:

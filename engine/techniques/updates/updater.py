@@ -48,6 +48,7 @@ from engine.runtime import emulate
 from engine.runtime.devices import LedgerDevice
 from engine.techniques.updates.host import HostExecutor, default_host_threads
 from engine.techniques.updates.layer import LayerUpdate
+from engine.techniques.updates.together import step_device_together   # device updates in one launch
 from engine.techniques.step_guard import GuardDecision, StepGuard
 from engine.techniques.updates.state import UpdateCheckpoint
 from engine.techniques.updates.trial import PlacementTrial
@@ -189,8 +190,7 @@ class LayerUpdates:
         return sum(u.master_bytes() for u in self.updates.values())
 
     def rollback_bytes(self) -> int:
-        """The device-side updates' rollback copies (clip_mode "speculate"; the ledger counts them with the
-        optimizer state)."""
+        """The device-side updates' rollback copies (clip_mode "speculate"; counted with the optimizer state)."""
         return sum(u.rollback_bytes() for u in self.updates.values() if u.side == "device")
 
     # --- what a checkpoint holds (state.py), read and restored once every host update has landed -----
@@ -287,11 +287,15 @@ class LayerUpdates:
             self._device_ready.append(u)
 
     def run_device_ready(self) -> None:
-        """Compute thread: the device updates whose gradients are final, inline, now."""
+        """Compute thread: the device updates whose gradients are final, inline, now (those that `join`: in one
+        launch, together.py)."""
         while self._device_ready:
-            u = self._device_ready.popleft()
-            u.step_device()
-            self._device_ran.append(u)   # its time is read on the device's clock, in timings()
+            ready = [self._device_ready.popleft() for _ in range(len(self._device_ready))]
+            if len(together := [u for u in ready if u.joins]) > 1:
+                step_device_together(together)
+            for u in ready if len(together) < 2 else [u for u in ready if not u.joins]:
+                u.step_device()
+            self._device_ran.extend(ready)   # their time is read on the device's clock, in timings()
 
     def end_backward(self, group=None) -> None:
         """Compute thread, after backward: dispatch layers not dispatched yet (all layers, in backward

@@ -53,7 +53,7 @@ def train(topo, strategy: str = "ddp", optim: str = "sgd", placement="device", p
     runner.sync()
     out = {"state": {k: v.detach().clone() for k, v in model.state_dict().items()}, "placements": seen,
            "device_state_bytes": state_bytes, "plan": runner.updater.trial.plan, "peaks": peaks,
-           "profile": runner.updater.trial.profile}
+           "profile": runner.updater.trial.profile, "trial_sides": [t["side"] for t in runner.updater.trial.steps]}
     runner.close()
     return out
 
@@ -126,8 +126,7 @@ def cut_trial(topo) -> dict:
         cut = train(topo, optim="adamw", placement="auto", steps=5)
     finally:
         trial.TRIAL_BUDGET_STEPS = budget
-    return {"full": full.peak_bytes, "cut": cut["profile"].peak_bytes,
-            "host_steps": sum(set(p.values()) == {"host"} for p in cut["placements"][:3])}
+    return {"full": full.peak_bytes, "cut": cut["profile"].peak_bytes, "trial_sides": cut["trial_sides"]}
 
 
 @pytest.mark.timeout(120)
@@ -135,7 +134,9 @@ def test_a_trial_cut_by_its_budget_models_the_host_steps_peak_with_their_gradien
     """Its one host step's measured peak came before its gradients existed: the plan modelled 36,176 bytes
     where the steps held 47,188, and the tight trial above found no room on the device (seen on clean clones)."""
     for result in pool.run(cut_trial):
-        assert result["host_steps"] == 1   # the trial ended after its first host step and its device step
+        # the trial ended after its first host step and its device step (the plan after it may put every
+        # update on the host: under load on a clean clone the cost model chose that once)
+        assert result["trial_sides"] == ["host", "device"], result
         assert result["cut"] >= result["full"], result
 
 

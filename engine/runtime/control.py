@@ -80,8 +80,9 @@ def rank_rows(table: torch.Tensor) -> list[dict]:
     rows = []
     for rank, row in enumerate(table.tolist()):
         entry = {"rank": rank}
-        for (name, write, zero_absent), value in zip(_WRITERS, row):
-            if write is None or value != value or (zero_absent and not value):
+        for i, name, write, zero_absent in _LOGGED:
+            value = row[i]
+            if value != value or (zero_absent and not value):
                 continue
             entry[name] = write(value)
         # the rank's own work (forward + backward, on the device's clock, less its waits for peers): a straggler
@@ -104,6 +105,7 @@ def _writer(unit: str):
 # per column: (name, how its value is written or None where no record has it, whether a 0 means absent)
 _WRITERS = [(name, _writer(FIGURES[name].unit) if LOG in FIGURES[name].shows else None,
              FIGURES[name].optional == "zero") for name in FIELDS]
+_LOGGED = [(i, name, write, zero) for i, (name, write, zero) in enumerate(_WRITERS) if write is not None]
 
 
 class Peaks:

@@ -244,15 +244,16 @@ class Hub:
         kind = msg.get("type")
         if kind not in protocol.SERVER_TYPES:   # a client would refuse it (a log-only record, say)
             return
-        data = encode(msg)                      # once, shared by every client
         if kind == "step":   # a snapshot's last step has every rank's full row, whenever a console joins
             self._last_step = protocol.with_ranks(msg, self._last_step)
             if "step" in msg:
                 self._state["step"] = msg["step"]
         elif kind == "event":
             self._events.append(msg)
-        for client in self._clients.values():
-            client.push(data)
+        if self._clients:
+            data = encode(msg)                  # once, shared by every client
+            for client in self._clients.values():
+                client.push(data)
 
     def _snapshot(self) -> dict:
         return {"type": "snapshot", **self._state, "last_step": self._last_step, "events": list(self._events)}

@@ -34,6 +34,8 @@ _EXCHANGED = frozenset(EXCHANGED) | frozenset(WORDS)
 
 def undeclared(values: dict) -> list[str]:
     """The names in `values` the exchange has no column for (a figure nobody declared, or one not exchanged)."""
+    if values.keys() <= _EXCHANGED:   # every step's case, in one set comparison
+        return []
     return [k for k in values if k not in _EXCHANGED]
 
 

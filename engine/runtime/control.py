@@ -102,10 +102,9 @@ def _writer(unit: str):
     return (lambda v: round(v, 4)) if unit == "ms" else float
 
 
-# per column: (name, how its value is written or None where no record has it, whether a 0 means absent)
-_WRITERS = [(name, _writer(FIGURES[name].unit) if LOG in FIGURES[name].shows else None,
-             FIGURES[name].optional == "zero") for name in FIELDS]
-_LOGGED = [(i, name, write, zero) for i, (name, write, zero) in enumerate(_WRITERS) if write is not None]
+# per column a record has: (its index, name, how its value is written, whether a 0 means absent)
+_LOGGED = [(i, name, _writer(FIGURES[name].unit), FIGURES[name].optional == "zero") for i, name in enumerate(FIELDS)
+           if LOG in FIGURES[name].shows]
 
 
 class Peaks:

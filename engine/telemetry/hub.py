@@ -62,7 +62,7 @@ class Hub:
         # shared with the training thread, under the lock
         self._lock = threading.Lock()
         self._published: collections.deque[dict] = collections.deque(maxlen=INBOX_MAX)
-        self._other: list[tuple[str, object]] = []     # replies: never shed
+        self._replies: list[tuple[int, dict]] = []     # (client, reply): never shed
         # state updates, merged: they wake no loop (one a step cost the step a thread switch); the loop takes
         # them with what wakes it next (a publish, a reply), and before a new client's snapshot
         self._state_due: dict = {}
@@ -164,8 +164,8 @@ class Hub:
         with self._lock:
             if self._closed or (self._thread is not None and not self._thread.is_alive()):
                 return
-            if kind != "publish":
-                self._other.append((kind, payload))
+            if kind == "reply":
+                self._replies.append(payload)
             else:   # the loop is far behind when this is full: shed the oldest, count them
                 self._lost += len(self._published) == INBOX_MAX
                 self._published.append(payload)
@@ -219,7 +219,7 @@ class Hub:
 
     def _drain_inbox(self) -> None:
         with self._lock:
-            other, published, self._other = self._other, self._published, []
+            replies, published, self._replies = self._replies, self._published, []
             self._published = collections.deque(maxlen=INBOX_MAX)
             lost, self._lost, self._wake_pending = self._lost, 0, False
             state, self._state_due = self._state_due, {}
@@ -229,9 +229,9 @@ class Hub:
                 self._state[key] = value
             except (TypeError, ValueError):
                 log.warning("telemetry hub: state %r not JSON-serialisable, ignored: %r", key, value)
-        for _, payload in other:   # replies, to their senders
-            if (client := self._clients.get(payload[0])) is not None:
-                client.send(payload[1])
+        for number, reply in replies:   # to their senders
+            if (client := self._clients.get(number)) is not None:
+                client.send(reply)
         for client in self._clients.values():
             client.dropped += lost
         for msg in published:

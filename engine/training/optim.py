@@ -127,9 +127,5 @@ def step(optimizer: torch.optim.Optimizer) -> None:
     profiler's record, grouping by device and dtype): about 45 us less a call on the CPU, once per layer per
     step. The values are AdamW's own, bit for bit (tests/test_training.py); any other optimizer, or a state or
     group this path does not cover, goes through `optimizer.step()`."""
-    calls = _fused_adamw_groups(optimizer)
-    if calls is None:
+    if step_together([optimizer]):   # not a fused AdamW this path covers
         optimizer.step()
-        return
-    for group, params, states in calls:
-        _fused_adamw(group, params, states)

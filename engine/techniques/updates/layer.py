@@ -51,7 +51,8 @@ class LayerUpdate:
         self.host_ms = self.copy_ms = 0.0   # the last measurement of each
         self.clock = Clock(params[0].device if params else None)   # the device step: events on a GPU
         self._device_marks = None   # (before, after) the last device step, read by device_ms
-        self._device_share = 1.0    # of a step run with others' in one launch: this layer's part by bytes
+        self._device_share = 1.0    # of a step run with others' in one launch: this layer's part by elements
+        self.elements = sum(p.numel() for p in params)   # what that part is taken by
         self._device_ms = 0.0
         # clipping and skipping (engine/techniques/step_guard.py): a guarded update keeps a copy of what its
         # step changes until the global gradient norm says whether the step stands (undo, redo)
@@ -161,7 +162,7 @@ class LayerUpdate:
     @property
     def device_ms(self) -> float:
         """The last device step's time, on the device's clock (waiting for its work to have run); of a step run
-        with others' in one launch, its share by bytes."""
+        with others' in one launch, its share by elements."""
         if self._device_marks is not None:
             self._device_ms, self._device_marks = self.clock.ms(*self._device_marks) * self._device_share, None
         return self._device_ms

@@ -25,6 +25,6 @@ def step_device_together(updates: list) -> None:
             step(u.optimizer)
         u.grads_done()
     t1 = updates[0].clock.mark()
-    sizes = [sum(p.numel() for p in u.params) for u in updates]
-    for u, size in zip(updates, sizes):
-        u.device_marks(t0, t1, size / sum(sizes))
+    total = sum(u.elements for u in updates)
+    for u in updates:
+        u.device_marks(t0, t1, u.elements / total)

@@ -181,6 +181,16 @@ def test_each_layer_types_mask_and_rotary_table_is_computed_once_and_shared():
     ledger = MemoryLedger(1 << 30)
     ledger.track_module(layers)
     assert ledger.bytes["inputs"] == masks + rotary + positions
+    # the bytes are counted once per change of what is held (the ledger asks every step): another shape's
+    # arguments come in beside, and past SHAPES_KEPT the oldest go
+    from engine.models.hf.inputs import SHAPES_KEPT
+    from engine.models.layers import SharedInputs
+    for tokens in range(TOKENS - 1, TOKENS - 2 - SHAPES_KEPT, -1):
+        with torch.no_grad():
+            layers(ids[:, :tokens])
+        ledger.refresh()
+        assert ledger.bytes["inputs"] == inputs.nbytes() == SharedInputs.nbytes(inputs) != masks + rotary + positions
+    assert len(inputs._cache) == SHAPES_KEPT
 
 
 def test_a_mask_a_block_saves_for_backward_is_not_counted_again_as_an_activation():

@@ -29,7 +29,7 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)   # no local shard to look for: the 
 def tensor_bytes(t: torch.Tensor) -> int:
     """The bytes `t` holds here: a DTensor's (FSDP2's sharded parameters and their state) are its local shard's."""
     if type(t) in _PLAIN:
-        return t.numel() * t.element_size()
+        return t.nbytes
     local = getattr(t, "_local_tensor", None)
     if local is not None:
         t = local
@@ -103,13 +103,17 @@ class MemoryLedger:
     def refresh(self) -> None:
         """Recount parameters, gradients and optimizer state (they change size lazily)."""
         params = grads = state = master = 0
+        plain = _PLAIN   # every step: a plain tensor's bytes read in place (tensor_bytes for a DTensor)
         for p in self._params:
-            params += tensor_bytes(p)
-            if p.grad is not None:
-                grads += tensor_bytes(p.grad)
+            params += p.nbytes if type(p) in plain else tensor_bytes(p)
+            grad = p.grad
+            if grad is not None:
+                grads += grad.nbytes if type(grad) in plain else tensor_bytes(grad)
         for opt in self._optimizers:
             for per_param in opt.state.values():
-                state += sum(tensor_bytes(v) for v in per_param.values() if torch.is_tensor(v))
+                for v in per_param.values():
+                    if isinstance(v, torch.Tensor):
+                        state += v.nbytes if type(v) in plain else tensor_bytes(v)
             if hasattr(opt, "master_bytes"):   # fp32 masters beside bf16 working weights (engine/training/precision.py)
                 master += opt.master_bytes()
             if hasattr(opt, "rollback_bytes"):   # speculative updates' copies, until the step is decided

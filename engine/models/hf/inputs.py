@@ -73,9 +73,12 @@ class BlockInputs(SharedInputs):
         self._lock = threading.Lock()
         self._shells: dict = {}
         self._cache: OrderedDict = OrderedDict()
+        # the cache's bytes, counted once per change (the ledger asks every step): (its version then, the bytes)
+        self._version, self._counted = 0, (0, 0)
 
     def __getstate__(self):   # a pickled or copied model carries no computed tensors
-        return {k: v for k, v in self.__dict__.items() if k not in ("_lock", "_shells", "_cache")}
+        computed = ("_lock", "_shells", "_cache", "_version", "_counted")
+        return {k: v for k, v in self.__dict__.items() if k not in computed}
 
     def __setstate__(self, state):
         super().__setstate__(state)
@@ -96,6 +99,7 @@ class BlockInputs(SharedInputs):
                     self._cache[key] = record
                     while len(self._cache) > SHAPES_KEPT:
                         self._cache.popitem(last=False)
+                    self._version += 1   # counted again at the ledger's next refresh
         return record[index]
 
     def _shell(self, device: torch.device, dtype: torch.dtype):
@@ -139,6 +143,14 @@ class BlockInputs(SharedInputs):
     def tensors(self) -> list:
         """The arguments held now (a mask shared by 30 blocks is one tensor here, counted once)."""
         return [t for record in list(self._cache.values()) for t in _tensors(record)]
+
+    def nbytes(self) -> int:
+        version, nbytes = self._counted
+        if version != self._version:   # read before counting: a shape added meanwhile is counted next time
+            version = self._version
+            nbytes = super().nbytes()
+            self._counted = (version, nbytes)
+        return nbytes
 
 
 def _tensors(obj):

@@ -179,8 +179,8 @@ class LayerUpdates:
     # --- the ledger's view: device-side optimizer state ----------------------------------------
     @property
     def state(self) -> dict:
-        """Per-parameter optimizer state of the device-placed layers (what the ledger counts)."""
-        return {p: s for u in self.updates.values() if u.side == "device" for p, s in u.optimizer.state.items()}
+        """Per-parameter optimizer state of the device-placed layers (what the ledger counts), by parameter id."""
+        return {id(p): s for u in self.updates.values() if u.side == "device" for p, s in u.optimizer.state.items()}
 
     def host_bytes(self) -> int:
         return sum(u.host_bytes() for u in self.updates.values())

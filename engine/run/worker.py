@@ -175,7 +175,7 @@ class Worker:
             for command in commands:
                 core.take(command, step)
             forward(self.tel, step, self.strategy.boundary(step, trained is not None, self.memory))
-            if table[:, COLUMN["stop"]].max() > 0 and core.stop_reason is None:
+            if max(table[:, COLUMN["stop"]].tolist()) > 0 and core.stop_reason is None:
                 gone = " (the launcher is gone)" if launcher_gone() else ""
                 core.begin_stop(f"signal {self.stop.signal or 'on another rank'}{gone}")
             if core.stop_reason or step >= self.cfg.run.steps:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from engine.runtime.topology import Topology
 from engine.strategies.specs.figures import EXCHANGED, FIGURES, undeclared
-from engine.telemetry.figures import CHECKPOINT_FIELDS, GPU_FIELDS, INTEGER_UNITS, LOG  # noqa: F401
+from engine.telemetry.figures import CHECKPOINT_FIELDS, GPU_FIELDS, INTEGER_UNITS, LOG, WORDS  # noqa: F401
 
 # the columns, declared by the figures' contributors (every run's and each strategy's: EXCHANGED; CHECKPOINT_FIELDS
 # and GPU_FIELDS come from engine/telemetry/figures.py)
@@ -39,12 +39,16 @@ _DEFAULT = [_ABSENT if FIGURES[name].optional == "absent" else 0.0 for name in F
 def row_values(values: dict) -> list[float]:
     """`values` as one row of FIELDS: a missing figure is 0, or NaN where it may be absent (a GPU's: left out of
     rank_rows). A name not declared raises UndeclaredFigure: a figure silently dropped never reaches the log."""
-    unknown = undeclared(values)
-    if unknown:
-        raise UndeclaredFigure(f"figure(s) {', '.join(map(repr, unknown))} reported to the step boundary's "
-                               f"exchange but not declared: declare each with its contributor in "
-                               f"engine/telemetry/figures.py")
-    return [float(values.get(k, d)) for k, d in zip(FIELDS, _DEFAULT)]
+    row, column = list(_DEFAULT), COLUMN
+    for name, value in values.items():   # a step's few dozen figures, each where its column is
+        i = column.get(name)
+        if i is not None:
+            row[i] = float(value)
+        elif name not in WORDS:   # a device's kind and the like travel in words, not in the row
+            raise UndeclaredFigure(f"figure(s) {', '.join(map(repr, undeclared(values)))} reported to the step "
+                                   f"boundary's exchange but not declared: declare each with its contributor in "
+                                   f"engine/telemetry/figures.py")
+    return row
 
 
 def exchange(topo: Topology, values: dict) -> torch.Tensor:

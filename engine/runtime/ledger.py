@@ -21,6 +21,7 @@ from engine.models.layers import shared_input_bytes, shared_input_ptrs, shared_i
 # "inputs": tensors a model's blocks share per input shape besides the hidden state (a Hugging Face model's
 # attention masks and rotary tables, engine/models/hf/parts.py), each counted once however many blocks take it
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "master", "activations", "inputs", "swapped")
+_BYTES_NAMES = tuple((k, f"{k}_bytes") for k in CATEGORIES)   # breakdown()'s keys, every step's
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)   # no local shard to look for: the ledger counts these every step
@@ -131,7 +132,8 @@ class MemoryLedger:
     def add(self, category: str, nbytes: int) -> None:
         with self._lock:
             self.bytes[category] += nbytes
-            self._note_peak()
+            if nbytes > 0:   # what is given back raises no peak
+                self._note_peak()
 
     @property
     def used_bytes(self) -> int:
@@ -290,7 +292,7 @@ class MemoryLedger:
 
     def breakdown(self) -> dict:
         with self._lock:
-            return {**{f"{k}_bytes": v for k, v in self.bytes.items()},
+            return {**{name: self.bytes[k] for k, name in _BYTES_NAMES},
                     "used_bytes": self.used_bytes, "peak_bytes": self.peak_bytes,
                     "capacity_bytes": self.capacity_bytes, "over_capacity": self.over_capacity}
 

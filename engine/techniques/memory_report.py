@@ -30,16 +30,17 @@ def step_fields(memory, plan, swapped_out: int, link_wait_s: float) -> dict:
 
 def plans_made(memory, table: torch.Tensor, rank: int, cfg, step: int) -> tuple[str | None, list[Event]]:
     """(the reason to refuse the run, or None; the events of the plans made in this step)."""
-    need = table[:, COLUMN["min_capacity_bytes"]]
-    if need.max() > 0:
-        worst = int(need.argmax())
+    need = table[:, COLUMN["min_capacity_bytes"]].tolist()   # every step: read as numbers, not tensor ops
+    if max(need) > 0:
+        most = max(need)
+        worst = need.index(most)
         error = memory.last_error if worst == rank else None
         return (f"memory.policy = \"auto\": rank {worst} cannot fit its device capacity "
                 f"(device.memory = \"{cfg.device.memory}\"): "
-                + (str(error) if error else f"the smallest capacity that fits is {int(need.max()) // 2**20}MiB "
-                   f"(device.memory = \"{int(need.max()) // 2**20}MiB\")")), []
-    made = table[:, COLUMN["plan_made"]]
-    if made.max() == 0:
+                + (str(error) if error else f"the smallest capacity that fits is {int(most) // 2**20}MiB "
+                   f"(device.memory = \"{int(most) // 2**20}MiB\")")), []
+    made = table[:, COLUMN["plan_made"]].tolist()
+    if max(made) == 0:
         return None, []
     ranks = [{"rank": r, "swap_layers": int(table[r, COLUMN["swap_layers"]]),
               "recompute_layers": int(table[r, COLUMN["recompute_layers"]]),

@@ -141,8 +141,8 @@ class DDPStrategy(Strategy):
             self.updater.run_device_ready()
 
     def _grads_released(self, params) -> None:
-        for p in params:
-            self.device.ledger.add("gradients", -self._grad_bytes.pop(id(p), 0))
+        held = self._grad_bytes
+        self.device.ledger.add("gradients", -sum(held.pop(id(p), 0) for p in params))
 
     def _gradient_done(self, _param) -> None:
         self._grads_done = self.times.clock.mark()

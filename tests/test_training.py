@@ -141,10 +141,19 @@ def test_resumed_run_repeats_the_losses_of_an_uninterrupted_one(cli, strategy): 
     assert resumes and resumes[0]["step"] == 10
 
 
-def test_a_fused_adamw_step_called_directly_equals_adamw_own_bit_for_bit():
-    """engine/training/optim.py `step`: after its first step, a fused AdamW's kernel is called without the
-    wrapper; the weights and both moments are AdamW's own, with weight decay, a learning rate that changes and a
-    parameter without a gradient in some steps."""
+# each optimizer the fused paths cover (engine/training/optim.py _FUSED), with the state its step keeps
+FUSED_OPTIMIZERS = [
+    pytest.param(dict(name="adamw", weight_decay=0.1), ("exp_avg", "exp_avg_sq", "step"), id="adamw"),
+    pytest.param(dict(name="sgd", momentum=0.9, weight_decay=0.1), ("momentum_buffer",), id="sgd-momentum"),
+    pytest.param(dict(name="sgd", momentum=0.0), (), id="sgd"),
+]
+
+
+@pytest.mark.parametrize("settings, kept", FUSED_OPTIMIZERS)
+def test_a_fused_step_called_directly_equals_the_optimizer_own_bit_for_bit(settings, kept):
+    """engine/training/optim.py `step`: after its first step, a fused AdamW's or SGD's kernel is called without
+    the wrapper; the weights and the state are the optimizer's own, with weight decay, a learning rate that
+    changes and a parameter without a gradient in some steps."""
     from engine.config import OptimConfig
     from engine.training.optim import make_optimizer, set_lr, step
     torch.manual_seed(0)
@@ -152,7 +161,7 @@ def test_a_fused_adamw_step_called_directly_equals_adamw_own_bit_for_bit():
     with torch.no_grad():
         for a, b in zip(ours, theirs):
             b.copy_(a)
-    cfg = OptimConfig(name="adamw", lr=0.01, weight_decay=0.1, kernel="fused")
+    cfg = OptimConfig(lr=0.01, kernel="fused", **settings)
     mine, torchs = make_optimizer(cfg, ours), make_optimizer(cfg, theirs)
     for k in range(6):
         for i, (a, b) in enumerate(zip(ours, theirs)):
@@ -164,13 +173,15 @@ def test_a_fused_adamw_step_called_directly_equals_adamw_own_bit_for_bit():
         torchs.step()
     for a, b in zip(ours, theirs):
         assert torch.equal(a, b)
-        assert all(torch.equal(mine.state[a][key], torchs.state[b][key]) for key in ("exp_avg", "exp_avg_sq", "step"))
+        assert all(torch.equal(mine.state[a][key], torchs.state[b][key]) for key in kept)
 
 
-def test_fused_adamws_stepped_in_one_launch_equal_each_its_own_bit_for_bit():
+@pytest.mark.parametrize("settings, kept", FUSED_OPTIMIZERS)
+def test_fused_optimizers_stepped_in_one_launch_equal_each_its_own_bit_for_bit(settings, kept):
     """engine/training/optim.py `step_together`: a layer's optimizer each, stepped in one multi-tensor launch,
-    give each optimizer's own step's weights and moments, bit for bit; one whose settings differ (weight decay)
-    is stepped apart, and one whose state is not made yet (its first step) is left to its own step."""
+    give each optimizer's own step's weights and state, bit for bit; one whose settings differ (weight decay)
+    is stepped apart, and one whose first step has not run (no state, its tensors not checked) is left to its
+    own step."""
     from engine.config import OptimConfig
     from engine.training.optim import make_optimizer, set_lr, step, step_together
     torch.manual_seed(0)
@@ -179,7 +190,7 @@ def test_fused_adamws_stepped_in_one_launch_equal_each_its_own_bit_for_bit():
     with torch.no_grad():
         for a, b in zip(ours, theirs):
             b.copy_(a)
-    cfgs = [OptimConfig(name="adamw", lr=0.01, weight_decay=wd, kernel="fused") for wd in (0.1, 0.1, 0.0, 0.1)]
+    cfgs = [OptimConfig(lr=0.01, kernel="fused", **{**settings, "weight_decay": wd}) for wd in (0.1, 0.1, 0.0, 0.1)]
     mine = [make_optimizer(c, [p]) for c, p in zip(cfgs, ours)]
     torchs = [make_optimizer(c, [p]) for c, p in zip(cfgs, theirs)]
     for k in range(5):
@@ -200,4 +211,4 @@ def test_fused_adamws_stepped_in_one_launch_equal_each_its_own_bit_for_bit():
             t.step()
     for m, t, a, b in zip(mine, torchs, ours, theirs):
         assert torch.equal(a, b)
-        assert all(torch.equal(m.state[a][key], t.state[b][key]) for key in ("exp_avg", "exp_avg_sq", "step"))
+        assert all(torch.equal(m.state[a][key], t.state[b][key]) for key in kept)

@@ -44,6 +44,9 @@ class MemoryLedger:
         self.capacity_bytes = capacity_bytes
         self.bytes = dict.fromkeys(CATEGORIES, 0)
         self.peak_bytes = 0
+        # the peak since reset_peak before that step's first gradients were counted as made (FreedGradients), None
+        # until then: the update planner's steady peak holds kept gradients from the step's start (trial.py)
+        self.peak_before_grads: int | None = None
         self.over_capacity = False
         self._lock = threading.RLock()   # RLock: a handle freed by the GC inside a locked section
         self._modules: list[torch.nn.Module] = []
@@ -153,6 +156,7 @@ class MemoryLedger:
     def reset_peak(self) -> None:
         with self._lock:
             self.peak_bytes = self.used_bytes
+            self.peak_before_grads = None
             self.over_capacity = self.peak_bytes > self.capacity_bytes
 
     # --- saved activations, counted through saved-tensor hooks -----------------

@@ -2,7 +2,7 @@
 each step.
 
     opt = make_optimizer(cfg.optim, params)     # kernel "auto": fused, else foreach
-    step(opt)                                   # opt.step(), a fused AdamW's without the wrapper around its kernel
+    step(opt)                                   # opt.step(); a fused AdamW or SGD: its kernel, no wrapper
     lr = lr_at(cfg.optim, step, cfg.run.steps)  # the schedule: a pure function of the step
 
 A fused step is one kernel over all of a layer's tensors: on an H100's host, AdamW over 100M fp32
@@ -65,11 +65,8 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 
 def _fused_adamw_groups(optimizer: torch.optim.Optimizer) -> list | None:
     """A fused AdamW's (group, params, states) to step, as AdamW's own step would, or None where this path
-    does not cover it (another optimizer, hooks, a state not made yet, an option the kernel call below leaves
-    out): then `optimizer.step()` must run."""
-    if type(optimizer) is not torch.optim.AdamW or optimizer._optimizer_step_pre_hooks \
-            or optimizer._optimizer_step_post_hooks:
-        return None
+    does not cover it (hooks, a state not made yet, an option the kernel call below leaves out): then
+    `optimizer.step()` must run."""
     calls = []
     for group in optimizer.param_groups:
         if not group.get("fused") or group["amsgrad"] or group["maximize"] or group["capturable"] \
@@ -79,8 +76,7 @@ def _fused_adamw_groups(optimizer: torch.optim.Optimizer) -> list | None:
         if not params:
             continue
         states = [optimizer.state.get(p) for p in params]
-        if not all(states) or len({(p.device, p.dtype) for p in params}) > 1 \
-                or any(p.grad.is_sparse or p.is_complex() for p in params):
+        if not all(states) or not _one_kind(params):
             return None   # its first step makes the state
         calls.append((group, params, states))
     return calls
@@ -96,36 +92,78 @@ def _fused_adamw(group: dict, params: list, states: list) -> None:
                         maximize=False, grad_scale=None, found_inf=None)
 
 
-GROUP_KEYS = ("lr", "betas", "weight_decay", "eps")   # what one fused launch must share
+def _fused_sgd_groups(optimizer: torch.optim.Optimizer) -> list | None:
+    """A fused SGD's (group, params, momentum buffers) to step, as SGD's own step would after its first (which
+    checks the tensors' device and makes the buffers), or None where this path does not cover it."""
+    if getattr(optimizer, "_need_device_dtype_check_for_fused", True):
+        return None
+    calls = []
+    for group in optimizer.param_groups:
+        if not group.get("fused") or group["maximize"] or group["differentiable"] or torch.is_tensor(group["lr"]):
+            return None
+        params = [p for p in group["params"] if p.grad is not None]
+        if not params:
+            continue
+        buffers = []
+        if group["momentum"] != 0:
+            buffers = [optimizer.state.get(p, {}).get("momentum_buffer") for p in params]
+            if any(b is None for b in buffers):
+                return None   # its first step with momentum makes the buffers
+        if not _one_kind(params):
+            return None
+        calls.append((group, params, buffers))
+    return calls
+
+
+def _fused_sgd(group: dict, params: list, buffers: list) -> None:
+    torch._fused_sgd_(params, [p.grad for p in params], buffers, weight_decay=group["weight_decay"],
+                      momentum=group["momentum"], lr=group["lr"], dampening=group["dampening"],
+                      nesterov=group["nesterov"], maximize=False, is_first_step=False, grad_scale=None,
+                      found_inf=None)
+
+
+def _one_kind(params: list) -> bool:
+    """One device and dtype, dense and real: what one kernel launch takes."""
+    return len({(p.device, p.dtype) for p in params}) == 1 and not any(p.grad.is_sparse or p.is_complex()
+                                                                       for p in params)
+
+
+# the fused optimizers a launch of several covers: their groups' calls, the launch, what one launch must share
+_FUSED = {torch.optim.AdamW: (_fused_adamw_groups, _fused_adamw, ("lr", "betas", "weight_decay", "eps")),
+          torch.optim.SGD: (_fused_sgd_groups, _fused_sgd,
+                            ("lr", "momentum", "weight_decay", "dampening", "nesterov"))}
 
 
 def step_together(optimizers: list[torch.optim.Optimizer]) -> list[torch.optim.Optimizer]:
-    """Step several fused AdamWs (a layer's each) whose groups agree on GROUP_KEYS and whose parameters
-    share a device and dtype with one multi-tensor launch: the kernel works tensor by tensor, so the values
-    are each optimizer's own step's, bit for bit (tests/test_training.py), with one launch and one Python
-    call in place of one per layer. Returns those it did not step (the caller steps each)."""
+    """Step several fused AdamWs or SGDs (a layer's each) whose groups agree on what one launch must share and
+    whose parameters share a device and dtype with one multi-tensor launch: the kernel works tensor by tensor,
+    so the values are each optimizer's own step's, bit for bit (tests/test_training.py), with one launch and one
+    Python call in place of one per layer. Returns those it did not step (the caller steps each)."""
     taken, left = {}, []
     for optimizer in optimizers:
-        calls = _fused_adamw_groups(optimizer)
+        kind = _FUSED.get(type(optimizer))
+        calls = None
+        if kind is not None and not (optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks):
+            calls = kind[0](optimizer)
         if calls is None:
             left.append(optimizer)
             continue
         for group, params, states in calls:
-            key = (tuple(group[k] for k in GROUP_KEYS), params[0].device, params[0].dtype)
-            mine = taken.setdefault(key, (group, [], []))
-            mine[1].extend(params)
-            mine[2].extend(states)
-    for group, params, states in taken.values():
-        _fused_adamw(group, params, states)
+            key = (type(optimizer), tuple(group[k] for k in kind[2]), params[0].device, params[0].dtype)
+            mine = taken.setdefault(key, (kind[1], group, [], []))
+            mine[2].extend(params)
+            mine[3].extend(states)
+    for launch, group, params, states in taken.values():
+        launch(group, params, states)
     return left
 
 
 def step(optimizer: torch.optim.Optimizer) -> None:
-    """`optimizer.step()`. A fused AdamW whose state is made (every step after its first) calls its kernel
-    itself, as AdamW's own step does (torch/optim/adam.py `_fused_adam`: the steps counted, then
-    `torch._fused_adamw_` over the parameters that have a gradient), without the wrapper around it (hooks, the
-    profiler's record, grouping by device and dtype): about 45 us less a call on the CPU, once per layer per
-    step. The values are AdamW's own, bit for bit (tests/test_training.py); any other optimizer, or a state or
-    group this path does not cover, goes through `optimizer.step()`."""
-    if step_together([optimizer]):   # not a fused AdamW this path covers
+    """`optimizer.step()`. A fused AdamW or SGD whose state is made (every step after its first) calls its kernel
+    itself, as its own step does (torch/optim/adam.py `_fused_adam`: the steps counted, then `torch._fused_adamw_`
+    over the parameters that have a gradient; torch/optim/sgd.py `_fused_sgd`), without the wrapper around it
+    (hooks, the profiler's record, grouping by device and dtype): about 45 us less a call on the CPU, once per
+    layer per step. The values are the optimizer's own, bit for bit (tests/test_training.py); any other
+    optimizer, or a state or group this path does not cover, goes through `optimizer.step()`."""
+    if step_together([optimizer]):   # not a fused AdamW or SGD this path covers
         optimizer.step()

@@ -32,7 +32,8 @@ from engine.training.data import micro_steps
 from engine.training.loss import cross_entropy, share_loss
 from engine.config import OptimConfig, UpdateConfig
 from engine.models.layers import params_by_layer
-from engine.runtime.devices import LedgerDevice, tensor_bytes
+from engine.runtime.devices import LedgerDevice
+from engine.runtime.gradients import FreedGradients
 from engine.runtime.refusal import Refused
 from engine.techniques.updates.updater import LayerUpdates
 from engine.runtime.meter import CommMeter, stream_entry
@@ -83,16 +84,13 @@ class DDPStrategy(Strategy):
             self.ddp.register_comm_hook(topo.compute, self._metered_allreduce)
         # each layer's update, on the device or the host, dispatched as its bucket's all-reduce completes
         # with clipping, host updates speculate and device ones wait for the norm (they run inline either way)
-        self.updater = LayerUpdates(model, params_by_layer(model), optim_cfg, device, update_cfg,
-                                    speculate_device=False)
-        self.optimizer = self.updater   # what the ledger counts: device-side optimizer state
         # solo: a gradient is no view into a bucket, so a device update frees it as the plain loop's
         # zero_grad(set_to_none=True) does; the ledger counts each gradient from its accumulation to its release
-        self._grad_bytes: dict[int, int] = {}   # solo: the gradients alive now that the ledger counts, by parameter
+        self.grads = FreedGradients(device.ledger)
+        self.updater = LayerUpdates(model, params_by_layer(model), optim_cfg, device, update_cfg,
+                                    speculate_device=False, release_grads=self.grads.released if self.solo else None)
+        self.optimizer = self.updater   # what the ledger counts: device-side optimizer state
         self._params = list(model.parameters())
-        if self.solo:
-            for u in self.updater.updates.values():
-                u.release_grads = self._grads_released
         # device updates run inline on the compute thread, during backward, as their buckets' all-reduce lands
         # (solo: as each gradient is accumulated, while some update runs on the host: _solo_hooks)
         self._hooks: list = []
@@ -133,16 +131,10 @@ class DDPStrategy(Strategy):
             raise Refused(UNUSED_PARAMETERS) from None
 
     def _solo_gradient(self, param) -> None:
-        if id(param) not in self._grad_bytes and param.grad is not None:   # a new gradient: on the ledger
-            self._grad_bytes[id(param)] = nbytes = tensor_bytes(param.grad)
-            self.device.ledger.add("gradients", nbytes)
+        self.grads.made((param,))   # a new gradient: on the ledger
         if self._last_micro:   # final: its layer's update runs once the layer's last one is
             self.updater.params_reduced((param,))
             self.updater.run_device_ready()
-
-    def _grads_released(self, params) -> None:
-        held = self._grad_bytes
-        self.device.ledger.add("gradients", -sum(held.pop(id(p), 0) for p in params))
 
     def _gradient_done(self, _param) -> None:
         self._grads_done = self.times.clock.mark()
@@ -169,7 +161,7 @@ class DDPStrategy(Strategy):
         self.updater.begin_step()   # gradients were zeroed (solo: freed) by the updates that used them
         hooked = self.solo and self._solo_hooks()
         if self.solo:   # gradients kept from the last step (a skipped one's, a guarded update's) are counted
-            self._grad_bytes = {id(p): 0 for p in self._params if p.grad is not None}
+            self.grads.begin(self._params)
         times = self.times
         self._grads_done = None
         t0 = times.mark()
@@ -189,8 +181,7 @@ class DDPStrategy(Strategy):
                     t1 = times.mark()
                     loss.backward()
                     if self.solo and not hooked and self._last_micro:   # every gradient is alive at once now
-                        self.device.ledger.note_transient(sum(tensor_bytes(p.grad) for p in self._params
-                                                              if p.grad is not None and id(p) not in self._grad_bytes))
+                        self.device.ledger.note_transient(self.grads.uncounted(self._params))
                     units.backward_end()
                     times.add("fwd_ms", ta, t1)
                     times.add("bwd_ms", t1, times.mark())

@@ -51,6 +51,7 @@ from engine.training.loss import counted, cross_entropy, share_loss
 from engine.models.layers import params_by_layer
 from engine.techniques.updates.updater import LayerUpdates
 from engine.runtime.events import Event
+from engine.runtime.gradients import GradientsAsHeld
 from engine.runtime.topology import Groups
 from engine.strategies.base import Strategy
 from engine.strategies.pipeline.evaluate import evaluate
@@ -106,7 +107,10 @@ class PipelineStage(Strategy):
         self.owned = params_by_layer(model)   # each layer's update's; a tied weight's first holder's (StageTies)
         self.shards = StageShards(self, sharded) if sharded is not None and grid.replicas > 1 else None
         self.norm_group = topo.compute if self.shards else group   # where every gradient is, once
-        self.updater = LayerUpdates(model, self.updated_here(), optim_cfg, device, update_cfg or UpdateConfig())
+        # a device update frees its gradients (no buffer holds a view of them: replicas.py and shards.py copy)
+        self.grads = GradientsAsHeld(device.ledger)
+        self.updater = LayerUpdates(model, self.updated_here(), optim_cfg, device, update_cfg or UpdateConfig(),
+                                    release_grads=self.grads.released)
         self.ties = StageTies(model, self.group, self.rank)
         # torch's first optimizer is slow (1.8 s: lazy imports): not inside the step layers migrate in
         make_optimizer(optim_cfg, [torch.nn.Parameter(torch.zeros(1))])
@@ -186,11 +190,12 @@ class PipelineStage(Strategy):
         times = self.times
         times.begin_step()
         self.updater.begin_step()
+        self.grads.begin()
         if self.pending and self.shards is not None:
             self.shards.sync()   # the weights that move are the owners' last
         move, self.pending = (Migration(self, self.pending) if self.pending else None), None
-        wire = self.wire
-        wire.begin_step(move)
+        wire, ops = self.wire, schedule_ops(self.schedule, self.stages, self.rank, m)
+        wire.begin_step(move, ops, self.prev, self.next)   # the schedule's receives, each posted one ahead
         ranges = [(self.start, self.end)]
         arrivals = eager_layers(())
         if move is not None:
@@ -205,7 +210,6 @@ class PipelineStage(Strategy):
         # then each micro-batch at once (MemoryLedger.unit_bytes: the same peak)
         key = (self.start, self.end, tuple(x.shape), x.dtype)
         with self.device.ledger.by_units(key, exact=move is not None) as units, arrivals:
-            ops = schedule_ops(self.schedule, self.stages, self.rank, m)
             last = len(ops) - 1 if move is None else -1   # its gradients are final (a migration's arrive after)
             for k, (op, i) in enumerate(ops):
                 new_layout = move is not None and move.use_new(i)
@@ -278,6 +282,7 @@ class PipelineStage(Strategy):
                         "migration_ms": move.duration_ms if move else 0.0,
                         **({"replica_reduce_ms": reduce_s * 1000} if reduce_s is not None else {}),
                         **({"shard_gate_ms": shards.take_gate_ms()} if shards else {})}
+        self.grads.end()
         self.device.ledger.refresh()
         return loss
 

@@ -120,8 +120,10 @@ class PlacementTrial:
         layers = {row["name"]: row for row in rows}
         ledger = self.device.ledger
         ledger.refresh()
-        # a step that made its gradients during backward (the first) peaked without them: its steady peak has them
-        steady = ledger.peak_bytes + max(0, ledger.bytes["gradients"] - self._grads_at_start)
+        # a step that made its gradients during backward (the first, or any whose updates free them) peaked
+        # without them until then: its steady peak has the gradients it keeps (a host update's) from the start
+        before = ledger.peak_before_grads if ledger.peak_before_grads is not None else ledger.peak_bytes
+        steady = max(ledger.peak_bytes, before + max(0, ledger.bytes["gradients"] - self._grads_at_start))
         self.steps.append({"side": self._trial_side(), "layers": layers, "peak": ledger.peak_bytes,
                             "steady_peak": steady,
                             "updates": {u.name: (u.device_ms, u.host_ms, u.copy_ms, u.device_bytes(), u.side)

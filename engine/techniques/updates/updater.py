@@ -59,8 +59,10 @@ SPECULATE_AFTER = 10   # clip_mode "speculate": steps that must stand in a row b
 
 class LayerUpdates:
     def __init__(self, model, params_by_layer: dict[int, list[torch.nn.Parameter]], optim_cfg: OptimConfig,
-                 device: LedgerDevice, cfg: UpdateConfig, clip_mode: str | None = None, speculate_device: bool = True):
+                 device: LedgerDevice, cfg: UpdateConfig, clip_mode: str | None = None, speculate_device: bool = True,
+                 release_grads=None):
         self.model, self.device, self.cfg, self.optim_cfg = model, device, cfg, optim_cfg
+        self.release_grads = release_grads   # a device update frees its gradients, telling it (LayerUpdate.grads_done)
         self.guard = StepGuard(optim_cfg, clip_mode)
         self.mode = self.guard.mode   # this step's: "speculate" turns to "wait" after a clipped or skipped step
         self._stood = SPECULATE_AFTER  # steps in a row that neither clipped nor skipped (before the last begun)
@@ -81,9 +83,8 @@ class LayerUpdates:
         self._missing: dict[int, int] = {}
         self._dispatched: set[int] = set()
         self._device_ready: deque[LayerUpdate] = deque()
-        self._gate_s = 0.0
         self._device_ran: list[LayerUpdate] = []   # this step's device updates
-        self._link_bytes = 0   # this step's host updates' bytes over the host link
+        self._gate_s, self._link_bytes = 0.0, 0   # this step's wait in gates, host updates' bytes over the link
         self.trial = PlacementTrial(model, device, cfg, self.updates)   # auto: the trial, the plan and its check
         self.checkpoint = UpdateCheckpoint(self.updates)   # what a checkpoint reads and restores
         # a host-placed layer's gate: its forward waits for its update to land (a device update has landed
@@ -110,6 +111,7 @@ class LayerUpdates:
         u = LayerUpdate(self.model.names[index], index, params, self.optim_cfg)
         u.guard = self._speculates(u)
         u.device_copy = self.guard.on and self.guard.mode == "speculate" and self.speculate_device
+        u.release_grads = self.release_grads
         return u
 
     def _speculates(self, u: LayerUpdate) -> bool:
@@ -354,9 +356,7 @@ class LayerUpdates:
         return decision
 
     def _gate(self, index: int):
-        def hook(module, args) -> None:
-            self.wait_layer(index)
-        return hook
+        return lambda module, args: self.wait_layer(index)
 
     def wait_layer(self, index: int) -> None:
         """Layer `index`'s update of this step has landed (a host one may still be in flight)."""

@@ -1,0 +1,77 @@
+"""The memory ledger's count of gradients that their updates free once used (LayerUpdates' `release_grads`, as the
+plain loop's `zero_grad(set_to_none=True)`), for a strategy whose gradients are no views into its buffers: the
+ledger's `refresh` at a step's end finds them gone, so the strategy says when they were alive.
+
+    FreedGradients    a world of one's ddp: each counted from when it is made to its release
+    GradientsAsHeld   a pipeline stage's: counted as held all step, as when they were zeroed in place
+
+Imports engine.runtime.ledger.
+"""
+
+from __future__ import annotations
+
+from engine.runtime.ledger import MemoryLedger, tensor_bytes
+
+
+class FreedGradients:
+    """Freed gradients on the ledger from when they are made to their release (a world of one's ddp).
+
+        grads = FreedGradients(ledger)
+        grads.begin(params)       # a step's start: gradients kept from the last step (a guarded or skipped
+                                  # update's) are in refresh's count already
+        grads.made(params)        # after a backward: the gradients made since, onto the ledger
+        LayerUpdates(..., release_grads=grads.released)   # off it, as each update frees its layer's
+    """
+
+    def __init__(self, ledger: MemoryLedger):
+        self.ledger = ledger
+        self.held: dict[int, int] = {}   # the gradients alive now that the ledger counts: bytes by parameter id
+
+    def begin(self, params) -> None:
+        self.held = {id(p): 0 for p in params if p.grad is not None}
+
+    def made(self, params) -> None:
+        held, nbytes = self.held, 0
+        for p in params:
+            if p.grad is not None and id(p) not in held:
+                held[id(p)] = size = tensor_bytes(p.grad)
+                nbytes += size
+        if nbytes:
+            ledger = self.ledger
+            if ledger.peak_before_grads is None:
+                ledger.peak_before_grads = ledger.peak_bytes
+            ledger.add("gradients", nbytes)
+
+    def uncounted(self, params) -> int:
+        """The bytes of the gradients alive that the ledger does not count yet."""
+        held = self.held
+        return sum(tensor_bytes(p.grad) for p in params if p.grad is not None and id(p) not in held)
+
+    def released(self, params) -> None:
+        held = self.held
+        self.ledger.add("gradients", -sum(held.pop(id(p), 0) for p in params))
+
+
+class GradientsAsHeld:
+    """Freed gradients counted as held all step, as when they were zeroed in place: a pipeline stage's, made by
+    its first backward and alive across the micro-batches' forwards after it until the update (under 1F1B most
+    of the step), which the memory planners and a rebalance's room read at a step boundary
+    (engine/techniques/memory/policy.py).
+
+        grads = GradientsAsHeld(ledger)
+        grads.begin()                                        # the step's start
+        LayerUpdates(..., release_grads=grads.released)     # as each device update frees its layer's
+        grads.end()                                          # before the step's refresh: what they freed
+    """
+
+    def __init__(self, ledger: MemoryLedger):
+        self.ledger, self.freed = ledger, 0
+
+    def begin(self) -> None:
+        self.freed = 0
+
+    def released(self, params) -> None:
+        self.freed += sum(tensor_bytes(p) for p in params)   # a gradient has its parameter's shape and dtype
+
+    def end(self) -> None:
+        self.ledger.extra["gradients"] = self.freed

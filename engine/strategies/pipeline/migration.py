@@ -2,8 +2,9 @@
 
     move = Migration(stage, new_stages)     # at the step's start, on every rank (after a RebalanceDecision)
     move.start()                            # sources: send each leaving layer's weights and optimizer state
-    move.receive_state()                    # targets: take them over (before any other message of the step)
+    move.receive_state()                    # targets: their receives posted (before any other message of the step)
     move.use_new(i)                         # does micro-batch i run with the new layout?
+    move.ready(i)                           # the same, the arriving layers taken over before the first that does
     move.finish()                           # after the step's last backward: partial gradients change hands
 
 Why per micro-batch: the layout switches at micro-batch `cutover` (half the step's
@@ -16,14 +17,20 @@ nothing stops, nothing is repeated.
 
 What moves: weights and optimizer state do not change inside a step (one update per
 global batch, at its end), so a source sends them as soon as the step starts (after
-waiting for a host update of the layer still in flight), and the target receives them
-at once, before any other message of the step. (Measured: a target that read them
-only at its first new-layout forward stalled the step for a second, because the
-unread blob held up the activation gradients queued behind it on the same
-connection.) The target then takes over the layer's update. The source
+waiting for a host update of the layer still in flight), and the target posts their
+receives at once, before any other message of the step: it waits for the blob's sizes,
+then the rest lands while the micro-batches before the cutover run in the old layout,
+and the target takes the layers over before its first micro-batch in the new one.
+(Measured: a target that posted its receive only at its first new-layout forward stalled
+the step for a second, because the unread blob held up the activation gradients queued
+behind it on the same connection; one that received the whole blob before its first
+forward held the pipeline for its transfer, 27 ms of a 150 ms step at `bench pipeline
+--stages 2`.) The target then takes over the layer's update. The source
 keeps running the layer for the micro-batches before the cutover; after its last
 backward it sends the gradient it accumulated for them, and the target adds it to
-its own before the step's update. Then the source has dropped the layer. Both
+its own before the step's update. (Sent as soon as the source's last old-layout
+backward had run, it held up the activation gradients behind it on the connection, as
+above, until the target's receive at the step's end: the migration step took longer.) Then the source has dropped the layer. Both
 directions and several layers at once: every (source, target) pair exchanges one
 message of each kind, on its own tags, point to point on the compute group.
 
@@ -103,14 +110,25 @@ def send_blob(obj, dst: int, tag: int, group, device) -> tuple[list, int]:
     return [(dist.isend(t, dst, group=group, tag=tag), t) for t in msgs], int(meta.numel() + flat.numel())
 
 
-def recv_blob(src: int, tag: int, group, device):
+def post_blob(src: int, tag: int, group, device) -> tuple:
+    """A blob's receive begun: its sizes waited for, its skeleton and bytes posted (`take_blob` waits for them)."""
     sizes = torch.empty(2, dtype=torch.int64, device=device)
     dist.recv(sizes, src, group=group, tag=tag)
     meta = torch.empty(int(sizes[0]), dtype=torch.uint8, device=device)
     flat = torch.empty(int(sizes[1]), dtype=torch.uint8, device=device)
-    dist.recv(meta, src, group=group, tag=tag)
-    dist.recv(flat, src, group=group, tag=tag)
+    return [dist.irecv(t, src, group=group, tag=tag) for t in (meta, flat)], meta, flat
+
+
+def take_blob(posted: tuple):
+    """The object a posted blob carries, and its bytes, once it has landed."""
+    works, meta, flat = posted
+    for work in works:
+        work.wait()
     return _join(pickle.loads(meta.cpu().numpy().tobytes()), flat.cpu()), int(meta.numel() + flat.numel())
+
+
+def recv_blob(src: int, tag: int, group, device):
+    return take_blob(post_blob(src, tag, group, device))
 
 
 class MigrationError(RuntimeError):
@@ -141,10 +159,18 @@ class Migration:
         self.sent_bytes = 0
         self.duration_ms = 0.0
         self._works: list = []
+        self._posted: list | None = None   # receive_state's: (src, indices, the state's blob, the owners' blobs)
         self._t0 = 0.0
 
     def use_new(self, micro_batch: int) -> bool:
         return micro_batch >= self.cutover
+
+    def ready(self, micro_batch: int) -> bool:
+        """use_new; before the first micro-batch that does, the arriving layers are taken over (take_state)."""
+        new = micro_batch >= self.cutover
+        if new and self._posted is not None:
+            self.take_state()
+        return new
 
     def _peer(self, stage_index: int) -> int:
         return dist.get_global_rank(self.stage.group, stage_index)
@@ -185,23 +211,32 @@ class Migration:
         self.sent_bytes += nbytes
 
     def receive_state(self) -> None:
-        """Targets: take over the arriving layers; then every rank's state sends are complete."""
-        st = self.stage
+        """Targets: the arriving layers' receives posted, before any other message of the step."""
+        st, dev = self.stage, self.stage.device.torch_device
+        self._posted = []
         for src, indices in self.incoming.items():
             try:
-                blob, _ = recv_blob(self._peer(src), STATE_TAG, st.group, st.device.torch_device)
+                posted = post_blob(self._peer(src), STATE_TAG, st.group, dev)
+                routes = [self.routes[i] for i in indices if i in self.routes] if self.routes is not None else []
+                # the state of the layers this replica owns from now, from their owner before
+                owners = [post_blob(st.grid.rank(src, owner), OWNER_TAG, st.topo.compute, dev)
+                          for owner in sorted({a for a, b in routes if b == st.replica != a})]
+            except Exception as e:
+                raise self._fail("weights from", indices, src, e) from e
+            self._posted.append((src, indices, posted, owners))
+
+    def take_state(self) -> None:
+        """Targets: the arriving layers taken over once their state has landed."""
+        st, posted, self._posted = self.stage, self._posted or [], None
+        for src, indices, blob_posted, owners in posted:
+            try:
+                blob, _ = take_blob(blob_posted)
+                for states in owners:
+                    for name, saved in take_blob(states)[0].items():
+                        blob[name].update(saved)
             except Exception as e:
                 raise self._fail("weights from", indices, src, e) from e
             emulate.reached("migration")   # emulate.kill_at: a target holding the state, not taken over
-            routes = [self.routes[i] for i in indices if i in self.routes] if self.routes is not None else []
-            for owner in sorted({a for a, b in routes if b == st.replica != a}):
-                try:   # the state of the layers this replica owns from now, from their owner before
-                    states, _ = recv_blob(st.grid.rank(src, owner), OWNER_TAG, st.topo.compute,
-                                          st.device.torch_device)
-                except Exception as e:
-                    raise self._fail("optimizer state from", indices, src, e) from e
-                for name, saved in states.items():
-                    blob[name].update(saved)
             for i in indices:
                 entry, layer = blob[st.model.names[i]], st.model.layers[i]
                 with torch.no_grad():
@@ -213,7 +248,21 @@ class Migration:
                 if self.routes is None or st.shards.owners.get(i) == st.replica:
                     st.updater.add_layer(i, st.owned[i], entry.get("state"), entry.get("side", "device"),
                                          entry.get("master"))
-        self._wait()
+
+    def send_grads(self) -> None:
+        """Sources: the gradients the leaving layers accumulated before the cutover, to their targets."""
+        st = self.stage
+        sent: set[int] = set()   # a tied weight's gradient goes once, with the first leaving layer holding it
+        for dst, indices in self.outgoing.items():
+            grads = {}
+            for i in indices:
+                grads[st.model.names[i]] = entry = []
+                for p in st.model.layers[i].parameters():
+                    entry.append(None if p.grad is None or id(p) in sent else p.grad.detach().cpu())
+                    sent.add(id(p))
+            works, nbytes = send_blob(grads, self._peer(dst), GRAD_TAG, st.group, st.device.torch_device)
+            self._works += [(w, t, dst, indices) for w, t in works]
+            self.sent_bytes += nbytes
 
     def _wait(self) -> None:
         for work, _, dst, indices in self._works:
@@ -228,18 +277,10 @@ class Migration:
         cutover; targets add them. Then every send of the migration is waited on."""
         st = self.stage
         dev = st.device.torch_device
+        if self._posted is not None:   # a step whose micro-batches all ran in the old layout (none here)
+            self.take_state()
         if self.cutover > 0:
-            sent: set[int] = set()   # a tied weight's gradient goes once, with the first leaving layer holding it
-            for dst, indices in self.outgoing.items():
-                grads = {}
-                for i in indices:
-                    grads[st.model.names[i]] = entry = []
-                    for p in st.model.layers[i].parameters():
-                        entry.append(None if p.grad is None or id(p) in sent else p.grad.detach().cpu())
-                        sent.add(id(p))
-                works, nbytes = send_blob(grads, self._peer(dst), GRAD_TAG, st.group, dev)
-                self._works += [(w, t, dst, indices) for w, t in works]
-                self.sent_bytes += nbytes
+            self.send_grads()
             for src, indices in self.incoming.items():
                 try:
                     grads, _ = recv_blob(self._peer(src), GRAD_TAG, st.group, dev)

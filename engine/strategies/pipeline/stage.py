@@ -200,7 +200,7 @@ class PipelineStage(Strategy):
         arrivals = eager_layers(())
         if move is not None:
             move.start()
-            move.receive_state()   # first, and completed: see engine/strategies/pipeline/migration.py
+            move.receive_state()   # posted first; taken before its first new-layout op: see migration.py
             ranges.append(check_stages(self.model.names, move.new)[self.rank])
             # `[model] compile`: a layer that arrives runs eager in its migration step, compiled from the next
             arrivals = eager_layers([self.model.layers[i] for i in range(*ranges[1])
@@ -212,7 +212,7 @@ class PipelineStage(Strategy):
         with self.device.ledger.by_units(key, exact=move is not None) as units, arrivals:
             last = len(ops) - 1 if move is None else -1   # its gradients are final (a migration's arrive after)
             for k, (op, i) in enumerate(ops):
-                new_layout = move is not None and move.use_new(i)
+                new_layout = move is not None and move.ready(i)
                 if op == "F":
                     # each op is marked from its input's arrival (after any receive) to its send queued
                     received = None if self.is_first else wire.recv(self.prev, FWD_TAG, new_layout)
@@ -300,10 +300,11 @@ class PipelineStage(Strategy):
             decision = self.rebalancer.check(step, self.layer_clock, self.stage_layers, requested, room)
             if decision.changed:
                 self.pending = decision.stages
-        # time every TIME_EVERY-th step, and always the step before an automatic check
+        # time every TIME_EVERY-th step, and always the step before an automatic check; never a step that migrates
+        # (its times are not the layout's: dropped, `take`)
         r = self.rebalancer
-        self.layer_clock.armed = r.mode != "off" and (self._steps % TIME_EVERY == 0 or self._deferred or (
-            r.mode == "auto" and (step + 1) % r.check_every == 0))
+        self.layer_clock.armed = r.mode != "off" and self.pending is None and (
+            self._steps % TIME_EVERY == 0 or self._deferred or (r.mode == "auto" and (step + 1) % r.check_every == 0))
         return decision
 
     def take_migration(self) -> Migration | None:

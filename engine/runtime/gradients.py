@@ -56,22 +56,16 @@ class GradientsAsHeld:
     """Freed gradients counted as held all step, as when they were zeroed in place: a pipeline stage's, made by
     its first backward and alive across the micro-batches' forwards after it until the update (under 1F1B most
     of the step), which the memory planners and a rebalance's room read at a step boundary
-    (engine/techniques/memory/policy.py).
+    (engine/techniques/memory/policy.py). The ledger's refresh counts a tracked parameter whose gradient an
+    update freed and has not been made again as holding its gradient's bytes (`MemoryLedger.freed_as_held`):
+    never twice, and never a layer that migrated away (the ledger tracks the stage's layers only).
 
         grads = GradientsAsHeld(ledger)
-        grads.begin()                                        # the step's start
         LayerUpdates(..., release_grads=grads.released)     # as each device update frees its layer's
-        grads.end()                                          # before the step's refresh: what they freed
     """
 
     def __init__(self, ledger: MemoryLedger):
-        self.ledger, self.freed = ledger, 0
-
-    def begin(self) -> None:
-        self.freed = 0
+        self.ledger = ledger
 
     def released(self, params) -> None:
-        self.freed += sum(tensor_bytes(p) for p in params)   # a gradient has its parameter's shape and dtype
-
-    def end(self) -> None:
-        self.ledger.extra["gradients"] = self.freed
+        self.ledger.freed_as_held.update(id(p) for p in params)   # a gradient has its parameter's shape and dtype

@@ -55,6 +55,7 @@ class MemoryLedger:
         self._optimizers: list[torch.optim.Optimizer] = []
         self._saved: dict[int, list] = {}   # storage pointer -> [bytes, references]
         self.extra: dict[str, int] = {}     # bytes a strategy holds outside parameters/.grad/state, by category
+        self.freed_as_held: set[int] = set()   # ids of parameters whose freed gradient counts as held (gradients.py)
         self.current_layer: str | None = None          # set by the layer profiler during forward
         self.activations_by_layer: dict[str, int] = {}  # bytes first saved while that layer ran
         self.shared_bytes: dict[tuple[str, str], int] = {}  # (first saver, later saver) -> bytes of both
@@ -112,11 +113,15 @@ class MemoryLedger:
         """Recount parameters, gradients and optimizer state (they change size lazily)."""
         params = grads = state = master = 0
         plain = _PLAIN   # every step: a plain tensor's bytes read in place (tensor_bytes for a DTensor)
+        held = self.freed_as_held
         for p in self._params:
-            params += p.nbytes if type(p) in plain else tensor_bytes(p)
+            size = p.nbytes if type(p) in plain else tensor_bytes(p)
+            params += size
             grad = p.grad
             if grad is not None:
                 grads += grad.nbytes if type(grad) in plain else tensor_bytes(grad)
+            elif held and id(p) in held:   # freed by its update, counted as held (GradientsAsHeld)
+                grads += size
         for opt in self._optimizers:
             for per_param in opt.state.values():
                 for v in per_param.values():

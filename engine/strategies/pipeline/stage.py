@@ -190,7 +190,6 @@ class PipelineStage(Strategy):
         times = self.times
         times.begin_step()
         self.updater.begin_step()
-        self.grads.begin()
         if self.pending and self.shards is not None:
             self.shards.sync()   # the weights that move are the owners' last
         move, self.pending = (Migration(self, self.pending) if self.pending else None), None
@@ -282,7 +281,6 @@ class PipelineStage(Strategy):
                         "migration_ms": move.duration_ms if move else 0.0,
                         **({"replica_reduce_ms": reduce_s * 1000} if reduce_s is not None else {}),
                         **({"shard_gate_ms": shards.take_gate_ms()} if shards else {})}
-        self.grads.end()
         self.device.ledger.refresh()
         return loss
 

@@ -112,7 +112,7 @@ def ledger_job(topo, schedule: str) -> dict:
             stage.train_step(x, y)
             peaks[how].append((device.ledger.peak_bytes, device.ledger.bytes["activations"]))
         peaks[how + "_booked"] = len(booked)
-        # the updates freed the gradients; the ledger counts them as held all step (GradientsAsHeld)
+        # the updates freed the gradients; the ledger counts them as held all step (MemoryLedger.count_as_held)
         peaks[how + "_grads"] = (device.ledger.bytes["gradients"], sum(p.nbytes for p in stage.stage_params()),
                                  [p.grad for p in stage.stage_params() if p.grad is not None])
         stage.close()

@@ -3,7 +3,7 @@ plain loop's `zero_grad(set_to_none=True)`), for a strategy whose gradients are 
 ledger's `refresh` at a step's end finds them gone, so the strategy says when they were alive.
 
     FreedGradients    a world of one's ddp: each counted from when it is made to its release
-    GradientsAsHeld   a pipeline stage's: counted as held all step, as when they were zeroed in place
+    (a pipeline stage's count as held all step: MemoryLedger.count_as_held)
 
 Imports engine.runtime.ledger.
 """
@@ -51,21 +51,3 @@ class FreedGradients:
         held = self.held
         self.ledger.add("gradients", -sum(held.pop(id(p), 0) for p in params))
 
-
-class GradientsAsHeld:
-    """Freed gradients counted as held all step, as when they were zeroed in place: a pipeline stage's, made by
-    its first backward and alive across the micro-batches' forwards after it until the update (under 1F1B most
-    of the step), which the memory planners and a rebalance's room read at a step boundary
-    (engine/techniques/memory/policy.py). The ledger's refresh counts a tracked parameter whose gradient an
-    update freed and has not been made again as holding its gradient's bytes (`MemoryLedger.freed_as_held`):
-    never twice, and never a layer that migrated away (the ledger tracks the stage's layers only).
-
-        grads = GradientsAsHeld(ledger)
-        LayerUpdates(..., release_grads=grads.released)     # as each device update frees its layer's
-    """
-
-    def __init__(self, ledger: MemoryLedger):
-        self.ledger = ledger
-
-    def released(self, params) -> None:
-        self.ledger.freed_as_held.update(id(p) for p in params)   # a gradient has its parameter's shape and dtype

@@ -55,7 +55,7 @@ class MemoryLedger:
         self._optimizers: list[torch.optim.Optimizer] = []
         self._saved: dict[int, list] = {}   # storage pointer -> [bytes, references]
         self.extra: dict[str, int] = {}     # bytes a strategy holds outside parameters/.grad/state, by category
-        self.freed_as_held: set[int] = set()   # ids of parameters whose freed gradient counts as held (gradients.py)
+        self.freed_as_held: set[int] = set()   # ids of parameters whose freed gradient counts as held (count_as_held)
         self.current_layer: str | None = None          # set by the layer profiler during forward
         self.activations_by_layer: dict[str, int] = {}  # bytes first saved while that layer ran
         self.shared_bytes: dict[tuple[str, str], int] = {}  # (first saver, later saver) -> bytes of both
@@ -120,7 +120,7 @@ class MemoryLedger:
             grad = p.grad
             if grad is not None:
                 grads += grad.nbytes if type(grad) in plain else tensor_bytes(grad)
-            elif held and id(p) in held:   # freed by its update, counted as held (GradientsAsHeld)
+            elif held and id(p) in held:   # freed by its update, counted as held (count_as_held)
                 grads += size
         for opt in self._optimizers:
             for per_param in opt.state.values():
@@ -157,6 +157,15 @@ class MemoryLedger:
         self.peak_bytes = max(self.peak_bytes, used)
         if used > self.capacity_bytes:
             self.over_capacity = True
+
+    def count_as_held(self, params) -> None:
+        """These parameters' gradients, freed by their updates (LayerUpdates' `release_grads`), count as held all
+        step, as when they were zeroed in place: a pipeline stage's, made by its first backward and alive across
+        the micro-batches' forwards after it until the update (under 1F1B most of the step), which the memory
+        planners and a rebalance's room read at a step boundary. `refresh` counts a tracked parameter whose
+        gradient is freed and not made again as holding its bytes (a gradient has its parameter's shape and
+        dtype): never twice, and never a layer that migrated away (the ledger tracks the stage's layers only)."""
+        self.freed_as_held.update(id(p) for p in params)
 
     def reset_peak(self) -> None:
         with self._lock:

@@ -102,7 +102,7 @@ class Rebalancing:
         st, out = self.stage, {}
         for i in range(st.start, st.end):
             u = st.updater.updates.get(i)
-            # a gradient its update freed counts as held, as the ledger counts it (GradientsAsHeld)
+            # a gradient its update freed counts as held, as the ledger counts it (count_as_held)
             out[st.model.names[i]] = sum(tensor_bytes(p) + (tensor_bytes(p.grad) if p.grad is not None else
                                                             tensor_bytes(p) if p.requires_grad else 0)
                                          for p in st.model.layers[i].parameters()) + \

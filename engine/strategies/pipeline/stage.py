@@ -51,7 +51,6 @@ from engine.training.loss import counted, cross_entropy, share_loss
 from engine.models.layers import params_by_layer
 from engine.techniques.updates.updater import LayerUpdates
 from engine.runtime.events import Event
-from engine.runtime.gradients import GradientsAsHeld
 from engine.runtime.topology import Groups
 from engine.strategies.base import Strategy
 from engine.strategies.pipeline.evaluate import evaluate
@@ -107,10 +106,10 @@ class PipelineStage(Strategy):
         self.owned = params_by_layer(model)   # each layer's update's; a tied weight's first holder's (StageTies)
         self.shards = StageShards(self, sharded) if sharded is not None and grid.replicas > 1 else None
         self.norm_group = topo.compute if self.shards else group   # where every gradient is, once
-        # a device update frees its gradients (no buffer holds a view of them: replicas.py and shards.py copy)
-        self.grads = GradientsAsHeld(device.ledger)
+        # a device update frees its gradients (no buffer holds a view of them: replicas.py and shards.py copy),
+        # which the ledger counts as held
         self.updater = LayerUpdates(model, self.updated_here(), optim_cfg, device, update_cfg or UpdateConfig(),
-                                    release_grads=self.grads.released)
+                                    release_grads=device.ledger.count_as_held)
         self.ties = StageTies(model, self.group, self.rank)
         # torch's first optimizer is slow (1.8 s: lazy imports): not inside the step layers migrate in
         make_optimizer(optim_cfg, [torch.nn.Parameter(torch.zeros(1))])

@@ -151,6 +151,7 @@ log_max_mb = 64
 tensorboard = true
 wandb = "team/project"
 tracker_queue_len = 16
+trace_steps = "3-4"
 
 [cluster]
 nnodes = 2
@@ -431,6 +432,10 @@ TAKE_SLOW_RANK = either(name for name, spec in STRATEGIES.items() if "emulate.sl
     ({"emulate": {"slow_rank": 1, "slow_rank_ms": 5.0}, "parallel": {"strategy": "pipeline"}},
      f'emulate.slow_rank = 1: only with parallel.strategy = {TAKE_SLOW_RANK} (a pipeline\'s slow stage is '
      "emulate.slow_layer; a parameter server's slow workers are parallel.param_server.slow_workers)"),
+    ({"telemetry": {"trace_steps": "5-3"}},
+     'telemetry.trace_steps = "5-3": steps count from 1, and FIRST-LAST needs FIRST <= LAST (like "20-22")'),
+    ({"telemetry": {"trace_steps": "0"}},
+     'telemetry.trace_steps = "0": steps count from 1, and FIRST-LAST needs FIRST <= LAST (like "20-22")'),
 ])
 def test_cross_field_rules(data, expected):
     assert error_of(data) == expected

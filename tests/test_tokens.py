@@ -99,8 +99,14 @@ def test_a_run_on_a_token_file_learns_and_resumes_exactly(cli, tmp_path):
     at_10 = next(c for c in list_checkpoints(tmp_path / "runs" / "straight") if c.name.endswith("10"))
     split = tmp_path / "split.jsonl"
     r = cli.run("run", "demo/configs/digits_ddp.toml", "--headless", "--steps", "30", *cli.base_args("split"),
-                *common, "--telemetry-log", str(split), "--resume", str(at_10), timeout=120)
+                *common, "--telemetry-log", str(split), "--resume", str(at_10),
+                "--set", "telemetry.trace_steps=12-13", timeout=120)   # traced: the same values
     assert r.returncode == 0, r.stderr
+    traces = tmp_path / "runs" / "split" / "trace"
+    assert sorted(p.name for p in traces.iterdir()) == ["rank0.json", "rank0.txt", "rank1.json", "rank1.txt"]
+    assert "aten::mm" in (traces / "rank1.txt").read_text()
+    events = json.loads((traces / "rank0.json").read_text())["traceEvents"]
+    assert any(e.get("name") == "aten::mm" for e in events)
 
     def losses(path):
         return {rec["step"]: rec["loss"] for rec in read_jsonl(path) if rec["type"] == "step"}

@@ -32,7 +32,12 @@ A turn's steps (`--steps`) default by size: 300 at the host size (a 13 ms step: 
 second, moved with this machine's neighbours by up to 30% from turn to turn), 60 at the compute size, 40 on a GPU.
 
     trainyard bench step [--json] [--rounds 3] [--steps N] [--device cpu|cuda] [--size host|compute|gpu]
-                         [--hf-config DIR] [--variants a,b,...]
+                         [--hf-config DIR] [--variants a,b,...] [--trace DIR]
+
+A variant whose turn fails is said, with the end of its error, and the others are measured on. `--trace DIR`:
+after the rounds, one more turn of plain and of trainyard, untimed, whose last steps but one torch.profiler
+records (engine/runtime/trace.py): DIR/SIZE/VARIANT.txt, the operators by their own time, and .json, a Chrome
+trace.
 """
 
 from __future__ import annotations
@@ -90,7 +95,8 @@ def write_inputs(folder: Path, size: dict, hf_config: str | None) -> Path:
     return config
 
 
-def run_config(variant: str, folder: Path, config: Path, size: dict, device: str, steps: int, turn: int) -> Path:
+def run_config(variant: str, folder: Path, config: Path, size: dict, device: str, steps: int, turn: int,
+               trace: str = "") -> Path:
     """A trainyard variant's run config (TOML)."""
     precision = size["precision"]
     memory = {"policy": "auto"} if variant == "trainyard-auto" else {"policy": "keep"}
@@ -106,6 +112,7 @@ def run_config(variant: str, folder: Path, config: Path, size: dict, device: str
         "[precision]", f'compute = "{precision}"', *(['params = "bf16"'] if variant == "trainyard-bf16w" else []),
         "[memory]", f'policy = "{memory["policy"]}"',
         "[update]", f'placement = "{placement}"',
+        *(["[telemetry]", f'trace_steps = "{trace}"'] if trace else []),
     ]
     path = folder / f"{variant}.toml"
     path.write_text("\n".join(lines) + "\n")
@@ -119,23 +126,29 @@ def _env(folder: Path) -> dict:
 
 
 def turn(variant: str, folder: Path, config: Path, size: dict, device: str, steps: int, number: int,
-         count_flops: bool) -> dict:
+         count_flops: bool, trace: Path | None = None) -> dict:
     """One variant's turn: {"step_ms": median of the second half, "steps": every step's ms, "peak_bytes",
-    "flops" (plain, when counted), "compile_s" (trainyard-compiled, when the run says)}."""
+    "flops" (plain, when counted), "compile_s" (trainyard-compiled, when the run says)}. `trace`: the last steps
+    but one recorded by torch.profiler, their tables and traces copied there as VARIANT.txt and VARIANT.json."""
     env = _env(folder)
     if variant.startswith("plain"):
         cmd = [sys.executable, "-m", "engine.bench.step_plain", "--hf-config", str(config), "--tokens",
                str(folder / "train.bin"), "--batch", str(size["batch"]), "--seq-len", str(size["seq_len"]),
                "--steps", str(steps), "--device", device, "--precision", size["precision"],
-               *(["--compile"] if variant == "plain-compiled" else []), *(["--count-flops"] if count_flops else [])]
+               *(["--compile"] if variant == "plain-compiled" else []), *(["--count-flops"] if count_flops else []),
+               *(["--trace", str(folder / "trace")] if trace else [])]
         done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=folder, timeout=TURN_TIMEOUT_S)
         if done.returncode != 0:
             raise RuntimeError(f"{variant} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
         out = json.loads(done.stdout.strip().splitlines()[-1])
+        if trace:
+            _keep_trace(folder / "trace", "plain", trace, variant)
         ms = out["step_ms"]
         return {"step_ms": statistics.median(ms[len(ms) // 2:]), "steps": ms, "peak_bytes": out["peak_bytes"],
                 "flops": out["flops"]}
-    cfg = run_config(variant, folder, config, size, device, steps, number)
+    first = max(2, steps - 3)
+    cfg = run_config(variant, folder, config, size, device, steps, number,
+                     trace=f"{first}-{max(first, steps - 1)}" if trace else "")
     log = folder / f"{variant}-{number}.jsonl"
     cmd = [sys.executable, "-c", "from engine.cli import main; raise SystemExit(main())", "run", str(cfg),
            "--headless", "--telemetry-log", str(log)]
@@ -143,6 +156,8 @@ def turn(variant: str, folder: Path, config: Path, size: dict, device: str, step
     if done.returncode != 0:
         raise RuntimeError(f"{variant} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
     records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    if trace:
+        _keep_trace(folder / "runs" / f"step-{variant}-{number}" / "trace", "rank0", trace, variant)
     shutil.rmtree(folder / "runs" / f"step-{variant}-{number}", ignore_errors=True)
     log.unlink()
     step_records = [r for r in records if r.get("type") == "step"]
@@ -153,6 +168,13 @@ def turn(variant: str, folder: Path, config: Path, size: dict, device: str, step
     return {"step_ms": statistics.median(ms[len(ms) // 2:]), "steps": ms,
             "peak_bytes": (max(peaks) if peaks else max(rss) if rss else None),
             "compile_s": summary.get("compile_s")}
+
+
+def _keep_trace(where: Path, stem: str, to: Path, variant: str) -> None:
+    to.mkdir(parents=True, exist_ok=True)
+    for ext in ("txt", "json"):
+        if (where / f"{stem}.{ext}").exists():
+            shutil.move(where / f"{stem}.{ext}", to / f"{variant}.{ext}")
 
 
 def speedup(per_round: dict[str, list[dict]], variant: str, base: str, at_least: float) -> dict:
@@ -184,22 +206,37 @@ def peak_flops(device: str, precision: str) -> tuple[float | None, str]:
 
 
 def measure(size_name: str, device: str, rounds: int, steps: int | None, variants: list[str],
-            hf_config: str | None, log=print) -> dict:
+            hf_config: str | None, log=print, trace: Path | None = None) -> dict:
+    """Every variant's turns, round by round. A variant whose turn fails is said (`failed`, with the end of its
+    error) and left out of the rounds after, the others measured on. `trace`: after the rounds, one more turn of
+    plain and trainyard each (not timed), their last steps but one recorded by torch.profiler."""
     size = dict(SIZES[size_name])
     steps = steps or size["steps"]
     folder = Path(tempfile.mkdtemp(prefix="trainyard-bench-step-"))
     try:
         config = write_inputs(folder, size, hf_config)
         per_round: dict[str, list[dict]] = {v: [] for v in variants}
+        failed: dict[str, str] = {}
         flops = None
         for r in range(rounds):
             order = variants[r % len(variants):] + variants[:r % len(variants)]   # who goes first rotates
-            for v in order:
+            for v in (v for v in order if v not in failed):
                 log(f"  round {r + 1}/{rounds}: {v}")
-                got = turn(v, folder, config, size, device, steps, r, count_flops=(v == "plain" and flops is None
-                                                                                   and device == "cuda"))
+                try:
+                    got = turn(v, folder, config, size, device, steps, r,
+                               count_flops=(v == "plain" and flops is None and device == "cuda"))
+                except (RuntimeError, subprocess.TimeoutExpired) as e:
+                    failed[v] = str(e)[-2000:]
+                    log(f"  {v} failed: {failed[v]}")
+                    continue
                 flops = got.get("flops") or flops
                 per_round[v].append(got)
+                log(f"    {v}: {got['step_ms']:.2f} ms a step" + (f", compiled in {got['compile_s']} s"
+                                                                  if got.get("compile_s") else ""))
+        per_round = {v: turns for v, turns in per_round.items() if v not in failed}
+        for v in (v for v in ("plain", "trainyard") if trace and v in per_round):
+            log(f"  traced turn: {v}")
+            turn(v, folder, config, size, device, min(steps, 12), rounds, count_flops=False, trace=trace)
         peak, peak_source = peak_flops(device, size["precision"])
         tokens = size["batch"] * size["seq_len"]
         rows = {}
@@ -224,8 +261,8 @@ def measure(size_name: str, device: str, rounds: int, steps: int | None, variant
         return {"size": size_name, "device": device, "model": {**size["config"]} if not hf_config else hf_config,
                 "batch": size["batch"], "seq_len": size["seq_len"], "precision": size["precision"],
                 "rounds": rounds, "steps": steps, "flops_per_step": flops, "peak_flops": peak,
-                "peak_source": peak_source, "variants": [{"variant": v, **rows[v]} for v in variants],
-                "judged": judged}
+                "peak_source": peak_source, "variants": [{"variant": v, **rows[v]} for v in per_round],
+                "failed": failed, "judged": judged}
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
@@ -242,6 +279,10 @@ def main(argv: list[str]) -> int:
                         help="default: gpu on a GPU; host and compute on the CPU")
     parser.add_argument("--hf-config", default=None, help="a Hugging Face config folder: that model, any family")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="a comma-separated subset of " + ", ".join(VARIANTS))
+    parser.add_argument("--trace", metavar="DIR", default=None,
+                        help="after the rounds, one more turn of plain and trainyard each, its last steps but one "
+                             "recorded by torch.profiler: DIR/VARIANT.txt (operators by their own time) and .json "
+                             "(a Chrome trace)")
     args = parser.parse_args(argv)
     if args.rounds < 1 or (args.steps is not None and args.steps < 4):
         parser.error("--rounds must be at least 1 and --steps at least 4")
@@ -260,7 +301,8 @@ def main(argv: list[str]) -> int:
             left_out["trainyard-bf16w"] = "bf16 working weights need bf16 compute; this size computes in fp32"
     variants = [v for v in variants if v not in left_out]
     log = (lambda *a: print(*a, file=sys.stderr, flush=True))
-    reports = [measure(name, device, args.rounds, args.steps, variants, args.hf_config, log) for name in sizes]
+    reports = [measure(name, device, args.rounds, args.steps, variants, args.hf_config, log,
+                       trace=Path(args.trace) / name if args.trace else None) for name in sizes]
     result = {"reports": reports, "left_out": left_out}
     if args.json:
         print(json.dumps(result))
@@ -284,6 +326,8 @@ def main(argv: list[str]) -> int:
         console.print(f"peak FLOP/s: {report['peak_source']}")
         for name, judged in report["judged"].items():
             console.print(say(name, judged))
+        for v, why in report["failed"].items():
+            console.print(f"{v} FAILED: {why}")
     for v, why in left_out.items():
         console.print(f"{v} left out: {why}")
     return 0

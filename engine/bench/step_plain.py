@@ -8,7 +8,8 @@ Per step: a random batch of batch x (seq_len + 1) ids from the token file, `mode
 `torch.autocast(bfloat16)` where --precision is bf16), fp32 cross-entropy, backward, `AdamW(fused=True).step()`,
 `zero_grad(set_to_none=True)`, `loss.item()`. `--compile`: each decoder block `block.compile()`d, as
 torchtitan's regional compilation. The weights are built from the config with torch.manual_seed(0), the same in
-every turn. Prints one JSON object: every step's wall time (ms, from one `loss.item()` to the next), the peak
+every turn. `--trace DIR`: the last steps but one recorded by torch.profiler (engine/runtime/trace.py), as
+`trainyard run`'s `[telemetry] trace_steps` records its own. Prints one JSON object: every step's wall time (ms, from one `loss.item()` to the next), the peak
 memory (the CUDA allocator's, or the process's peak RSS on the CPU) and, with --count-flops, the FLOPs of one
 step (torch's FlopCounterMode, on the first step).
 """
@@ -36,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--count-flops", action="store_true")
+    parser.add_argument("--trace", metavar="DIR", help="record the last steps but one (3 at most) with torch.profiler: "
+                                                       "DIR/plain.txt and DIR/plain.json (engine/runtime/trace.py)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)   # trainyard's worker runs one thread: the same cores for both
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -62,16 +65,26 @@ def main(argv: list[str] | None = None) -> int:
         return loss.item()
 
     flops = None
+    trace = None
+    if args.trace:
+        from pathlib import Path
+        from engine.runtime.trace import StepTrace
+        first = max(2, args.steps - 3)
+        trace = StepTrace(first, max(first, args.steps - 1), Path(args.trace), "plain", torch.device(args.device))
     times, last = [], time.perf_counter()
     for k in range(args.steps):
+        if trace:
+            trace.before(k)
         if k == 0 and args.count_flops:
             from engine.training.throughput import counted_flops
-            _, flops = counted_flops(step)
+            _, flops, _ = counted_flops(step)
         else:
             step()
         now = time.perf_counter()
         times.append((now - last) * 1000)
-        last = now
+        if trace:
+            trace.after(k + 1)
+        last = time.perf_counter()
     peak = torch.cuda.max_memory_allocated() if args.device == "cuda" else peak_rss()
     print(json.dumps({"step_ms": times, "peak_bytes": peak, "flops": flops}))
     return 0

@@ -63,7 +63,8 @@ def format_size(n: float) -> str:
 # A `pattern` key's rule in words, for messages and docs (the regex is the rule itself).
 PATTERN_WORDS = {"run.name": "1 to 64 letters, digits, '.', '_' or '-', starting with a letter or digit",
                  "cluster.interface": "a network interface name (up to 15 letters, digits, '_', '.', ':', '@' "
-                                      "or '-'), or empty"}
+                                      "or '-'), or empty",
+                 "telemetry.trace_steps": "steps as `FIRST-LAST` or `N` (1-based, like `20-22`), or empty"}
 
 
 def show(value: Any) -> str:

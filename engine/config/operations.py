@@ -54,6 +54,10 @@ class TelemetryConfig:
     wandb: str = setting("", "Record the run in this Weights & Biases project (`PROJECT` or `ENTITY/PROJECT`), "
                              "offline under `<run dir>/wandb/` unless WANDB_MODE=online or an API key is set; "
                              "needs wandb (pip install -e '.[wandb]'). Empty: off.")
+    trace_steps: str = setting("", "Record these steps with torch.profiler, `FIRST-LAST` or `N` (1-based, as the "
+                                   "step records count): each rank writes a Chrome trace and a table of its "
+                                   "operators' times to `<run dir>/trace/` (docs/telemetry.md). Empty: off; a "
+                                   "step outside the run: nothing is recorded.", pattern=r"([0-9]+(-[0-9]+)?)?")
     tracker_queue_len: int = setting(1024, "Log records held for the trackers (tensorboard, wandb); while they are "
                                            "slower, the newer ones are dropped and counted (said at the end).",
                                      min=1)

@@ -100,6 +100,16 @@ def listen_is_loopback(cfg: Config) -> str | None:
     return None
 
 
+def trace_steps_in_order(cfg: Config) -> str | None:
+    """`telemetry.trace_steps` counts from step 1, its FIRST no later than its LAST."""
+    text = cfg.telemetry.trace_steps
+    first, _, last = text.partition("-")
+    if text and (int(first) < 1 or int(last or first) < int(first)):
+        return (f"telemetry.trace_steps = {show(text)}: steps count from 1, and FIRST-LAST needs FIRST <= LAST "
+                f'(like "20-22")')
+    return None
+
+
 def hosts_split_workers(cfg: Config) -> str | None:
     """`cluster.nnodes` divides `parallel.world_size` (the same number of workers on every host);
     `cluster.node_rank < nnodes`; `cluster.rdzv_endpoint` is `HOST:PORT` when nnodes > 1."""
@@ -219,7 +229,7 @@ def precision_makes_sense(cfg: Config) -> str | None:
     return None
 
 
-CROSS_CHECKS = [schedule_ends_low, hosts_split_workers, listen_is_loopback, *TABLE_CHECKS, model_matches_data, files_exist,
+CROSS_CHECKS = [schedule_ends_low, hosts_split_workers, listen_is_loopback, trace_steps_in_order, *TABLE_CHECKS, model_matches_data, files_exist,
                 branchy_has_square_images, *STRATEGY_CHECKS, batch_splits_over_ranks, *AFTER_BATCH, heads_split_width,
                 slow_layer_is_whole, slow_rank_is_whole, kill_has_its_moment, precision_makes_sense,
                 every_host_count_holds, trackers_installed]

@@ -32,6 +32,7 @@ from engine.runtime.lifecycle import StopRequest, hello
 from engine.runtime.run_core import RunCore, resume_point
 from engine.runtime.profiler import LayerProfiler
 from engine.runtime.topology import Topology
+from engine.runtime.trace import StepTrace
 from engine.run.checkpointer import Checkpointer
 from engine.models.compile import compile_figures
 from engine.run.compiles import CompileReport
@@ -107,6 +108,8 @@ class Worker:
         self.peak_flops, self.peak_source = device_peak_flops(self.device.name, cfg.precision.compute,
                                                               cfg.device.peak_tflops)
         self.flops = 0
+        self.trace = StepTrace.from_config(cfg.telemetry.trace_steps, self.run_dir, topo.rank,
+                                           self.device.torch_device)   # None where off
 
     def _hello(self) -> dict:
         updated = [n for n, layer in zip(self.model.names, self.model.layers) if any(True for _ in layer.parameters())]
@@ -154,6 +157,8 @@ class Worker:
         step, loss, last = self.first_step, None, time.perf_counter()
         while True:
             self.step_now = step + 1
+            if self.trace:
+                self.trace.before(step)
             trained = self._train(step) if not core.paused and step < self.cfg.run.steps else None
             step += trained is not None
             table, commands = self._exchange(trained)
@@ -168,6 +173,8 @@ class Worker:
                 now = time.perf_counter()
                 self.report.step(step, loss, table, now - last, layers, self.lr)
                 last = now
+                if self.trace:
+                    self.trace.after(step)
                 self._due(step)
                 forward(self.tel, step, self.strategy.events(step, table, self.run_dir))
                 if self.cfg.model.compile:
@@ -207,7 +214,12 @@ class Worker:
         t0 = time.perf_counter()
         with compute_in(cfg.precision, self.device.torch_device):   # bf16: under autocast
             if count:
-                loss, self.flops = counted_flops(lambda: strategy.train_step(x, y))
+                loss, flops, why = counted_flops(lambda: strategy.train_step(x, y))
+                self.flops = flops or 0
+                if why:   # no MFU where the FLOPs are unknown: a count without some operator's would be low
+                    self.peak_flops = self.report.throughput.peak_flops = None
+                    if self.topo.is_first:
+                        print(f"trainyard: {why}", file=sys.stderr, flush=True)
             else:
                 loss = strategy.train_step(x, y)
             loss = loss or 0.0   # None: a pipeline stage before the last
@@ -343,6 +355,8 @@ class Worker:
 
     def _finish(self, step: int, loss: float | None) -> dict | None:
         self.memory.close()
+        if self.trace:
+            self.trace.close()
         stopped_early = step < self.cfg.run.steps
         drained = self.checkpoints.drain()   # a stop, a restart, a resize and the end wait for the write in flight
         self.checkpoint_s = self.checkpoints.write_s() or self.checkpoint_s

@@ -1,7 +1,8 @@
 """What a step achieves: tokens per second, and the fraction of the device's peak it reaches (MFU).
 
     tokens = tokens_per_sample(x)                      # token ids (batch, seq): seq; anything else: None
-    out, flops = counted_flops(lambda: train_step(x, y))   # the step's matmul/attention FLOPs, counted once
+    out, flops, why = counted_flops(lambda: train_step(x, y))   # the step's matmul/attention FLOPs, counted once
+                                                                # (None, and why, where torch's formulas fail)
     peak, source = device_peak_flops(name, "bf16", stated_tflops=0.0)   # FLOP/s, and where it came from
     mfu = flops / (step_s * peak)
 
@@ -59,10 +60,55 @@ def tokens_per_sample(x: torch.Tensor) -> int | None:
     return None
 
 
+def _heads_as_query(query_shape, *shapes):
+    """Grouped-query attention (fewer key/value heads than query heads, SDPA's `enable_gqa`): the shapes with the
+    key/value heads broadcast to the query's, as the kernel computes them."""
+    heads = query_shape[1]
+    return [(s[0], heads, *s[2:]) for s in shapes]
+
+
+def _sdpa_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    from torch.utils.flop_counter import sdpa_flop_count
+    return sdpa_flop_count(query_shape, *_heads_as_query(query_shape, key_shape, value_shape))
+
+
+def _sdpa_backward_flops(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    from torch.utils.flop_counter import sdpa_backward_flop_count
+    return sdpa_backward_flop_count(grad_out_shape, query_shape,
+                                    *_heads_as_query(query_shape, key_shape, value_shape))
+
+
+def _attention_formulas() -> dict:
+    """torch's SDPA formulas, for grouped-query attention too: before torch 2.13 they refused a key with fewer
+    heads than the query (every Llama 2 70B, Llama 3, Mistral, Qwen or TinyLlama on a GPU)."""
+    aten = torch.ops.aten
+    forward = ("_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
+               "_scaled_dot_product_cudnn_attention")
+    return {**{getattr(aten, name): _sdpa_flops for name in forward if hasattr(aten, name)},
+            **{getattr(aten, f"{name}_backward"): _sdpa_backward_flops for name in forward
+               if hasattr(aten, f"{name}_backward")}}
+
+
 def counted_flops(run):
-    """(what `run()` returns, the FLOPs it ran), counted by torch's FlopCounterMode; compiled code is counted
-    too, without a recompile."""
+    """(what `run()` returns, the FLOPs it ran, None) counted by torch's FlopCounterMode; compiled code is counted
+    too, without a recompile. An operator whose formula fails on its shapes is not allowed to fail the step: its
+    FLOPs are then unknown, and the third item names it (the count is None: an MFU without it would be low)."""
     from torch.utils.flop_counter import FlopCounterMode
-    with FlopCounterMode(display=False) as counter:
+    counter = FlopCounterMode(display=False, custom_mapping=_attention_formulas())
+    failed: list[str] = []
+
+    def guarded(packet, formula):
+        def count(*args, **kwargs):
+            try:
+                return formula(*args, **kwargs)
+            except Exception as e:   # torch's formula on shapes it did not foresee: the step goes on
+                failed.append(f"{packet}: {type(e).__name__}: {e}")
+                return 0
+        return count
+
+    counter.flop_registry = {packet: guarded(packet, formula) for packet, formula in counter.flop_registry.items()}
+    with counter:
         out = run()
-    return out, int(counter.get_total_flops())
+    if failed:
+        return out, None, f"FLOPs not counted ({failed[0]}); no MFU is reported"
+    return out, int(counter.get_total_flops()), None

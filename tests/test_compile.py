@@ -41,6 +41,9 @@ CASES = {
                            'parallel.pipeline.partition=[["embed"], ["block0.attn", "block0.mlp", "block1.attn", '
                            '"block1.mlp", "norm", "head"]]', "parallel.pipeline.rebalance_check_every=3",
                            *SWAP_RECOMPUTE],
+    # a known peak: the first step's FLOPs are counted, its layers eager (under the counter dynamo would skip
+    # their code for good: an H200's compiled run never compiled), and they compile at step 2
+    "ddp-counted": ["parallel.strategy=ddp", "device.peak_tflops=0.5"],
     "param_server": ["parallel.strategy=param_server", "parallel.world_size=3", "parallel.param_server.servers=1",
                      "parallel.param_server.workers=2", "parallel.param_server.sync=bsp"],
 }
@@ -151,7 +154,9 @@ def test_a_compiled_run_equals_the_eager_one_at_every_step(cli, case):
     assert "compiled again" not in r.stderr and "compile time" in r.stdout
     compiles = [rec for rec in records if rec.get("kind") == "compile"]
     ranks = [row for rec in records if rec["type"] == "step" for row in rec.get("ranks", [])]
-    if case != "param_server":   # the parameter server says its compile time in the summary alone
+    if case == "ddp-counted":
+        assert compiles and compiles[0]["step"] == 2 and summary["mfu"] > 0, (compiles, summary)
+    elif case != "param_server":   # the parameter server says its compile time in the summary alone
         assert compiles and compiles[0]["step"] == 1 and all(c["recompiles"] == 0 for c in compiles)
         assert any(row.get("swap_layers") for row in ranks) and any(row.get("recompute_layers") for row in ranks)
     if case.startswith("pipeline"):   # block0 arrived on stage 0: eager in its migration step, compiled after

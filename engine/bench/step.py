@@ -234,7 +234,7 @@ def measure(size_name: str, device: str, rounds: int, steps: int | None, variant
                 log(f"    {v}: {got['step_ms']:.2f} ms a step" + (f", compiled in {got['compile_s']} s"
                                                                   if got.get("compile_s") else ""))
         per_round = {v: turns for v, turns in per_round.items() if v not in failed}
-        for v in (v for v in ("plain", "trainyard") if trace and v in per_round):
+        for v in (v for v in ("plain", "plain-compiled", "trainyard", "trainyard-compiled") if trace and v in per_round):
             log(f"  traced turn: {v}")
             turn(v, folder, config, size, device, min(steps, 12), rounds, count_flops=False, trace=trace)
         peak, peak_source = peak_flops(device, size["precision"])

@@ -21,7 +21,8 @@ layer that arrives by migration costs a guard check. The layer's instance `forwa
   hooks that are GraphModules): they run at run time on what the compiled graph's autograd function saves,
   and swap moves that. Recompute's checkpoint calls the compiled function and reruns it in backward;
 - without grad (an evaluation) or in eval mode a layer runs eager: grad mode and `training` are guarded, so
-  those calls would each compile another graph for a few calls.
+  those calls would each compile another graph for a few calls; the step whose FLOPs are counted runs eager
+  too (engine/run/worker.py), since under torch's FlopCounterMode dynamo skips the function's code for good.
 
 Compile time is counted apart (torch._dynamo.callback: every compile's start and end, forward and the backward
 compiled at its first run), never inside a stage time a planner reads (engine/strategies/pipeline/stage.py

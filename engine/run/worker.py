@@ -12,6 +12,7 @@ names (engine/strategies/base.py), and forwards the events each technique makes 
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ from engine.runtime.profiler import LayerProfiler
 from engine.runtime.topology import Topology
 from engine.runtime.trace import StepTrace
 from engine.run.checkpointer import Checkpointer
-from engine.models.compile import compile_figures
+from engine.models.compile import compile_figures, eager_layers
 from engine.run.compiles import CompileReport
 from engine.run.fit import settle_auto
 from engine.run.layer_rows import LayerRows
@@ -213,8 +214,9 @@ class Worker:
         count = self.peak_flops is not None and not self.flops and not self.memory.recomputes()
         t0 = time.perf_counter()
         with compute_in(cfg.precision, self.device.torch_device):   # bf16: under autocast
-            if count:
-                loss, flops, why = counted_flops(lambda: strategy.train_step(x, y))
+            if count:   # compiled layers run eager here: dynamo would skip their code for good under the counter
+                with eager_layers(self.model.layers) if cfg.model.compile else contextlib.nullcontext():
+                    loss, flops, why = counted_flops(lambda: strategy.train_step(x, y))
                 self.flops = flops or 0
                 if why:   # no MFU where the FLOPs are unknown: a count without some operator's would be low
                     self.peak_flops = self.report.throughput.peak_flops = None

@@ -132,6 +132,7 @@ planner = "exhaustive"
 every = 5
 keep = 1
 background = false
+at_end = false
 
 [precision]
 compute = "bf16"

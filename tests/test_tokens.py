@@ -100,8 +100,11 @@ def test_a_run_on_a_token_file_learns_and_resumes_exactly(cli, tmp_path):
     split = tmp_path / "split.jsonl"
     r = cli.run("run", "demo/configs/digits_ddp.toml", "--headless", "--steps", "30", *cli.base_args("split"),
                 *common, "--telemetry-log", str(split), "--resume", str(at_10),
-                "--set", "telemetry.trace_steps=12-13", timeout=120)   # traced: the same values
+                "--set", "telemetry.trace_steps=12-13", "--set", "checkpoint.at_end=false",
+                timeout=120)   # traced: the same values
     assert r.returncode == 0, r.stderr
+    # no checkpoint of the end (the one at 20 is the cadence's)
+    assert [c.name for c in list_checkpoints(tmp_path / "runs" / "split")] == ["step_000020"]
     traces = tmp_path / "runs" / "split" / "trace"
     assert sorted(p.name for p in traces.iterdir()) == ["rank0.json", "rank0.txt", "rank1.json", "rank1.txt"]
     assert "aten::mm" in (traces / "rank1.txt").read_text()

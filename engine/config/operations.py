@@ -16,6 +16,10 @@ class CheckpointConfig:
     """When checkpoints are written and how many are kept."""
 
     every: int = setting(0, "Write a checkpoint every N steps (0: only at exit).", min=0)
+    at_end: bool = setting(True, "Write a checkpoint when the run reaches run.steps (a Hugging Face model is then "
+                                 "exported from it to `<run dir>/hf/`); false: none then, and no export, for "
+                                 "benches and smoke runs. A stop (a signal, a command) writes its final checkpoint "
+                                 "either way.")
     keep: int = setting(3, "Checkpoints kept in the run directory (older ones are deleted).", min=1)
     background: bool = setting(True, "Write checkpoints in a background thread: the step waits only for a copy "
                                      "in host memory, and a checkpoint due while one is being written waits for "

@@ -293,8 +293,9 @@ def keep_hf_config(cfg, model) -> None:
 def export_at_end(cfg) -> Path | None:
     """After a run that ended well, on host 0's launcher: a run of a Hugging Face model is written as
     runs/NAME/hf/ (replacing the previous end's), and a line on stderr says where. Returns the folder, or
-    None (another model, another host, or an export that failed: the run's result stands, a line says why)."""
-    if cfg.cluster.node_rank != 0:
+    None (another model, another host, `checkpoint.at_end = false`, or an export that failed: the run's result
+    stands, a line says why)."""
+    if cfg.cluster.node_rank != 0 or not cfg.checkpoint.at_end:   # no checkpoint of the end to export
         return None
     try:
         if hf_source(cfg.run_dir, cfg.to_dict()["model"]) is None:

@@ -362,7 +362,8 @@ class Worker:
         stopped_early = step < self.cfg.run.steps
         drained = self.checkpoints.drain()   # a stop, a restart, a resize and the end wait for the write in flight
         self.checkpoint_s = self.checkpoints.write_s() or self.checkpoint_s
-        if (step > self.first_step or stopped_early) and drained != step and self._final_checkpoint_fits(step):
+        wanted = stopped_early or (step > self.first_step and self.cfg.checkpoint.at_end)
+        if wanted and drained != step and self._final_checkpoint_fits(step):
             self.checkpoints.take(step, background=False)
         figures = self.evaluate()
         if stopped_early and self.restarting():

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import statistics
 
+import psutil
 import pytest
 
 
@@ -131,10 +133,13 @@ def test_bench_memory_reports_every_variant_beside_torchs_own(cli):
 
 
 @pytest.mark.timeout(180)
-def test_bench_step_times_trainyard_beside_the_plain_loop_and_judges_the_goals(cli):
-    """`trainyard bench step`: a turn of the plain loop and of `trainyard run` (keep/device, and auto/auto) at the
-    host-bound size; every variant's figures, its ratio to the plain loop, and the goals judged over the rounds."""
-    r = cli.run("bench", "step", "--json", "--size", "host", "--rounds", "1", "--steps", "6",
+@pytest.mark.parametrize("mode", ["interleaved", "turns"])
+def test_bench_step_times_trainyard_beside_the_plain_loop_and_judges_the_goals(cli, mode):
+    """`trainyard bench step`: the plain loop and `trainyard run` (keep/device, and auto/auto) at the host-bound
+    size, in turns of a process each (a GPU's default) or interleaved, every process alive at once and timed in
+    slices (the CPU's); every variant's figures, its ratio to the plain loop, the goals judged over the rounds,
+    and no process left."""
+    r = cli.run("bench", "step", "--json", "--size", "host", "--rounds", "1", "--steps", "6", "--mode", mode,
                 "--variants", "plain,trainyard,trainyard-auto,trainyard-bf16w", timeout=170)
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stdout)
@@ -142,15 +147,24 @@ def test_bench_step_times_trainyard_beside_the_plain_loop_and_judges_the_goals(c
                                                      "in fp32"}
     [host] = report["reports"]
     assert host["size"] == "host" and host["batch"] == 8 and host["seq_len"] == 64 and host["device"] == "cpu"
+    assert host["interleaved"] == (mode == "interleaved") and host["failed"] == {}
     rows = {row["variant"]: row for row in host["variants"]}
     assert set(rows) == {"plain", "trainyard", "trainyard-auto"}
     for name, row in rows.items():
         assert row["step_ms"] > 0 and row["tokens_per_s"] == pytest.approx(8 * 64 / row["step_ms"] * 1000, rel=1e-3)
         assert "mfu" not in row and row["peak_bytes"] > 0   # no peak FLOP/s on the CPU
-    assert rows["trainyard"]["x_plain"] == pytest.approx(rows["plain"]["step_ms"] / rows["trainyard"]["step_ms"],
-                                                         rel=1e-2)
+    if mode == "turns":   # a round's ratio: the two turns' medians
+        want = rows["plain"]["step_ms"] / rows["trainyard"]["step_ms"]
+    else:                 # the median over the round's cycles of the two slices' ratio
+        [plain], [trainyard] = rows["plain"]["slices_ms"], rows["trainyard"]["slices_ms"]
+        assert len(plain) == len(trainyard) == 20
+        want = statistics.median(a / b for a, b in zip(plain, trainyard) if a and b)
+    assert rows["trainyard"]["x_plain"] == pytest.approx(want, abs=1e-3)
     assert set(host["judged"]) == {"trainyard / plain", "trainyard-auto / trainyard"}
     assert all(j["verdict"] in ("met", "missed", "undecided") for j in host["judged"].values())
+    left = [p.pid for p in psutil.process_iter(["cmdline"]) if any("trainyard-bench-step-" in arg
+                                                                  for arg in p.info["cmdline"] or ())]
+    assert left == []   # no variant's process (a stopped one least of all) outlives the bench
 
 
 def test_bench_step_refuses_an_unknown_variant_by_name(cli):

@@ -17,9 +17,14 @@ kept between turns.
 
 A trainyard variant is timed as its user sees it: the run's own step loop (engine/run/worker.py) with its
 default telemetry, the wall time between step records (the records' samples_per_s); the plain loop from one
-`loss.item()` to the next. A turn's figure is the median of the second half of its steps (the first half
-holds the warm-up: allocations, compiles, plans). A ratio is taken within each round (the same minutes of the
-machine) and judged over the rounds (engine/bench/verdict.py: median, spread, met/missed/undecided).
+`loss.item()` to the next. `--mode turns` (a GPU's default): a process per variant per round, one after
+another, a turn's figure the median of the second half of its steps (the first half holds the warm-up:
+allocations, compiles, plans). `--mode interleaved` (the CPU's): every variant's process alive at once, in
+slices of half a second on one CPU, the others stopped (engine/bench/step_interleave.py; `--steps` halved is
+each one's warm-up). A ratio is taken within each round (the same minutes of the machine; interleaved, the
+median over the round's cycles of the two slices' ratio) and judged over the rounds (engine/bench/verdict.py:
+median, spread, met/missed/undecided). Every process the bench starts has the same host allocator settings as
+trainyard's workers (engine/processes/children.py steady_host_allocator).
 
 Sizes: on a GPU the TinyLlama shape (hidden 2048, 16 blocks, 32 heads, 4 KV heads, vocab 32000, batch 4 x
 2048, bf16 autocast). On the CPU two sizes, fp32: `host` (hidden 64, 2 blocks, batch 8 x 64), where the
@@ -32,7 +37,7 @@ A turn's steps (`--steps`) default by size: 300 at the host size (a 13 ms step: 
 second, moved with this machine's neighbours by up to 30% from turn to turn), 60 at the compute size, 40 on a GPU.
 
     trainyard bench step [--json] [--rounds 3] [--steps N] [--device cpu|cuda] [--size host|compute|gpu]
-                         [--hf-config DIR] [--variants a,b,...] [--trace DIR]
+                         [--hf-config DIR] [--variants a,b,...] [--mode turns|interleaved] [--trace DIR]
 
 A variant whose turn fails is said, with the end of its error, and the others are measured on. `--trace DIR`:
 after the rounds, one more turn of plain and of trainyard, untimed, whose last steps but one torch.profiler
@@ -55,7 +60,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.bench.verdict import judge_ratio, say
+from engine.bench.verdict import judge, judge_ratio, say
 
 SIZES = {   # LlamaConfig keywords, and the batch
     "host": dict(config=dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
@@ -126,18 +131,31 @@ def _env(folder: Path) -> dict:
     return env
 
 
+def command(variant: str, folder: Path, config: Path, size: dict, device: str, steps: int, number: int,
+            count_flops: bool = False, trace: str = "", stream: bool = False) -> tuple[list[str], Path | None]:
+    """A variant's command line, and (trainyard) its telemetry log. `steps` 0 with `stream`: until stopped."""
+    if variant.startswith("plain"):
+        return [sys.executable, "-m", "engine.bench.step_plain", "--hf-config", str(config), "--tokens",
+                str(folder / "train.bin"), "--batch", str(size["batch"]), "--seq-len", str(size["seq_len"]),
+                "--steps", str(steps), "--device", device, "--precision", size["precision"],
+                *(["--compile"] if variant == "plain-compiled" else []), *(["--count-flops"] if count_flops else []),
+                *(["--trace", str(folder / "trace")] if trace else []), *(["--stream"] if stream else [])], None
+    cfg = run_config(variant, folder, config, size, device, steps or 10 ** 8, number, trace=trace)
+    log = folder / f"{variant}-{number}.jsonl"
+    return [sys.executable, "-c", "from engine.cli import main; raise SystemExit(main())", "run", str(cfg),
+            "--headless", "--telemetry-log", str(log)], log
+
+
 def turn(variant: str, folder: Path, config: Path, size: dict, device: str, steps: int, number: int,
          count_flops: bool, trace: Path | None = None) -> dict:
     """One variant's turn: {"step_ms": median of the second half, "steps": every step's ms, "peak_bytes",
     "flops" (plain, when counted), "compile_s" (trainyard-compiled, when the run says)}. `trace`: the last steps
     but one recorded by torch.profiler, their tables and traces copied there as VARIANT.txt and VARIANT.json."""
     env = _env(folder)
+    first = max(2, steps - 3)
+    cmd, log = command(variant, folder, config, size, device, steps, number, count_flops,
+                       trace=f"{first}-{max(first, steps - 1)}" if trace else "")
     if variant.startswith("plain"):
-        cmd = [sys.executable, "-m", "engine.bench.step_plain", "--hf-config", str(config), "--tokens",
-               str(folder / "train.bin"), "--batch", str(size["batch"]), "--seq-len", str(size["seq_len"]),
-               "--steps", str(steps), "--device", device, "--precision", size["precision"],
-               *(["--compile"] if variant == "plain-compiled" else []), *(["--count-flops"] if count_flops else []),
-               *(["--trace", str(folder / "trace")] if trace else [])]
         done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=folder, timeout=TURN_TIMEOUT_S)
         if done.returncode != 0:
             raise RuntimeError(f"{variant} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
@@ -147,12 +165,6 @@ def turn(variant: str, folder: Path, config: Path, size: dict, device: str, step
         ms = out["step_ms"]
         return {"step_ms": statistics.median(ms[len(ms) // 2:]), "steps": ms, "peak_bytes": out["peak_bytes"],
                 "flops": out["flops"]}
-    first = max(2, steps - 3)
-    cfg = run_config(variant, folder, config, size, device, steps, number,
-                     trace=f"{first}-{max(first, steps - 1)}" if trace else "")
-    log = folder / f"{variant}-{number}.jsonl"
-    cmd = [sys.executable, "-c", "from engine.cli import main; raise SystemExit(main())", "run", str(cfg),
-           "--headless", "--telemetry-log", str(log)]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=folder, timeout=TURN_TIMEOUT_S)
     if done.returncode != 0:
         raise RuntimeError(f"{variant} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
@@ -179,9 +191,14 @@ def _keep_trace(where: Path, stem: str, to: Path, variant: str) -> None:
 
 
 def speedup(per_round: dict[str, list[dict]], variant: str, base: str, at_least: float) -> dict:
-    """`variant`'s speed over `base`'s (base's step over variant's), round by round, judged (verdict.py)."""
-    return judge_ratio([t["step_ms"] for t in per_round[base]], [t["step_ms"] for t in per_round[variant]],
-                       at_least=at_least)
+    """`variant`'s speed over `base`'s (base's step over variant's), round by round, judged (verdict.py).
+    Interleaved turns: a round's ratio is the median over its cycles of the two slices' ratio within a cycle
+    (seconds apart), which a change of the machine's speed between cycles moves less than the round's medians."""
+    pairs = list(zip(per_round[base], per_round[variant]))
+    if pairs and all("slices_ms" in b and "slices_ms" in v for b, v in pairs):
+        return judge([statistics.median(x / y for x, y in zip(b["slices_ms"], v["slices_ms"]) if x and y)
+                      for b, v in pairs], at_least=at_least)
+    return judge_ratio([b["step_ms"] for b, _ in pairs], [v["step_ms"] for _, v in pairs], at_least=at_least)
 
 
 def peak_flops(device: str, precision: str) -> tuple[float | None, str]:
@@ -206,35 +223,54 @@ def peak_flops(device: str, precision: str) -> tuple[float | None, str]:
     return 2 * n ** 3 * reps / (time.perf_counter() - t0), f"measured: a {n}x{n} bf16 matmul"
 
 
+def _turns(variants, folder, config, size, device, steps, rounds, log):
+    """Every variant's turns of a process each, round by round: (per_round, failed, flops)."""
+    per_round: dict[str, list[dict]] = {v: [] for v in variants}
+    failed: dict[str, str] = {}
+    flops = None
+    for r in range(rounds):
+        order = variants[r % len(variants):] + variants[:r % len(variants)]   # who goes first rotates
+        for v in (v for v in order if v not in failed):
+            log(f"  round {r + 1}/{rounds}: {v}")
+            try:
+                got = turn(v, folder, config, size, device, steps, r,
+                           count_flops=(v == "plain" and flops is None and device == "cuda"))
+            except (RuntimeError, subprocess.TimeoutExpired) as e:
+                failed[v] = str(e)[-2000:]
+                log(f"  {v} failed: {failed[v]}")
+                continue
+            flops = got.get("flops") or flops
+            per_round[v].append(got)
+            log(f"    {v}: {got['step_ms']:.2f} ms a step" + (f", compiled in {got['compile_s']} s"
+                                                              if got.get("compile_s") else ""))
+    return {v: turns for v, turns in per_round.items() if v not in failed}, failed, flops
+
+
+def _interleaved(variants, folder, config, size, device, steps, rounds, log):
+    """Every variant's process alive at once, in slices (engine/bench/step_interleave.py): (per_round, failed,
+    None); `steps` is each one's warm-up before the slices begin."""
+    from engine.bench.step_interleave import Contender, interleaved
+    contenders = {}
+    for v in variants:
+        cmd, telemetry = command(v, folder, config, size, device, 0, 0, stream=True)
+        contenders[v] = Contender(v, cmd, _env(folder), folder, size["batch"], telemetry)
+    per_round, failed = interleaved(contenders, rounds, steps, log)
+    return per_round, failed, None
+
+
 def measure(size_name: str, device: str, rounds: int, steps: int | None, variants: list[str],
-            hf_config: str | None, log=print, trace: Path | None = None) -> dict:
-    """Every variant's turns, round by round. A variant whose turn fails is said (`failed`, with the end of its
-    error) and left out of the rounds after, the others measured on. `trace`: after the rounds, one more turn of
-    plain and trainyard each (not timed), their last steps but one recorded by torch.profiler."""
+            hf_config: str | None, log=print, trace: Path | None = None, interleave: bool = False) -> dict:
+    """Every variant's turns, round by round: a process each, one after another, or (`interleave`) all alive
+    at once, in slices of half a second. A variant whose turn fails is said (`failed`, with the end of its error) and
+    left out of the rounds after, the others measured on. `trace`: after the rounds, one more turn of the plain
+    loops and trainyard's (not timed), their last steps but one recorded by torch.profiler."""
     size = dict(SIZES[size_name])
     steps = steps or size["steps"]
     folder = Path(tempfile.mkdtemp(prefix="trainyard-bench-step-"))
     try:
         config = write_inputs(folder, size, hf_config)
-        per_round: dict[str, list[dict]] = {v: [] for v in variants}
-        failed: dict[str, str] = {}
-        flops = None
-        for r in range(rounds):
-            order = variants[r % len(variants):] + variants[:r % len(variants)]   # who goes first rotates
-            for v in (v for v in order if v not in failed):
-                log(f"  round {r + 1}/{rounds}: {v}")
-                try:
-                    got = turn(v, folder, config, size, device, steps, r,
-                               count_flops=(v == "plain" and flops is None and device == "cuda"))
-                except (RuntimeError, subprocess.TimeoutExpired) as e:
-                    failed[v] = str(e)[-2000:]
-                    log(f"  {v} failed: {failed[v]}")
-                    continue
-                flops = got.get("flops") or flops
-                per_round[v].append(got)
-                log(f"    {v}: {got['step_ms']:.2f} ms a step" + (f", compiled in {got['compile_s']} s"
-                                                                  if got.get("compile_s") else ""))
-        per_round = {v: turns for v, turns in per_round.items() if v not in failed}
+        per_round, failed, flops = (_interleaved if interleave else _turns)(
+            variants, folder, config, size, device, steps // 2 if interleave else steps, rounds, log)
         for v in (v for v in ("plain", "plain-compiled", "trainyard", "trainyard-compiled") if trace and v in per_round):
             log(f"  traced turn: {v}")
             turn(v, folder, config, size, device, min(steps, 12), rounds, count_flops=False, trace=trace)
@@ -249,6 +285,8 @@ def measure(size_name: str, device: str, rounds: int, steps: int | None, variant
                    "peak_bytes": max((t["peak_bytes"] or 0) for t in turns) or None}
             if flops and peak:
                 row["mfu"] = round(flops / (step_ms / 1000) / peak, 4)
+            if turns and "slices_ms" in turns[0]:   # interleaved: each slice's median, round by round
+                row["slices_ms"] = [t["slices_ms"] for t in turns]
             compile_s = [t["compile_s"] for t in turns if t.get("compile_s") is not None]
             if compile_s:
                 row["compile_s"] = compile_s
@@ -261,7 +299,8 @@ def measure(size_name: str, device: str, rounds: int, steps: int | None, variant
                   for (v, base), goal in GOALS[device].items() if v in per_round and base in per_round}
         return {"size": size_name, "device": device, "model": {**size["config"]} if not hf_config else hf_config,
                 "batch": size["batch"], "seq_len": size["seq_len"], "precision": size["precision"],
-                "rounds": rounds, "steps": steps, "flops_per_step": flops, "peak_flops": peak,
+                "rounds": rounds, "steps": steps, "interleaved": interleave, "flops_per_step": flops,
+                "peak_flops": peak,
                 "peak_source": peak_source, "variants": [{"variant": v, **rows[v]} for v in per_round],
                 "failed": failed, "judged": judged}
     finally:
@@ -280,6 +319,10 @@ def main(argv: list[str]) -> int:
                         help="default: gpu on a GPU; host and compute on the CPU")
     parser.add_argument("--hf-config", default=None, help="a Hugging Face config folder: that model, any family")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="a comma-separated subset of " + ", ".join(VARIANTS))
+    parser.add_argument("--mode", choices=("turns", "interleaved"), default=None,
+                        help="turns: a process per variant per round, one after another (a GPU's default: one "
+                             "variant's state at a time); interleaved: every variant's process alive at once, "
+                             "in slices of half a second (the CPU's default; engine/bench/step_interleave.py)")
     parser.add_argument("--trace", metavar="DIR", default=None,
                         help="after the rounds, one more turn of plain and trainyard each, its last steps but one "
                              "recorded by torch.profiler: DIR/VARIANT.txt (operators by their own time) and .json "
@@ -302,7 +345,8 @@ def main(argv: list[str]) -> int:
             left_out["trainyard-bf16w"] = "bf16 working weights need bf16 compute; this size computes in fp32"
     variants = [v for v in variants if v not in left_out]
     log = (lambda *a: print(*a, file=sys.stderr, flush=True))
-    reports = [measure(name, device, args.rounds, args.steps, variants, args.hf_config, log,
+    interleave = (args.mode or ("turns" if device == "cuda" else "interleaved")) == "interleaved"
+    reports = [measure(name, device, args.rounds, args.steps, variants, args.hf_config, log, interleave=interleave,
                        trace=Path(args.trace) / name if args.trace else None) for name in sizes]
     result = {"reports": reports, "left_out": left_out}
     if args.json:

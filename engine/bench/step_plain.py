@@ -8,7 +8,8 @@ Per step: a random batch of batch x (seq_len + 1) ids from the token file, `mode
 `torch.autocast(bfloat16)` where --precision is bf16), fp32 cross-entropy, backward, `AdamW(fused=True).step()`,
 `zero_grad(set_to_none=True)`, `loss.item()`. `--compile`: each decoder block `block.compile()`d, as
 torchtitan's regional compilation. The weights are built from the config with torch.manual_seed(0), the same in
-every turn. `--trace DIR`: the last steps but one recorded by torch.profiler (engine/runtime/trace.py), as
+every turn. `--stream`: each step's end and ms as it ends, a JSON line each (bench step's interleaved
+turns, engine/bench/step_interleave.py). `--trace DIR`: the last steps but one recorded by torch.profiler (engine/runtime/trace.py), as
 `trainyard run`'s `[telemetry] trace_steps` records its own. Prints one JSON object: every step's wall time (ms, from one `loss.item()` to the next), the peak
 memory (the CUDA allocator's, or the process's peak RSS on the CPU) and, with --count-flops, the FLOPs of one
 step (torch's FlopCounterMode, on the first step).
@@ -17,6 +18,7 @@ step (torch's FlopCounterMode, on the first step).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import time
 
@@ -37,6 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--count-flops", action="store_true")
+    parser.add_argument("--stream", action="store_true",
+                        help="print each step's end (Unix time) and ms as a line of JSON as it ends "
+                             "(bench step's interleaved turns); --steps 0: until killed")
     parser.add_argument("--trace", metavar="DIR", help="record the last steps but one (3 at most) with torch.profiler: "
                                                        "DIR/plain.txt and DIR/plain.json (engine/runtime/trace.py)")
     args = parser.parse_args(argv)
@@ -72,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         first = max(2, args.steps - 3)
         trace = StepTrace(first, max(first, args.steps - 1), Path(args.trace), "plain", torch.device(args.device))
     times, last = [], time.perf_counter()
-    for k in range(args.steps):
+    for k in range(args.steps) if args.steps else itertools.count():
         if trace:
             trace.before(k)
         if k == 0 and args.count_flops:
@@ -81,7 +86,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             step()
         now = time.perf_counter()
-        times.append((now - last) * 1000)
+        if args.stream:
+            print(json.dumps({"end": time.time(), "ms": (now - last) * 1000}), flush=True)
+        else:
+            times.append((now - last) * 1000)
         if trace:
             trace.after(k + 1)
         last = time.perf_counter()

@@ -163,10 +163,9 @@ def main(argv: list[str] | None = None) -> int:
         from engine.processes import cluster
         return cluster.main(argv[1:])
     args = _parser().parse_args(argv)
-    from engine.processes.children import steady_host_allocator, torch_cache_out_of_temp
+    from engine.processes.children import torch_cache_out_of_temp
     from engine.telemetry.protocol import RuntimeDirError
     torch_cache_out_of_temp()
-    steady_host_allocator()   # before any worker, fork server or bench process starts
     try:
         return _dispatch(args)
     except RuntimeDirError as e:   # where live runs are registered: the demo, console, runs and ctl need it

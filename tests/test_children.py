@@ -421,17 +421,12 @@ def test_a_worker_that_raises_writes_the_agents_error_file_and_no_pickle(tmp_pat
     assert not list(own_tmp.iterdir()) and not list(tmp_path.glob("*.partial"))
 
 
-def test_workers_allocate_with_fixed_thresholds_unless_the_user_set_their_own(monkeypatch):
+def test_bench_processes_allocate_with_fixed_thresholds_unless_the_user_set_their_own():
     """glibc's dynamic thresholds gave one worker 5,300 page faults a second and an identical one 15
     (children.steady_host_allocator); a user's own MALLOC_* settings win."""
     import platform
     from engine.processes import children
-    for key in children.HOST_ALLOCATOR:
-        monkeypatch.delenv(key, raising=False)
-    children.steady_host_allocator()
+    got = children.steady_host_allocator({"PATH": "/bin"})
     glibc = platform.libc_ver()[0] == "glibc"
-    assert all(os.environ.get(k) == (v if glibc else None) for k, v in children.HOST_ALLOCATOR.items())
-    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
-    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "0")
-    children.steady_host_allocator()
-    assert "MALLOC_MMAP_THRESHOLD_" not in os.environ and os.environ["MALLOC_TRIM_THRESHOLD_"] == "0"
+    assert got == ({"PATH": "/bin", **children.HOST_ALLOCATOR} if glibc else {"PATH": "/bin"})
+    assert children.steady_host_allocator({"MALLOC_TRIM_THRESHOLD_": "0"}) == {"MALLOC_TRIM_THRESHOLD_": "0"}

@@ -23,8 +23,8 @@ allocations, compiles, plans). `--mode interleaved` (the CPU's): every variant's
 slices of half a second on one CPU, the others stopped (engine/bench/step_interleave.py; `--steps` halved is
 each one's warm-up). A ratio is taken within each round (the same minutes of the machine; interleaved, the
 median over the round's cycles of the two slices' ratio) and judged over the rounds (engine/bench/verdict.py:
-median, spread, met/missed/undecided). Every process the bench starts has the same host allocator settings as
-trainyard's workers (engine/processes/children.py steady_host_allocator).
+median, spread, met/missed/undecided). Every process the bench starts, plain or trainyard's, has the same fixed
+host allocator thresholds (engine/processes/children.py steady_host_allocator).
 
 Sizes: on a GPU the TinyLlama shape (hidden 2048, 16 blocks, 32 heads, 4 KV heads, vocab 32000, batch 4 x
 2048, bf16 autocast). On the CPU two sizes, fp32: `host` (hidden 64, 2 blocks, batch 8 x 64), where the
@@ -126,8 +126,9 @@ def run_config(variant: str, folder: Path, config: Path, size: dict, device: str
 
 
 def _env(folder: Path) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", TORCHINDUCTOR_CACHE_DIR=str(folder / "inductor"),
-               PYTHONUNBUFFERED="1")
+    from engine.processes.children import steady_host_allocator
+    env = steady_host_allocator(dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+                                     TORCHINDUCTOR_CACHE_DIR=str(folder / "inductor")))
     return env
 
 

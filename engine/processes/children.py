@@ -118,17 +118,18 @@ def torch_cache_out_of_temp() -> None:
 HOST_ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(256 << 20)}
 
 
-def steady_host_allocator() -> None:
-    """Workers (and the processes a bench starts) allocate on the host without a page fault per tensor. glibc's
-    dynamic thresholds hand a freed top of the heap back to the kernel and fault it in again at the next step,
-    or not, by the luck of the heap's layout: at bench step's host size a worker took 5,300 page faults a second
-    (3-5% of its step) where another, identical but for a check before step 1, took 15. Fixed thresholds, read
-    by each process's allocator when it starts. A user's own MALLOC_* settings are left as they are; only where
-    the C library is glibc."""
+def steady_host_allocator(env: dict) -> dict:
+    """`env` for processes that allocate on the host without a page fault per tensor (bench step's variants, all
+    of them alike). glibc's dynamic thresholds hand a freed top of the heap back to the kernel and fault it in
+    again at the next step, or not, by the luck of the heap's layout: at bench step's host size a worker took
+    5,300 page faults a second (3-5% of its step) where another, identical but for a check before step 1, took
+    15. Fixed thresholds, read by each process's allocator when it starts. Settings of the user's own are left
+    as they are; only where the C library is glibc. Not set for runs: a loopback test of a host that rejoins a
+    parameter server hung at torch's exit barrier in 3 of 6 runs with it for the workers, cause not found."""
     import platform
-    if platform.libc_ver()[0] != "glibc" or any(key in os.environ for key in HOST_ALLOCATOR):
-        return
-    os.environ.update(HOST_ALLOCATOR)
+    if platform.libc_ver()[0] == "glibc" and not any(key in env for key in HOST_ALLOCATOR):
+        env.update(HOST_ALLOCATOR)
+    return env
 
 
 class ChildRuns:

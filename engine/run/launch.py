@@ -44,7 +44,7 @@ from engine.runtime import checkpoint as ckpt
 from engine.runtime import compat
 from engine.processes import forkserver
 from engine.run import PRELOAD
-from engine.processes.children import steady_host_allocator, torch_cache_out_of_temp
+from engine.processes.children import torch_cache_out_of_temp
 from engine.config import config_to_toml
 from engine.run.handover import hand_over, release
 from engine.runtime.refusal import FAILED, REFUSAL_SIGNAL, read_refusal
@@ -267,7 +267,6 @@ def launch(job: Job) -> dict | None:
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch_cache_out_of_temp()   # engine.train's path too: the workers import torch._dynamo
-    steady_host_allocator()     # for the fork server and workers this launch starts
     _quiet_torch_elastic()
     agent = agent_dir(cfg.run_dir, cfg.cluster.node_rank)
     launch_cfg = _launch_config(job, agent)

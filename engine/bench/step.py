@@ -153,9 +153,9 @@ def turn(variant: str, folder: Path, config: Path, size: dict, device: str, step
     "flops" (plain, when counted), "compile_s" (trainyard-compiled, when the run says)}. `trace`: the last steps
     but one recorded by torch.profiler, their tables and traces copied there as VARIANT.txt and VARIANT.json."""
     env = _env(folder)
-    first = max(2, steps - 3)
+    from engine.runtime.trace import last_steps_but_one
     cmd, log = command(variant, folder, config, size, device, steps, number, count_flops,
-                       trace=f"{first}-{max(first, steps - 1)}" if trace else "")
+                       trace="{}-{}".format(*last_steps_but_one(steps)) if trace else "")
     if variant.startswith("plain"):
         done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=folder, timeout=TURN_TIMEOUT_S)
         if done.returncode != 0:

@@ -9,8 +9,9 @@ Per step: a random batch of batch x (seq_len + 1) ids from the token file, `mode
 `zero_grad(set_to_none=True)`, `loss.item()`. `--compile`: each decoder block `block.compile()`d, as
 torchtitan's regional compilation. The weights are built from the config with torch.manual_seed(0), the same in
 every turn. `--stream`: each step's end and ms as it ends, a JSON line each (bench step's interleaved
-turns, engine/bench/step_interleave.py). `--trace DIR`: the last steps but one recorded by torch.profiler (engine/runtime/trace.py), as
-`trainyard run`'s `[telemetry] trace_steps` records its own. Prints one JSON object: every step's wall time (ms, from one `loss.item()` to the next), the peak
+turns, engine/bench/step_interleave.py). `--trace DIR`: the last steps but one recorded by torch.profiler
+(engine/runtime/trace.py), as `trainyard run`'s `[telemetry] trace_steps` records its own. Prints one JSON
+object: every step's wall time (ms, from one `loss.item()` to the next), the peak
 memory (the CUDA allocator's, or the process's peak RSS on the CPU) and, with --count-flops, the FLOPs of one
 step (torch's FlopCounterMode, on the first step).
 """
@@ -73,9 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     trace = None
     if args.trace:
         from pathlib import Path
-        from engine.runtime.trace import StepTrace
-        first = max(2, args.steps - 3)
-        trace = StepTrace(first, max(first, args.steps - 1), Path(args.trace), "plain", torch.device(args.device))
+        from engine.runtime.trace import StepTrace, last_steps_but_one
+        trace = StepTrace(*last_steps_but_one(args.steps), Path(args.trace), "plain", torch.device(args.device))
     times, last = [], time.perf_counter()
     for k in range(args.steps) if args.steps else itertools.count():
         if trace:

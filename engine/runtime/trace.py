@@ -29,6 +29,13 @@ def parse_steps(text: str) -> tuple[int, int] | None:
     return int(first), int(last or first)
 
 
+def last_steps_but_one(steps: int) -> tuple[int, int]:
+    """The steps a bench's traced turn of `steps` records: the last three before its last (its end is not a step's
+    work), from step 2 at the least (1-based)."""
+    first = max(2, steps - 3)
+    return first, max(first, steps - 1)
+
+
 class StepTrace:
     def __init__(self, first: int, last: int, folder: Path, stem: str, device: torch.device):
         self.first, self.last, self.folder, self.stem = first, last, folder, stem

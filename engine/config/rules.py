@@ -100,11 +100,20 @@ def listen_is_loopback(cfg: Config) -> str | None:
     return None
 
 
+def step_span(text: str) -> tuple[int, int] | None:
+    """`telemetry.trace_steps`, its pattern checked: '20-22' -> (20, 22); '5' -> (5, 5); '' -> None (1-based, as
+    step records count; engine/runtime/trace.py)."""
+    if not text:
+        return None
+    first, _, last = text.partition("-")
+    return int(first), int(last or first)
+
+
 def trace_steps_in_order(cfg: Config) -> str | None:
     """`telemetry.trace_steps` counts from step 1, its FIRST no later than its LAST."""
+    span = step_span(cfg.telemetry.trace_steps)
     text = cfg.telemetry.trace_steps
-    first, _, last = text.partition("-")
-    if text and (int(first) < 1 or int(last or first) < int(first)):
+    if span is not None and (span[0] < 1 or span[1] < span[0]):
         return (f"telemetry.trace_steps = {show(text)}: steps count from 1, and FIRST-LAST needs FIRST <= LAST "
                 f'(like "20-22")')
     return None

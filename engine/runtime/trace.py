@@ -19,14 +19,7 @@ from pathlib import Path
 
 import torch
 
-
-def parse_steps(text: str) -> tuple[int, int] | None:
-    """'20-22' -> (20, 22); '5' -> (5, 5); '' -> None. 1-based, as step records count (checked at load:
-    engine/config/rules.py trace_steps_in_order)."""
-    if not text:
-        return None
-    first, _, last = text.partition("-")
-    return int(first), int(last or first)
+from engine.config.rules import step_span
 
 
 def last_steps_but_one(steps: int) -> tuple[int, int]:
@@ -44,7 +37,7 @@ class StepTrace:
 
     @classmethod
     def from_config(cls, text: str, run_dir, rank: int, device: torch.device) -> StepTrace | None:
-        steps = parse_steps(text)
+        steps = step_span(text)
         return cls(*steps, Path(run_dir) / "trace", f"rank{rank}", device) if steps else None
 
     def before(self, step: int) -> None:

@@ -195,6 +195,7 @@ def tied_grid_job(topo, variants) -> list[dict]:
     from engine.runtime.devices import LedgerDevice
     from engine.strategies.pipeline import PipelineStage
     from engine.strategies.sharded.spec import ShardedConfig
+    from tests.posting_order import PostingOrder
     from tests.test_pipeline import _pipe
     from tests.test_rebalance import MIGRATE_BEFORE, _batches, _tied_optim, tied_model
     out = []
@@ -202,16 +203,17 @@ def tied_grid_job(topo, variants) -> list[dict]:
     for optim, data, (start, then) in variants:
         stage = PipelineStage(tied_model(), start, topo, LedgerDevice(1 << 30), _tied_optim(optim), _pipe(2, "1f1b"),
                               grid=grid, sharded=ShardedConfig(slices=2) if data == "sharded" else None)
-        half, losses = None, []
+        half, losses, order = None, [], PostingOrder()
         for step, (x, y) in enumerate(_batches()):
             if step == MIGRATE_BEFORE:
                 stage.migrate(then)
             half = x.shape[0] // 2
             mine = slice(stage.replica * half, (stage.replica + 1) * half)
-            losses.append(stage.train_step(x[mine], y[mine]))
+            with order:
+                losses.append(stage.train_step(x[mine], y[mine]))
         stage.sync()
         out.append({"state": {k: v.detach().clone() for k, v in stage.stage_state().items()}, "losses": losses,
-                    "replica": stage.replica})
+                    "replica": stage.replica, "posted": order.log})
         stage.close()
     return out
 
@@ -220,6 +222,7 @@ def tied_grid_job(topo, variants) -> list[dict]:
 def test_a_weight_tied_across_stages_of_replicas_is_one_weight_with_ddp_and_sharded_replicas():
     from engine.processes.procpool import DistPool
     from tests.conftest import train_one_process
+    from tests.posting_order import mismatched_pairs
     from tests.test_rebalance import TIED, _batches, _tied_optim, tied_model
     layouts = ([TIED[:3], TIED[3:]], [TIED[:5], TIED[5:]])   # mid1 joins mid0's stage at the migration
     variants = [("adamw+clip", "ddp", layouts), ("adamw+clip", "sharded", layouts)]
@@ -232,3 +235,5 @@ def test_a_weight_tied_across_stages_of_replicas_is_one_weight_with_ddp_and_shar
                 torch.testing.assert_close(value, ref_state[name], atol=1e-5, rtol=0, msg=f"{data} {name}")
         last = [r[k]["losses"] for r in results if r[k]["losses"][0] is not None]   # the replicas' last stages
         torch.testing.assert_close([sum(s) / 2 for s in zip(*last)], ref_losses, atol=1e-5, rtol=0)
+        # every pair's messages posted in one order at both ends, as NCCL needs (tests/posting_order.py)
+        assert mismatched_pairs([per_rank[k]["posted"] for per_rank in results]) == [], data

@@ -17,6 +17,7 @@ from engine.strategies.pipeline import PipelineStage
 from engine.processes.procpool import DistPool
 from engine.strategies.pipeline.rebalance import LayerClock, decide
 from tests.conftest import train_one_process
+from tests.posting_order import PostingOrder, mismatched_pairs
 from tests.test_pipeline import META, _optim, _pipe
 from tests.test_pipeline import _batches as pipeline_batches
 
@@ -50,10 +51,12 @@ def migrating_job(topo, variants) -> list[dict]:
         stage = PipelineStage(model, start, topo, device, _optim(optim), _pipe(micro, schedule))
         device.ledger.track_module(stage.ledger_module, stage.optimizer)
         losses, moved = [], []
+        order = PostingOrder()
         for step, (x, y) in enumerate(_batches()):
             if step == MIGRATE_BEFORE:
                 stage.migrate(then)
-            losses.append(stage.train_step(x, y))
+            with order:
+                losses.append(stage.train_step(x, y))
             move = stage.take_migration()
             if move is not None:
                 moved.append((step + 1, move.moves, move.sent_bytes))
@@ -61,7 +64,7 @@ def migrating_job(topo, variants) -> list[dict]:
         # the contract's weights(): this stage's, under the model's own names, each name on one stage only
         out.append({"state": stage.weights(),
                     "losses": losses, "stages": stage.stage_layers, "moved": moved,
-                    "own_params": sum(p.numel() for p in stage.stage_params()),
+                    "own_params": sum(p.numel() for p in stage.stage_params()), "posted": order.log,
                     "ledger_params": device.ledger.bytes["parameters"]})
         stage.close()
     return out
@@ -83,6 +86,8 @@ def check_migrated(results, variants):
             torch.testing.assert_close(merged[name], ref_state[name], atol=1e-5, rtol=0,
                                        msg=lambda m, name=name: f"{optim}/{schedule}/{micro} {name}: {m}")
         torch.testing.assert_close(results[-1][k]["losses"], ref_losses, atol=1e-5, rtol=0)
+        # every pair's messages posted in one order at both ends, as NCCL needs (PostingOrder)
+        assert mismatched_pairs([per_rank[k]["posted"] for per_rank in results]) == [], (optim, schedule, micro)
         if start == then:
             assert all(not per_rank[k]["moved"] for per_rank in results)
             continue
@@ -493,15 +498,16 @@ def tied_job(topo, variants) -> list[dict]:
     out = []
     for optim, schedule, (start, then) in variants:
         stage = PipelineStage(tied_model(), start, topo, LedgerDevice(1 << 30), _tied_optim(optim), _pipe(4, schedule))
-        losses, clipped = [], []
+        losses, clipped, order = [], [], PostingOrder()
         for step, (x, y) in enumerate(_batches()):
             if step == MIGRATE_BEFORE:
                 stage.migrate(then)
-            losses.append(stage.train_step(x, y))
+            with order:
+                losses.append(stage.train_step(x, y))
             clipped.append(stage.updater.decision.clipped)
         stage.sync()
         out.append({"state": {k: v.detach().clone() for k, v in stage.stage_state().items()}, "losses": losses,
-                    "stages": stage.stage_layers, "clipped": clipped,
+                    "stages": stage.stage_layers, "clipped": clipped, "posted": order.log,
                     "weights": sorted(stage.weights())})
         stage.close()
     return out
@@ -534,6 +540,8 @@ def test_a_weight_tied_across_stages_is_one_weight_through_a_migration():
             torch.testing.assert_close(merged[name], ref_state[name], atol=1e-5, rtol=0,
                                        msg=lambda m, name=name: f"{optim}/{schedule} {name}: {m}")
         torch.testing.assert_close(results[-1][k]["losses"], ref_losses, atol=1e-5, rtol=0)
+        # every pair's messages posted in one order at both ends, as NCCL needs (PostingOrder)
+        assert mismatched_pairs([per_rank[k]["posted"] for per_rank in results]) == [], (optim, schedule)
 
 
 def resumed_then_balanced_job(topo, root: str) -> dict:

@@ -193,16 +193,18 @@ class PipelineStage(Strategy):
             self.shards.sync()   # the weights that move are the owners' last
         move, self.pending = (Migration(self, self.pending) if self.pending else None), None
         wire, ops = self.wire, schedule_ops(self.schedule, self.stages, self.rank, m)
-        wire.begin_step(move, ops, self.prev, self.next)   # the schedule's receives, each posted one ahead
         ranges = [(self.start, self.end)]
         arrivals = eager_layers(())
         if move is not None:
             move.start()
-            move.receive_state()   # posted first; taken before its first new-layout op: see migration.py
+            # posted before the schedule's first receive: NCCL matches a pair's messages in the order they are
+            # posted, whatever their tags (the sources send the state first); taken before its first new-layout op
+            move.receive_state()
             ranges.append(check_stages(self.model.names, move.new)[self.rank])
             # `[model] compile`: a layer that arrives runs eager in its migration step, compiled from the next
             arrivals = eager_layers([self.model.layers[i] for i in range(*ranges[1])
                                      if not self.start <= i < self.end])
+        wire.begin_step(move, ops, self.prev, self.next)   # the schedule's receives, each posted one ahead
         compiles = FIGURES.dynamo + FIGURES.seconds
         # saved tensors counted through autograd's hooks until a micro-batch of this layout and shape is known;
         # then each micro-batch at once (MemoryLedger.unit_bytes: the same peak)

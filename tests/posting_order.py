@@ -14,11 +14,13 @@ from __future__ import annotations
 
 class PostingOrder:
     """Every point-to-point message this rank posts, in the order it posts them, as (peer's global rank, the
-    group's name, "send" | "recv", numel, dtype): a group is a communicator of its own under NCCL, so the order
-    that counts is each pair's within each group."""
+    group's name, "send" | "recv", numel, dtype, tag): a group is a communicator of its own under NCCL, so the
+    order that counts is each pair's within each group. The tag names the message: the k-th send and the k-th
+    receive of a pair must carry the same one, or NCCL lands one message in another's buffer (silently, where
+    their sizes agree)."""
 
     def __init__(self):
-        self.log: list[tuple[int, str, str, int, str]] = []
+        self.log: list[tuple[int, str, str, int, str, int]] = []
         self._saved: dict = {}
 
     def __enter__(self) -> "PostingOrder":
@@ -32,8 +34,9 @@ class PostingOrder:
         def call(tensor, *args, **kwargs):
             peer = args[0] if args else kwargs.get("dst" if kind == "send" else "src")
             group = args[1] if len(args) > 1 else kwargs.get("group")
+            tag = args[2] if len(args) > 2 else kwargs.get("tag", 0)
             name = "default" if group is None else group.group_name
-            self.log.append((peer, name, kind, tensor.numel(), str(tensor.dtype)))
+            self.log.append((peer, name, kind, tensor.numel(), str(tensor.dtype), tag))
             return fn(tensor, *args, **kwargs)
         return call
 

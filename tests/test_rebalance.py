@@ -633,11 +633,15 @@ def test_the_pipeline_bench_round_steps_every_variant_side_by_side():
 def test_the_posting_order_check_names_a_pair_whose_two_ends_disagree():
     """NCCL matches in posting order: the check flags a pair whose ends post the same messages in other orders, or
     on other groups (tests/posting_order.py)."""
-    sizes_first = [(1, "0", "send", 2, "torch.int64"), (1, "0", "send", 8, "torch.int64")]
-    header_first = [(0, "0", "recv", 8, "torch.int64"), (0, "0", "recv", 2, "torch.int64")]
+    sizes_first = [(1, "0", "send", 2, "torch.int64", 2), (1, "0", "send", 8, "torch.int64", 0)]
+    header_first = [(0, "0", "recv", 8, "torch.int64", 0), (0, "0", "recv", 2, "torch.int64", 2)]
     assert mismatched_pairs([sizes_first, header_first]) == [
-        "0 -> 1 on group 0: message 0 sent as [(2, 'torch.int64')], received into [(8, 'torch.int64')] "
+        "0 -> 1 on group 0: message 0 sent as [(2, 'torch.int64', 2)], received into [(8, 'torch.int64', 0)] "
         "(2 sent, 2 received)"]
     assert mismatched_pairs([sizes_first, list(reversed(header_first))]) == []
-    other_group = [(0, "1", "recv", 2, "torch.int64"), (0, "1", "recv", 8, "torch.int64")]
+    other_group = [(0, "1", "recv", 2, "torch.int64", 2), (0, "1", "recv", 8, "torch.int64", 0)]
     assert len(mismatched_pairs([sizes_first, other_group])) == 2   # group 0 unreceived, group 1 unsent
+    # two messages of one size, received in another order: NCCL would swap their contents without a word
+    same_size = [(1, "0", "send", 4, "torch.float32", 7), (1, "0", "send", 4, "torch.float32", 8)]
+    swapped = [(0, "0", "recv", 4, "torch.float32", 8), (0, "0", "recv", 4, "torch.float32", 7)]
+    assert len(mismatched_pairs([same_size, swapped])) == 1

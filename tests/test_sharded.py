@@ -24,6 +24,7 @@ from engine.strategies.sharded import ShardedStrategy, assign_owners, cut, plan_
 from engine.strategies.sharded.plan import reduce_buckets
 from engine.processes.procpool import DistPool
 from tests.conftest import assert_named_state_close
+from tests.posting_order import PostingOrder, mismatched_pairs
 
 # --- the plan ---------------------------------------------------------------------------
 
@@ -134,9 +135,11 @@ def _train(topo, strategy: str, optim: str, depth: int, steps: int, start: int =
     device.ledger.track_module(model, runner.optimizer)
     if resume is not None:
         runner.load_optimizer_state(resume["optimizer"])
+    order = PostingOrder()
     for step in range(start, start + steps):
         x, y = batch_for(ds, step, cfg.data.batch_size, cfg.run.seed, topo.rank, topo.world_size)
-        runner.train_step(x, y)
+        with order:
+            runner.train_step(x, y)
     weights = runner.weights()   # the contract's: this rank's weights under the model's own names
     optimizer = runner.optimizer_state()   # and its optimizer state under them
     runner.close()
@@ -146,7 +149,7 @@ def _train(topo, strategy: str, optim: str, depth: int, steps: int, start: int =
             "optimizer_state_bytes": device.ledger.bytes["optimizer_state"],
             "largest_param_bytes": max(p.numel() * p.element_size() for p in model.parameters()),
             "gate_ms": runner.timings.get("gate_ms", 0.0),
-            "two_level": isinstance(runner, ShardedStrategy) and runner.tiers is not None}
+            "two_level": isinstance(runner, ShardedStrategy) and runner.tiers is not None, "posted": order.log}
 
 
 def sharded_vs_ddp(topo, optim: str = "sgd", depth: int = 2, steps: int = STEPS, **options) -> dict:
@@ -163,7 +166,8 @@ def sharded_vs_ddp(topo, optim: str = "sgd", depth: int = 2, steps: int = STEPS,
     return {"max_diff": diff, "held": sorted(got["weights"]), "held_diff": held, "names": sorted(want["state"]),
             "optimizer_held": sorted(got["optimizer"]), "optimizer_names": sorted(want["optimizer"]),
             "two_level": got["two_level"], "ddp_state_bytes": want["optimizer_state_bytes"],
-            "sharded_state_bytes": got["optimizer_state_bytes"], "largest_param_bytes": got["largest_param_bytes"]}
+            "sharded_state_bytes": got["optimizer_state_bytes"], "largest_param_bytes": got["largest_param_bytes"],
+            "posted": got["posted"]}
 
 
 @pytest.fixture(scope="module")
@@ -228,13 +232,13 @@ def pairwise_cover(space: list, covered: list) -> list:
 SLOW = pairwise_cover(FULL, QUICK)
 
 
-def check_against_ddp(pools, case) -> None:
+def check_against_ddp(pools, case, job=sharded_vs_ddp) -> None:
     """World 4 runs as 2 hosts of 2 ranks (on loopback; tests/test_cluster.py runs real namespaces): its
     `balanced` cases take the two-level exchange across hosts (relays, then broadcasts across and within
     hosts), its `random` ones the flat exchange. Both must equal DDP."""
     world, streams, slices, assignment, overlap, main, optim = case
     two_level = world == 4 and assignment == "balanced"
-    results = pools(world).run(sharded_vs_ddp, optim=optim, streams=streams, slices=slices, assignment=assignment,
+    results = pools(world).run(job, optim=optim, streams=streams, slices=slices, assignment=assignment,
                                overlap_forward=overlap, main_stream_communicates=main, hierarchical=two_level)
     for rank, result in enumerate(results):
         assert result["two_level"] == two_level, f"rank {rank}: two_level is {result['two_level']}"
@@ -246,12 +250,36 @@ def check_against_ddp(pools, case) -> None:
     # and their optimizer_state(): each parameter's state exactly once (its owner's), equal to DDP's
     optimizer_held = [name for result in results for name in result["optimizer_held"]]
     assert sorted(optimizer_held) == results[0]["optimizer_names"]
+    # every pair's point-to-point messages posted in one order at both ends, as NCCL needs (tests/posting_order.py)
+    assert mismatched_pairs([result["posted"] for result in results]) == []
 
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("case", QUICK, ids=grid_id)
 def test_parameters_equal_ddp_after_20_steps(pools, case):
     check_against_ddp(pools, case)
+
+
+def small_buckets_vs_ddp(topo, **options) -> dict:
+    """sharded_vs_ddp with gradient messages from 256 bytes (not 1 MiB): several buckets to every owner, as a
+    real model sends, so that each pair's order of messages is put to the test (NCCL matches in posting order)."""
+    from engine.strategies.sharded import plan
+    saved = plan.reduce_buckets.__defaults__
+    plan.reduce_buckets.__defaults__ = (256,)
+    try:
+        return sharded_vs_ddp(topo, **options)
+    finally:
+        plan.reduce_buckets.__defaults__ = saved
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("case", [(2, 2, 16, "random", True, False, "adamw"), (4, 2, 4, "random", True, False, "sgd"),
+                                  (4, 4, 4, "balanced", True, False, "sgd")], ids=grid_id)
+def test_several_buckets_to_every_owner_go_in_one_order_at_both_ends_and_equal_ddp(pools, case):
+    """The flat exchange and the two-level one (relays) with many buckets a pair: every pair's messages posted in
+    the same order at both ends, and the parameters still DDP's (before the fix: bucket 14 sent where bucket 0
+    was received, the same size)."""
+    check_against_ddp(pools, case, job=small_buckets_vs_ddp)
 
 
 @pytest.mark.slow

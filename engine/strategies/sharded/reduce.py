@@ -67,6 +67,23 @@ class GradientReduce:
         dtype, dev = grad_flat[0].dtype, grad_flat[0].device
         self.incoming = {i: {q: torch.empty(b.numel, dtype=dtype, device=dev) for q in self._senders(b.owner)}
                          for i, b in enumerate(self.buckets) if b.owner == self.rank or i in relayed}
+        # NCCL matches one pair's messages in the order they are posted, whatever their tags: every pair's buckets
+        # go, and are received, in one order, the highest first (backward makes the last layers' gradients
+        # first); a bucket ready early waits for those before it in that order. {destination: [bucket]}: those
+        # this rank sends from backward, and the sums it relays (to their owners on other hosts)
+        self._direct_to: dict[int, list[int]] = {}
+        self._relay_to: dict[int, list[int]] = {}
+        for i in reversed(range(len(self.buckets))):
+            b = self.buckets[i]
+            if i in relayed:
+                self._relay_to.setdefault(b.owner, []).append(i)
+            elif b.owner != self.rank:
+                dst = b.owner if tiers is None else tiers.relay_on(tiers.host, b.owner)
+                self._direct_to.setdefault(dst, []).append(i)
+        self._ready: dict[int, torch.Tensor] = {}         # bucket -> buffer, ready to go, not yet sent
+        self._relay_ready: dict[int, torch.Tensor] = {}
+        self._next: dict[int, int] = {}                    # destination -> its next bucket's place in its order
+        self._relay_next: dict[int, int] = {}
         for p, found in zip(params, buckets_of):
             p.register_post_accumulate_grad_hook(self._grad_ready(found))
 
@@ -76,8 +93,12 @@ class GradientReduce:
         self._remaining, self._sent, self.t0 = list(self._expected), set(), None
         self._relay_left, self._relay_error = len(self.relayed), None
         self._relay_done.clear()
-        self._recvs = {o: [dist.irecv(buffer, src=q, group=self.topo.compute, tag=o) for q, buffer in bufs.items()]
-                       for o, bufs in self.incoming.items()}
+        self._ready, self._relay_ready = {}, {}
+        self._next, self._relay_next = dict.fromkeys(self._direct_to, 0), dict.fromkeys(self._relay_to, 0)
+        # posted in each pair's one order (the highest bucket first), as the senders send them
+        self._recvs = {i: [dist.irecv(buffer, src=q, group=self.topo.compute, tag=i)
+                           for q, buffer in self.incoming[i].items()]
+                       for i in sorted(self.incoming, reverse=True)}
 
     def finish(self) -> None:
         """After backward: the buckets whose gradients never all came go now; then this rank's shard is summed."""
@@ -126,7 +147,17 @@ class GradientReduce:
             return
         # across hosts, to the owner's relay on this host (on the owner's own host, that is the owner)
         dst = s.owner if self.tiers is None else self.tiers.relay_on(self.tiers.host, s.owner)
-        self._sends.append(dist.isend(buffer, dst=dst, group=self.topo.compute, tag=i))
+        self._ready[i] = buffer
+        self._flush(self._direct_to[dst], self._next, self._ready, dst)
+
+    def _flush(self, order: list[int], at: dict[int, int], ready: dict[int, torch.Tensor], dst: int) -> None:
+        """Send `dst`'s buckets in its one order, from where it stands, as far as they are ready."""
+        k = at[dst]
+        while k < len(order) and order[k] in ready:
+            i = order[k]
+            self._sends.append(dist.isend(ready.pop(i), dst=dst, group=self.topo.compute, tag=i))
+            k += 1
+        at[dst] = k
 
     def _relay_loop(self) -> None:
         while (i := self._relay_queue.get()) is not None:
@@ -136,7 +167,8 @@ class GradientReduce:
                 s = self.buckets[i]
                 total = self.grad_flat[s.owner][s.start:s.stop]
                 self._sum_into(total, [self.incoming[i][q] for q in sorted(self.incoming[i])])
-                self._sends.append(dist.isend(total, dst=s.owner, group=self.topo.compute, tag=i))
+                self._relay_ready[i] = total
+                self._flush(self._relay_to[s.owner], self._relay_next, self._relay_ready, s.owner)
             except BaseException as e:   # raised on the main thread, in _sum_onto_owner
                 self._relay_error = e
             finally:

@@ -78,8 +78,7 @@ class GradientReduce:
             if i in relayed:
                 self._relay_to.setdefault(b.owner, []).append(i)
             elif b.owner != self.rank:
-                dst = b.owner if tiers is None else tiers.relay_on(tiers.host, b.owner)
-                self._direct_to.setdefault(dst, []).append(i)
+                self._direct_to.setdefault(self._first_hop(b.owner), []).append(i)
         self._ready: dict[int, torch.Tensor] = {}         # bucket -> buffer, ready to go, not yet sent
         self._relay_ready: dict[int, torch.Tensor] = {}
         self._next: dict[int, int] = {}                    # destination -> its next bucket's place in its order
@@ -145,10 +144,14 @@ class GradientReduce:
             return
         if s.owner == self.rank:
             return
-        # across hosts, to the owner's relay on this host (on the owner's own host, that is the owner)
-        dst = s.owner if self.tiers is None else self.tiers.relay_on(self.tiers.host, s.owner)
+        dst = self._first_hop(s.owner)
         self._ready[i] = buffer
         self._flush(self._direct_to[dst], self._next, self._ready, dst)
+
+    def _first_hop(self, owner: int) -> int:
+        """Where this rank sends `owner`'s buckets: across hosts, to the owner's relay on this host (on the owner's
+        own host, that is the owner)."""
+        return owner if self.tiers is None else self.tiers.relay_on(self.tiers.host, owner)
 
     def _flush(self, order: list[int], at: dict[int, int], ready: dict[int, torch.Tensor], dst: int) -> None:
         """Send `dst`'s buckets in its one order, from where it stands, as far as they are ready."""

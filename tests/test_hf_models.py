@@ -233,8 +233,12 @@ def test_a_stage_without_the_embedding_computes_its_blocks_arguments_itself():
 
 def test_bf16_weights_get_their_rotary_tables_in_bf16_and_the_meta_device_runs_for_sizes():
     model = build("mistral")
-    layers = engine.layers(model).to(torch.bfloat16)
-    cos, sin = layers.layer("block0").arguments(torch.zeros(1, 8, 32, dtype=torch.bfloat16))[1]["position_embeddings"]
+    layers = engine.layers(model)
+    block = layers.layer("block0")
+    cos, sin = block.arguments(torch.zeros(1, 8, 32))[1]["position_embeddings"]
+    assert cos.dtype == sin.dtype == torch.float32
+    layers.to(torch.bfloat16)   # cast after the block has run: its next arguments follow the weights
+    cos, sin = block.arguments(torch.zeros(1, 8, 32, dtype=torch.bfloat16))[1]["position_embeddings"]
     assert cos.dtype == sin.dtype == torch.bfloat16
     with torch.device("meta"):
         big = type(model)(FAMILIES["mistral"].config())

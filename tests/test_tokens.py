@@ -49,6 +49,14 @@ def test_samples_are_windows_of_the_file_and_targets_the_next_ids(tmp_path, dtyp
     assert torch.equal(torch.cat([h[0] for h in halves]), whole[0])
     assert torch.equal(torch.cat([h[1] for h in halves]), whole[1])
     assert isinstance(ds.x_train, TokenWindows) and len(ds.x_test) == 0   # no val file: no test split
+    # batch_for reads a sample's inputs and targets as one window of SEQ + 1 ids: the same ids as two reads
+    idx = torch.tensor([3, 0, len(ds.x_train) - 1])
+    x, y = ds.x_train.with_targets(ds.y_train, idx)
+    assert torch.equal(x, ds.x_train[idx]) and torch.equal(y, ds.y_train[idx])
+    assert x.is_contiguous() and y.is_contiguous() and x.dtype == y.dtype == torch.int64
+    assert ds.x_train.with_targets(ds.x_train, idx) is None   # not its targets: each is read alone
+    with pytest.raises(IndexError, match=r"sample index out of range for .*t\.bin \(62 samples\)"):
+        ds.x_train.with_targets(ds.y_train, torch.tensor([62]))
 
 
 def test_a_worker_maps_the_file_and_holds_no_copy(tmp_path):

@@ -63,7 +63,7 @@ class Strategy:
 
     def step_loss(self, losses: torch.Tensor) -> float:
         """The step's loss from every rank's (each rank's share of the global batch's mean)."""
-        return float(losses.mean())
+        return losses.item() if losses.numel() == 1 else float(losses.mean())   # one rank: no reduction to run
 
     def events(self, step: int, table: torch.Tensor, run_dir: Path) -> list[Event]:
         """Every rank, after the step's exchange (`table`: every rank's figures): what happened in it."""

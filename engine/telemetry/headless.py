@@ -16,7 +16,7 @@ from rich.table import Table
 from engine.config import format_size
 
 
-REFRESH_S = 0.2   # how often the bar is drawn, from the step loop's own update (no drawing thread beside it)
+REFRESH_S = 0.5   # how often the bar is drawn, from the step loop's own update (no drawing thread beside it)
 
 
 class HeadlessProgress:

@@ -92,7 +92,8 @@ def batch_for(ds: Dataset, step: int, batch_size: int, seed: int, rank: int = 0,
               world_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """(x, y) of rank `rank`'s share of the global batch at `step`."""
     idx = rank_slice(global_batch_indices(ds.n_train, batch_size, step, seed), rank, world_size)
-    return ds.x_train[idx], ds.y_train[idx]
+    both = getattr(ds.x_train, "with_targets", None)   # a token file: inputs and targets in one read
+    return (both and both(ds.y_train, idx)) or (ds.x_train[idx], ds.y_train[idx])
 
 
 def micro_steps(x: torch.Tensor, y: torch.Tensor, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -240,7 +241,11 @@ class TokenWindows:
         self.path, self.dtype_name, self.seq_len, self.shift = path, dtype, seq_len, shift
         self.ids = np.memmap(path, dtype=np.dtype(dtype), mode="r")
         self.n = (len(self.ids) - 1) // seq_len
-        self._offsets = np.arange(seq_len, dtype=np.int64)
+        # sample k's ids and its next one's: the file seen as n rows of seq_len + 1 ids, row k starting at k*T (a
+        # view: no copy; one row read gives a sample's inputs and targets, as a plain loop's window does)
+        item = self.ids.itemsize
+        self.windows = np.lib.stride_tricks.as_strided(self.ids, shape=(self.n, seq_len + 1),
+                                                       strides=(seq_len * item, item), writeable=False)
         self.dtype, self.shape = torch.int64, (self.n, seq_len)
 
     def __len__(self) -> int:
@@ -248,14 +253,28 @@ class TokenWindows:
 
     def __getitem__(self, index) -> torch.Tensor:
         import numpy as np
+        rows = self.windows[self._index(index), self.shift:self.shift + self.seq_len]
+        return torch.from_numpy(rows.astype(np.int64))
+
+    def with_targets(self, targets, index) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(self[index], targets[index]) in one read of the file, where `targets` are these inputs' next tokens
+        (the same file and seq_len, shifted by one); None otherwise."""
+        import numpy as np
+        if not (isinstance(targets, TokenWindows) and targets.path == self.path and targets.seq_len == self.seq_len
+                and self.shift == 0 and targets.shift == 1):
+            return None
+        rows = self.windows[self._index(index)].astype(np.int64)   # a fresh array: its two parts made contiguous
+        return torch.from_numpy(np.ascontiguousarray(rows[:, :-1])), torch.from_numpy(np.ascontiguousarray(rows[:, 1:]))
+
+    def _index(self, index):
+        import numpy as np
         if isinstance(index, slice):
             index = np.arange(*index.indices(self.n), dtype=np.int64)
         else:
             index = torch.as_tensor(index).numpy().astype(np.int64, copy=False)
         if index.size and (index.min() < 0 or index.max() >= self.n):
             raise IndexError(f"sample index out of range for {self.path} ({self.n} samples)")
-        rows = index[:, None] * self.seq_len + self._offsets[None, :] + self.shift
-        return torch.from_numpy(self.ids[rows].astype(np.int64))
+        return index
 
     def is_floating_point(self) -> bool:
         return False

@@ -62,3 +62,9 @@ def share_loss(loss_fn, out: torch.Tensor, y: torch.Tensor, total: int | None, s
     label is IGNORE), so each weighs 1 and each of its `micro` micro-steps (data.accumulate) 1 / micro."""
     weight = 1.0 / micro if total is None else share_weight(counted(y, loss_fn), total, shares)
     return weighted(loss_fn, out, y, weight)
+
+
+def step_value(losses: list[torch.Tensor]) -> float:
+    """The step's loss, its micro-steps' parts summed, as a float: reading it waits for the step's work. One
+    micro-step: its own value, with no addition to launch (`sum` adds it to 0 first)."""
+    return float(losses[0]) if len(losses) == 1 else float(sum(losses))

@@ -110,11 +110,17 @@ class DecoderBlock(nn.Module):
     def __init__(self, block: nn.Module, index: int, inputs, as_tuple: bool):
         super().__init__()
         self.block, self.inputs, self.index, self.as_tuple = block, inputs, index, as_tuple
+        self._probe: list | None = None   # [the block's first floating parameter, or None]: its weights' dtype
 
     def arguments(self, hidden: torch.Tensor) -> tuple[tuple, dict]:
         """What the model's forward hands this block with `hidden` (computed once per shape, shared)."""
-        dtype = next((p.dtype for p in self.block.parameters() if p.is_floating_point()), hidden.dtype)
-        return self.inputs.arguments(self.index, hidden, dtype)
+        # a cast (Module.to, bf16 working weights) changes a parameter in place, so the one found first tells
+        # the weights' dtype at every step, with no walk over the block's parameters on each call (a list: a
+        # Parameter held as an attribute would be registered)
+        if self._probe is None:
+            self._probe = [next((p for p in self.block.parameters() if p.is_floating_point()), None)]
+        probe = self._probe[0]
+        return self.inputs.arguments(self.index, hidden, probe.dtype if probe is not None else hidden.dtype)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         args, kwargs = self.arguments(hidden)

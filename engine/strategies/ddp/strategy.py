@@ -29,7 +29,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from engine.training.data import micro_steps
-from engine.training.loss import cross_entropy, share_loss
+from engine.training.loss import cross_entropy, share_loss, step_value
 from engine.config import OptimConfig, UpdateConfig
 from engine.models.layers import params_by_layer
 from engine.runtime.devices import LedgerDevice
@@ -191,7 +191,7 @@ class DDPStrategy(Strategy):
         self.updater.validate()   # clipping, skipping: ranks hold the same gradients, so each decides alike
         times.add("compute_ms", t0, self._grads_done if self._grads_done is not None else t2)
         times.add("after_backward_ms", t2, times.mark())
-        value = float(sum(losses))   # waits for the step's work: its marks are read without a synchronize
+        value = step_value(losses)   # waits for the step's work: its marks are read without a synchronize
         hybrid = self.updater.timings()
         self.timings = {**times.end_step(), "optim_ms": hybrid["update_device_ms"], **hybrid}
         self.device.ledger.refresh()

@@ -34,7 +34,7 @@ from engine.runtime.control import row_values
 from engine.runtime.lifecycle import StopRequest
 from engine.runtime.topology import Topology
 from engine.training.data import micro_steps
-from engine.training.loss import share_loss
+from engine.training.loss import share_loss, step_value
 from engine.strategies.param_server.links import (
     ALL_LAYERS, BYE, GRAD, PAUSED, PING, PROFILE, PULL, STOP, TAG_PING, TAG_WEIGHTS, flatten, reply_bytes,
     unpack_weights)
@@ -194,7 +194,7 @@ class PSWorker:
                 device.ledger.refresh()
                 step_ms = (t_end - t_start) * 1000
                 self.iteration += 1
-                value = float(sum(losses))   # waits for the iteration's work: its marks are read without a synchronize
+                value = step_value(losses)   # waits for the iteration's work: its marks are read without a synchronize
                 row = {"loss": value, "step_ms": step_ms, **times.end_step(), "wait_ms": wait_ms, **device.stats(),
                        **compile_figures()}
                 self.stats = torch.tensor(row_values(row), dtype=torch.float64)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from engine.runtime import emulate
 from engine.config import OptimConfig, ShardedConfig, UpdateConfig
-from engine.training.loss import cross_entropy, share_loss
+from engine.training.loss import cross_entropy, share_loss, step_value
 from engine.training.data import micro_steps
 from engine.strategies.base import Strategy
 from engine.models.layers import params_by_layer
@@ -242,7 +242,7 @@ class ShardedStrategy(Strategy):
             times.add("broadcast_wait_ms", t5, times.mark())
         for name, a, b in (("reduce_ms", t2, t3), ("optim_ms", t3, t4)):
             times.add(name, a, b)
-        value = float(sum(losses))   # waits for the step's work: its marks are read without a synchronize
+        value = step_value(losses)   # waits for the step's work: its marks are read without a synchronize
         # host_wait_ms: host time, as the host executor's updates are the host's work
         self.timings = {**times.end_step(), "owned_bytes": self.owned_bytes,
                         "host_wait_ms": host_wait * 1000, **self.updater.timings(),

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from engine.runtime import checkpoint as ckpt
 from engine.runtime.checkpoint_writer import HostSnapshot, Writer, run_meta
-from engine.runtime.control import COLUMN
+from engine.runtime.control import COLUMN, table_rows
 
 
 class Checkpointer:
@@ -38,8 +38,8 @@ class Checkpointer:
         self.cfg, self.topo, self.strategy, self.model, self.device = cfg, topo, strategy, model, device
         self.core, self.tel = core, core.tel
         self.run_dir = cfg.run_dir
-        self._columns = torch.tensor([COLUMN[name] for name in ("ckpt_written", "ckpt_failed", "ckpt_errno",
-                                                                "ckpt_stall_ms", "ckpt_write_ms")])
+        self._columns = [COLUMN[name] for name in ("ckpt_written", "ckpt_failed", "ckpt_errno", "ckpt_stall_ms",
+                                                   "ckpt_write_ms")]
         self.snapshot = HostSnapshot()
         self.writer = Writer()
         self._lock = threading.Lock()   # `unpublished`: the step loop's and the writer's thread (on_published)
@@ -64,7 +64,7 @@ class Checkpointer:
         if self.writer.error is not None:
             raise self.writer.error
         # every rank's row of the checkpoint columns, read once (a step's boundary: no tensor op per figure)
-        rows = table.index_select(1, self._columns).tolist()
+        rows = [[row[i] for i in self._columns] for row in table_rows(table)]
         written = int(min(row[0] for row in rows))
         if self.topo.is_first:
             with self._lock:   # the writer's thread says what it published (_report) as it publishes

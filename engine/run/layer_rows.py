@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from engine.runtime.control import COLUMN
+from engine.runtime.control import column
 
 TIMES = ("fwd_ms", "bwd_ms", "activation_bytes")
 
@@ -78,7 +78,7 @@ class LayerRows:
 
     def _gather_stages(self, measured: list[dict] | None, table: torch.Tensor) -> list[dict] | None:
         layout = self.strategy.stage_layers
-        changed = table[:, COLUMN["plan_made"]].max() > 0 or self.layout != layout or self.stale
+        changed = max(column(table, "plan_made")) > 0 or self.layout != layout or self.stale
         if measured is None and not changed:
             return None
         self.layout, self.stale = [list(s) for s in layout], False
@@ -105,7 +105,7 @@ class LayerRows:
         return rows
 
     def _gather_updates(self, due: bool, table: torch.Tensor) -> None:
-        if not (due or self.stale or table[:, COLUMN["plan_made"]].max() > 0):
+        if not (due or self.stale or max(column(table, "plan_made")) > 0):
             return
         self.stale = False
         owners, rank = self.strategy.layer_owners(), self.topo.rank

@@ -21,7 +21,7 @@ import statistics
 
 import torch
 
-from engine.runtime.control import COLUMN, rank_rows
+from engine.runtime.control import column, rank_rows
 from engine.runtime.lifecycle import step_record
 
 
@@ -84,7 +84,7 @@ class Throughput:
         if self.tokens_per_step:
             out["tokens_per_s"] = round(self.tokens_per_step / wall_s, 1)
         if self.peak_flops:
-            flops = table[:, COLUMN["flops"]].tolist()
+            flops = column(table, "flops")
             if all(f > 0 for f in flops):
                 out["mfu"] = float(f"{sum(flops) / (wall_s * self.peak_flops * self.devices):.6g}")
         if self._steps == 1:   # the first step (warm-up) leaves the summary once another comes

@@ -25,7 +25,7 @@ from engine.training.loss import cross_entropy
 from engine.training.optim import lr_at
 from engine.training.precision import compute_in
 from engine.runtime import checkpoint as ckpt
-from engine.runtime.control import COLUMN, encode_commands, exchange, share_commands
+from engine.runtime.control import COLUMN, column, encode_commands, exchange, share_commands
 from engine.runtime.emulate import Emulated
 from engine.processes.lifeline import launcher_gone
 from engine.runtime.events import forward
@@ -183,7 +183,7 @@ class Worker:
             for command in commands:
                 core.take(command, step)
             forward(self.tel, step, self.strategy.boundary(step, trained is not None, self.memory))
-            if max(table[:, COLUMN["stop"]].tolist()) > 0 and core.stop_reason is None:
+            if max(column(table, "stop")) > 0 and core.stop_reason is None:
                 gone = " (the launcher is gone)" if launcher_gone() else ""
                 core.begin_stop(f"signal {self.stop.signal or 'on another rank'}{gone}")
             if core.stop_reason or step >= self.cfg.run.steps:

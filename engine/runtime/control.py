@@ -2,6 +2,7 @@
 
     table = exchange(topo, {"loss": 2.3, "stop": 0.0, ...}, command_bytes=len(payload))
     commands = share_commands(topo, payload, table)      # the same list on every rank
+    column(table, "loss")                                # every rank's figure, as numbers
 
 One all-gather of a small float vector per step carries every figure declared to be exchanged (every
 run's, engine/telemetry/figures.py: loss, timings, ledger figures, a GPU's allocator and NVML figures; and
@@ -26,6 +27,24 @@ from engine.telemetry.figures import CHECKPOINT_FIELDS, GPU_FIELDS, INTEGER_UNIT
 # and GPU_FIELDS come from engine/telemetry/figures.py)
 FIELDS = EXCHANGED
 COLUMN = {name: i for i, name in enumerate(FIELDS)}
+
+_read: tuple = (None, [])   # the last table read as numbers, and its rows
+
+
+def table_rows(table: torch.Tensor) -> list[list[float]]:
+    """The table as one list of numbers per rank, read from the tensor once per table: the step boundary's
+    readers (the stop flag, the commands' length, the plans, the checkpoint columns, the record) each took a
+    figure as a tensor operation of its own, a dozen a step on the step's thread. The table is never written."""
+    global _read
+    if _read[0] is not table:
+        _read = (table, table.tolist())
+    return _read[1]
+
+
+def column(table: torch.Tensor, name: str) -> list[float]:
+    """Every rank's figure `name`, rank by rank."""
+    i = COLUMN[name]
+    return [row[i] for row in table_rows(table)]
 
 
 class UndeclaredFigure(ValueError):
@@ -66,7 +85,7 @@ def encode_commands(commands: list[dict]) -> bytes:
 
 
 def share_commands(topo: Topology, payload: bytes, table: torch.Tensor) -> list[dict]:
-    nbytes = int(table[0, COLUMN["command_bytes"]])
+    nbytes = int(table_rows(table)[0][COLUMN["command_bytes"]])
     if nbytes == 0:
         return []
     if topo.world_size == 1:
@@ -82,7 +101,7 @@ def rank_rows(table: torch.Tensor) -> list[dict]:
     """The table as one dict per rank: each logged figure as its declaration says (bytes and counts as ints,
     flags as bools, ms to 4 decimals); one absent (NaN: a GPU's on a CPU rank), or absent while 0, left out."""
     rows = []
-    for rank, row in enumerate(table.tolist()):
+    for rank, row in enumerate(table_rows(table)):
         entry = {"rank": rank}
         for i, name, write, zero_absent in _LOGGED:
             value = row[i]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.runtime.control import COLUMN
+from engine.runtime.control import COLUMN, column
 from engine.runtime.events import Event
 
 
@@ -30,7 +30,7 @@ def step_fields(memory, plan, swapped_out: int, link_wait_s: float) -> dict:
 
 def plans_made(memory, table: torch.Tensor, rank: int, cfg, step: int) -> tuple[str | None, list[Event]]:
     """(the reason to refuse the run, or None; the events of the plans made in this step)."""
-    need = table[:, COLUMN["min_capacity_bytes"]].tolist()   # every step: read as numbers, not tensor ops
+    need = column(table, "min_capacity_bytes")   # every step: read as numbers, not tensor ops
     most = max(need)
     if most > 0:
         worst = need.index(most)
@@ -39,7 +39,7 @@ def plans_made(memory, table: torch.Tensor, rank: int, cfg, step: int) -> tuple[
                 f"(device.memory = \"{cfg.device.memory}\"): "
                 + (str(error) if error else f"the smallest capacity that fits is {int(most) // 2**20}MiB "
                    f"(device.memory = \"{int(most) // 2**20}MiB\")")), []
-    made = table[:, COLUMN["plan_made"]].tolist()
+    made = column(table, "plan_made")
     if max(made) == 0:
         return None, []
     ranks = [{"rank": r, "swap_layers": int(table[r, COLUMN["swap_layers"]]),

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.runtime.control import COLUMN
+from engine.runtime.control import column
 from engine.runtime.events import Event
 
 
@@ -24,12 +24,12 @@ class CompileReport:
         self.recompiles = 0
 
     def events(self, step: int, table: torch.Tensor) -> list[Event]:
-        ms = table[:, COLUMN["compile_ms"]].tolist()
+        ms = column(table, "compile_ms")
         if all(now <= seen for now, seen in zip(ms, self.ms)):
             return []
         step_s = [round(max(now - seen, 0.0) / 1000, 3) for now, seen in zip(ms, self.ms)]
         self.ms = [max(now, seen) for now, seen in zip(ms, self.ms)]
-        recompiles = int(table[:, COLUMN["recompiles"]].sum())
+        recompiles = int(sum(column(table, "recompiles")))
         new, self.recompiles = recompiles - self.recompiles, max(recompiles, self.recompiles)
         total_s = round(max(self.ms) / 1000, 3)
         note = (f"compiled in step {step}: {max(step_s):.1f} s on the slowest rank ({total_s:.1f} s so far), "

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.runtime.control import COLUMN, column
+from engine.runtime.control import COLUMN, column, table_rows
 from engine.runtime.events import Event
 
 
@@ -42,10 +42,10 @@ def plans_made(memory, table: torch.Tensor, rank: int, cfg, step: int) -> tuple[
     made = column(table, "plan_made")
     if max(made) == 0:
         return None, []
-    ranks = [{"rank": r, "swap_layers": int(table[r, COLUMN["swap_layers"]]),
-              "recompute_layers": int(table[r, COLUMN["recompute_layers"]]),
-              "estimate_bytes": int(table[r, COLUMN["plan_estimate_bytes"]])}
-             for r in range(table.shape[0]) if made[r] > 0]
+    ranks = [{"rank": r, "swap_layers": int(row[COLUMN["swap_layers"]]),
+              "recompute_layers": int(row[COLUMN["recompute_layers"]]),
+              "estimate_bytes": int(row[COLUMN["plan_estimate_bytes"]])}
+             for r, row in enumerate(table_rows(table)) if made[r] > 0]
     plan = memory.plan
     summary = ", ".join(f"rank {e['rank']}: {e['swap_layers']} swap, {e['recompute_layers']} recompute"
                         for e in ranks)

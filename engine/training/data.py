@@ -92,8 +92,9 @@ def batch_for(ds: Dataset, step: int, batch_size: int, seed: int, rank: int = 0,
               world_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """(x, y) of rank `rank`'s share of the global batch at `step`."""
     idx = rank_slice(global_batch_indices(ds.n_train, batch_size, step, seed), rank, world_size)
-    both = getattr(ds.x_train, "with_targets", None)   # a token file: inputs and targets in one read
-    return (both and both(ds.y_train, idx)) or (ds.x_train[idx], ds.y_train[idx])
+    # a token file: each sample's inputs and targets in one read of the file
+    both = ds.x_train.with_targets(ds.y_train, idx) if isinstance(ds.x_train, TokenWindows) else None
+    return both if both is not None else (ds.x_train[idx], ds.y_train[idx])
 
 
 def micro_steps(x: torch.Tensor, y: torch.Tensor, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

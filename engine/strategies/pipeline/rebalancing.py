@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from engine.runtime.control import COLUMN
+from engine.runtime.control import column
 from engine.runtime.devices import tensor_bytes
 from engine.runtime.events import Event
 from engine.telemetry.outlets import rebalance_in_flight
@@ -83,8 +83,8 @@ class Rebalancing:
         if move is None:
             return []
         command, self.waiting = self.waiting, None
-        nbytes = int(table[:, COLUMN["migration_bytes"]].sum())
-        duration = float(table[:, COLUMN["migration_ms"]].max())
+        nbytes = int(sum(column(table, "migration_bytes")))
+        duration = max(column(table, "migration_ms"))
         moves = [{"layer": n, "from_stage": a, "to_stage": b} for n, a, b in move.moves]
         events = [Event("migration", dict(moves=moves, stages=move.new, bytes=nbytes, duration_ms=round(duration, 3),
                                           cutover_micro_batch=move.cutover),

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from tests.conftest import ROOT
@@ -52,3 +56,13 @@ def test_a_runtime_folder_others_can_read_is_refused_by_name(cli, runtime_dir, a
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert f"{runtime_dir}: must belong to you and be private (mode 0700)" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.timeout(60)
+def test_a_command_that_returned_leaves_its_objects_out_of_the_last_collection(cli):
+    """engine/processes/ending.py: once a command has returned (here `trainyard runs`), every object it made is
+    frozen, so the interpreter's exit does not walk them all again."""
+    code = "import gc; from engine.cli import main; rc = main(['runs']); print(rc, gc.get_freeze_count() > 0)"
+    ran = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=50,
+                         env={**os.environ, "TRAINYARD_RUNTIME_DIR": str(cli.runtime_dir)})
+    assert ran.returncode == 0 and ran.stdout.split()[-2:] == ["0", "True"], ran.stdout + ran.stderr

@@ -6,6 +6,7 @@
 - procpool.py: pools of ranks for tests and benches (one process group, jobs sent as functions).
 - cluster.py: the emulated cluster (network namespaces joined by shaped links) for tests and benches.
 - children.py: a command's child runs, each in a process session of its own, stopped with the command.
+- ending.py: the end of a process that imported torch, without the interpreter's last garbage collections.
 
 Imports: engine.runtime's ground (topology) and engine.telemetry.protocol (the runtime directory). Nothing of
 the strategies or the run.

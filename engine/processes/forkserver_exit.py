@@ -8,6 +8,7 @@ import atexit
 import os
 import shutil
 
+from engine.processes.ending import without_final_collection
 from engine.processes.lifeline import alive, identity
 
 _server = os.getpid()
@@ -15,7 +16,10 @@ _launcher = identity(os.getppid())
 
 
 def _remove_folder() -> None:
-    if os.getpid() != _server or alive(_launcher):   # a forked worker inherits this handler: not its to run
+    if os.getpid() != _server:   # a forked worker inherits this handler: not its to run
+        return
+    without_final_collection()   # the server's exit skips the last walk of torch's objects (ending.py)
+    if alive(_launcher):
         return
     from engine.processes.forkserver import PREFIX
     from engine.telemetry.protocol import runtime_path

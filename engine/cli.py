@@ -159,23 +159,20 @@ def _usages() -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    from engine.processes.ending import without_final_collection
+    from engine.processes.ending import skip_final_collection_at_exit
+    skip_final_collection_at_exit()   # this process's exit will not walk torch's objects once more
     if argv[:1] == ["cluster"]:   # its own parser, `--help` included
         from engine.processes import cluster
-        rc = cluster.main(argv[1:])
-        without_final_collection()
-        return rc
+        return cluster.main(argv[1:])
     args = _parser().parse_args(argv)
     from engine.processes.children import torch_cache_out_of_temp
     from engine.telemetry.protocol import RuntimeDirError
     torch_cache_out_of_temp()
     try:
-        rc = _dispatch(args)
+        return _dispatch(args)
     except RuntimeDirError as e:   # where live runs are registered: the demo, console, runs and ctl need it
         err.print(f"[red]error:[/] {escape(str(e))}")
         return 2
-    without_final_collection()   # the command is done: its exit skips the last walk of torch's objects
-    return rc
 
 
 def _dispatch(args) -> int:

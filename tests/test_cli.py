@@ -59,10 +59,15 @@ def test_a_runtime_folder_others_can_read_is_refused_by_name(cli, runtime_dir, a
 
 
 @pytest.mark.timeout(60)
-def test_a_command_that_returned_leaves_its_objects_out_of_the_last_collection(cli):
-    """engine/processes/ending.py: once a command has returned (here `trainyard runs`), every object it made is
-    frozen, so the interpreter's exit does not walk them all again."""
-    code = "import gc; from engine.cli import main; rc = main(['runs']); print(rc, gc.get_freeze_count() > 0)"
+def test_a_command_leaves_its_objects_out_of_the_last_collection_at_exit_only(cli):
+    """engine/processes/ending.py: a command (here `trainyard runs`, twice) freezes every object only at its
+    process's exit, after the atexit handlers registered after it, so the interpreter's last collection does not
+    walk them all; the process that called it goes on collecting until then."""
+    code = ("import atexit, gc; from engine.cli import main\n"
+            "atexit.register(lambda: print('last', gc.get_freeze_count() > 0))\n"   # runs after the freeze
+            "print('ran', main(['runs']), main(['runs']), gc.get_freeze_count())\n"
+            "atexit.register(lambda: print('first', gc.get_freeze_count()))\n")     # runs before it
     ran = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=50,
                          env={**os.environ, "TRAINYARD_RUNTIME_DIR": str(cli.runtime_dir)})
-    assert ran.returncode == 0 and ran.stdout.split()[-2:] == ["0", "True"], ran.stdout + ran.stderr
+    said = [line for line in ran.stdout.splitlines() if line.split()[0] in ("ran", "first", "last")]
+    assert ran.returncode == 0 and said == ["ran 0 0 0", "first 0", "last True"], ran.stdout + ran.stderr

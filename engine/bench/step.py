@@ -20,8 +20,8 @@ default telemetry, the wall time between step records (the records' samples_per_
 `loss.item()` to the next. `--mode turns` (a GPU's default): a process per variant per round, one after
 another, a turn's figure the median of the second half of its steps (the first half holds the warm-up:
 allocations, compiles, plans). `--mode interleaved` (the CPU's): every variant's process alive at once, in
-slices of half a second on one CPU, the others stopped (engine/bench/step_interleave.py; `--steps` halved is
-each one's warm-up). A ratio is taken within each round (the same minutes of the machine; interleaved, the
+slices of half a second on one CPU, the others stopped, `--cycles` (20) cycles of slices a round
+(engine/bench/step_interleave.py; `--steps` halved is each one's warm-up). A ratio is taken within each round (the same minutes of the machine; interleaved, the
 median over the round's cycles of the two slices' ratio) and judged over the rounds (engine/bench/verdict.py:
 median, spread, met/missed/undecided). Every process the bench starts, plain or trainyard's, has the same fixed
 host allocator thresholds (engine/processes/children.py steady_host_allocator).
@@ -37,7 +37,8 @@ A turn's steps (`--steps`) default by size: 300 at the host size (a 13 ms step: 
 second, moved with this machine's neighbours by up to 30% from turn to turn), 60 at the compute size, 40 on a GPU.
 
     trainyard bench step [--json] [--rounds 3] [--steps N] [--device cpu|cuda] [--size host|compute|gpu]
-                         [--hf-config DIR] [--variants a,b,...] [--mode turns|interleaved] [--trace DIR]
+                         [--hf-config DIR] [--variants a,b,...] [--mode turns|interleaved] [--cycles 20]
+                         [--trace DIR]
 
 A variant whose turn fails is said, with the end of its error, and the others are measured on. `--trace DIR`:
 after the rounds, one more turn of plain and of trainyard, untimed, whose last steps but one torch.profiler
@@ -247,7 +248,7 @@ def _turns(variants, folder, config, size, device, steps, rounds, log):
     return {v: turns for v, turns in per_round.items() if v not in failed}, failed, flops
 
 
-def _interleaved(variants, folder, config, size, device, steps, rounds, log):
+def _interleaved(variants, folder, config, size, device, steps, rounds, log, cycles):
     """Every variant's process alive at once, in slices (engine/bench/step_interleave.py): (per_round, failed,
     None); `steps` is each one's warm-up before the slices begin."""
     from engine.bench.step_interleave import Contender, interleaved
@@ -255,12 +256,13 @@ def _interleaved(variants, folder, config, size, device, steps, rounds, log):
     for v in variants:
         cmd, telemetry = command(v, folder, config, size, device, 0, 0, stream=True)
         contenders[v] = Contender(v, cmd, _env(folder), folder, size["batch"], telemetry)
-    per_round, failed = interleaved(contenders, rounds, steps, log)
+    per_round, failed = interleaved(contenders, rounds, steps, log, cycles)
     return per_round, failed, None
 
 
 def measure(size_name: str, device: str, rounds: int, steps: int | None, variants: list[str],
-            hf_config: str | None, log=print, trace: Path | None = None, interleave: bool = False) -> dict:
+            hf_config: str | None, log=print, trace: Path | None = None, interleave: bool = False,
+            cycles: int = 20) -> dict:
     """Every variant's turns, round by round: a process each, one after another, or (`interleave`) all alive
     at once, in slices of half a second. A variant whose turn fails is said (`failed`, with the end of its error) and
     left out of the rounds after, the others measured on. `trace`: after the rounds, one more turn of the plain
@@ -270,8 +272,11 @@ def measure(size_name: str, device: str, rounds: int, steps: int | None, variant
     folder = Path(tempfile.mkdtemp(prefix="trainyard-bench-step-"))
     try:
         config = write_inputs(folder, size, hf_config)
-        per_round, failed, flops = (_interleaved if interleave else _turns)(
-            variants, folder, config, size, device, steps // 2 if interleave else steps, rounds, log)
+        if interleave:
+            per_round, failed, flops = _interleaved(variants, folder, config, size, device, steps // 2, rounds, log,
+                                                    cycles)
+        else:
+            per_round, failed, flops = _turns(variants, folder, config, size, device, steps, rounds, log)
         for v in (v for v in ("plain", "plain-compiled", "trainyard", "trainyard-compiled") if trace and v in per_round):
             log(f"  traced turn: {v}")
             turn(v, folder, config, size, device, min(steps, 12), rounds, count_flops=False, trace=trace)
@@ -324,13 +329,16 @@ def main(argv: list[str]) -> int:
                         help="turns: a process per variant per round, one after another (a GPU's default: one "
                              "variant's state at a time); interleaved: every variant's process alive at once, "
                              "in slices of half a second (the CPU's default; engine/bench/step_interleave.py)")
+    parser.add_argument("--cycles", type=int, default=20,
+                        help="interleaved: cycles of slices a round (each variant's figure in a round is the median "
+                             "of the steps its slices kept)")
     parser.add_argument("--trace", metavar="DIR", default=None,
                         help="after the rounds, one more turn of plain and trainyard each, its last steps but one "
                              "recorded by torch.profiler: DIR/VARIANT.txt (operators by their own time) and .json "
                              "(a Chrome trace)")
     args = parser.parse_args(argv)
-    if args.rounds < 1 or (args.steps is not None and args.steps < 4):
-        parser.error("--rounds must be at least 1 and --steps at least 4")
+    if args.rounds < 1 or args.cycles < 1 or (args.steps is not None and args.steps < 4):
+        parser.error("--rounds and --cycles must be at least 1 and --steps at least 4")
     import torch
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
@@ -348,7 +356,7 @@ def main(argv: list[str]) -> int:
     log = (lambda *a: print(*a, file=sys.stderr, flush=True))
     interleave = (args.mode or ("turns" if device == "cuda" else "interleaved")) == "interleaved"
     reports = [measure(name, device, args.rounds, args.steps, variants, args.hf_config, log, interleave=interleave,
-                       trace=Path(args.trace) / name if args.trace else None) for name in sizes]
+                       cycles=args.cycles, trace=Path(args.trace) / name if args.trace else None) for name in sizes]
     result = {"reports": reports, "left_out": left_out}
     if args.json:
         print(json.dumps(result))

@@ -18,7 +18,7 @@ to round; with 0.5 s slices, 20 cycles a round, 1.005-1.069.
 A variant warms up alone (imports, its first steps, a compile) and is stopped once it has made `warm_steps`
 steps. Then, cycle after cycle, each variant runs one slice in turn (who goes first rotates). A step is kept
 when it began and ended inside one of its own slices: the step a stop cut in two is not. A round is
-`CYCLES_PER_ROUND` cycles, and a variant's figure in it is the median of the steps it kept there. A step's time
+`CYCLES_PER_ROUND` cycles (`--cycles`), and a variant's figure in it is the median of the steps it kept there. A step's time
 is the one its user sees: the plain loop's from one `loss.item()` to the next (engine/bench/step_plain.py
 `--stream`), trainyard's between step records (the log's `time` and `samples_per_s`).
 
@@ -160,9 +160,10 @@ def _warm(contender: Contender, warm_steps: int, cpu: int) -> None:
     contender.pin(cpu)
 
 
-def interleaved(contenders: dict[str, Contender], rounds: int, warm_steps: int,
-                log=print) -> tuple[dict[str, list[dict]], dict[str, str]]:
-    """({variant: [{"step_ms", "peak_bytes", "kept"} per round]}, {variant: why it failed}); see the module."""
+def interleaved(contenders: dict[str, Contender], rounds: int, warm_steps: int, log=print,
+                cycles: int = CYCLES_PER_ROUND) -> tuple[dict[str, list[dict]], dict[str, str]]:
+    """({variant: [{"step_ms", "peak_bytes", "kept"} per round]}, {variant: why it failed}); a round is `cycles`
+    cycles; see the module."""
     failed: dict[str, str] = {}
     cpu = max(os.sched_getaffinity(0))   # every contender on the same CPU: each sees the speed the others saw
     windows: dict[str, list[tuple[int, float, float]]] = {v: [] for v in contenders}
@@ -175,17 +176,17 @@ def interleaved(contenders: dict[str, Contender], rounds: int, warm_steps: int,
                 failed[v] = str(e)[-2000:]
                 log(f"  {v} failed: {failed[v]}")
         alive = [v for v in contenders if v not in failed]
-        for cycle in range(rounds * CYCLES_PER_ROUND):
-            if cycle % CYCLES_PER_ROUND == 0:
-                log(f"  round {cycle // CYCLES_PER_ROUND + 1}/{rounds}: {SLICE_S:g} s slices of "
-                    f"{', '.join(alive)}, {CYCLES_PER_ROUND} cycles")
+        for cycle in range(rounds * cycles):
+            if cycle % cycles == 0:
+                log(f"  round {cycle // cycles + 1}/{rounds}: {SLICE_S:g} s slices of {', '.join(alive)}, "
+                    f"{cycles} cycles")
             order = alive[cycle % len(alive):] + alive[:cycle % len(alive)]
             for v in order:
                 contenders[v].resume()
                 start = time.time()
                 time.sleep(SLICE_S)
                 contenders[v].pause()
-                windows[v].append((cycle // CYCLES_PER_ROUND, start, time.time()))
+                windows[v].append((cycle // cycles, start, time.time()))
         per_round: dict[str, list[dict]] = {}
         for v in alive:
             steps, peak = contenders[v].steps(), contenders[v].peak_bytes()

@@ -6,9 +6,11 @@ These need root and `ip netns` (CI runs as root); elsewhere they skip, saying wh
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
+import time
 
 import psutil
 import pytest
@@ -57,12 +59,22 @@ def start_hosts(cli, hosts, name: str, *args: str, only: tuple[int, ...] = (0, 1
 
 
 def finish(procs: dict, timeout: float = 100) -> dict:
-    outs = {}
+    """Every host's (exit status, stdout, stderr). One that has not finished within `timeout` s of the call fails
+    the test with what every host printed (the others' too: a host that ended early is often why), every host
+    killed first."""
+    outs, deadline = {}, time.monotonic() + timeout
     for r, proc in procs.items():
         try:
-            out, err = proc.communicate(timeout=timeout)
+            out, err = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            pytest.fail(f"host {r} did not finish in {timeout} s")
+            for p in procs.values():
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+            said = []
+            for h, p in procs.items():
+                got = outs.get(h) or (p.returncode, *p.communicate(timeout=30))
+                said.append(f"--- host {h}, exit {got[0]}:\n{got[1][-3000:]}\n{got[2][-3000:]}")
+            pytest.fail(f"host {r} did not finish in {timeout} s\n" + "\n".join(said))
         outs[r] = (proc.returncode, out, err)
     return outs
 
@@ -231,9 +243,11 @@ def test_a_host_that_never_joins_ends_the_run_after_the_rendezvous_timeout(cli):
 @pytest.mark.timeout(240)
 def test_a_param_server_host_that_comes_back_restarts_the_group_from_the_last_checkpoint(cli):
     """Loopback, 2 hosts x 2 ranks (the server and a worker on host 0, two workers on host 1). Host 1's
-    processes SIGKILLed: the servers go on with the worker left (no restart). Host 1 started again: host 0's
-    agent restarts the group for it, a restart torch does not count (TORCHELASTIC_RESTART_COUNT stays 0),
-    and every rank resumes from the last checkpoint, not from the first step."""
+    processes SIGKILLed: the servers go on with the worker left (no restart). Host 1 started again (the run
+    paused, so that it cannot end first): host 0's agent restarts the group for it, a restart torch does not
+    count (TORCHELASTIC_RESTART_COUNT stays 0), and every rank resumes from the last checkpoint, not from the
+    first step, unpaused. Then host 1 lost again, for good: the run ends without it, and host 0's launcher
+    does not wait for it at the end (torch's agent would, 300 s: engine/run/agent.py)."""
     from engine.processes.procpool import free_port
     port = free_port()
     paced = ["--steps", "60", "--set", "parallel.world_size=4", "--set", "parallel.param_server.servers=1",
@@ -244,18 +258,56 @@ def test_a_param_server_host_that_comes_back_restarts_the_group_from_the_last_ch
     procs = {0: host(0), 1: host(1)}
     run_dir = cli.tmp_path / "runs" / "psback"
     log = run_dir / "telemetry.jsonl"
+
+    def lose_host_1(paused: bool) -> int:
+        """Host 1 SIGKILLed, and steps logged without it; the run paused then, so that it cannot end first.
+        Returns the records logged so far."""
+        os.killpg(procs[1].pid, signal.SIGKILL)
+        procs[1].wait(timeout=10)
+        seen = len(read_jsonl(log))
+        wait_for(lambda: len([r for r in read_jsonl(log)[seen:] if r["type"] == "step"]) >= 3, 60,
+                 "steps without host 1")
+        said = cli.run("ctl", "psback", "pause" if paused else "resume", timeout=60)
+        assert said.returncode == 0, said.stdout + said.stderr
+        return len(read_jsonl(log))
+
     wait_for(lambda: len(list_checkpoints(run_dir)) >= 2, 120, "two checkpoints")
-    os.killpg(procs[1].pid, signal.SIGKILL)
-    procs[1].wait(timeout=10)
-    lost_at = steps_logged(log)
-    wait_for(lambda: steps_logged(log) >= lost_at + 3, 60, "steps without host 1")
-    rejoin_and_finish(procs, host)
+    seen = lose_host_1(paused=True)
+    procs[1] = host(1)
+    wait_for(lambda: len([r for r in read_jsonl(log)[seen:] if r["type"] == "step"]) >= 3, 120,
+             "steps after host 1 came back")
+    lose_host_1(paused=False)   # ... and resumed at once
+    end = finish({0: procs[0]}, timeout=120)[0]   # not 300 s more
+    assert end[0] == 0, end[2]
+    assert "host 0: a host is waiting to join; restarting the worker group" in end[2]
+    assert ("host 0: the run ended without 1 host(s) of its group (rank 1 at the rendezvous), lost during it; "
+            "not waiting for them") in end[2], end[2]
     records = read_jsonl(log)
     written = {r["step"] for r in records if r.get("kind") == "checkpoint"}
     restarts = [r for r in records if r.get("kind") == "restart"]
     assert restarts and restarts[0]["step"] in written and restarts[0]["step"] >= 20, (restarts, written)
     starts = [r for r in records if r["type"] == "run_start"]
     assert len(starts) == 2 and records[-1]["type"] == "summary" and records[-1]["steps"] == 60
+
+
+def test_a_launcher_waits_at_the_end_for_every_host_of_its_group_but_a_dead_one():
+    """engine/run/agent.py's barrier on a store: every host's end marked: no wait; a host missing and dead to the
+    rendezvous: not waited for; one missing but alive: waited for until it ends, or until the timeout."""
+    import threading
+    from torch.distributed import HashStore
+    from engine.run.agent import wait_for_ended
+    store = HashStore()
+    store.set("trainyard/ended/1", "1")
+    assert wait_for_ended(store, 0, 2, live=lambda: {0, 1}, timeout_s=60) == []
+    store = HashStore()   # 1 dead, 2 alive: waited for until it ends
+    threading.Timer(0.3, store.set, args=("trainyard/ended/2", "1")).start()
+    assert wait_for_ended(store, 0, 3, live=lambda: {0, 2}, timeout_s=60, slice_s=0.05) == [1]
+    assert wait_for_ended(HashStore(), 0, 3, live=lambda: {0}, timeout_s=60, slice_s=0.05) == [1, 2]
+    store = HashStore()
+    threading.Timer(0.3, store.set, args=("trainyard/ended/1", "1")).start()
+    assert wait_for_ended(store, 0, 2, live=lambda: {0, 1}, timeout_s=60, slice_s=0.05) == []
+    assert store.check(["trainyard/ended/0"])
+    assert wait_for_ended(HashStore(), 0, 2, live=lambda: None, timeout_s=0.2, slice_s=0.05) == [1]
 
 
 @pytest.mark.slow

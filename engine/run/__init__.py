@@ -2,7 +2,7 @@
 
 - launch.py: the launcher (torch's elastic agent: restarts, rendezvous, several hosts) and the run's end (exit
   status, refusals); checks.py: what it refuses before any worker starts; claim.py: the run folder's locks,
-  one live run to a folder.
+  one live run to a folder; agent.py: torch's agent, whose wait at the end skips a host lost for good.
 - worker.py: the data-parallel and pipeline step loop (Worker);
   worker_entry.py: what the agent starts in each worker process (worker_main, watching the launcher).
 - rank.py: what every rank sets up alike (Job, host placement, pid file, device, data, model).

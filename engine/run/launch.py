@@ -18,7 +18,9 @@ Several hosts (`[cluster] nnodes > 1`, docs/cluster.md): one launcher per host, 
 at host 0's c10d rendezvous (`cluster.rdzv_endpoint`). Host R runs global ranks
 R*k .. R*k+k-1 (k = world_size / nnodes), whatever order the rendezvous lists the hosts
 in, so rank 0 (the hub), the parameter servers and neighbouring pipeline stages are
-where the user put them; the workers' store is on host 0, at the rendezvous port + 1.
+where the user put them; the workers' store is on host 0, at the rendezvous port + 1. At its end each
+launcher waits for the other hosts' to end too, but not for a host the rendezvous has found dead
+(engine/run/agent.py).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from engine.processes import forkserver
 from engine.run import PRELOAD
 from engine.processes.children import torch_cache_out_of_temp
 from engine.config import config_to_toml
+from engine.run.agent import ending_hosts_waited
 from engine.run.handover import hand_over, release
 from engine.runtime.refusal import FAILED, REFUSAL_SIGNAL, read_refusal
 from engine.run.checks import RunSetupError, check_machine, check_model
@@ -281,7 +284,8 @@ def launch(job: Job) -> dict | None:
             launch_cfg.start_method = "spawn"   # engine.train's path; `trainyard run` started it before torch
         hand_over(job)   # the user's model and data, as copies of the workers' own
         # trackers (TensorBoard, W&B) follow rank 0's log from here, off every rank's step
-        with _refusals(job, agent), follow_trackers(cfg, job.log_path(), resumed=job.resume is not None):
+        with _refusals(job, agent), follow_trackers(cfg, job.log_path(), resumed=job.resume is not None), \
+                ending_hosts_waited(reporter.where):   # a host lost for good is not waited for at the end
             results = elastic_launch(launch_cfg, run_worker)(job)
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()

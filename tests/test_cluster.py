@@ -280,6 +280,7 @@ def test_a_param_server_host_that_comes_back_restarts_the_group_from_the_last_ch
     end = finish({0: procs[0]}, timeout=120)[0]   # not 300 s more
     assert end[0] == 0, end[2]
     assert "host 0: a host is waiting to join; restarting the worker group" in end[2]
+    assert "restart 1: a host joined; resumed from step" in end[1], end[1]   # the same world: no failure
     assert ("host 0: the run ended without 1 host(s) of its group (rank 1 at the rendezvous), lost during it; "
             "not waiting for them") in end[2], end[2]
     records = read_jsonl(log)

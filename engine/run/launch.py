@@ -247,6 +247,7 @@ class _RestartReporter(logging.Handler):
             return
         self.job.generation += 1
         m = re.search(r"(\d+)/(\d+) attempts left", text)
+        self.job.joined = not m
         left = f" ({m.group(1)} of {m.group(2)} restarts left)" if m else ""
         why = "a worker failed" if m else "a host is waiting to join"   # only a failure counts attempts
         if not m:   # the workers, stopped next, learn from it that the run goes on (Worker.restarting)

@@ -54,6 +54,9 @@ class Job:
     # our launcher: how many times its agent has restarted the worker group, for a failure or for a host that
     # joins (torch's TORCHELASTIC_RESTART_COUNT counts failures only); the next start's pickle carries it
     generation: int = 0
+    # our launcher: whether its agent's latest restart was for a host that joins, not a failure (what rank 0's
+    # run says of the restart: a parameter server's world is the same size before and after one)
+    joined: bool = False
     # (kind, capacity_bytes, local_rank, local_world_size) -> device; None: engine.runtime.devices.open_device.
     # Tests give one whose probe returns a GPU's figures, so the CUDA telemetry path runs on the CPU.
     open_device: Callable | None = None

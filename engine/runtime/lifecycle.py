@@ -86,10 +86,10 @@ def step_record(step: int, loss: float | None, lr: float, ranks: list[dict], *, 
 
 
 def announce(tel, cfg, topo, device, names, first_step: int, restart: int, resumed_from,
-             layout: dict | None = None, resumed: dict | None = None) -> None:
+             layout: dict | None = None, resumed: dict | None = None, joined: bool = False) -> None:
     """Rank 0: the run_start record (with the hello's `figures`, which a replay of the log learns from), and the
     restart and resume events (`resumed`: the resume event's other fields, the load's time and the job shape
-    that wrote the checkpoint)."""
+    that wrote the checkpoint; `joined`: the launcher restarted the group for a host that joins)."""
     if not topo.is_first:
         return
     from engine.strategies.specs.figures import declared
@@ -102,7 +102,7 @@ def announce(tel, cfg, topo, device, names, first_step: int, restart: int, resum
         start["layout"] = layout
     tel._write(start)
     was = (resumed or {}).get("from_world_size")
-    grew = restart and was is not None and was < topo.world_size
+    grew = restart and (joined or (was is not None and was < topo.world_size))
     if restart:
         tel.event("restart", first_step, restart=restart, max_restarts=cfg.parallel.max_restarts)
         # a restart for a host that joins counts no failure (parallel.max_restarts counts those)

@@ -73,7 +73,7 @@ class RunCore:
         run_start, restart, resume and resize records (`resumed`: the resume event's other fields)."""
         self.tel.update_state(step=first_step, steps=self.cfg.run.steps, paused=False, **state)
         announce(self.tel, self.cfg, self.topo, device, names, first_step, restart,
-                 resume.source if resume else None, layout, resumed)
+                 resume.source if resume else None, layout, resumed, joined=getattr(self.job, "joined", False))
 
     # --- the operator's commands ----------------------------------------------------------------
     def take(self, command: dict, step: int) -> None:

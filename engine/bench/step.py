@@ -61,6 +61,7 @@ from pathlib import Path
 
 import numpy as np
 
+from engine.bench.step_interleave import CYCLES_PER_ROUND
 from engine.bench.verdict import judge, judge_ratio, say
 
 SIZES = {   # LlamaConfig keywords, and the batch
@@ -262,7 +263,7 @@ def _interleaved(variants, folder, config, size, device, steps, rounds, log, cyc
 
 def measure(size_name: str, device: str, rounds: int, steps: int | None, variants: list[str],
             hf_config: str | None, log=print, trace: Path | None = None, interleave: bool = False,
-            cycles: int = 20) -> dict:
+            cycles: int = CYCLES_PER_ROUND) -> dict:
     """Every variant's turns, round by round: a process each, one after another, or (`interleave`) all alive
     at once, in slices of half a second. A variant whose turn fails is said (`failed`, with the end of its error) and
     left out of the rounds after, the others measured on. `trace`: after the rounds, one more turn of the plain
@@ -329,7 +330,7 @@ def main(argv: list[str]) -> int:
                         help="turns: a process per variant per round, one after another (a GPU's default: one "
                              "variant's state at a time); interleaved: every variant's process alive at once, "
                              "in slices of half a second (the CPU's default; engine/bench/step_interleave.py)")
-    parser.add_argument("--cycles", type=int, default=20,
+    parser.add_argument("--cycles", type=int, default=CYCLES_PER_ROUND,
                         help="interleaved: cycles of slices a round (each variant's figure in a round is the median "
                              "of the steps its slices kept)")
     parser.add_argument("--trace", metavar="DIR", default=None,

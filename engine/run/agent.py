@@ -7,7 +7,7 @@ it (a parameter server's workers: the servers go on, the group is not restarted)
 would wait those 300 s after the run's last step. Here each agent marks its own end in the round's store, and
 waits in slices of a second for the others' marks; between slices it stops once every host still missing is dead
 to the rendezvous (no heartbeat for cluster.host_timeout_s), and says so. A live host is waited for as torch
-waits, up to its 300 s. Where this torch's rendezvous does not show its participants, torch's own barrier runs.
+waits, up to its 300 s; so is every host where this torch's rendezvous does not show its participants.
 
     with ending_hosts_waited(where="host 0: "):    # engine/run/launch.py, around elastic_launch
         elastic_launch(config, entry)(job)
@@ -67,8 +67,6 @@ class Agent(local_elastic_agent.LocalElasticAgent):
     def _exit_barrier(self):
         group = self._worker_group
         handler = group.spec.rdzv_handler
-        if live_ranks(handler) is None:
-            return super()._exit_barrier()
         try:
             gone = wait_for_ended(self._store, group.group_rank, group.group_world_size,
                                   lambda: live_ranks(handler), self._exit_barrier_timeout)

@@ -102,11 +102,11 @@ def announce(tel, cfg, topo, device, names, first_step: int, restart: int, resum
         start["layout"] = layout
     tel._write(start)
     was = (resumed or {}).get("from_world_size")
-    grew = restart and (joined or (was is not None and was < topo.world_size))
+    host_joined = restart and (joined or (was is not None and was < topo.world_size))
     if restart:
         tel.event("restart", first_step, restart=restart, max_restarts=cfg.parallel.max_restarts)
         # a restart for a host that joins counts no failure (parallel.max_restarts counts those)
-        head = f"restart {restart}:[/] a host joined" if grew else \
+        head = f"restart {restart}:[/] a host joined" if host_joined else \
             f"restart {restart} of {cfg.parallel.max_restarts}:[/] a worker failed"
         tel.note(f"[yellow]{head}; resumed from step {first_step}")
     if first_step:

@@ -1,7 +1,9 @@
 """Shared helpers: run the `trainyard` CLI in its own process session, and reap it.
 
-Every multi-process test goes through `cli`: the launcher starts in a new session,
-so whatever happens to a test, the whole process tree is killed at teardown.
+Every multi-process test goes through `cli`: the launcher starts in a new session, killed whole at teardown
+whatever happened to the test. Its workers fork from the session's shared fork server (TRAINYARD_FORK_SERVER),
+outside that session: they follow their launcher's end by their lifeline (engine/processes/lifeline.py), as on
+any launcher's death. A test marked own_fork_server has its runs start their own servers, in their sessions.
 
 Nothing is left in the temp dir: every process the tests start keeps its temporary files in a
 folder of this session's own (TMPDIR, inherited), and an entry there named as a run's or a bench's
@@ -10,6 +12,7 @@ litter (LITTER) at the end fails the session. Whatever else runs on the machine 
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import shutil
@@ -22,13 +25,15 @@ from pathlib import Path
 import pytest
 import torch
 
-import engine.run  # noqa: F401  (a pool's fork server, when a test starts one first, preloads the engine too)
+import engine.run  # noqa: F401  (the session's fork server preloads the engine too)
+from engine.processes import forkserver
 
 torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parent.parent
 
 # torch's elastic agent's log folders, torch.multiprocessing's error files, our benches' folders
 LITTER = ("torchelastic_", "pytorch-errorfile-", "trainyard-bench-", "pymp-", "torchinductor_")
+HF_PRELOAD = ("gpt2", "llama", "mistral", "mixtral", "qwen2_moe")   # the families the tests' runs train
 _session: dict = {}   # in hooks, not at import: tests import this module a second time as tests.conftest
 
 
@@ -44,6 +49,12 @@ def pytest_configure(config):
     # torch's compile cache, for this process's own optimizers (torch._dynamo makes it on import); the runs
     # the tests start keep theirs in their runtime dir (engine/processes/children.py)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(_session["tmp"] / "inductor")
+    # one warm fork server for the session's runs (TRAINYARD_FORK_SERVER): each run it starts saves the server's
+    # imports, 4-5 s of CPU, and a Hugging Face run's workers their transformers; a test marked own_fork_server
+    # starts its own, as a user's launcher does
+    if importlib.util.find_spec("transformers") is not None:
+        forkserver.PRELOADS.extend(f"transformers.models.{kind}.modeling_{kind}" for kind in HF_PRELOAD)
+    os.environ[forkserver.SHARED] = forkserver.share()
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -113,6 +124,14 @@ class CLI:
             if proc.poll() is None:
                 self.kill(proc)
                 proc.wait(timeout=10)
+
+
+@pytest.fixture(autouse=True)
+def own_fork_server(request, monkeypatch):
+    """A test marked own_fork_server: the runs it starts start their own fork servers, as a user's launcher
+    does (a test of the processes of a run's tree, its sessions or signals)."""
+    if request.node.get_closest_marker("own_fork_server"):
+        monkeypatch.delenv(forkserver.SHARED, raising=False)
 
 
 @pytest.fixture

@@ -25,6 +25,7 @@ from engine.processes import cluster
 from tests.conftest import ROOT, wait_for
 
 DEMO = str(ROOT / "demo" / "configs" / "digits_ddp.toml")
+pytestmark = pytest.mark.own_fork_server   # the processes of each run's own session, its fork server's included
 GONE_WITHIN_S = 15
 
 

@@ -30,7 +30,8 @@ PORTS = iter(range(29400, 29600, 7))   # a fresh rendezvous port per run (the st
 
 
 # every test here builds network namespaces: one test process runs them all (pyproject: --dist loadgroup)
-pytestmark = pytest.mark.xdist_group("netns")
+# each host's launcher starts its own fork server, in its host's namespaces, as on a cluster
+pytestmark = [pytest.mark.xdist_group("netns"), pytest.mark.own_fork_server]
 
 @pytest.fixture(scope="module")
 def hosts():

@@ -21,7 +21,8 @@ from conftest import pid_alive, wait_for
 
 # one test process draws these terminals, one after another (pyproject: --dist loadgroup)
 pytestmark = [pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux (Debian's tmux package)"),
-              pytest.mark.xdist_group("terminal")]
+              pytest.mark.xdist_group("terminal"),
+              pytest.mark.own_fork_server]   # as a user's demo runs: its run's processes are all its own
 
 STEP = re.compile(r"step (\d+)/\d+")
 

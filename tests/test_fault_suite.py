@@ -47,6 +47,8 @@ from tests.test_rebalance import MODEL_SETTINGS, SKEWED
 STEPS = 10
 EVERY = 3             # checkpoint.every
 SHUTDOWN_S = 5        # parallel.shutdown_timeout_s (the default)
+# every run's processes carry its mark from their start (found by it), its fork server one of them
+pytestmark = pytest.mark.own_fork_server
 SEED = 20261126       # the steps at which faults strike are drawn from it
 
 

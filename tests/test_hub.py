@@ -15,6 +15,8 @@ import os
 import shutil
 import socket
 import stat
+import subprocess
+import sys
 import tempfile
 import threading
 from pathlib import Path
@@ -22,8 +24,9 @@ from pathlib import Path
 import pytest
 
 from engine import protocol
+from engine.processes import forkserver
 from engine.telemetry.hub import Hub
-from tests.conftest import wait_for
+from tests.conftest import ROOT, wait_for
 
 HELLO = {"run": "hubtest", "mode": "ddp", "world_size": 2, "config": {"run": {"steps": 100}},
          "layout": {"ranks": [0, 1]}, "capabilities": ["pause", "resume", "stop", "checkpoint", "set-policy"]}
@@ -456,6 +459,7 @@ def test_connect_waits_out_a_full_listen_queue(rundir):
         protocol.connect_unix(path, 0.2)
 
 
+@pytest.mark.own_fork_server
 def test_the_fork_servers_folder_is_private(rundir, monkeypatch):
     import multiprocessing
     from multiprocessing import forkserver as mp_forkserver
@@ -471,3 +475,45 @@ def test_the_fork_servers_folder_is_private(rundir, monkeypatch):
     os.chmod(folder, 0o755)
     assert forkserver.start()
     assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+
+
+SHARED_LAUNCHER = """
+import multiprocessing, os, sys
+from engine.processes import forkserver
+from tests.test_hub import report_inherited
+assert forkserver.start() and forkserver._shared, "did not join the shared server"
+os.environ["TRAINYARD_TEST_MINE"] = "the launcher's"
+child = multiprocessing.get_context("forkserver").Process(target=report_inherited, args=(forkserver.Inherit(),))
+child.start()
+child.join(60)
+print("child exit", child.exitcode, flush=True)
+"""
+
+
+def report_inherited(_inherited) -> None:
+    """A child of a launcher that joined a shared fork server: what it took from its launcher."""
+    print(f"child of {os.getppid()}: {os.environ.get('TRAINYARD_TEST_MINE')}", flush=True)
+    print("and to its stderr", file=sys.stderr, flush=True)
+
+
+@pytest.mark.timeout(90)
+def test_a_launcher_forks_from_the_shared_server_with_its_own_environment_and_output():
+    """TRAINYARD_FORK_SERVER (the session's own, conftest.py): a launcher forks from it, and its child has the
+    launcher's environment (set after the server started) and writes to the launcher's stdout and stderr."""
+    shared = os.environ[forkserver.SHARED]
+    server = int(shared.partition(":")[0])
+    out = subprocess.run([sys.executable, "-c", SHARED_LAUNCHER], cwd=ROOT, capture_output=True, text=True,
+                         timeout=80)
+    assert out.returncode == 0, out.stderr
+    assert f"child of {server}: the launcher's\nchild exit 0\n" in out.stdout, (out.stdout, out.stderr)
+    assert "and to its stderr" in out.stderr
+
+
+def test_a_shared_fork_server_that_is_gone_is_not_joined(tmp_path):
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    socket = tmp_path / "listener"
+    socket.touch()
+    assert not forkserver._join(f"{gone.pid}:{socket}")   # its process is gone
+    assert not forkserver._join(f"{os.getpid()}:{tmp_path / 'missing'}")   # its socket is gone
+    assert not forkserver._join("garbage")

@@ -9,6 +9,12 @@ torch's optimizers import it on their first construction); forked from the serve
 server's own imports overlap the launcher's. Only where no GPU is visible (no /dev/nvidia* device node): a
 process forked after anything touched the CUDA driver cannot use CUDA, so with a GPU every worker is spawned.
 
+A launcher may instead fork its workers from a server another process started and shares: `TRAINYARD_FORK_SERVER`
+(SHARED) holds what `share()` returns, "PID:SOCKET", and `start()` joins that server while it runs. The test
+suite shares its own so that each run it starts saves the server's imports (4-5 s of CPU; docs/architecture.md).
+Either way a worker takes from its launcher, as it is unpickled, what a spawned one would have (Inherit): the
+launcher's environment, and from a shared server, which is not the launcher's child, its stdout and stderr.
+
 The server's socket lives in the runtime directory (the sockets' private folder), in `forkserver-PID/`,
 removed when the launcher ends; where the launcher died without that (SIGKILL), the server removes it as it
 exits (engine/processes/forkserver_exit.py), and failing that the next launcher's start. Nothing goes to the system temp dir. Imports no torch.
@@ -22,7 +28,9 @@ import shutil
 import tempfile
 
 PREFIX = "forkserver-"
+SHARED = "TRAINYARD_FORK_SERVER"
 _started = False
+_shared = False   # joined a server another process started (SHARED)
 
 
 def gpu_visible() -> bool:
@@ -84,6 +92,9 @@ def start(preload: list[str] | tuple = ()) -> bool:
     global _started
     if _started:
         return True
+    if os.environ.get(SHARED) and _join(os.environ[SHARED]):
+        _started = True
+        return True
     root = _root()
     if root is None:
         return False
@@ -110,3 +121,71 @@ def start(preload: list[str] | tuple = ()) -> bool:
         tempfile.tempdir = saved
     _started = True
     return True
+
+
+def share() -> str:
+    """This process's fork server (started if need be), as TRAINYARD_FORK_SERVER names it for the launchers it
+    starts: "PID:SOCKET"; '' where none runs. The server ends with this process."""
+    from multiprocessing import forkserver
+    if not start():
+        return ""
+    server = forkserver._forkserver
+    return f"{server._forkserver_pid}:{server._forkserver_address}"
+
+
+def _join(value: str) -> bool:
+    """Fork this process's workers from the running server `value` names (share()); False where it is gone, in
+    other namespaces, or where this Python's multiprocessing keeps other state than 3.11's (3.14's authenticates
+    its clients): then this process starts its own."""
+    from multiprocessing import forkserver, resource_tracker
+    from engine.telemetry.protocol import pid_alive
+    pid, _, address = value.partition(":")
+    server = forkserver._forkserver
+    known = all(hasattr(server, name) for name in ("_forkserver_address", "_forkserver_alive_fd", "_forkserver_pid"))
+    if not (known and not hasattr(server, "_forkserver_authkey") and pid.isdigit() and pid_alive(int(pid))
+            and os.path.exists(address) and _same_namespaces(int(pid))) or gpu_visible():
+        return False
+
+    def ensure_running():   # not a child of this process: waitpid cannot tell, its pid can
+        resource_tracker.ensure_running()
+        if not pid_alive(int(pid)):
+            raise OSError(f"the shared fork server (pid {pid}, {SHARED}) is gone")
+
+    global _shared
+    alive_r, alive_w = os.pipe()   # the workers' liveness fd for servers of their own: this process's, not its
+    os.close(alive_r)
+    server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, int(pid)
+    server.ensure_running = ensure_running
+    _shared = True
+    return True
+
+
+def _same_namespaces(pid: int) -> bool:
+    """Whether process `pid` shares this one's network and mount namespaces: a launcher on an emulated host
+    (engine/processes/cluster.py) forks its workers inside that host, from a server of its own."""
+    try:
+        return all(os.stat(f"/proc/{pid}/ns/{ns}").st_ino == os.stat(f"/proc/self/ns/{ns}").st_ino
+                   for ns in ("net", "mnt"))
+    except OSError:
+        return False
+
+
+class Inherit:
+    """What a worker forked from a fork server takes from the process that starts it, as a spawned one would
+    have it: its environment, and from a shared server its stdout and stderr. Passed among the worker's
+    arguments, it acts as it is unpickled, before anything of the worker runs (torch's agent sets RANK and the
+    rest after it)."""
+
+    def __reduce__(self):
+        from multiprocessing.reduction import DupFd
+        return _inherit, (dict(os.environ), *((DupFd(1), DupFd(2)) if _shared else ()))
+
+
+def _inherit(environ: dict, *stdio) -> None:
+    os.environ.clear()
+    os.environ.update(environ)
+    tempfile.tempdir = None   # the server's, where it asked: the environment's TMPDIR now
+    for fd, dup in zip((1, 2), stdio):
+        new = dup.detach()
+        os.dup2(new, fd)
+        os.close(new)

@@ -11,7 +11,7 @@ ranks per host as an elastic agent places them, and talk over its shaped links.
 
 The ranks fork from the launcher's fork server (engine/processes/forkserver.py: torch and the engine already
 imported, 2.8 s of CPU saved a rank) where it runs, else are spawned; either way each starts with the
-environment its pool was made in, as a spawned child would.
+environment its pool was made in, as a spawned child would (forkserver.Inherit).
 
 `job` must be a module-level function (the children import it by name). Every
 collective has the pool's timeout; `run` has its own deadline; a job that raised on
@@ -35,10 +35,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _serve(rank: int, world: int, port: int, timeout_s: float, inbox, outbox, place=None, env=None) -> None:
-    if env is not None:   # a fork of the server has the server's environment: the pool's maker's instead
-        os.environ.clear()
-        os.environ.update(env)
+def _serve(rank: int, world: int, port: int, timeout_s: float, inbox, outbox, place=None, _inherited=None) -> None:
+    """`_inherited`: the pool's maker's environment (forkserver.Inherit), taken as it was unpickled."""
     import torch
     torch.set_num_threads(1)
     addr, local, per_host = "127.0.0.1", rank, world
@@ -96,7 +94,7 @@ class DistPool:
             places = [(cluster.hosts[r // per_host].netns, cluster.interface, cluster.hosts[0].address, per_host)
                       for r in range(world)]
         self.procs = [ctx.Process(target=_serve, args=(r, world, port, timeout_s, self.inboxes[r], self.outbox,
-                                                       places[r], dict(os.environ)), daemon=True, name=f"pool-rank{r}")
+                                                       places[r], forkserver.Inherit()), daemon=True, name=f"pool-rank{r}")
                       for r in range(world)]
         for proc in self.procs:
             proc.start()

@@ -287,7 +287,9 @@ def launch(job: Job) -> dict | None:
         # trackers (TensorBoard, W&B) follow rank 0's log from here, off every rank's step
         with _refusals(job, agent), follow_trackers(cfg, job.log_path(), resumed=job.resume is not None), \
                 ending_hosts_waited(reporter.where):   # a host lost for good is not waited for at the end
-            results = elastic_launch(launch_cfg, run_worker)(job)
+            # a worker forked from the fork server takes the launcher's environment as it starts (Inherit)
+            forked = forkserver.Inherit() if launch_cfg.start_method == "forkserver" else None
+            results = elastic_launch(launch_cfg, run_worker)(job, forked)
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         raise RunFailed(_describe_failure(rank, failure, cfg.parallel.max_restarts)) from None

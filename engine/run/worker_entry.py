@@ -25,11 +25,12 @@ from engine.runtime.topology import Topology
 from engine.strategies.specs import STRATEGIES, resolve
 
 
-def run_worker(job: Job) -> dict | None:
+def run_worker(job: Job, _forked=None) -> dict | None:
     """worker_main, watching the launcher (engine/processes/lifeline.py); where it raises, the worker exits with
     status 1 once the error is in the agent's error.json (what the launcher reports, as before). An error raised
     on out of here would also be pickled by torch.multiprocessing into a pytorch-errorfile-*.pickle in the
-    system temp dir, which nothing removes."""
+    system temp dir, which nothing removes. `_forked`: the launcher's environment (forkserver.Inherit), taken
+    as it was unpickled."""
     # one host: the run stops with its launcher (a final checkpoint where it fits); several: this host is lost
     lifeline.hold(job.launcher, job.config.parallel.shutdown_timeout_s, f"rank {os.environ.get('RANK', '?')}",
                   stop=job.config.cluster.nnodes == 1)

@@ -129,8 +129,10 @@ def run_config(variant: str, folder: Path, config: Path, size: dict, device: str
 
 def _env(folder: Path) -> dict:
     from engine.processes.children import steady_host_allocator
+    from engine.processes.forkserver import SHARED
     env = steady_host_allocator(dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                                      TORCHINDUCTOR_CACHE_DIR=str(folder / "inductor")))
+    env.pop(SHARED, None)   # a variant as a user runs it, its workers in its own tree: paused, pinned, measured
     return env
 
 

@@ -8,6 +8,7 @@ on ChildRuns itself with plain processes.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -431,3 +432,30 @@ def test_bench_processes_allocate_with_fixed_thresholds_unless_the_user_set_thei
     glibc = platform.libc_ver()[0] == "glibc"
     assert got == ({"PATH": "/bin", **children.HOST_ALLOCATOR} if glibc else {"PATH": "/bin"})
     assert children.steady_host_allocator({"MALLOC_TRIM_THRESHOLD_": "0"}) == {"MALLOC_TRIM_THRESHOLD_": "0"}
+
+
+POOL_OWNER = """
+import sys, time
+from engine.processes.procpool import DistPool
+pool = DistPool(world=2)
+print(*(proc.pid for proc in pool.procs), flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.timeout(90)
+def test_a_pools_ranks_end_with_their_owner_killed_alone():
+    """A pool's maker SIGKILLed by itself (not its session): its ranks, forks of a fork server and not its
+    children, end by their lifeline; they held the server's liveness pipe, so they had kept it alive too."""
+    owner = subprocess.Popen([sys.executable, "-c", POOL_OWNER], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                             start_new_session=True)
+    try:
+        ranks = [int(pid) for pid in owner.stdout.readline().split()]
+        assert len(ranks) == 2
+        owner.kill()
+        owner.wait()
+        wait_for(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+                                 for p in ranks), 15, "the pool's ranks to end")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(owner.pid, signal.SIGKILL)

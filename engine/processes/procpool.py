@@ -35,8 +35,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _serve(rank: int, world: int, port: int, timeout_s: float, inbox, outbox, place=None, _inherited=None) -> None:
-    """`_inherited`: the pool's maker's environment (forkserver.Inherit), taken as it was unpickled."""
+def _serve(rank: int, world: int, port: int, timeout_s: float, inbox, outbox, place=None, owner=None,
+           _inherited=None) -> None:
+    """`owner`: the pool's maker (lifeline.identity), whose end ends this rank, however it ended (its ranks are
+    not its children where they fork from a server); `_inherited`: its environment (forkserver.Inherit), taken as
+    it was unpickled."""
+    if owner is not None:
+        from engine.processes import lifeline
+        lifeline.hold(owner, 1.0, f"pool rank {rank}")
     import torch
     torch.set_num_threads(1)
     addr, local, per_host = "127.0.0.1", rank, world
@@ -77,8 +83,9 @@ class DistPool:
     def __init__(self, world: int, timeout_s: float = 20.0, cluster=None, per_host: int | None = None):
         """`per_host`: without a cluster, tell the ranks they sit on hosts of that many (LOCAL_WORLD_SIZE),
         all on this machine's loopback: the code paths of several hosts, without the links."""
-        from engine.processes import forkserver
+        from engine.processes import forkserver, lifeline
         ctx = mp.get_context("forkserver" if forkserver.start() else "spawn")
+        owner = lifeline.identity()
         self.world, self.timeout_s = world, timeout_s
         self.inboxes = [ctx.Queue() for _ in range(world)]
         self.outbox = ctx.Queue()
@@ -94,7 +101,8 @@ class DistPool:
             places = [(cluster.hosts[r // per_host].netns, cluster.interface, cluster.hosts[0].address, per_host)
                       for r in range(world)]
         self.procs = [ctx.Process(target=_serve, args=(r, world, port, timeout_s, self.inboxes[r], self.outbox,
-                                                       places[r], forkserver.Inherit()), daemon=True, name=f"pool-rank{r}")
+                                                       places[r], owner, forkserver.Inherit()),
+                                  daemon=True, name=f"pool-rank{r}")
                       for r in range(world)]
         for proc in self.procs:
             proc.start()

@@ -58,6 +58,7 @@ def pytest_configure(config):
 
 
 def pytest_sessionfinish(session, exitstatus):
+    forkserver.stop()   # not still importing when the temp dir goes (it would make its inductor folder again)
     tmp = _session["tmp"]
     _session["litter"] = sorted(name for name in os.listdir(tmp) if name.startswith(LITTER))
     shutil.rmtree(tmp, ignore_errors=True)

@@ -133,6 +133,27 @@ def share() -> str:
     return f"{server._forkserver_pid}:{server._forkserver_address}"
 
 
+def stop(timeout_s: float = 30.0) -> None:
+    """End the fork server this process started, now rather than at its exit: it leaves once its imports are
+    done and no fork of it holds its liveness pipe; after `timeout_s` it is killed. (The test session removes its
+    temp dir after this: a server still importing torch._dynamo would make its cache folder there again.)"""
+    import signal
+    import time
+    from multiprocessing import forkserver
+    server = forkserver._forkserver
+    if _shared or server._forkserver_pid is None:
+        return
+    pid, server._forkserver_pid = server._forkserver_pid, None
+    os.close(server._forkserver_alive_fd)
+    deadline = time.monotonic() + timeout_s
+    while not os.waitpid(pid, os.WNOHANG)[0]:
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return
+        time.sleep(0.05)
+
+
 def _join(value: str) -> bool:
     """Fork this process's workers from the running server `value` names (share()); False where it is gone, in
     other namespaces, or where this Python's multiprocessing keeps other state than 3.11's (3.14's authenticates

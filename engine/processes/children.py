@@ -124,8 +124,8 @@ def steady_host_allocator(env: dict) -> dict:
     again at the next step, or not, by the luck of the heap's layout: at bench step's host size a worker took
     5,300 page faults a second (3-5% of its step) where another, identical but for a check before step 1, took
     15. Fixed thresholds, read by each process's allocator when it starts. Settings of the user's own are left
-    as they are; only where the C library is glibc. Not set for runs: a loopback test of a host that rejoins a
-    parameter server hung at torch's exit barrier in 3 of 6 runs with it for the workers, cause not found."""
+    as they are; only where the C library is glibc. Not set for runs: each process would keep up to 256 MiB it
+    has freed (docs/training.md)."""
     import platform
     if platform.libc_ver()[0] == "glibc" and not any(key in env for key in HOST_ALLOCATOR):
         env.update(HOST_ALLOCATOR)

@@ -39,12 +39,12 @@ async def settle(pilot) -> None:
         for throttle in vars(widget).values():
             if isinstance(throttle, Throttle):
                 throttle.interval_s = 0.0
-    # every record before the pause drawn: the feed's thread posts them, then "ready" (seconds on a loaded
-    # machine; a 10 s wait once gave a picture of the replay half loaded)
-    deadline = time.monotonic() + 40
-    while not app.replay_ready and time.monotonic() < deadline:
+    # every record before the pause applied, counted (the feed's thread posts them, then "ready"; a picture
+    # once held a header of the replay half applied, ready or not, cause not found)
+    deadline, preload = time.monotonic() + 40, app.source.preload
+    while not (app.replay_ready and app.state.messages >= preload) and time.monotonic() < deadline:
         await pilot.pause(0.05)
-    assert app.replay_ready, "the replay was not loaded in 40 s"
+    assert app.replay_ready and app.state.messages >= preload, (app.state.messages, preload)
     await pilot.pause(0.1)
     app.refresh_panels(force=True)
     app.query_one(Curves).redraw()

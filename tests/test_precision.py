@@ -343,7 +343,9 @@ def test_bf16_weights_converge_as_fp32_does(cli):
     300 steps 2.0177 (fp32) against 2.0158 (bf16); at batch 16, 150 steps 2.4165 against 2.4184."""
     from pathlib import Path
     accuracy = {name: one_process_accuracy(sets, 300) for name, sets in (("fp32", []), ("bf16", BF16))}
-    assert accuracy["fp32"] > 0.9 and abs(accuracy["bf16"] - accuracy["fp32"]) <= 0.005, accuracy
+    # bf16 not worse by more than 0.5 points (better is no failure: torch's AVX2 kernels gave bf16 96.10%, fp32
+    # 95.54%, two samples of the 359 apart; its AVX-512 ones 95.54% in both)
+    assert accuracy["fp32"] > 0.9 and accuracy["bf16"] >= accuracy["fp32"] - 0.005, accuracy
     text = str(Path(DEMO).with_name("text_sharded.toml"))
     as_ddp = ["parallel.strategy=ddp", "parallel.world_size=2", "data.batch_size=16", "run.steps=150",
               "run.eval_every=0", "checkpoint.every=0"]

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import statistics
+import subprocess
 
 import psutil
 import pytest
@@ -168,6 +170,32 @@ def test_bench_step_times_trainyard_beside_the_plain_loop_and_judges_the_goals(c
     left = [p.pid for p in psutil.process_iter(["cmdline"]) if any("trainyard-bench-step-" in arg
                                                                   for arg in p.info["cmdline"] or ())]
     assert left == []   # no variant's process (a stopped one least of all) outlives the bench
+
+
+@pytest.mark.timeout(120)
+def test_the_compiled_plain_loop_compiles_a_graph_per_block_while_a_training_forward_builds_a_kv_cache(tmp_path):
+    """bench step's compiled plain loop (`block.compile()` on each block) says how many graphs dynamo compiled: a
+    Hugging Face causal LM builds a KV cache in a training forward unless `use_cache=False`, and each block's graph
+    guards on its own layer of it, so each block compiles its own (the GPU size's 16 blocks pass dynamo's recompile
+    limit of 8, and the rest run eager); `plain-compiled-nocache`'s blocks share one. Counted with dynamo's `eager`
+    backend, which traces as inductor does and generates no code."""
+    pytest.importorskip("transformers")
+    from engine.bench.step import SIZES, command, write_inputs
+    size = dict(SIZES["host"], config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                           num_attention_heads=2, num_key_value_heads=1, vocab_size=64),
+                batch=2, seq_len=16)
+    config = write_inputs(tmp_path, size, None)
+    graphs = {}
+    for variant in ("plain-compiled", "plain-compiled-nocache"):
+        cmd, _ = command(variant, tmp_path, config, size, "cpu", 2, 0)
+        assert ("--no-cache" in cmd) == variant.endswith("nocache") and "--compile" in cmd
+        done = subprocess.run([*cmd, "--backend", "eager"], capture_output=True, text=True, cwd=tmp_path,
+                              timeout=100, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert done.returncode == 0, done.stderr[-3000:]
+        out = json.loads(done.stdout.strip().splitlines()[-1])
+        assert out["blocks"] == 3 and out["recompile_limit"] == 8 and len(out["step_ms"]) == 2
+        graphs[variant] = out["graphs"]
+    assert graphs == {"plain-compiled": 3, "plain-compiled-nocache": 1}
 
 
 def test_bench_step_refuses_an_unknown_variant_by_name(cli):

@@ -2,12 +2,16 @@
 model, in a process of its own (one turn of engine/bench/step.py).
 
     python -m engine.bench.step_plain --hf-config DIR --tokens FILE --batch 8 --seq-len 64 --steps 30 \
-        --device cpu --precision fp32 [--compile] [--count-flops]
+        --device cpu --precision fp32 [--compile [--backend inductor]] [--no-cache] [--count-flops]
 
 Per step: a random batch of batch x (seq_len + 1) ids from the token file, `model(input_ids=x).logits` (under
 `torch.autocast(bfloat16)` where --precision is bf16), fp32 cross-entropy, backward, `AdamW(fused=True).step()`,
 `zero_grad(set_to_none=True)`, `loss.item()`. `--compile`: each decoder block `block.compile()`d, as
-torchtitan's regional compilation. The weights are built from the config with torch.manual_seed(0), the same in
+torchtitan's regional compilation. `--no-cache`: `model(input_ids=x, use_cache=False)`. A Hugging Face causal LM
+builds a KV cache in a training forward too unless told not to (its config's `use_cache`), and each block's
+compiled graph guards on its own layer of that cache: every block compiles a graph of its own, and the blocks past
+dynamo's recompile limit (8) run eager. With `--compile`, the printed object says `graphs` (the graphs dynamo
+compiled), `blocks` and `recompile_limit`. The weights are built from the config with torch.manual_seed(0), the same in
 every turn. `--stream`: each step's end and ms as it ends, a JSON line each (bench step's interleaved
 turns, engine/bench/step_interleave.py). `--trace DIR`: the last steps but one recorded by torch.profiler
 (engine/runtime/trace.py), as `trainyard run`'s `[telemetry] trace_steps` records its own. Prints one JSON
@@ -39,6 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--backend", default="inductor",
+                        help="--compile's torch.compile backend (the tests count graphs with `eager`, which compiles none)")
+    parser.add_argument("--no-cache", action="store_true", help="use_cache=False: no KV cache built in training")
     parser.add_argument("--count-flops", action="store_true")
     parser.add_argument("--stream", action="store_true",
                         help="print each step's end (Unix time) and ms as a line of JSON as it ends "
@@ -52,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.hf_config)).to(args.device)
     if args.compile:
         for block in model.model.layers:
-            block.compile()
+            block.compile(backend=args.backend)
+    forward_kwargs = {"use_cache": False} if args.no_cache else {}
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
     data = torch.from_numpy(np.fromfile(args.tokens, dtype=np.uint16).astype(np.int64))
     window = args.seq_len + 1
@@ -63,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         xy = torch.stack([data[s:s + window] for s in starts.tolist()]).to(args.device)
         x, y = xy[:, :-1], xy[:, 1:]
         with torch.autocast(args.device, torch.bfloat16, enabled=args.precision == "bf16"):
-            logits = model(input_ids=x).logits
+            logits = model(input_ids=x, **forward_kwargs).logits
         loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
         loss.backward()
         opt.step()
@@ -94,7 +102,14 @@ def main(argv: list[str] | None = None) -> int:
             trace.after(k + 1)
         last = time.perf_counter()
     peak = torch.cuda.max_memory_allocated() if args.device == "cuda" else peak_rss()
-    print(json.dumps({"step_ms": times, "peak_bytes": peak, "flops": flops}))
+    graphs = {}
+    if args.compile:
+        from torch._dynamo import config as dynamo_config
+        from torch._dynamo.utils import counters
+        graphs = {"graphs": counters["stats"]["unique_graphs"], "blocks": len(model.model.layers),
+                  "recompile_limit": getattr(dynamo_config, "recompile_limit", None)
+                  or getattr(dynamo_config, "cache_size_limit", None)}
+    print(json.dumps({"step_ms": times, "peak_bytes": peak, "flops": flops, **graphs}))
     return 0
 
 

@@ -16,7 +16,8 @@ from engine.models import LayerList
 from engine.run.checks import RunSetupError, check_model, check_token_ids
 from engine.run.rank import Job
 from engine.training import data as data_module
-from engine.training.data import TokenWindows, batch_for, largest_id, load_dataset, scan_path
+from engine.training.data import (TokenWindows, batch_for, global_batch_indices, largest_id, load_dataset, rank_slice,
+                                  scan_path)
 from engine.runtime.checkpoint import list_checkpoints
 from tests.conftest import read_jsonl
 
@@ -48,6 +49,13 @@ def test_samples_are_windows_of_the_file_and_targets_the_next_ids(tmp_path, dtyp
     halves = [batch_for(ds, 7, 8, seed=3, rank=r, world_size=2) for r in range(2)]
     assert torch.equal(torch.cat([h[0] for h in halves]), whole[0])
     assert torch.equal(torch.cat([h[1] for h in halves]), whole[1])
+    # the token file's own path (indices read from the permutation in numpy) takes every step's, every rank's
+    # samples of the global batch indices every other data set takes, across epochs (7 steps an epoch)
+    for step in (0, 14, 15, 40):
+        for rank, world in ((0, 1), (1, 2), (3, 4)):
+            idx = rank_slice(global_batch_indices(ds.n_train, 8, step, seed=3), rank, world)
+            x, y = batch_for(ds, step, 8, seed=3, rank=rank, world_size=world)
+            assert torch.equal(x, ds.x_train[idx]) and torch.equal(y, ds.y_train[idx])
     assert isinstance(ds.x_train, TokenWindows) and len(ds.x_test) == 0   # no val file: no test split
     # batch_for reads a sample's inputs and targets as one window of SEQ + 1 ids: the same ids as two reads
     idx = torch.tensor([3, 0, len(ds.x_train) - 1])

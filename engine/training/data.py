@@ -62,39 +62,61 @@ def _epoch_permutation(n_train: int, seed: int, epoch: int) -> torch.Tensor:
     return torch.randperm(n_train, generator=_generator("epoch", seed, epoch))
 
 
-def global_batch_indices(n_train: int, batch_size: int, step: int, seed: int) -> torch.Tensor:
-    """Indices into the train split of the global batch at optimizer step `step` (0-based).
-
-    Each epoch is a fresh seeded permutation, cut into n_train // batch_size batches
-    (the remainder is dropped), so within an epoch no sample repeats."""
+def _batch_start(n_train: int, batch_size: int, step: int) -> tuple[int, int]:
+    """(epoch, where step `step`'s global batch starts in that epoch's permutation), checked."""
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
     if batch_size < 1 or n_train // batch_size < 1:
         raise ValueError(f"batch_size {batch_size} does not fit the {n_train} training samples: "
                          f"need 1 <= batch_size <= n_train")
-    steps_per_epoch = n_train // batch_size
-    epoch, offset = divmod(step, steps_per_epoch)
-    perm = _epoch_permutation(n_train, seed, epoch)
-    return perm[offset * batch_size:(offset + 1) * batch_size].clone()
+    epoch, offset = divmod(step, n_train // batch_size)
+    return epoch, offset * batch_size
+
+
+def global_batch_indices(n_train: int, batch_size: int, step: int, seed: int) -> torch.Tensor:
+    """Indices into the train split of the global batch at optimizer step `step` (0-based).
+
+    Each epoch is a fresh seeded permutation, cut into n_train // batch_size batches
+    (the remainder is dropped), so within an epoch no sample repeats."""
+    epoch, start = _batch_start(n_train, batch_size, step)
+    return _epoch_permutation(n_train, seed, epoch)[start:start + batch_size].clone()
+
+
+def _share(batch: int, rank: int, world_size: int) -> tuple[int, int]:
+    """Where rank `rank`'s share of a global batch of `batch` samples starts and ends in it, checked."""
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in a world of size {world_size}")
+    if batch % world_size != 0:
+        raise ValueError(f"batch of {batch} samples is not divisible by world_size {world_size}")
+    per_rank = batch // world_size
+    return rank * per_rank, (rank + 1) * per_rank
 
 
 def rank_slice(indices: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     """The contiguous 1/world_size share of `indices` that data-parallel rank `rank` trains on."""
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} is not in a world of size {world_size}")
-    if len(indices) % world_size != 0:
-        raise ValueError(f"batch of {len(indices)} samples is not divisible by world_size {world_size}")
-    per_rank = len(indices) // world_size
-    return indices[rank * per_rank:(rank + 1) * per_rank]
+    lo, hi = _share(len(indices), rank, world_size)
+    return indices[lo:hi]
+
+
+@functools.lru_cache(maxsize=8)
+def _epoch_order(n_train: int, seed: int, epoch: int):
+    """The epoch's permutation as a numpy array (the same memory): a token file's batch reads it with no torch
+    operation."""
+    return _epoch_permutation(n_train, seed, epoch).numpy()
 
 
 def batch_for(ds: Dataset, step: int, batch_size: int, seed: int, rank: int = 0,
               world_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """(x, y) of rank `rank`'s share of the global batch at `step`."""
+    if isinstance(ds.x_train, TokenWindows) and ds.x_train.pairs_with(ds.y_train):
+        # a token file: each sample's inputs and targets in one read of the file, the share's indices read from
+        # the permutation in numpy, with no torch operation: each cost ~10-20 microseconds in the step loop, where
+        # the step before leaves their code cold (a batch 0.094-0.096 ms against 0.130-0.137; docs/training.md)
+        epoch, start = _batch_start(ds.n_train, batch_size, step)
+        lo, hi = _share(batch_size, rank, world_size)
+        return ds.x_train.with_targets(ds.y_train, _epoch_order(ds.n_train, seed, epoch)[start + lo:start + hi])
     idx = rank_slice(global_batch_indices(ds.n_train, batch_size, step, seed), rank, world_size)
-    # a token file: each sample's inputs and targets in one read of the file
-    both = ds.x_train.with_targets(ds.y_train, idx) if isinstance(ds.x_train, TokenWindows) else None
-    return both if both is not None else (ds.x_train[idx], ds.y_train[idx])
+    return ds.x_train[idx], ds.y_train[idx]
 
 
 def micro_steps(x: torch.Tensor, y: torch.Tensor, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -261,18 +283,23 @@ class TokenWindows:
         """(self[index], targets[index]) in one read of the file, where `targets` are these inputs' next tokens
         (the same file and seq_len, shifted by one); None otherwise."""
         import numpy as np
-        if not (isinstance(targets, TokenWindows) and targets.path == self.path and targets.seq_len == self.seq_len
-                and self.shift == 0 and targets.shift == 1):
+        if not self.pairs_with(targets):
             return None
         rows = self.windows[self._index(index)].astype(np.int64)   # a fresh array: its two parts made contiguous
         return torch.from_numpy(np.ascontiguousarray(rows[:, :-1])), torch.from_numpy(np.ascontiguousarray(rows[:, 1:]))
+
+    def pairs_with(self, targets) -> bool:
+        """Whether `targets` are these inputs' next tokens: the same file and seq_len, shifted by one."""
+        return (isinstance(targets, TokenWindows) and targets.path == self.path and targets.seq_len == self.seq_len
+                and self.shift == 0 and targets.shift == 1)
 
     def _index(self, index):
         import numpy as np
         if isinstance(index, slice):
             index = np.arange(*index.indices(self.n), dtype=np.int64)
         else:
-            index = torch.as_tensor(index).numpy().astype(np.int64, copy=False)
+            index = (index if isinstance(index, np.ndarray) else torch.as_tensor(index).numpy()).astype(np.int64,
+                                                                                                     copy=False)
         # checked by Python's min and max over a share's few indices: numpy's two reductions took ~27 microseconds
         # more a step in the step loop, where the step before leaves their code cold (docs/training.md)
         listed = index.reshape(-1).tolist()   # a single index too

@@ -15,6 +15,7 @@ reported but not declared stops the run (UndeclaredFigure).
 from __future__ import annotations
 
 import json
+from array import array
 
 import torch
 import torch.distributed as dist
@@ -72,9 +73,14 @@ def row_values(values: dict) -> list[float]:
 
 def exchange(topo: Topology, values: dict) -> torch.Tensor:
     """All ranks' vectors, one row per rank (see row_values)."""
-    mine = torch.tensor(row_values(values), dtype=torch.float64)
-    if topo.world_size == 1:   # no peer to hear from: no collective
-        return mine.unsqueeze(0)
+    global _read
+    row = row_values(values)
+    # the row's own bytes as the tensor (torch.tensor walks the list, ~25 microseconds more in the step loop)
+    mine = torch.frombuffer(array("d", row), dtype=torch.float64)
+    if topo.world_size == 1:   # no peer to hear from: no collective, and the table's numbers are the row
+        table = mine.unsqueeze(0)
+        _read = (table, [row])
+        return table
     rows = [torch.empty_like(mine) for _ in range(topo.world_size)]
     dist.all_gather(rows, mine, group=topo.side)
     return torch.stack(rows)

@@ -299,6 +299,19 @@ def test_non_finite_figures_are_written_null_and_named():
     assert strict_loads(protocol.encode({"type": "step", "loss": math.inf}))["nonfinite"] == ["loss"]
 
 
+def test_a_line_is_what_json_dumps_writes_and_a_failed_line_leaves_the_encoder_whole():
+    """strict_json's encoder is made once (engine/telemetry/protocol.py): the same text as json.dumps for strings
+    that need escaping, nested containers, big and negative numbers; an unencodable value raises as json.dumps
+    does, and the next line is whole."""
+    record = {"type": "event", "text": "é\u2028\"q\"\\ \x00", "n": [1, 2.5, -0.0, 1e300, 12345678901234567890,
+              None, True, False], "d": {"e": {}, "f": [[]], "7": (1, 2)}}
+    assert protocol.strict_json(record) == json.dumps(record, separators=(",", ":"), allow_nan=False)
+    with pytest.raises(TypeError, match="not JSON serializable"):
+        protocol.strict_json({"x": [{"y": object()}]})
+    assert protocol.strict_json({"x": [{"y": 1}]}) == '{"x":[{"y":1}]}'
+    assert protocol.strict_json({"x": math.nan, "y": [1]}) == '{"x":null,"y":[1],"nonfinite":["x"]}'
+
+
 def test_a_nan_loss_is_said_once_as_an_event_and_every_such_step_is_flagged(tmp_path):
     tel = rank_zero(tmp_path)
     notes = []

@@ -99,7 +99,7 @@ FLOORS = [
     ("engine.config", "engine.strategies.specs",   # specs: the registry of every strategy, torch-free, for the
      "engine.strategies.*.spec"),                  # config; each strategy's spec.py: its settings and checks
     ("engine.training.precision", "engine.training.timing", "engine.training.loss", "engine.training.evaluation",
-     "engine.training.optim", "engine.training.data",
+     "engine.training.optim", "engine.training.data", "engine.training.token_scan",
      "engine.training.throughput", "engine.models"),
     ("engine.telemetry",),
     ("widgets",),                                  # the console's panels: plain data, no engine

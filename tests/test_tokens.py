@@ -15,9 +15,9 @@ from engine.config import ConfigError, DataConfig, config_from_dict
 from engine.models import LayerList
 from engine.run.checks import RunSetupError, check_model, check_token_ids
 from engine.run.rank import Job
-from engine.training import data as data_module
-from engine.training.data import (TokenWindows, batch_for, global_batch_indices, largest_id, load_dataset, rank_slice,
-                                  scan_path)
+from engine.training import token_scan as scan_module
+from engine.training.data import TokenWindows, batch_for, global_batch_indices, load_dataset, rank_slice
+from engine.training.token_scan import largest_id, scan_path
 from engine.runtime.checkpoint import list_checkpoints
 from tests.conftest import read_jsonl
 
@@ -171,7 +171,7 @@ def ids_with(path, n: int, planted: dict, dtype=np.uint16):
 
 
 def test_an_id_past_the_vocabulary_far_from_the_start_is_refused_naming_it_and_its_position(tmp_path, monkeypatch):
-    monkeypatch.setattr(data_module, "SCAN_CHUNK_IDS", 1000)   # the largest id in a late chunk, found there
+    monkeypatch.setattr(scan_module, "SCAN_CHUNK_IDS", 1000)   # the largest id in a late chunk, found there
     ids_with(tmp_path / "t.bin", 200_000, {150_001: 60000, 180_000: 60000, 3: 99})
     with pytest.raises(RunSetupError) as refused:
         check_model(token_job(tmp_path / "t.bin", vocab_size=100))   # what prepare_run_dir calls
@@ -200,18 +200,18 @@ def test_the_scan_is_kept_beside_the_file_reused_and_made_again_when_the_file_ch
     kept = json.loads(scan_path(str(path)).read_text())
     assert kept == {"bytes": 8000, "mtime_ns": path.stat().st_mtime_ns, "dtype": "uint16", "max_id": 77,
                     "max_id_position": 1234}
-    scan = data_module._scan
+    scan = scan_module._scan
 
     def no_scan(*args):
         raise AssertionError("scanned again")
-    monkeypatch.setattr(data_module, "_scan", no_scan)
+    monkeypatch.setattr(scan_module, "_scan", no_scan)
     assert largest_id(str(path), "uint16") == (77, 1234)
     with pytest.raises(RunSetupError, match="token id 77 at token index 1234"):   # the launcher's check reads it too
         check_token_ids(token_job(path, vocab_size=50))
     ids_with(path, 4000, {99: 88})   # another file under the same name: its size and mtime_ns say so
     with pytest.raises(AssertionError, match="scanned again"):
         largest_id(str(path), "uint16")
-    monkeypatch.setattr(data_module, "_scan", scan)
+    monkeypatch.setattr(scan_module, "_scan", scan)
     assert largest_id(str(path), "uint16") == (88, 99)
     as_uint32 = np.fromfile(path, dtype=np.uint32)   # the same bytes as other ids: scanned afresh
     assert largest_id(str(path), "uint32") == (int(as_uint32.max()), int(as_uint32.argmax()))
@@ -226,7 +226,7 @@ def test_a_folder_that_cannot_be_written_is_scanned_each_time(tmp_path, monkeypa
 
     def refused(*args, **kwargs):   # what a read-only folder answers (root writes whatever the mode says)
         raise PermissionError(13, "Permission denied")
-    monkeypatch.setattr(data_module.tempfile, "mkstemp", refused)
+    monkeypatch.setattr(scan_module.tempfile, "mkstemp", refused)
     try:
         for _ in range(2):
             with pytest.raises(RunSetupError, match="token id 120 at token index 2000"):

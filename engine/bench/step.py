@@ -68,7 +68,7 @@ from pathlib import Path
 import numpy as np
 
 from engine.bench.step_interleave import CYCLES_PER_ROUND
-from engine.bench.verdict import judge, judge_ratio, say
+from engine.bench.verdict import judge, judge_ratio
 
 SIZES = {   # LlamaConfig keywords, and the batch
     "host": dict(config=dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
@@ -379,37 +379,6 @@ def main(argv: list[str]) -> int:
     if args.json:
         print(json.dumps(result))
         return 0
-    from rich.console import Console
-    from rich.table import Table
-    console = Console()
-    for report in reports:
-        table = Table(title=f"step: {report['size']} size on {report['device']}, batch {report['batch']} x "
-                            f"{report['seq_len']}, {report['precision']}, {report['rounds']} rounds of "
-                            f"{report['steps']} steps (second half timed)")
-        for col in ("variant", "step ms (rounds)", "tokens/s", "MFU", "peak memory", *(f"x {b}" for b in BASES)):
-            table.add_column(col)
-        for row in report["variants"]:
-            from engine.config import format_size
-            table.add_row(row["variant"], f"{row['step_ms']:.2f} ({', '.join(f'{x:.2f}' for x in row['rounds_ms'])})",
-                          f"{row['tokens_per_s']:,.0f}", f"{row['mfu']:.1%}" if "mfu" in row else "—",
-                          format_size(row["peak_bytes"]) if row["peak_bytes"] else "—",
-                          *(_ratio(row, b) for b in BASES))
-        console.print(table)
-        for row in (r for r in report["variants"] if "graphs" in r):
-            console.print(f"{row['variant']}: dynamo compiled {row['graphs']} graph(s) for its {row['blocks']} blocks "
-                          f"(recompile limit {row['recompile_limit']})")
-        console.print(f"peak FLOP/s: {report['peak_source']}")
-        for name, judged in report["judged"].items():
-            console.print(say(name, judged))
-        for v, why in report["failed"].items():
-            console.print(f"{v} FAILED: {why}")
-    for v, why in left_out.items():
-        console.print(f"{v} left out: {why}")
+    from engine.bench.step_tables import print_reports
+    print_reports(reports, left_out, BASES)
     return 0
-
-
-def _ratio(row: dict, base: str) -> str:
-    if f"x_{base}" not in row:
-        return "—"
-    lo, hi = row[f"x_{base}_spread"]
-    return f"{row[f'x_{base}']:.3f} ({lo:.3f}-{hi:.3f})"

@@ -46,7 +46,7 @@ def check_model(job) -> None:
 def check_token_ids(job) -> None:
     """`[data] name = "tokens"`: each file's largest id against the model's vocabulary, once, before any
     worker starts. An id past it is an IndexError in a worker when it is sampled, and trains unnoticed when
-    it is not. The scan is kept beside the file (engine/training/data.py: largest_id)."""
+    it is not. The scan is kept beside the file (engine/training/token_scan.py: largest_id)."""
     cfg = job.config
     if cfg.data.name != "tokens" or job.data is not None:
         return
@@ -55,7 +55,7 @@ def check_token_ids(job) -> None:
         return
     size, source, remedy = vocab
     check_tokenizer_size(cfg.data, size, source, remedy)
-    from engine.training.data import largest_id
+    from engine.training.token_scan import largest_id
     for key in ("train", "val"):
         path = getattr(cfg.data, key)
         if not path:
@@ -101,7 +101,7 @@ def model_vocabulary(job) -> tuple[int, str, str] | None:
         if isinstance(meta.get("vocab_size"), int):
             return meta["vocab_size"], "data.vocab_size = 0: the tokenizer's, in meta.json", \
                 "set data.vocab_size to at least {need}"
-        from engine.training.data import largest_id
+        from engine.training.token_scan import largest_id
         return (largest_id(cfg.data.train, cfg.data.dtype)[0] + 1,
                 "data.vocab_size = 0: the training file's largest id + 1", "set data.vocab_size to at least {need}")
     if cfg.model.name == "hf":

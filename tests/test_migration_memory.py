@@ -149,6 +149,21 @@ def test_the_tours_migrations_never_go_over_its_capacity(cli):
                 assert rank["peak_bytes"] <= rank["capacity_bytes"], (rec["step"], rank["rank"], rank["peak_bytes"])
 
 
+def around(records: list[dict], over: list[dict], steps: int = 3) -> str:
+    """A failure's context: each over-capacity event, the events of the steps around it, and the rank's peak and
+    capacity at each of those steps."""
+    lines = []
+    for event in over:
+        step, rank = event["step"], event["rank"]
+        near = [rec for rec in records if isinstance(rec.get("step"), int) and abs(rec["step"] - step) <= steps]
+        lines.append(f"over: {event}")
+        lines += [f"  event {rec['step']}: {rec}" for rec in near if rec["type"] == "event" and rec is not event]
+        lines += [f"  step {rec['step']}: rank {rank} " + str({k: row.get(k) for k in ("peak_bytes", "used_bytes",
+                                                                                          "capacity_bytes")})
+                  for rec in near if rec["type"] == "step" for row in rec.get("ranks", []) if row["rank"] == rank]
+    return "\n".join(lines)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_rebalances_from_the_console_never_go_over_the_capacity(cli):
@@ -179,7 +194,8 @@ def test_rebalances_from_the_console_never_go_over_the_capacity(cli):
     moved = [rec["step"] for rec in records if rec.get("kind") == "migration"]
     assert len(moved) >= 2, (moved, answers)
     assert all(rec["reason"] == "command" for rec in records if rec.get("kind") == "rebalance")
-    assert not [rec for rec in records if rec.get("kind") == "memory_over_capacity"]
+    over = [rec for rec in records if rec.get("kind") == "memory_over_capacity"]
+    assert not over, around(records, over)   # rare (about 1 run in 30-60): what the run did about then
     for rec in records:
         if rec["type"] == "step":
             for rank in rec["ranks"]:

@@ -95,10 +95,10 @@ def rank_slice(indices: torch.Tensor, rank: int, world_size: int) -> torch.Tenso
     return indices[lo:hi]
 
 
-@functools.lru_cache(maxsize=8)
+@functools.lru_cache(maxsize=2)
 def _epoch_order(n_train: int, seed: int, epoch: int):
     """The epoch's permutation as a numpy array (the same memory): a token file's batch reads it with no torch
-    operation."""
+    operation. Two kept: a step needs its own epoch's, and an epoch of a large file's samples is 8 bytes each."""
     return _epoch_permutation(n_train, seed, epoch).numpy()
 
 

@@ -91,6 +91,7 @@ GOALS = {"cpu": {("trainyard", "plain"): 0.97, ("trainyard-compiled", "plain-com
          "cuda": {("trainyard", "plain"): 0.98, ("trainyard-compiled", "plain-compiled"): 0.97,
                   ("trainyard-compiled", "plain-compiled-nocache"): 0.97, ("trainyard-auto", "trainyard"): 0.98}}
 BASES = ("plain", "plain-compiled", "plain-compiled-nocache")   # the ratios every row carries
+GRAPH_FIELDS = ("graphs", "blocks", "recompile_limit")   # what a compiled plain loop says of its graphs (step_plain)
 TURN_TIMEOUT_S = 1800
 
 
@@ -181,7 +182,7 @@ def turn(variant: str, folder: Path, config: Path, size: dict, device: str, step
             _keep_trace(folder / "trace", "plain", trace, variant)
         ms = out["step_ms"]
         return {"step_ms": statistics.median(ms[len(ms) // 2:]), "steps": ms, "peak_bytes": out["peak_bytes"],
-                "flops": out["flops"], **{k: out[k] for k in ("graphs", "blocks", "recompile_limit") if k in out}}
+                "flops": out["flops"], **{k: out[k] for k in GRAPH_FIELDS if k in out}}
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=folder, timeout=TURN_TIMEOUT_S)
     if done.returncode != 0:
         raise RuntimeError(f"{variant} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
@@ -313,7 +314,7 @@ def measure(size_name: str, device: str, rounds: int, steps: int | None, variant
             if compile_s:
                 row["compile_s"] = compile_s
             if turns and "graphs" in turns[-1]:   # a compiled plain loop, in turns: how many of its blocks compiled
-                row.update({k: turns[-1][k] for k in ("graphs", "blocks", "recompile_limit")})
+                row.update({k: turns[-1][k] for k in GRAPH_FIELDS})
             for base in BASES:
                 if base in per_round and v != base:
                     faster = speedup(per_round, v, base, at_least=0.0)

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from engine.bench.checkpoint import peak_rss
+from engine.bench.step import GRAPH_FIELDS
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,9 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.compile:
         from torch._dynamo import config as dynamo_config
         from torch._dynamo.utils import counters
-        graphs = {"graphs": counters["stats"]["unique_graphs"], "blocks": len(model.model.layers),
-                  "recompile_limit": getattr(dynamo_config, "recompile_limit", None)
-                  or getattr(dynamo_config, "cache_size_limit", None)}
+        graphs = dict(zip(GRAPH_FIELDS, (counters["stats"]["unique_graphs"], len(model.model.layers),
+                                         getattr(dynamo_config, "recompile_limit", None)
+                                         or getattr(dynamo_config, "cache_size_limit", None))))
     print(json.dumps({"step_ms": times, "peak_bytes": peak, "flops": flops, **graphs}))
     return 0
 

@@ -106,8 +106,9 @@ def _line_encoder():
     compact = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
     if encoder.c_make_encoder is None:   # an interpreter without json's C encoder
         return compact.encode
-    make = encoder.c_make_encoder(None, compact.default, encoder.encode_basestring_ascii, None, ":", ",", False,
-                                  False, False)
+    make = encoder.c_make_encoder(None, compact.default, encoder.encode_basestring_ascii, compact.indent,
+                                  compact.key_separator, compact.item_separator, compact.sort_keys, compact.skipkeys,
+                                  compact.allow_nan)
     return lambda record: "".join(make(record, 0))
 
 

@@ -110,6 +110,20 @@ def test_a_figure_reported_but_not_declared_stops_the_exchange_naming_it():
     assert all(math.isnan(row[COLUMN[k]]) for k in GPU_FIELDS)
 
 
+def test_a_world_of_one_exchanges_its_own_row_as_the_table_and_reads_it_as_a_tensors_would_be():
+    from types import SimpleNamespace
+    from engine.runtime.control import Table, column, exchange, table_rows
+    from engine.strategies.base import Strategy
+    values = {"loss": 2.5, "step_ms": 10.123456, "used_bytes": 1000.0, "command_bytes": 40}
+    table = exchange(SimpleNamespace(world_size=1), values)   # no peer, no process group: no collective
+    assert type(table) is Table and table_rows(table) == [row_values(values)]
+    tensor = torch.tensor([row_values(values)], dtype=torch.float64)   # what several ranks' all-gather makes
+    assert rank_rows(table) == rank_rows(tensor) and column(table, "loss") == column(tensor, "loss") == [2.5]
+    assert Strategy.step_loss(None, column(table, "loss")) == 2.5
+    assert Strategy.step_loss(None, [2.0, 3.0, 4.5]) == 3.1666666666666665 == float(torch.tensor([2.0, 3.0, 4.5],
+                                                                                            dtype=torch.float64).mean())
+
+
 def test_a_rank_entry_writes_each_figure_as_declared_and_hides_the_exchanges_own():
     cpu = {"loss": 2.5, "step_ms": 10.123456, "fwd_ms": 3.0, "bwd_ms": 5.0, "gate_ms": 1.0, "stop": 1.0,
            "command_bytes": 40, "plan_made": 1.0, "flops": 1e9, "ckpt_written": 3, "used_bytes": 1000.0,

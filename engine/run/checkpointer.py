@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from engine.runtime import checkpoint as ckpt
 from engine.runtime.checkpoint_writer import HostSnapshot, Writer, run_meta
-from engine.runtime.control import COLUMN, table_rows
+from engine.runtime.control import COLUMN, Table, table_rows
 
 
 class Checkpointer:
@@ -58,7 +58,7 @@ class Checkpointer:
                 "ckpt_errno": failed[1] if failed else 0, "ckpt_stall_ms": self.stall_ms,
                 "ckpt_write_ms": self.writer.write_s * 1000}
 
-    def boundary(self, table: torch.Tensor) -> None:
+    def boundary(self, table: Table) -> None:
         """Every rank, after the exchange: rank 0 publishes each checkpoint whose files every rank has written;
         a write that failed on any rank stops the run on every rank (the table is the same everywhere)."""
         if self.writer.error is not None:

@@ -12,9 +12,8 @@ engine.runtime.events.
 
 from __future__ import annotations
 
-import torch
 
-from engine.runtime.control import column
+from engine.runtime.control import Table, column
 from engine.runtime.events import Event
 
 
@@ -23,7 +22,7 @@ class CompileReport:
         self.ms = [0.0] * world_size
         self.recompiles = 0
 
-    def events(self, step: int, table: torch.Tensor) -> list[Event]:
+    def events(self, step: int, table: Table) -> list[Event]:
         ms = column(table, "compile_ms")
         if all(now <= seen for now, seen in zip(ms, self.ms)):
             return []

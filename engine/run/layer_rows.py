@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from engine.runtime.control import column
+from engine.runtime.control import Table, column
 
 TIMES = ("fwd_ms", "bwd_ms", "activation_bytes")
 
@@ -68,7 +68,7 @@ class LayerRows:
             rows.append(row)
         return rows
 
-    def gather(self, measured: list[dict] | None, table: torch.Tensor, due: bool) -> list[dict] | None:
+    def gather(self, measured: list[dict] | None, table: Table, due: bool) -> list[dict] | None:
         """Every rank, at the boundary: this step's rows as rank 0 reports them (None: nothing new)."""
         if self.by_stage:
             return self._gather_stages(measured, table)
@@ -76,7 +76,7 @@ class LayerRows:
             self._gather_updates(due, table)
         return measured
 
-    def _gather_stages(self, measured: list[dict] | None, table: torch.Tensor) -> list[dict] | None:
+    def _gather_stages(self, measured: list[dict] | None, table: Table) -> list[dict] | None:
         layout = self.strategy.stage_layers
         changed = max(column(table, "plan_made")) > 0 or self.layout != layout or self.stale
         if measured is None and not changed:
@@ -104,7 +104,7 @@ class LayerRows:
                 row.update({k: before.get(row["name"], {}).get(k, 0) for k in TIMES})
         return rows
 
-    def _gather_updates(self, due: bool, table: torch.Tensor) -> None:
+    def _gather_updates(self, due: bool, table: Table) -> None:
         if not (due or self.stale or max(column(table, "plan_made")) > 0):
             return
         self.stale = False

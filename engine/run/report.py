@@ -19,9 +19,7 @@ from __future__ import annotations
 import collections
 import statistics
 
-import torch
-
-from engine.runtime.control import column, rank_rows
+from engine.runtime.control import Table, column, rank_rows
 from engine.runtime.lifecycle import step_record
 
 
@@ -31,7 +29,7 @@ class StepReport:
         self.layer_rows, self.topo = layer_rows, topo
         self.throughput = Throughput()
 
-    def step(self, step: int, loss: float, table: torch.Tensor, wall_s: float, layers, lr: float) -> None:
+    def step(self, step: int, loss: float, table: Table, wall_s: float, layers, lr: float) -> None:
         if not self.topo.is_first:
             return
         wall_s = max(wall_s, 1e-9)
@@ -77,7 +75,7 @@ class Throughput:
         (warm-up: allocations, compiles) where there were others."""
         return {key: float(f"{statistics.median(values):.6g}") for key, values in self.seen.items() if values}
 
-    def fields(self, wall_s: float, table: torch.Tensor) -> dict:
+    def fields(self, wall_s: float, table: Table) -> dict:
         """The step's figures; `table`: the boundary's (its `flops` column: every rank's counted FLOPs a step,
         0 until a rank has counted, and then no mfu yet)."""
         out = {}

@@ -25,7 +25,7 @@ from engine.training.loss import cross_entropy
 from engine.training.optim import lr_at
 from engine.training.precision import compute_in
 from engine.runtime import checkpoint as ckpt
-from engine.runtime.control import COLUMN, column, encode_commands, exchange, share_commands
+from engine.runtime.control import column, encode_commands, exchange, share_commands
 from engine.runtime.emulate import Emulated
 from engine.processes.lifeline import launcher_gone
 from engine.runtime.events import forward
@@ -169,7 +169,7 @@ class Worker:
                 if refusal:
                     return self._refuse(step, refusal)
                 forward(self.tel, step, events)
-                loss = self.strategy.step_loss(table[:, COLUMN["loss"]])
+                loss = self.strategy.step_loss(column(table, "loss"))
                 layers = self.layer_rows.gather(trained.layers, table, trained.rows_due)
                 now = time.perf_counter()
                 self.report.step(step, loss, table, now - last, layers, self.lr)

@@ -3,6 +3,7 @@
     table = exchange(topo, {"loss": 2.3, "stop": 0.0, ...}, command_bytes=len(payload))
     commands = share_commands(topo, payload, table)      # the same list on every rank
     column(table, "loss")                                # every rank's figure, as numbers
+    table_rows(table)                                    # every rank's row (a Table's, or a tensor's: tests)
 
 One all-gather of a small float vector per step carries every figure declared to be exchanged (every
 run's, engine/telemetry/figures.py: loss, timings, ledger figures, a GPU's allocator and NVML figures; and
@@ -29,20 +30,28 @@ from engine.telemetry.figures import CHECKPOINT_FIELDS, GPU_FIELDS, INTEGER_UNIT
 FIELDS = EXCHANGED
 COLUMN = {name: i for i, name in enumerate(FIELDS)}
 
-_read: tuple = (None, [])   # the last table read as numbers, and its rows
 
 
-def table_rows(table: torch.Tensor) -> list[list[float]]:
-    """The table as one list of numbers per rank, read from the tensor once per table: the step boundary's
-    readers (the stop flag, the commands' length, the plans, the checkpoint columns, the record) each took a
-    figure as a tensor operation of its own, a dozen a step on the step's thread. The table is never written."""
-    global _read
-    if _read[0] is not table:
-        _read = (table, table.tolist())
-    return _read[1]
+class Table:
+    """Every rank's row of the step's figures, as numbers, by rank: what `exchange` returns, read by the
+    boundary's readers (the stop flag, the commands' length, the plans, the checkpoint columns, the record) and
+    never written. Numbers, not a tensor: each reader took its figure as a tensor operation of its own before,
+    a dozen a step on the step's thread, and at world 1 the row's own list is the table, with no tensor made
+    (a tensor and its 2-D view cost ~30 microseconds in the step loop, where the step before leaves their code
+    cold; docs/training.md)."""
+
+    __slots__ = ("rows",)
+
+    def __init__(self, rows: list[list[float]]):
+        self.rows = rows
 
 
-def column(table: torch.Tensor, name: str) -> list[float]:
+def table_rows(table: Table | torch.Tensor) -> list[list[float]]:
+    """The table as one list of numbers per rank (a tensor of rows too, as a test makes one)."""
+    return table.rows if type(table) is Table else table.tolist()
+
+
+def column(table: Table | torch.Tensor, name: str) -> list[float]:
     """Every rank's figure `name`, rank by rank."""
     i = COLUMN[name]
     return [row[i] for row in table_rows(table)]
@@ -71,26 +80,23 @@ def row_values(values: dict) -> list[float]:
     return row
 
 
-def exchange(topo: Topology, values: dict) -> torch.Tensor:
+def exchange(topo: Topology, values: dict) -> Table:
     """All ranks' vectors, one row per rank (see row_values)."""
-    global _read
     row = row_values(values)
+    if topo.world_size == 1:   # no peer to hear from: no collective, and the table is the row
+        return Table([row])
     # the row's own bytes as the tensor (torch.tensor walks the list, ~25 microseconds more in the step loop)
     mine = torch.frombuffer(array("d", row), dtype=torch.float64)
-    if topo.world_size == 1:   # no peer to hear from: no collective, and the table's numbers are the row
-        table = mine.unsqueeze(0)
-        _read = (table, [row])
-        return table
     rows = [torch.empty_like(mine) for _ in range(topo.world_size)]
     dist.all_gather(rows, mine, group=topo.side)
-    return torch.stack(rows)
+    return Table(torch.stack(rows).tolist())
 
 
 def encode_commands(commands: list[dict]) -> bytes:
     return json.dumps(commands).encode() if commands else b""
 
 
-def share_commands(topo: Topology, payload: bytes, table: torch.Tensor) -> list[dict]:
+def share_commands(topo: Topology, payload: bytes, table: Table) -> list[dict]:
     nbytes = int(table_rows(table)[0][COLUMN["command_bytes"]])
     if nbytes == 0:
         return []
@@ -103,7 +109,7 @@ def share_commands(topo: Topology, payload: bytes, table: torch.Tensor) -> list[
     return json.loads(bytes(buffer.tolist()).decode())
 
 
-def rank_rows(table: torch.Tensor) -> list[dict]:
+def rank_rows(table: Table | torch.Tensor) -> list[dict]:
     """The table as one dict per rank: each logged figure as its declaration says (bytes and counts as ints,
     flags as bools, ms to 4 decimals); one absent (NaN: a GPU's on a CPU rank), or absent while 0, left out."""
     rows = []

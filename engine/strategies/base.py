@@ -26,6 +26,7 @@ Imports engine.runtime (events, topology), engine.techniques.updates.report and 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -34,6 +35,9 @@ from engine.runtime.events import Event
 from engine.runtime.topology import Groups
 from engine.techniques.updates.report import plan_events
 import engine.training.evaluation as evaluation
+
+if TYPE_CHECKING:   # the strategies package is imported on the way to engine.runtime.control's figures
+    from engine.runtime.control import Table
 
 
 class Strategy:
@@ -61,11 +65,12 @@ class Strategy:
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float | None:
         raise NotImplementedError
 
-    def step_loss(self, losses: torch.Tensor) -> float:
-        """The step's loss from every rank's (each rank's share of the global batch's mean)."""
-        return losses.item() if losses.numel() == 1 else float(losses.mean())   # one rank: no reduction to run
+    def step_loss(self, losses: list[float]) -> float:
+        """The step's loss from every rank's, the exchange's `loss` column as numbers (each rank's share of the
+        global batch's mean): no tensor operation at the step's boundary."""
+        return losses[0] if len(losses) == 1 else sum(losses) / len(losses)
 
-    def events(self, step: int, table: torch.Tensor, run_dir: Path) -> list[Event]:
+    def events(self, step: int, table: Table, run_dir: Path) -> list[Event]:
         """Every rank, after the step's exchange (`table`: every rank's figures): what happened in it."""
         return plan_events(self.updater, step, run_dir)
 

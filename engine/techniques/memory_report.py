@@ -11,9 +11,8 @@ Imports engine.runtime.control (the exchange's columns) and engine.runtime.event
 
 from __future__ import annotations
 
-import torch
 
-from engine.runtime.control import COLUMN, column, table_rows
+from engine.runtime.control import COLUMN, Table, column, table_rows
 from engine.runtime.events import Event
 
 
@@ -28,7 +27,7 @@ def step_fields(memory, plan, swapped_out: int, link_wait_s: float) -> dict:
             "link_wait_ms": link_wait_s * 1000}
 
 
-def plans_made(memory, table: torch.Tensor, rank: int, cfg, step: int) -> tuple[str | None, list[Event]]:
+def plans_made(memory, table: Table, rank: int, cfg, step: int) -> tuple[str | None, list[Event]]:
     """(the reason to refuse the run, or None; the events of the plans made in this step)."""
     need = column(table, "min_capacity_bytes")   # every step: read as numbers, not tensor ops
     most = max(need)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from engine.runtime.control import column
+from engine.runtime.control import Table, column
 from engine.runtime.devices import tensor_bytes
 from engine.runtime.events import Event
 from engine.telemetry.outlets import rebalance_in_flight
@@ -77,7 +77,7 @@ class Rebalancing:
         held = [n for n in stage.model.names if n in now or n in after]
         return memory.plan_ahead(held, costs, sum(static[n] for n in after if n not in now))
 
-    def migrated(self, step: int, table: torch.Tensor) -> list[Event]:
+    def migrated(self, step: int, table: Table) -> list[Event]:
         """Every rank, after the step: if layers migrated during it, what moved, and the operator's answer."""
         move = self.stage.take_migration()
         if move is None:

@@ -141,7 +141,7 @@ class Replicas:
                 grad.copy_(averaged)
         return time.perf_counter() - t0
 
-    def loss(self, losses: torch.Tensor) -> float:
-        """The step's loss from every rank's (the exchange's column): each replica's last stage's is its share's
-        part of the global mean, times the replicas; their mean is the global batch's."""
-        return float(losses[self.loss_ranks].mean())
+    def loss(self, losses: list[float]) -> float:
+        """The step's loss from every rank's (the exchange's column, as numbers): each replica's last stage's is
+        its share's part of the global mean, times the replicas; their mean is the global batch's."""
+        return sum(losses[r] for r in self.loss_ranks) / len(self.loss_ranks)

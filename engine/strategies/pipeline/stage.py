@@ -50,6 +50,7 @@ from engine.models.compile import FIGURES, eager_layers
 from engine.training.loss import counted, cross_entropy, share_loss
 from engine.models.layers import params_by_layer
 from engine.techniques.updates.updater import LayerUpdates
+from engine.runtime.control import Table
 from engine.runtime.events import Event
 from engine.runtime.topology import Groups
 from engine.strategies.base import Strategy
@@ -342,10 +343,10 @@ class PipelineStage(Strategy):
         return out
 
     # --- what the step loop asks (engine/strategies/base.py) --------------------------------------
-    def step_loss(self, losses: torch.Tensor) -> float:
+    def step_loss(self, losses: list[float]) -> float:
         return self.replicas.loss(losses)   # every replica's last stage's: their mean is the global batch's
 
-    def events(self, step: int, table: torch.Tensor, run_dir) -> list[Event]:
+    def events(self, step: int, table: Table, run_dir) -> list[Event]:
         return super().events(step, table, run_dir) + self.rebalancing.migrated(step, table)
 
     def command(self, command: dict, step: int) -> list[Event] | None:

@@ -314,7 +314,8 @@ def test_a_run_through_cluster_exec_killed_mid_run_leaves_no_process(cli, own_tm
                          "--set", "run.step_pause_ms=20", "--telemetry-log", str(log))
         wait_for(lambda: steps_logged(log) >= 3, 60, "step 3")
         assert_gone_after(signal.SIGTERM, proc.pid, proc=proc)
-        assert proc.wait() == 128 + signal.SIGTERM
+        out, err = proc.communicate()   # what it said, should it end otherwise (one suite saw -6: SIGABRT, once)
+        assert proc.returncode == 128 + signal.SIGTERM, f"exit {proc.returncode}\n{out[-3000:]}\n{err[-6000:]}"
         assert not list(own_tmp.iterdir())
     finally:
         cluster.down(name)

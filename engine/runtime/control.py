@@ -31,7 +31,6 @@ FIELDS = EXCHANGED
 COLUMN = {name: i for i, name in enumerate(FIELDS)}
 
 
-
 class Table:
     """Every rank's row of the step's figures, as numbers, by rank: what `exchange` returns, read by the
     boundary's readers (the stop flag, the commands' length, the plans, the checkpoint columns, the record) and

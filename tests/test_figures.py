@@ -14,6 +14,8 @@ from types import SimpleNamespace
 import jsonschema
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine import protocol
 from engine.config import config_from_dict
@@ -122,6 +124,46 @@ def test_a_world_of_one_exchanges_its_own_row_as_the_table_and_reads_it_as_a_ten
     assert Strategy.step_loss(None, column(table, "loss")) == 2.5
     assert Strategy.step_loss(None, [2.0, 3.0, 4.5]) == 3.1666666666666665 == float(torch.tensor([2.0, 3.0, 4.5],
                                                                                             dtype=torch.float64).mean())
+
+
+def _figure_value(name: str):
+    """A value of figure `name` in a row, as ranks report them: absent (NaN) where it may be, 0 where that means
+    absent, numbers whose rounding to 4 and then 2 decimals is a case of its own (0.00004999, 12.34565)."""
+    numbers = [0.0, 1.0, 2.5, 0.00004999, 12.34565, 97.5, 1e9 + 0.5, float(2 ** 33)]
+    if FIGURES[name].unit == "flag":
+        numbers = [0.0, 1.0]
+    if FIGURES[name].optional == "absent":
+        numbers.append(math.nan)
+    return st.sampled_from(numbers)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.data())
+def test_a_steps_figures_read_a_column_at_a_time_equal_its_full_rows(data):
+    """Rank 0's record reads a dozen figures of every rank a column at a time, and every rank's full row only on
+    the steps that log it: the columns, the `per_rank` columns made of them, the peaks and a pipeline's stage
+    rows equal those of the full rows."""
+    from engine.runtime.control import Peaks, RankFigures, Table
+    from engine.strategies.pipeline.grid import Grid
+    from engine.strategies.pipeline.stage_times import stage_rows
+    from engine.strategies.specs.figures import PANEL_COLUMNS
+    stages, replicas = data.draw(st.integers(1, 3)), data.draw(st.integers(1, 3))
+    row = st.tuples(*(_figure_value(name) for name in FIELDS)).map(list)
+    rows = data.draw(st.lists(row, min_size=stages * replicas, max_size=stages * replicas))
+    full = rank_rows(Table(rows))
+    for name in [*LOGGED, "rank", "compute_ms", "role"]:   # role: written after the exchange, in no column
+        assert RankFigures(Table(rows)).column(name) == [entry.get(name) for entry in full], name
+    lazy = RankFigures(Table(rows))
+    assert lazy.row(len(rows) - 1) == full[-1]
+    assert protocol.rank_columns(lazy, PANEL_COLUMNS) == protocol.rank_columns(full, PANEL_COLUMNS)
+    assert lazy.rows() == full
+    peaks = [Peaks(len(rows)), Peaks(len(rows))]
+    peaks[0].note(full), peaks[1].note(RankFigures(Table(rows)))
+    assert peaks[0].summary() == peaks[1].summary()
+    st_ = SimpleNamespace(stage_layers=[[f"layer{i}"] for i in range(stages)], micro_batches=4,
+                          grid=Grid.of(stages, stages * replicas, "stage"), rebalancer=SimpleNamespace(threshold=0.2),
+                          migration=None)
+    assert stage_rows(st_, RankFigures(Table(rows))) == stage_rows(st_, full)
 
 
 def test_a_rank_entry_writes_each_figure_as_declared_and_hides_the_exchanges_own():

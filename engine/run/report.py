@@ -19,7 +19,7 @@ from __future__ import annotations
 import collections
 import statistics
 
-from engine.runtime.control import Table, column, rank_rows
+from engine.runtime.control import RankFigures, Table, column
 from engine.runtime.lifecycle import step_record
 
 
@@ -33,12 +33,12 @@ class StepReport:
         if not self.topo.is_first:
             return
         wall_s = max(wall_s, 1e-9)
-        ranks = rank_rows(table)
-        me = ranks[0]
+        ranks = RankFigures(table)   # every rank's full row only where the log keeps it (docs/telemetry.md)
+        me = ranks.row(0)
         updater = self.strategy.updater
         streams = self.strategy.stream_stats(me["step_ms"])
         record = step_record(step, loss, lr, ranks, samples_per_s=self.cfg.data.batch_size / wall_s,
-                             step_ms=max(e["step_ms"] for e in ranks),
+                             step_ms=max(ranks.column("step_ms")),
                              compute_ms=round(me["fwd_ms"] + me["bwd_ms"] + me["optim_ms"], 4),
                              comm_ms=sum(s["busy_ms"] for s in streams), wait_ms=me["wait_ms"], streams=streams,
                              throughput=self.throughput.fields(wall_s, table), **updater.decision.fields(),

@@ -4,6 +4,7 @@
     commands = share_commands(topo, payload, table)      # the same list on every rank
     column(table, "loss")                                # every rank's figure, as numbers
     table_rows(table)                                    # every rank's row (a Table's, or a tensor's: tests)
+    RankFigures(table).column("step_ms")                 # rank 0's record: each figure written as the log writes it
 
 One all-gather of a small float vector per step carries every figure declared to be exchanged (every
 run's, engine/telemetry/figures.py: loss, timings, ledger figures, a GPU's allocator and NVML figures; and
@@ -24,6 +25,7 @@ import torch.distributed as dist
 from engine.runtime.topology import Topology
 from engine.strategies.specs.figures import EXCHANGED, FIGURES, undeclared
 from engine.telemetry.figures import CHECKPOINT_FIELDS, GPU_FIELDS, INTEGER_UNITS, LOG, WORDS  # noqa: F401
+from engine.telemetry.records import figure_column
 
 # the columns, declared by the figures' contributors (every run's and each strategy's: EXCHANGED; CHECKPOINT_FIELDS
 # and GPU_FIELDS come from engine/telemetry/figures.py)
@@ -109,11 +111,45 @@ def share_commands(topo: Topology, payload: bytes, table: Table) -> list[dict]:
 
 
 def rank_rows(table: Table | torch.Tensor) -> list[dict]:
-    """The table as one dict per rank: each logged figure as its declaration says (bytes and counts as ints,
-    flags as bools, ms to 4 decimals); one absent (NaN: a GPU's on a CPU rank), or absent while 0, left out."""
-    rows = []
-    for rank, row in enumerate(table_rows(table)):
+    """The table as one dict per rank (RankFigures.rows)."""
+    return RankFigures(table).rows()
+
+
+class RankFigures:
+    """Every rank's logged figures, read from the boundary's table as far as a reader asks: a whole row, every
+    rank's rows, or one figure of every rank. Each figure is written as its declaration says (bytes and counts
+    as ints, flags as bools, ms to 4 decimals); one absent (NaN: a GPU's on a CPU rank), or absent while 0,
+    is left out of a row and None in a column.
+
+        ranks = RankFigures(table)
+        ranks.row(0)                  # rank 0's row: {"rank": 0, "loss": ..., "step_ms": ..., ...}
+        ranks.column("step_ms")       # every rank's, by rank
+        ranks.rows()                  # every rank's row: a full step's `ranks`
+
+    A step's record reads a dozen figures of every rank (its `per_rank` columns, the peaks, the stages), and
+    every rank's ~50-figure row only on the steps that log full rows (`telemetry.rank_every`): at 64 ranks the
+    rows cost rank 0 ~600 microseconds a step, the columns a fifth of that (docs/telemetry.md)."""
+
+    __slots__ = ("_table", "_rows", "_columns")
+
+    def __init__(self, table: Table | torch.Tensor):
+        self._table = table_rows(table)
+        self._rows: list[dict] | None = None
+        self._columns: dict[str, list] = {}   # each read once: the record, the peaks and the columns share them
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+    def rows(self) -> list[dict]:
+        if self._rows is None:
+            self._rows = [self.row(rank) for rank in range(len(self._table))]
+        return self._rows
+
+    def row(self, rank: int) -> dict:
+        if self._rows is not None:
+            return self._rows[rank]
         entry = {"rank": rank}
+        row = self._table[rank]
         for i, name, write, zero_absent in _LOGGED:
             value = row[i]
             if value != value or (zero_absent and not value):
@@ -123,9 +159,44 @@ def rank_rows(table: Table | torch.Tensor) -> list[dict]:
         # shows here, while its peers' wall step times equal its own (they wait for it). A strategy whose
         # backward holds a wait for peers (ddp's all-reduce) reports its own; the others' is fwd + bwd - gate.
         if not entry.get("compute_ms"):
-            entry["compute_ms"] = round(max(entry["fwd_ms"] + entry["bwd_ms"] - entry["gate_ms"], 0.0), 4)
-        rows.append(entry)
-    return rows
+            entry["compute_ms"] = _compute_ms(entry["fwd_ms"], entry["bwd_ms"], entry["gate_ms"])
+        if len(self._table) == 1:   # the one row is every row: its columns are read from it
+            self._rows = [entry]
+        return entry
+
+    def column(self, name: str) -> list:
+        """Every rank's figure `name` as its row has it (None where the row leaves it out)."""
+        values = self._columns.get(name)
+        if values is None:
+            values = self._columns[name] = self._column(name)
+        return values
+
+    def _column(self, name: str) -> list:
+        if self._rows is not None:
+            return [entry.get(name) for entry in self._rows]
+        if name == "rank":
+            return list(range(len(self._table)))
+        if name == "compute_ms":   # as a row derives it where a rank reports none
+            own = self._written("compute_ms")
+            if all(own):
+                return own
+            fwd, bwd, gate = self.column("fwd_ms"), self.column("bwd_ms"), self.column("gate_ms")
+            return [v or _compute_ms(fwd[r], bwd[r], gate[r]) for r, v in enumerate(own)]
+        return self._written(name)
+
+    def _written(self, name: str) -> list:
+        logged = _LOGGED_BY_NAME.get(name)
+        if logged is None:   # not a logged figure: no row has it
+            return [None] * len(self._table)
+        i, _, write, zero_absent = logged
+        values = [row[i] for row in self._table]
+        if zero_absent:
+            return [write(v) if v == v and v else None for v in values]
+        return [write(v) if v == v else None for v in values]
+
+
+def _compute_ms(fwd_ms: float, bwd_ms: float, gate_ms: float) -> float:
+    return round(max(fwd_ms + bwd_ms - gate_ms, 0.0), 4)
 
 
 def _writer(unit: str):
@@ -139,6 +210,7 @@ def _writer(unit: str):
 # per column a record has: (its index, name, how its value is written, whether a 0 means absent)
 _LOGGED = [(i, name, _writer(FIGURES[name].unit), FIGURES[name].optional == "zero") for i, name in enumerate(FIELDS)
            if LOG in FIGURES[name].shows]
+_LOGGED_BY_NAME = {logged[1]: logged for logged in _LOGGED}
 
 
 class Peaks:
@@ -149,15 +221,20 @@ class Peaks:
         self.allocator: dict[int, int] = {}
         self.compile: dict[int, tuple[float, int]] = {}   # rank -> (compile ms, recompiles): `[model] compile`
 
-    def note(self, ranks: list[dict]) -> None:
-        for entry in ranks:
-            r = entry["rank"]
-            self.ledger[r] = max(self.ledger[r], entry.get("peak_bytes", 0))
-            if "allocator_peak_bytes" in entry:
-                self.allocator[r] = max(self.allocator.get(r, 0), entry["allocator_peak_bytes"])
-            if "compile_ms" in entry:   # cumulative, per process (engine/models/compile.py)
-                ms, n = self.compile.get(r, (0.0, 0))
-                self.compile[r] = (max(ms, entry["compile_ms"]), max(n, int(entry.get("recompiles", 0))))
+    def note(self, ranks: "RankFigures | list[dict]") -> None:
+        order, peaks = figure_column(ranks, "rank"), figure_column(ranks, "peak_bytes")
+        for i, r in enumerate(order):
+            self.ledger[r] = max(self.ledger[r], peaks[i] or 0)
+        for i, peak in enumerate(figure_column(ranks, "allocator_peak_bytes")):
+            if peak is not None:   # CUDA ranks
+                self.allocator[order[i]] = max(self.allocator.get(order[i], 0), peak)
+        compiled = figure_column(ranks, "compile_ms")
+        if any(ms is not None for ms in compiled):   # cumulative, per process (engine/models/compile.py)
+            recompiles = figure_column(ranks, "recompiles")
+            for i, ms in enumerate(compiled):
+                if ms is not None:
+                    before_ms, n = self.compile.get(order[i], (0.0, 0))
+                    self.compile[order[i]] = (max(before_ms, ms), max(n, int(recompiles[i] or 0)))
 
     def summary(self) -> dict:
         out = {"peak_bytes_per_rank": list(self.ledger)}

@@ -74,12 +74,14 @@ def hello(cfg, topo, device, names, layout: dict, updated_layers: list[str], loo
             "figures": declared(cfg.parallel.strategy)}
 
 
-def step_record(step: int, loss: float | None, lr: float, ranks: list[dict], *, samples_per_s: float,
+def step_record(step: int, loss: float | None, lr: float, ranks, *, samples_per_s: float,
                 step_ms: float, compute_ms: float, comm_ms: float, wait_ms: float, streams: list[dict],
                 throughput: dict | None = None, **more) -> dict:
     """A step record (docs/telemetry.md, step), whichever loop writes it: what every one has, rank 0's time split
     among them, then `throughput` (tokens_per_s, mfu where known) and `more`, a mode's own (a pipeline's
-    stages, the update's decision, a parameter server's `ps`)."""
+    stages, the update's decision, a parameter server's `ps`). `ranks`: every rank's full row, or what reads
+    them a column at a time (engine/runtime/control.py RankFigures); the log's writer makes its rows or its
+    `per_rank` columns of either (engine/telemetry/outlets.py)."""
     return {"step": step, "loss": loss, "samples_per_s": samples_per_s, "step_ms": step_ms, **(throughput or {}),
             "ranks": ranks, "time_split": {"compute_ms": compute_ms, "comm_ms": comm_ms, "wait_ms": wait_ms},
             "streams": streams, "lr": lr, **more}

@@ -15,7 +15,7 @@ A driver gives `checkpoint(step)` (the operator's checkpoint command), `own_comm
 of its mode: True once applied, None when answered later, False when not taken), `paused_changed()` and
 `stopping()` (the coordinator tells its servers). The core never asks which strategy drives it.
 
-Imports engine.runtime (checkpoint, checkpoint_writer, control, lifecycle).
+Imports engine.runtime (checkpoint, checkpoint_writer, control, lifecycle) and engine.telemetry.records.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from engine.runtime import checkpoint as ckpt
 from engine.runtime.checkpoint_writer import published
 from engine.runtime.control import Peaks
 from engine.runtime.lifecycle import announce
+from engine.telemetry.records import figure_column
 
 
 @dataclass
@@ -109,16 +110,19 @@ class RunCore:
     def record(self, record: dict) -> None:
         """Rank 0: one step record (engine/runtime/lifecycle.py step_record), whichever driver made it: its
         ranks' peaks kept for the summary, a rank over its capacity said once, the record logged."""
-        ranks = record["ranks"]
+        ranks = record["ranks"]   # full rows, or read a column at a time (engine/runtime/control.py RankFigures)
         self.peaks.note(ranks)
-        for entry in ranks:
-            r = entry["rank"]
-            if entry.get("over_capacity") and r not in self.over_reported:
-                self.over_reported.add(r)
-                self.tel.event("memory_over_capacity", record["step"], rank=r, peak_bytes=entry["peak_bytes"],
-                               capacity_bytes=entry["capacity_bytes"])
-                self.tel.note(f"[yellow]warning:[/] rank {r} went over its device capacity "
-                              f"({entry['peak_bytes']} > {entry['capacity_bytes']} bytes)")
+        over = figure_column(ranks, "over_capacity")
+        if any(over):
+            order = figure_column(ranks, "rank")
+            peak, capacity = figure_column(ranks, "peak_bytes"), figure_column(ranks, "capacity_bytes")
+            for i, r in enumerate(order):
+                if over[i] and r not in self.over_reported:
+                    self.over_reported.add(r)
+                    self.tel.event("memory_over_capacity", record["step"], rank=r, peak_bytes=peak[i],
+                                   capacity_bytes=capacity[i])
+                    self.tel.note(f"[yellow]warning:[/] rank {r} went over its device capacity "
+                                  f"({peak[i]} > {capacity[i]} bytes)")
         self.tel.step(record)
 
     def checkpointed(self, step: int, path: Path, stall_ms: float, write_ms: float, published_ms: float) -> None:

@@ -73,6 +73,8 @@ class RankRows:
         step = record["step"]
         if self.due or step >= self.next_full:
             self.due, self.next_full, self.layers_due = False, step + self.every, True
+            if "ranks" in record and not isinstance(record["ranks"], list):   # read a column at a time so far
+                record = {**record, "ranks": record["ranks"].rows()}
             return record, True
         if "ranks" in record:
             record = {**record, "per_rank": rank_columns(record["ranks"], PANEL_COLUMNS)}

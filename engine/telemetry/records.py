@@ -32,27 +32,37 @@ OPTIONAL_RANK_COLUMNS = ("stale_steps",)                     # only where a row 
 MEMORY_STEPS = 1 << 16
 
 
-def memory_unit(ranks: list[dict]) -> int:
+def figure_column(ranks, name: str) -> list:
+    """Every rank's figure `name`, by row order, None where a rank has none. `ranks`: full rank rows, or what
+    reads them a column at a time (engine/runtime/control.py RankFigures: a step's record reads a dozen
+    figures of every rank, not the fifty of each row)."""
+    if isinstance(ranks, list):
+        return [row.get(name) for row in ranks]
+    return ranks.column(name)
+
+
+def memory_unit(ranks) -> int:
     """The largest power of two with at least MEMORY_STEPS of them in every rank's capacity (1 at least)."""
-    capacity = min((row.get("capacity_bytes") or 0 for row in ranks), default=0)
+    capacity = min((value or 0 for value in figure_column(ranks, "capacity_bytes")), default=0)
     return 1 << max((capacity // MEMORY_STEPS).bit_length() - 1, 0)
 
 
-def rank_columns(ranks: list[dict], panel: tuple[str, ...] = ()) -> dict:
-    """Full rank rows -> the compact `per_rank` columns, by row order: `{"step_ms": [..], ..., "memory_unit":
-    1048576, "used": [..], "peak": [..]}`; `rank` is a column only when the rows are not ranks 0..n-1; each of
-    `panel` where a rank reports it (a 0 too)."""
+def rank_columns(ranks, panel: tuple[str, ...] = ()) -> dict:
+    """Rank rows (see figure_column) -> the compact `per_rank` columns, by row order: `{"step_ms": [..], ...,
+    "memory_unit": 1048576, "used": [..], "peak": [..]}`; `rank` is a column only when the rows are not ranks
+    0..n-1; each of `panel` where a rank reports it (a 0 too)."""
     columns: dict = {}
-    if [row["rank"] for row in ranks] != list(range(len(ranks))):
-        columns["rank"] = [row["rank"] for row in ranks]
+    order = figure_column(ranks, "rank")
+    if order != list(range(len(order))):
+        columns["rank"] = order
     for name in RANK_COLUMNS + OPTIONAL_RANK_COLUMNS + tuple(panel):
-        values = [row.get(name) for row in ranks]
+        values = figure_column(ranks, name)
         reported = any(v is not None for v in values) if name in panel else any(values)   # a 0 wait too
         if name in RANK_COLUMNS or reported:
             columns[name] = [round(v, 2) if isinstance(v, float) else v for v in values]
     unit = columns["memory_unit"] = memory_unit(ranks)
     for name, field in {**MEMORY_COLUMNS, **OPTIONAL_MEMORY_COLUMNS}.items():
-        values = [row.get(field) for row in ranks]
+        values = figure_column(ranks, field)
         if field in MEMORY_COLUMNS.values() or any(v is not None for v in values):
             up = name == "peak"
             columns[name] = [None if v is None else -(-int(v) // unit) if up else round(v / unit) for v in values]

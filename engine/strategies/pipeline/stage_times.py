@@ -4,7 +4,8 @@
     needs_rebalance(stage_ms, 4.0)         # max - min over 4 ms?
     threshold_in_ms(0.2, stage_ms)         # a fraction of the mean stage time, or ms (> 1)
 
-Imports engine.strategies.pipeline.partition (Layout). `stage_rows`: a PipelineStage's step-record rows.
+Imports engine.strategies.pipeline.partition (Layout) and engine.telemetry.records (figure_column). `stage_rows`: a
+PipelineStage's step-record rows.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import math
 from typing import Mapping, Sequence
 
 from engine.strategies.pipeline.partition import Layout
+from engine.telemetry.records import figure_column
 
 
 def stage_times(layout_or_stages: Layout | Sequence[Sequence[str]],
@@ -57,20 +59,24 @@ def threshold_in_ms(value: float, stage_ms: Sequence[float]) -> float:
     return value * (sum(stage_ms) / len(stage_ms))
 
 
-def stage_rows(st, ranks: list[dict]) -> dict:
+def stage_rows(st, ranks) -> dict:
     """The step record's `stages` (one per stage, from every rank's timings: with replicas, its slowest
-    replica's, and every replica's busy time in `replicas_ms`) and `imbalance_ms`, of the PipelineStage `st`."""
+    replica's, and every replica's busy time in `replicas_ms`) and `imbalance_ms`, of the PipelineStage `st`.
+    `ranks`: the step's rank rows (engine.telemetry.records figure_column), read a figure at a time."""
     rows = []
-    by_rank = {r["rank"]: r for r in ranks}
+    fwd, bwd, optim, wall, sent = (figure_column(ranks, name) for name in
+                                   ("fwd_ms", "bwd_ms", "optim_ms", "step_ms", "sent_bytes"))
+    order = figure_column(ranks, "rank")
+    index = {rank: i for i, rank in enumerate(order)}
     for stage, names in enumerate(st.stage_layers):
-        held = [by_rank[rank] for rank in st.grid.group_of(stage)]
-        r = max(held, key=lambda e: e["fwd_ms"] + e["bwd_ms"])   # the stage waits for its slowest replica
-        busy = r["fwd_ms"] + r["bwd_ms"] + r["optim_ms"]
-        rows.append({"stage": stage, "rank": r["rank"], "layers": names, "fwd_ms": r["fwd_ms"],
-                     "bwd_ms": r["bwd_ms"], "idle_ms": round(max(0.0, r["step_ms"] - busy), 4),
-                     "micro_batches": st.micro_batches, "sent_bytes": r.get("sent_bytes", 0)})
+        held = [index[rank] for rank in st.grid.group_of(stage)]
+        i = max(held, key=lambda i: fwd[i] + bwd[i])   # the stage waits for its slowest replica
+        busy = fwd[i] + bwd[i] + optim[i]
+        rows.append({"stage": stage, "rank": order[i], "layers": names,
+                     "fwd_ms": fwd[i], "bwd_ms": bwd[i], "idle_ms": round(max(0.0, wall[i] - busy), 4),
+                     "micro_batches": st.micro_batches, "sent_bytes": sent[i] or 0})
         if len(held) > 1:
-            rows[-1]["replicas_ms"] = [round(e["fwd_ms"] + e["bwd_ms"], 4) for e in held]
+            rows[-1]["replicas_ms"] = [round(fwd[j] + bwd[j], 4) for j in held]
     busy = [row["fwd_ms"] + row["bwd_ms"] for row in rows]
     # the threshold a check would apply to these stage times (a fraction is of their mean)
     threshold_ms = threshold_in_ms(st.rebalancer.threshold, busy)

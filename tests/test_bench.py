@@ -25,6 +25,17 @@ def test_bench_telemetry_reports_ratios_as_json(cli):
 
 
 @pytest.mark.timeout(120)
+def test_bench_telemetry_record_times_both_reads_of_the_same_figures(cli):
+    """`--record`: rank 0's work on a step's figures, from every rank's full row and a column at a time; the bench
+    refuses to time them where the two give other columns."""
+    r = cli.run("bench", "telemetry", "--record", "--json", timeout=110)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert report["bench"] == "telemetry-record" and [run["ranks"] for run in report["runs"]] == [1, 8, 64]
+    assert all(run["full_rows_us"] > 0 and run["columns_us"] > 0 for run in report["runs"])
+
+
+@pytest.mark.timeout(120)
 def test_bench_broadcast_reports_every_variant_and_figure(cli):
     r = cli.run("bench", "broadcast", "--json", "--world", "2", "--streams", "2", "--slices", "4", "--rounds", "1",
                 "--steps", "2", "--warmup", "1", "--hidden", "32", "--depth", "4", "--features", "32", timeout=110)

@@ -14,6 +14,14 @@ console attached counting what it receives, and a synthetic 64-rank, 200-layer G
 step and per 1000 steps, a full-rows record beside a columns one, and the live feed's bytes per message.
 
     trainyard bench telemetry --bytes [--world 8 16] [--steps 300] [--json]
+
+`--record` measures rank 0's work on a step's figures instead: the step boundary's table of 1, 8 and 64 GPU
+ranks (the synthetic feed's rows), read as the step loop reads it (engine/runtime/control.py RankFigures: the
+figures the record needs, a column at a time) against every rank's full row first, as it did before (the
+`per_rank` columns, the peaks and the slowest rank's step then made of the rows): microseconds a step, warm, the
+best of 5 x 300 calls, the two in turns.
+
+    trainyard bench telemetry --record [--json]
 """
 
 from __future__ import annotations
@@ -190,6 +198,58 @@ def synthetic_bytes(ranks: int, layers: int, steps: int, layer_every: int, rank_
             "live_kb_per_s": round(statistics.mean(live) * 10 / 1024, 1), "steps_per_s": 10.0}
 
 
+def record_cost(ranks: int, calls: int = 300) -> dict:
+    """Rank 0's work on one step's figures from a table of `ranks` GPU ranks (see the module's `--record`)."""
+    import timeit
+    from console.bench import synthetic_step
+    from engine.runtime.control import Peaks, RankFigures, Table, rank_rows, row_values
+    from engine.strategies.specs.figures import PANEL_COLUMNS
+    from engine.telemetry.records import figure_column, rank_columns
+    rows = synthetic_step(5, ranks, 1, outlier=ranks // 2 if ranks > 1 else None)["ranks"]
+    table = Table([row_values({name: float(v) for name, v in row.items() if name != "rank"}) for row in rows])
+    peaks = Peaks(ranks)
+
+    def full_rows():   # before: every rank's row, then the columns and the peaks made of them
+        every = rank_rows(table)
+        max(entry["step_ms"] for entry in every)
+        peaks.note(every)
+        any(entry.get("over_capacity") for entry in every)
+        rank_columns(every, PANEL_COLUMNS)
+
+    def columns():   # the step loop's (engine/run/report.py, engine/runtime/run_core.py)
+        figures = RankFigures(table)
+        figures.row(0)
+        max(figures.column("step_ms"))
+        peaks.note(figures)
+        any(figure_column(figures, "over_capacity"))
+        rank_columns(figures, PANEL_COLUMNS)
+
+    if rank_columns(RankFigures(table), PANEL_COLUMNS) != rank_columns(rank_rows(table), PANEL_COLUMNS):
+        raise RuntimeError("the columns read from the table differ from those made of the full rows")
+    times: dict[str, list[float]] = {"full_rows_us": [], "columns_us": []}
+    for _ in range(5):   # in turns, as the machine's speed moves
+        for name, f in (("full_rows_us", full_rows), ("columns_us", columns)):
+            times[name].append(timeit.timeit(f, number=calls))
+    best = {name: min(values) / calls * 1e6 for name, values in times.items()}
+    return {"ranks": ranks, **{name: round(us, 1) for name, us in best.items()},
+            "ratio": round(best["columns_us"] / best["full_rows_us"], 3)}
+
+
+def main_record(args) -> int:
+    rows = [record_cost(ranks) for ranks in (1, 8, 64)]
+    if args.json:
+        print(json.dumps({"bench": "telemetry-record", "runs": rows}))
+        return 0
+    table = Table(title="bench telemetry --record: rank 0's work on a step's figures, microseconds a step")
+    for col in ("ranks", "every rank's full row", "the columns a step reads", "ratio"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(str(r["ranks"]), f"{r['full_rows_us']:,.1f}", f"{r['columns_us']:,.1f}", f"{r['ratio']:.3f}")
+    Console().print(table)
+    Console().print("the synthetic feed's GPU rows; warm, the best of 5 x 300 calls")
+    return 0
+
+
 def _folders(runs: ChildRuns) -> tuple[Path, Path]:
     """The runs' folder, in the temp dir, and their hubs' own runtime folder inside ours (a short path for
     the sockets, and no other run listed there); both removed when `runs` ends."""
@@ -229,7 +289,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--warmup", type=int, default=WARMUP_STEPS, help="steps not timed at the start")
     parser.add_argument("--bytes", action="store_true", help="measure the telemetry's size instead (see above)")
     parser.add_argument("--world", type=int, nargs="+", default=[8, 16], help="--bytes: the real runs' ranks")
+    parser.add_argument("--record", action="store_true",
+                        help="measure rank 0's work on a step's figures at 1, 8 and 64 ranks instead (see above)")
     args = parser.parse_args(argv)
+    if args.record:
+        return main_record(args)
     if args.bytes:
         if "--steps" not in argv:
             args.steps = 300

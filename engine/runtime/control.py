@@ -166,14 +166,14 @@ class RankFigures:
 
     def column(self, name: str) -> list:
         """Every rank's figure `name` as its row has it (None where the row leaves it out)."""
+        if self._rows is not None:
+            return [entry.get(name) for entry in self._rows]
         values = self._columns.get(name)
         if values is None:
             values = self._columns[name] = self._column(name)
         return values
 
     def _column(self, name: str) -> list:
-        if self._rows is not None:
-            return [entry.get(name) for entry in self._rows]
         if name == "rank":
             return list(range(len(self._table)))
         if name == "compute_ms":   # as a row derives it where a rank reports none

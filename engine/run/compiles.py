@@ -12,7 +12,6 @@ engine.runtime.events.
 
 from __future__ import annotations
 
-
 from engine.runtime.control import Table, column
 from engine.runtime.events import Event
 

@@ -137,9 +137,6 @@ class RankFigures:
         self._rows: list[dict] | None = None
         self._columns: dict[str, list] = {}   # each read once: the record, the peaks and the columns share them
 
-    def __len__(self) -> int:
-        return len(self._table)
-
     def rows(self) -> list[dict]:
         if self._rows is None:
             self._rows = [self.row(rank) for rank in range(len(self._table))]
@@ -221,7 +218,7 @@ class Peaks:
         self.allocator: dict[int, int] = {}
         self.compile: dict[int, tuple[float, int]] = {}   # rank -> (compile ms, recompiles): `[model] compile`
 
-    def note(self, ranks: "RankFigures | list[dict]") -> None:
+    def note(self, ranks: RankFigures | list[dict]) -> None:
         order, peaks = figure_column(ranks, "rank"), figure_column(ranks, "peak_bytes")
         for i, r in enumerate(order):
             self.ledger[r] = max(self.ledger[r], peaks[i] or 0)

@@ -11,7 +11,6 @@ Imports engine.runtime.control (the exchange's columns) and engine.runtime.event
 
 from __future__ import annotations
 
-
 from engine.runtime.control import COLUMN, Table, column, table_rows
 from engine.runtime.events import Event
 

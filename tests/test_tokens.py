@@ -92,6 +92,20 @@ def test_a_bad_token_file_is_refused_by_name(tmp_path, monkeypatch, data, proble
         config_from_dict({"model": {"name": "transformer"}, "data": {"name": "tokens", **data}})
 
 
+def test_evaluations_without_a_val_file_are_refused(tmp_path):
+    """run.eval_every on a tokens run with no data.val asked for evaluations that would say nothing: refused before
+    launch, not an eval event of nulls every N steps."""
+    write_tokens(tmp_path / "t.bin", 100)
+    data = {"name": "tokens", "train": str(tmp_path / "t.bin")}
+    with pytest.raises(ConfigError, match=r"run.eval_every = 50: evaluates on a test split, and this tokens run has "
+                                          r"none \(data.val is empty\): set data.val .* or run.eval_every = 0"):
+        config_from_dict({"model": {"name": "transformer"}, "data": data, "run": {"eval_every": 50}})
+    write_tokens(tmp_path / "v.bin", 100)
+    assert config_from_dict({"model": {"name": "transformer"}, "data": {**data, "val": str(tmp_path / "v.bin")},
+                             "run": {"eval_every": 50}}).run.eval_every == 50
+    assert config_from_dict({"model": {"name": "transformer"}, "data": data}).run.eval_every == 0   # the end's alone
+
+
 def test_token_data_needs_a_language_model():
     with pytest.raises(ConfigError, match='data.name = "tokens": requires model.name = "transformer" or "hf"'):
         config_from_dict({"data": {"name": "tokens", "train": "x.bin"}})

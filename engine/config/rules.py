@@ -238,7 +238,19 @@ def precision_makes_sense(cfg: Config) -> str | None:
     return None
 
 
+def evaluation_has_a_test_split(cfg: Config) -> str | None:
+    """`run.eval_every` needs a test split: a tokens run's is its `data.val` file (the other data sets hold out
+    `data.test_fraction` of their samples)."""
+    every, d = cfg.run.eval_every, cfg.data
+    if every and d.name == "tokens" and not d.val:
+        return (f"run.eval_every = {every}: evaluates on a test split, and this tokens run has none (data.val is "
+                f"empty): set data.val to a token file (trainyard prepare --val-fraction writes val.bin), or "
+                f"run.eval_every = 0")
+    return None
+
+
 CROSS_CHECKS = [schedule_ends_low, hosts_split_workers, listen_is_loopback, trace_steps_in_order, *TABLE_CHECKS, model_matches_data, files_exist,
+                evaluation_has_a_test_split,
                 branchy_has_square_images, *STRATEGY_CHECKS, batch_splits_over_ranks, *AFTER_BATCH, heads_split_width,
                 slow_layer_is_whole, slow_rank_is_whole, kill_has_its_moment, precision_makes_sense,
                 every_host_count_holds, trackers_installed]

@@ -140,6 +140,9 @@ def _train(topo, strategy: str, optim: str, depth: int, steps: int, start: int =
         x, y = batch_for(ds, step, cfg.data.batch_size, cfg.run.seed, topo.rank, topo.world_size)
         with order:
             runner.train_step(x, y)
+    # what the stream meters keep for a take(): only rank 0's record takes, so another rank keeps none (one kept per
+    # operation and never taken grew a worker's memory without end)
+    kept = sum(m.kept for m in (runner.meters if isinstance(runner, ShardedStrategy) else [runner.meter]))
     weights = runner.weights()   # the contract's: this rank's weights under the model's own names
     optimizer = runner.optimizer_state()   # and its optimizer state under them
     runner.close()
@@ -148,7 +151,7 @@ def _train(topo, strategy: str, optim: str, depth: int, steps: int, start: int =
             "optimizer": optimizer,
             "optimizer_state_bytes": device.ledger.bytes["optimizer_state"],
             "largest_param_bytes": max(p.numel() * p.element_size() for p in model.parameters()),
-            "gate_ms": runner.timings.get("gate_ms", 0.0),
+            "gate_ms": runner.timings.get("gate_ms", 0.0), "kept_spans": kept,
             "two_level": isinstance(runner, ShardedStrategy) and runner.tiers is not None, "posted": order.log}
 
 
@@ -161,6 +164,10 @@ def sharded_vs_ddp(topo, optim: str = "sgd", depth: int = 2, steps: int = STEPS,
     assert got["state"].keys() == want["state"].keys()
     diff = max(float((got["state"][k] - want["state"][k]).abs().max()) for k in want["state"])
     held = max((float((v - want["state"][k]).abs().max()) for k, v in got["weights"].items()), default=0.0)
+    if topo.rank:
+        assert got["kept_spans"] == want["kept_spans"] == 0, (f"rank {topo.rank}'s stream meters keep "
+                                                              f"{got['kept_spans']} (sharded) and {want['kept_spans']} "
+                                                              f"(ddp) intervals that no record reads")
     assert_named_state_close(got["optimizer"], {n: want["optimizer"][n] for n in got["optimizer"]}, 1e-5,
                              f"rank {topo.rank}'s optimizer state against DDP's")
     return {"max_diff": diff, "held": sorted(got["weights"]), "held_diff": held, "names": sorted(want["state"]),

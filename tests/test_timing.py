@@ -315,6 +315,26 @@ def test_the_stream_meter_counts_what_ran_on_the_device_and_never_waits():
     assert meter.take() == {"bytes": 0, "busy_ms": 15.0, "in_flight": 0}
 
 
+def test_a_meter_whose_busy_time_nobody_reads_keeps_no_interval_and_says_none():
+    """Every rank but the first makes its meters with busy=False: only rank 0's record says its streams, and an
+    interval kept per operation, never taken, grew a rank's memory for the run's life."""
+    gpu = FakeGPU()
+    meter = CommMeter(Clock(events=gpu.event), busy=False)
+    for _ in range(1000):
+        t0 = meter.started(100)
+        assert meter.in_flight == 1
+        gpu.now += 1.0
+        meter.finished(t0)
+    assert (meter.kept, meter.in_flight, meter.bytes) == (0, 0, 100_000)
+    assert meter.last is not None   # the last completion: sharded's broadcast span still reads it
+    # bytes still counted (bench broadcast reads every rank's); busy time not measured, so not said to be 0
+    assert meter.take() == {"bytes": 100_000, "busy_ms": None, "in_flight": 0}
+    assert meter.take()["bytes"] == 0
+    read = CommMeter(Clock(events=gpu.event))
+    read.finished(read.started(1))
+    assert read.kept == 1
+
+
 def run_steps(gpu: FakeGPU, strategy, steps: int, batch: int = 8) -> list[dict]:
     """`steps` steps of `strategy` on the fake GPU, step k's kernels taking (k + 1) times their script."""
     gen = torch.Generator().manual_seed(1)

@@ -3,6 +3,7 @@ device's clock, read without waiting; and a step record's `streams` entry from i
 
     meter = CommMeter(clock); t0 = meter.started(nbytes); ...; meter.finished(t0)   # completions: any thread
     entry = stream_entry(0, meter.take(), step_ms)
+    CommMeter(clock, busy=False)   # a rank whose streams no record reads: bytes, in flight, the last completion
 
 Busy is the union of the operations' launch-to-completion intervals, so two all-reduces in flight at once count
 their overlap once (DDP's buckets overlap; each sharded stream's slices too).
@@ -24,13 +25,19 @@ class CommMeter:
     backend's threads, hence the lock. Intervals are on the device's clock (engine/training/timing.py): on a
     GPU the launch is marked on the launching thread's stream and the completion on the stream its
     callback runs on (which waits for the operation); `take` counts those that have run, in the
-    order they completed, and leaves the others to the next take, never waiting."""
+    order they completed, and leaves the others to the next take, never waiting.
 
-    def __init__(self, clock: Clock | None = None):
+    `busy=False`: a meter whose busy time nobody reads (every rank but the first: only rank 0's step record
+    says its streams, engine/run/report.py). It keeps no interval, and its take() says busy_ms None: one kept per
+    operation and never taken grew a rank's memory by about a kilobyte a step (a sharded rank's 8 slices; 20 MB
+    in 30,000 steps), without end. Its bytes are still counted (`bench broadcast` reads every rank's)."""
+
+    def __init__(self, clock: Clock | None = None, busy: bool = True):
         self.clock = clock or Clock()
         self._lock = threading.Lock()
         self.bytes, self.in_flight = 0, 0
-        self._spans: list = []   # (launch, completion) marks not counted yet, in completion order
+        self.busy = busy
+        self._spans: list = []   # (launch, completion) marks not counted yet, in completion order (busy only)
         self._until = None       # the latest completion counted so far
         self.last = None         # the latest completion's mark (sharded resets it at each broadcast)
 
@@ -44,11 +51,18 @@ class CommMeter:
         t1 = self.clock.mark()
         with self._lock:
             self.in_flight -= 1
-            self._spans.append((t0, t1))
+            if self.busy:
+                self._spans.append((t0, t1))
             self.last = t1
 
+    @property
+    def kept(self) -> int:
+        """The intervals waiting for the next take (none where `busy` is False)."""
+        return len(self._spans)
+
     def take(self) -> dict:
-        clock, busy_ms = self.clock, 0.0
+        """{"bytes" since the last take, "busy_ms" (None where `busy` is False: not measured, not 0), "in_flight"}."""
+        clock, busy_ms = self.clock, 0.0 if self.busy else None
         with self._lock:
             while self._spans and clock.done(self._spans[0][1]):
                 t0, t1 = self._spans.pop(0)

@@ -101,7 +101,7 @@ class ShardedStrategy(Strategy):
 
         # streams: process groups; with main_stream_communicates the compute group is stream 0
         self.groups = topo.stream_groups(streams, include_compute=settings.main_stream_communicates)
-        self.meters = [CommMeter(clock) for _ in range(streams)]
+        self.meters = [CommMeter(clock, busy=topo.is_first) for _ in range(streams)]   # rank 0's read
         self.plan = plan_slices(spans, slices, streams, settings.slice_assignment, seed)
         self.gates: dict[int, list[int]] = {}   # layer -> the slices it waits for
         for i, s in enumerate(self.plan):

@@ -143,6 +143,8 @@ def _train(topo, strategy: str, optim: str, depth: int, steps: int, start: int =
     # what the stream meters keep for a take(): only rank 0's record takes, so another rank keeps none (one kept per
     # operation and never taken grew a worker's memory without end)
     kept = sum(m.kept for m in (runner.meters if isinstance(runner, ShardedStrategy) else [runner.meter]))
+    # and DDP's meter on such a rank marks nothing at all (its last completion is not read either)
+    unmarked = not isinstance(runner, ShardedStrategy) and runner.meter.last is None and not runner.meter.marks
     weights = runner.weights()   # the contract's: this rank's weights under the model's own names
     optimizer = runner.optimizer_state()   # and its optimizer state under them
     runner.close()
@@ -151,7 +153,7 @@ def _train(topo, strategy: str, optim: str, depth: int, steps: int, start: int =
             "optimizer": optimizer,
             "optimizer_state_bytes": device.ledger.bytes["optimizer_state"],
             "largest_param_bytes": max(p.numel() * p.element_size() for p in model.parameters()),
-            "gate_ms": runner.timings.get("gate_ms", 0.0), "kept_spans": kept,
+            "gate_ms": runner.timings.get("gate_ms", 0.0), "kept_spans": kept, "unmarked": unmarked,
             "two_level": isinstance(runner, ShardedStrategy) and runner.tiers is not None, "posted": order.log}
 
 
@@ -168,6 +170,7 @@ def sharded_vs_ddp(topo, optim: str = "sgd", depth: int = 2, steps: int = STEPS,
         assert got["kept_spans"] == want["kept_spans"] == 0, (f"rank {topo.rank}'s stream meters keep "
                                                               f"{got['kept_spans']} (sharded) and {want['kept_spans']} "
                                                               f"(ddp) intervals that no record reads")
+        assert want["unmarked"], f"rank {topo.rank}'s DDP meter marks its operations, and nothing reads the marks"
     assert_named_state_close(got["optimizer"], {n: want["optimizer"][n] for n in got["optimizer"]}, 1e-5,
                              f"rank {topo.rank}'s optimizer state against DDP's")
     return {"max_diff": diff, "held": sorted(got["weights"]), "held_diff": held, "names": sorted(want["state"]),

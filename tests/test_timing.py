@@ -335,6 +335,21 @@ def test_a_meter_whose_busy_time_nobody_reads_keeps_no_interval_and_says_none():
     assert read.kept == 1
 
 
+def test_a_meter_nobody_reads_at_all_marks_nothing():
+    """DDP's meter on every rank but the first: neither its busy time nor its last completion is read, so it makes no
+    mark (on a GPU a CUDA event made and recorded at each operation's launch and completion)."""
+    gpu = FakeGPU()
+    meter = CommMeter(Clock(events=gpu.event), busy=False, last=False)
+    for _ in range(100):
+        t0 = meter.started(100)
+        meter.finished(t0)
+    assert (gpu.recorded, meter.last, meter.bytes, meter.in_flight) == (0, None, 10_000, 0)
+    assert meter.take() == {"bytes": 10_000, "busy_ms": None, "in_flight": 0}
+    sharded = CommMeter(Clock(events=gpu.event), busy=False)   # its last completion is read on every rank
+    sharded.finished(sharded.started(1))
+    assert gpu.recorded == 2 and sharded.last is not None
+
+
 def run_steps(gpu: FakeGPU, strategy, steps: int, batch: int = 8) -> list[dict]:
     """`steps` steps of `strategy` on the fake GPU, step k's kernels taking (k + 1) times their script."""
     gen = torch.Generator().manual_seed(1)

@@ -4,6 +4,8 @@ device's clock, read without waiting; and a step record's `streams` entry from i
     meter = CommMeter(clock); t0 = meter.started(nbytes); ...; meter.finished(t0)   # completions: any thread
     entry = stream_entry(0, meter.take(), step_ms)
     CommMeter(clock, busy=False)   # a rank whose streams no record reads: bytes, in flight, the last completion
+    CommMeter(clock, busy=False, last=False)   # nor its last completion (DDP's other ranks): bytes and in flight,
+                                               # no mark at all (on a GPU, two CUDA events per operation fewer)
 
 Busy is the union of the operations' launch-to-completion intervals, so two all-reduces in flight at once count
 their overlap once (DDP's buckets overlap; each sharded stream's slices too).
@@ -30,25 +32,28 @@ class CommMeter:
     `busy=False`: a meter whose busy time nobody reads (every rank but the first: only rank 0's step record
     says its streams, engine/run/report.py). It keeps no interval, and its take() says busy_ms None: one kept per
     operation and never taken grew a rank's memory by about a kilobyte a step (a sharded rank's 8 slices; 20 MB
-    in 30,000 steps), without end. Its bytes are still counted (`bench broadcast` reads every rank's)."""
+    in 30,000 steps), without end. Its bytes are still counted (`bench broadcast` reads every rank's).
+    `last=False` as well: nobody reads its last completion either (DDP; sharded's broadcast span reads it on every
+    rank), so it marks nothing: on a GPU each mark is a CUDA event made and recorded, two per operation."""
 
-    def __init__(self, clock: Clock | None = None, busy: bool = True):
+    def __init__(self, clock: Clock | None = None, busy: bool = True, last: bool = True):
         self.clock = clock or Clock()
         self._lock = threading.Lock()
         self.bytes, self.in_flight = 0, 0
         self.busy = busy
+        self.marks = busy or last   # False: started() returns None and finished() marks nothing
         self._spans: list = []   # (launch, completion) marks not counted yet, in completion order (busy only)
         self._until = None       # the latest completion counted so far
-        self.last = None         # the latest completion's mark (sharded resets it at each broadcast)
+        self.last = None         # the latest completion's mark (sharded resets it at each broadcast; None unmarked)
 
     def started(self, nbytes: int):
         with self._lock:
             self.bytes += nbytes
             self.in_flight += 1
-        return self.clock.mark()
+        return self.clock.mark() if self.marks else None
 
     def finished(self, t0) -> None:
-        t1 = self.clock.mark()
+        t1 = self.clock.mark() if self.marks else None
         with self._lock:
             self.in_flight -= 1
             if self.busy:

@@ -73,7 +73,8 @@ class DDPStrategy(Strategy):
         # A world of one has nothing to all-reduce: no DDP wrapper (its buckets, the copy into them, its
         # forward's buffer sync), each gradient final once autograd has accumulated it, as in a plain loop.
         self.solo = topo.compute.size() == 1
-        self.meter = CommMeter(clock, busy=topo.is_first)   # only rank 0's record says its streams
+        # only rank 0's record says its streams; nothing reads a DDP meter's last completion: other ranks mark nothing
+        self.meter = CommMeter(clock, busy=topo.is_first, last=False)
         self._last_micro = True   # solo: this micro-step's gradients are the step's (the hooks dispatch them)
         if self.solo:
             self.ddp = model

@@ -9,6 +9,7 @@ import subprocess
 
 import psutil
 import pytest
+import torch
 
 
 @pytest.mark.timeout(180)
@@ -207,6 +208,26 @@ def test_the_compiled_plain_loop_compiles_a_graph_per_block_while_a_training_for
         assert out["blocks"] == 3 and out["recompile_limit"] == 8 and len(out["step_ms"]) == 2
         graphs[variant] = out["graphs"]
     assert graphs == {"plain-compiled": 3, "plain-compiled-nocache": 1}
+
+
+@pytest.mark.parametrize("variant", ["trainyard", "trainyard-compiled", "trainyard-auto", "trainyard-bf16w"])
+def test_bench_steps_trainyard_variants_with_the_plain_loops_own_optimizer(tmp_path, variant):
+    """"The data, batch, precision and optimizer are the same in every variant": a trainyard variant's `[optim]`
+    makes the plain loop's AdamW, every hyperparameter of it (the plain loop takes torch's defaults, and torch's
+    AdamW decays weights by 0.01 where trainyard's config does not unless told)."""
+    from engine.bench.step import SIZES, run_config, write_inputs
+    from engine.bench.step_plain import plain_optimizer
+    from engine.config import load_config
+    from engine.training.optim import make_optimizer
+    size = SIZES["gpu" if variant == "trainyard-bf16w" else "host"]   # bf16 working weights: with bf16 compute
+    path = run_config(variant, tmp_path, write_inputs(tmp_path, size, None), size, "cpu", 10, 0)
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    mine = make_optimizer(load_config(str(path)).optim, params)
+    theirs = plain_optimizer(params)
+    assert type(mine) is type(theirs)
+    differ = {k: (mine.param_groups[0][k], v) for k, v in theirs.param_groups[0].items()
+              if k != "params" and mine.param_groups[0].get(k) != v}
+    assert differ == {}, f"{variant}'s optimizer (trainyard, plain loop): {differ}"
 
 
 def test_bench_step_refuses_an_unknown_variant_by_name(cli):

@@ -2,10 +2,10 @@
 eager and compiled, side by side in turns.
 
 Every variant trains the same model (a Llama built from a config, or `--hf-config DIR`: any family), on the
-same random token file, batch, precision and optimizer (AdamW, fused), one worker, in a process of its own
-per turn, so one variant's state is alive at a time (six variants of a 1B model do not fit one GPU together)
-and each turn starts from the same seeded weights. Compile caches (inductor's, in the bench's folder) are
-kept between turns.
+same random token file, batch, precision and optimizer (AdamW, fused, at lr 3e-4 with torch's defaults, weight
+decay 0.01 among them), one worker, in a process of its own per turn, so one variant's state is alive at a time
+(six variants of a 1B model do not fit one GPU together) and each turn starts from the same seeded weights.
+Compile caches (inductor's, in the bench's folder) are kept between turns.
 
     plain                 engine/bench/step_plain.py: the loop a user writes
     plain-compiled        the same, each decoder block `block.compile()`d
@@ -124,7 +124,8 @@ def run_config(variant: str, folder: Path, config: Path, size: dict, device: str
         "[model]", 'name = "hf"', f'hf_config = "{config}"', *(["compile = true"] if variant == "trainyard-compiled" else []),
         "[data]", 'name = "tokens"', f'train = "{folder / "train.bin"}"', f"seq_len = {size['seq_len']}",
         f"batch_size = {size['batch']}",
-        "[optim]", 'name = "adamw"', "lr = 3e-4",
+        # the plain loop's optimizer (step_plain.py plain_optimizer): torch's AdamW defaults, weight decay 0.01 too
+        "[optim]", 'name = "adamw"', "lr = 3e-4", "beta1 = 0.9", "beta2 = 0.999", "eps = 1e-8", "weight_decay = 0.01",
         "[parallel]", 'strategy = "ddp"', "world_size = 1",
         "[device]", f'kind = "{device}"',
         "[precision]", f'compute = "{precision}"', *(['params = "bf16"'] if variant == "trainyard-bf16w" else []),

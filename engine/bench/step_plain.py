@@ -34,6 +34,12 @@ from engine.bench.checkpoint import peak_rss
 from engine.bench.step import GRAPH_FIELDS
 
 
+def plain_optimizer(params) -> torch.optim.Optimizer:
+    """The plain loop's optimizer, as a user writes it: torch's AdamW defaults (weight decay 0.01 among them) but
+    the learning rate. bench step's trainyard variants set the same in their `[optim]` (step.py `run_config`)."""
+    return torch.optim.AdamW(params, lr=3e-4, fused=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m engine.bench.step_plain")
     parser.add_argument("--hf-config", required=True)
@@ -62,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         for block in model.model.layers:
             block.compile(backend=args.backend)
     forward_kwargs = {"use_cache": False} if args.no_cache else {}
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
+    opt = plain_optimizer(model.parameters())
     data = torch.from_numpy(np.fromfile(args.tokens, dtype=np.uint16).astype(np.int64))
     window = args.seq_len + 1
     generator = torch.Generator().manual_seed(0)

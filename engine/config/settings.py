@@ -103,7 +103,11 @@ class OptimConfig:
     name: str = setting("sgd", "Optimizer: `sgd` (with momentum) or `adamw`.", choices=("sgd", "adamw"))
     lr: float = setting(0.05, "Learning rate.", min=0.0)
     momentum: float = setting(0.9, "sgd: momentum.", min=0.0, max=1.0)
-    weight_decay: float = setting(0.0, "Weight decay (decoupled for adamw).", min=0.0)
+    weight_decay: float = setting(0.0, "Weight decay (decoupled for adamw), on every parameter: norms' weights, "
+                                       "biases and embeddings too, as torch.optim.AdamW(model.parameters()) does "
+                                       "(Hugging Face's Trainer leaves biases and norms' weights out; trainyard has no "
+                                       "such choice yet). torch's AdamW decays by 0.01 unless told; this, by 0.",
+                                  min=0.0)
     beta1: float = setting(0.9, "adamw: first-moment decay.", min=0.0, max=1.0)
     beta2: float = setting(0.999, "adamw: second-moment decay.", min=0.0, max=1.0)
     eps: float = setting(1e-8, "adamw: epsilon.", min=0.0)

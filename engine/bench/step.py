@@ -26,11 +26,12 @@ default telemetry, the wall time between step records (the records' samples_per_
 `loss.item()` to the next. `--mode turns` (a GPU's default): a process per variant per round, one after
 another, a turn's figure the median of the second half of its steps (the first half holds the warm-up:
 allocations, compiles, plans). `--mode interleaved` (the CPU's): every variant's process alive at once, in
-slices of half a second on one CPU, the others stopped, `--cycles` (20) cycles of slices a round
-(engine/bench/step_interleave.py; `--steps` halved is each one's warm-up). A ratio is taken within each round (the same minutes of the machine; interleaved, the
-median over the round's cycles of the two slices' ratio) and judged over the rounds (engine/bench/verdict.py:
-median, spread, met/missed/undecided). Every process the bench starts, plain or trainyard's, has the same fixed
-host allocator thresholds (engine/processes/children.py steady_host_allocator).
+slices of half a second on one CPU, the others stopped, `--cycles` (20) cycles of slices a round, new processes
+each round (engine/bench/step_interleave.py; `--steps` halved is each one's warm-up). A ratio is taken within
+each round (the same minutes of the machine; interleaved, the median over the round's cycles of the two slices'
+ratio) and judged over the rounds (engine/bench/verdict.py: median, spread, met/missed/undecided). Every process
+the bench starts, plain or trainyard's, has the same fixed host allocator thresholds (engine/processes/children.py
+steady_host_allocator).
 
 Sizes: on a GPU the TinyLlama shape (hidden 2048, 16 blocks, 32 heads, 4 KV heads, vocab 32000, batch 4 x
 2048, bf16 autocast). On the CPU two sizes, fp32: `host` (hidden 64, 2 blocks, batch 8 x 64), where the
@@ -270,11 +271,14 @@ def _interleaved(variants, folder, config, size, device, steps, rounds, log, cyc
     """Every variant's process alive at once, in slices (engine/bench/step_interleave.py): (per_round, failed,
     None); `steps` is each one's warm-up before the slices begin."""
     from engine.bench.step_interleave import Contender, interleaved
-    contenders = {}
-    for v in variants:
-        cmd, telemetry = command(v, folder, config, size, device, 0, 0, stream=True)
-        contenders[v] = Contender(v, cmd, _env(folder), folder, size["batch"], telemetry)
-    per_round, failed = interleaved(contenders, rounds, steps, log, cycles)
+
+    def make(r: int) -> dict:   # round r's processes, each run in a folder of its own (step-VARIANT-r)
+        contenders = {}
+        for v in variants:
+            cmd, telemetry = command(v, folder, config, size, device, 0, r, stream=True)
+            contenders[v] = Contender(v, cmd, _env(folder), folder, size["batch"], telemetry)
+        return contenders
+    per_round, failed = interleaved(make, rounds, steps, log, cycles)
     return per_round, failed, None
 
 

@@ -13,13 +13,18 @@ plain loop's, in the slices between them, were 19-20 ms). Four trainyard configu
 steps, interleaved: with 2 s slices, 5 cycles a round, their ratios to one of them moved 0.886-1.112 from round
 to round; with 0.5 s slices, 20 cycles a round, 1.005-1.069.
 
-    per_round, failed = interleaved(commands, rounds, warm_steps, log)   # commands: {variant: Contender}
+    per_round, failed = interleaved(make, rounds, warm_steps, log)   # make(r): round r's {variant: Contender}
 
-A variant warms up alone (imports, its first steps, a compile) and is stopped once it has made `warm_steps`
-steps. Then, cycle after cycle, each variant runs one slice in turn (who goes first rotates). A step is kept
-when it began and ended inside one of its own slices: the step a stop cut in two is not. A round is
-`CYCLES_PER_ROUND` cycles (`--cycles`), and a variant's figure in it is the median of the steps it kept there. A step's time
-is the one its user sees: the plain loop's from one `loss.item()` to the next (engine/bench/step_plain.py
+Each round starts every variant afresh: new processes, `make(r)`'s. Within one process, two identical
+trainyard configurations measured 0.987 apart in every one of three rounds (0.971-0.991): where a process's
+code and heap happen to lie moves its speed by a percent or two for its whole life, so rounds of the same
+processes repeat that offset and their spread hides it. With fresh processes the same two measured 1.004
+(0.973-1.010): the median centred, the spread as wide as the offsets are. Each round, a variant warms up alone
+(imports, its first steps, a compile from the cache kept in the bench's folder) and is stopped once it has made
+`warm_steps` steps. Then, cycle after cycle, each variant runs one slice in turn (who goes first rotates). A step
+is kept when it began and ended inside one of its own slices: the step a stop cut in two is not. A round is
+`CYCLES_PER_ROUND` cycles (`--cycles`), and a variant's figure in it is the median of the steps it kept there; then
+the round's processes end. A step's time is the one its user sees: the plain loop's from one `loss.item()` to the next (engine/bench/step_plain.py
 `--stream`), trainyard's between step records (the log's `time` and `samples_per_s`).
 
 On a GPU six variants of a 1B model do not fit at once: there bench step keeps its turns of a process each.
@@ -160,50 +165,52 @@ def _warm(contender: Contender, warm_steps: int, cpu: int) -> None:
     contender.pin(cpu)
 
 
-def interleaved(contenders: dict[str, Contender], rounds: int, warm_steps: int, log=print,
+def interleaved(make, rounds: int, warm_steps: int, log=print,
                 cycles: int = CYCLES_PER_ROUND) -> tuple[dict[str, list[dict]], dict[str, str]]:
-    """({variant: [{"step_ms", "peak_bytes", "kept"} per round]}, {variant: why it failed}); a round is `cycles`
-    cycles; see the module."""
+    """({variant: [{"step_ms", "peak_bytes", "kept", "slices_ms"} per round]}, {variant: why it failed}); `make(r)`:
+    round r's contenders, {variant: Contender}, fresh processes each round; a round is `cycles` cycles; see the
+    module. A variant that fails is left out of the rounds after."""
     failed: dict[str, str] = {}
     cpu = max(os.sched_getaffinity(0))   # every contender on the same CPU: each sees the speed the others saw
-    windows: dict[str, list[tuple[int, float, float]]] = {v: [] for v in contenders}
-    try:
-        for v, contender in contenders.items():
-            log(f"  warming up: {v}")
-            try:
-                _warm(contender, warm_steps, cpu)
-            except (RuntimeError, OSError) as e:
-                failed[v] = str(e)[-2000:]
-                log(f"  {v} failed: {failed[v]}")
-        alive = [v for v in contenders if v not in failed]
-        for cycle in range(rounds * cycles):
-            if cycle % cycles == 0:
-                log(f"  round {cycle // cycles + 1}/{rounds}: {SLICE_S:g} s slices of {', '.join(alive)}, "
-                    f"{cycles} cycles")
-            order = alive[cycle % len(alive):] + alive[:cycle % len(alive)]
-            for v in order:
-                contenders[v].resume()
-                start = time.time()
-                time.sleep(SLICE_S)
-                contenders[v].pause()
-                windows[v].append((cycle // cycles, start, time.time()))
-        per_round: dict[str, list[dict]] = {}
-        for v in alive:
-            steps, peak = contenders[v].steps(), contenders[v].peak_bytes()
-            per_round[v] = []
-            for r in range(rounds):
+    per_round: dict[str, list[dict]] = {}
+    for r in range(rounds):
+        contenders = {v: c for v, c in make(r).items() if v not in failed}
+        try:
+            for v, contender in contenders.items():
+                log(f"  round {r + 1}/{rounds}: warming up {v}")
+                try:
+                    _warm(contender, warm_steps, cpu)
+                except (RuntimeError, OSError) as e:
+                    failed[v] = str(e)[-2000:]
+                    log(f"  {v} failed: {failed[v]}")
+            alive = [v for v in contenders if v not in failed]
+            log(f"  round {r + 1}/{rounds}: {SLICE_S:g} s slices of {', '.join(alive)}, {cycles} cycles")
+            windows: dict[str, list[tuple[float, float]]] = {v: [] for v in alive}
+            for cycle in range(cycles):
+                order = alive[cycle % len(alive):] + alive[:cycle % len(alive)]
+                for v in order:
+                    contenders[v].resume()
+                    start = time.time()
+                    time.sleep(SLICE_S)
+                    contenders[v].pause()
+                    windows[v].append((start, time.time()))
+            for v in alive:
+                steps = contenders[v].steps()
                 slices = [[ms for end, ms in steps if end - ms / 1000 >= t0 + EDGE_S and end <= t1]
-                          for rnd, t0, t1 in windows[v] if rnd == r]
+                          for t0, t1 in windows[v]]
                 kept = [ms for one in slices for ms in one]
                 if len(kept) < 3:
                     raise RuntimeError(f"{v}: {len(kept)} whole steps in round {r + 1}'s slices; a step must take "
                                        f"well under {SLICE_S:g} s to be timed this way (--mode turns)")
-                per_round[v].append({"step_ms": statistics.median(kept), "peak_bytes": peak, "kept": len(kept),
-                                     "slices_ms": [round(statistics.median(one), 3) if one else None
-                                                   for one in slices]})
-            figures = ", ".join(f"{t['step_ms']:.2f}" for t in per_round[v])
-            log(f"    {v}: {figures} ms a step by round ({sum(t['kept'] for t in per_round[v])} steps kept)")
-        return per_round, failed
-    finally:
-        for contender in contenders.values():
-            contender.close()
+                per_round.setdefault(v, []).append(
+                    {"step_ms": statistics.median(kept), "peak_bytes": contenders[v].peak_bytes(), "kept": len(kept),
+                     "slices_ms": [round(statistics.median(one), 3) if one else None for one in slices]})
+        finally:
+            for contender in contenders.values():
+                contender.close()
+    for v, turns in per_round.items():
+        if v in failed:   # failed in a later round: its earlier rounds judge nothing against the others
+            continue
+        figures = ", ".join(f"{t['step_ms']:.2f}" for t in turns)
+        log(f"    {v}: {figures} ms a step by round ({sum(t['kept'] for t in turns)} steps kept)")
+    return {v: turns for v, turns in per_round.items() if v not in failed}, failed

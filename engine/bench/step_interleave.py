@@ -24,8 +24,9 @@ processes repeat that offset and their spread hides it. With fresh processes the
 `warm_steps` steps. Then, cycle after cycle, each variant runs one slice in turn (who goes first rotates). A step
 is kept when it began and ended inside one of its own slices: the step a stop cut in two is not. A round is
 `CYCLES_PER_ROUND` cycles (`--cycles`), and a variant's figure in it is the median of the steps it kept there; then
-the round's processes end. A step's time is the one its user sees: the plain loop's from one `loss.item()` to the next (engine/bench/step_plain.py
-`--stream`), trainyard's between step records (the log's `time` and `samples_per_s`).
+the round's processes end. A step's time is the one its user sees: the plain loop's from one `loss.item()` to the
+next (engine/bench/step_plain.py `--stream`), trainyard's between step records (the log's `time` and
+`samples_per_s`).
 
 On a GPU six variants of a 1B model do not fit at once: there bench step keeps its turns of a process each.
 """

@@ -15,18 +15,19 @@ to round; with 0.5 s slices, 20 cycles a round, 1.005-1.069.
 
     per_round, failed = interleaved(make, rounds, warm_steps, log)   # make(r): round r's {variant: Contender}
 
-Each round starts every variant afresh: new processes, `make(r)`'s. Within one process, two identical
-trainyard configurations measured 0.987 apart in every one of three rounds (0.971-0.991): where a process's
-code and heap happen to lie moves its speed by a percent or two for its whole life, so rounds of the same
-processes repeat that offset and their spread hides it. With fresh processes the same two measured 1.004
-(0.973-1.010): the median centred, the spread as wide as the offsets are. Each round, a variant warms up alone
-(imports, its first steps, a compile from the cache kept in the bench's folder) and is stopped once it has made
-`warm_steps` steps. Then, cycle after cycle, each variant runs one slice in turn (who goes first rotates). A step
-is kept when it began and ended inside one of its own slices: the step a stop cut in two is not. A round is
-`CYCLES_PER_ROUND` cycles (`--cycles`), and a variant's figure in it is the median of the steps it kept there; then
-the round's processes end. A step's time is the one its user sees: the plain loop's from one `loss.item()` to the
-next (engine/bench/step_plain.py `--stream`), trainyard's between step records (the log's `time` and
-`samples_per_s`).
+Each round starts every variant afresh: new processes, `make(r)`'s. With one process per variant for every
+round, two identical trainyard configurations measured 1.007 apart (rounds 1.005-1.022), every round above 1, and
+two that differed only in weight decay (which costs the fused kernel nothing measurable) 0.987 (0.971-0.991),
+every round below: where a process's code and heap happen to lie moves its speed by a percent or two for its
+whole life, so rounds of the same processes repeat that offset and their spread hides it. With fresh processes
+the identical two measured 1.004 (0.973-1.010): the median centred, the spread as wide as the offsets are.
+Each round, a variant warms up alone (imports, its first steps, a compile from the cache kept in the bench's
+folder) and is stopped once it has made `warm_steps` steps. Then, cycle after cycle, each variant runs one slice
+in turn (who goes first rotates). A step is kept when it began and ended inside one of its own slices: the step a
+stop cut in two is not. A round is `CYCLES_PER_ROUND` cycles (`--cycles`), and a variant's figure in it is the
+median of the steps it kept there; then the round's processes end. A step's time is the one its user sees: the
+plain loop's from one `loss.item()` to the next (engine/bench/step_plain.py `--stream`), trainyard's between step
+records (the log's `time` and `samples_per_s`).
 
 On a GPU six variants of a 1B model do not fit at once: there bench step keeps its turns of a process each.
 """
